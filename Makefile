@@ -1,0 +1,26 @@
+# The commands the README gives. Each one sets up .venv first (scripts/bootstrap is a no-op when
+# nothing changed), so a fresh clone needs nothing but python3.
+PY := .venv/bin/python
+export DS_ACCELERATOR := cpu
+export TOKENIZERS_PARALLELISM := false
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup test test-fast demo bench lint
+
+setup:
+	@scripts/bootstrap
+
+test: setup
+	$(PY) -m pytest -n 2 --dist loadgroup --timeout 900 $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -n 2 -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m rlhf_cli.demo $(DEMO_ARGS)
+
+bench: setup
+	$(PY) bench/run_all.py
+
+lint: setup
+	$(PY) -m ruff check packages tests examples bench

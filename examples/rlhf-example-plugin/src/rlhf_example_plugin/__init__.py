@@ -1,0 +1,1 @@
+"""rlhf-example-plugin."""

@@ -1,0 +1,3 @@
+"""rlhf-agents."""
+
+__version__ = "0.1.0"

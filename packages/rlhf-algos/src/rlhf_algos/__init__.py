@@ -1,0 +1,3 @@
+"""rlhf-algos."""
+
+__version__ = "0.1.0"

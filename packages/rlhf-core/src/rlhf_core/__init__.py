@@ -1,0 +1,12 @@
+"""rlhf-core: the seam contracts, the plugin system and configuration that every rlhf package shares.
+
+A plugin needs one import::
+
+    from rlhf_core import hookimpl
+"""
+
+from rlhf_core.hookspecs import hookimpl
+from rlhf_core.plugins import PluginError, collect, describe, get_plugin_manager, resolve
+
+__version__ = "0.1.0"
+__all__ = ["PluginError", "collect", "describe", "get_plugin_manager", "hookimpl", "resolve"]

@@ -1,0 +1,28 @@
+"""Test kit for rlhf and for third-party plugins.
+
+- The ``register_plugin`` pytest fixture (loaded automatically through the ``pytest11`` entry point)
+  registers a plugin object for one test: every ``get_plugin_manager()`` made during the test sees it.
+- Conformance suites, one per seam, that a plugin's own tests subclass::
+
+      from rlhf_core.testing import AdvantageEstimatorConformance
+
+      class TestMyEstimator(AdvantageEstimatorConformance):
+          name = "my_estimator"          # resolved through the installed entry points
+
+  Every test of the suite then runs against that plugin.
+"""
+
+from rlhf_core.testing.algos import (
+    AdvantageEstimatorConformance,
+    KLEstimatorConformance,
+    PolicyLossConformance,
+)
+from rlhf_core.testing.fixtures import register_plugin, registered_plugin
+
+__all__ = [
+    "AdvantageEstimatorConformance",
+    "KLEstimatorConformance",
+    "PolicyLossConformance",
+    "register_plugin",
+    "registered_plugin",
+]

@@ -1,0 +1,163 @@
+"""Conformance suites for the algorithm seams: advantage estimators, policy losses, KL estimators.
+
+Subclass one and set ``name`` to the registered name; the object is resolved through a fresh plugin
+manager, so the suite also proves the plugin is discoverable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.types import AdvantageInput, AdvantageOutput, LossAggregation, LossOutput, PolicyLossInput
+
+
+def _random_mask(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
+    """``[b, t]`` right-padded masks with lengths 1..t (every row has at least one action token)."""
+    lengths = torch.randint(1, t + 1, (b,), generator=gen)
+    return torch.arange(t)[None, :] < lengths[:, None]
+
+
+class AdvantageEstimatorConformance:
+    """Behaviour every advantage estimator must show, whatever its formula."""
+
+    name: ClassVar[str]
+    n_samples_per_prompt: ClassVar[int] = 4
+
+    def estimator(self) -> Any:
+        return resolve(get_plugin_manager(), "advantage_estimators", self.name)
+
+    def make_batch(self, seed: int = 0, groups: int = 3, t: int = 7) -> AdvantageInput:
+        est = self.estimator()
+        gen = torch.Generator().manual_seed(seed)
+        n = max(self.n_samples_per_prompt, est.min_samples_per_prompt)
+        b = groups * n
+        mask = _random_mask(b, t, gen)
+        return AdvantageInput(
+            rewards=torch.randn(b, generator=gen),
+            action_mask=mask,
+            n_samples_per_prompt=n,
+            kl=torch.rand(b, t, generator=gen) * 0.1 * mask,
+            kl_coef=0.05,
+            values=torch.randn(b, t, generator=gen) * mask if est.needs_critic else None,
+        )
+
+    def test_declares_its_needs(self):
+        est = self.estimator()
+        assert isinstance(est.needs_critic, bool)
+        assert isinstance(est.min_samples_per_prompt, int) and est.min_samples_per_prompt >= 1
+
+    def test_shapes_and_masking(self):
+        batch = self.make_batch()
+        out = self.estimator()(batch)
+        assert isinstance(out, AdvantageOutput)
+        assert out.advantages.shape == batch.action_mask.shape
+        assert out.returns.shape == batch.action_mask.shape
+        assert torch.isfinite(out.advantages).all() and torch.isfinite(out.returns).all()
+        assert (out.advantages[~batch.action_mask] == 0).all()
+        assert (out.returns[~batch.action_mask] == 0).all()
+
+    def test_does_not_modify_its_input(self):
+        batch = self.make_batch(seed=1)
+        before = (batch.rewards.clone(), batch.kl.clone())
+        self.estimator()(batch)
+        assert torch.equal(batch.rewards, before[0]) and torch.equal(batch.kl, before[1])
+
+    def test_deterministic(self):
+        a = self.estimator()(self.make_batch(seed=2))
+        b = self.estimator()(self.make_batch(seed=2))
+        assert torch.equal(a.advantages, b.advantages) and torch.equal(a.returns, b.returns)
+
+    def test_invalid_samples_get_zero_advantage(self):
+        batch = self.make_batch(seed=3)
+        valid = torch.ones_like(batch.rewards, dtype=torch.bool)
+        valid[1] = False
+        batch.valid = valid
+        batch.rewards = batch.rewards.clone()
+        batch.rewards[1] = float("nan")  # an unscorable sample must not poison the others
+        out = self.estimator()(batch)
+        assert (out.advantages[1] == 0).all()
+        assert torch.isfinite(out.advantages).all()
+
+
+class PolicyLossConformance:
+    """Behaviour every policy loss must show."""
+
+    name: ClassVar[str]
+
+    def loss(self) -> Any:
+        return resolve(get_plugin_manager(), "policy_losses", self.name)
+
+    def make_batch(self, seed: int = 0, b: int = 6, t: int = 9) -> PolicyLossInput:
+        gen = torch.Generator().manual_seed(seed)
+        mask = _random_mask(b, t, gen)
+        old = -torch.rand(b, t, generator=gen) * 3
+        new = (old + torch.randn(b, t, generator=gen) * 0.3).requires_grad_(True)
+        return PolicyLossInput(
+            logprobs=new,
+            old_logprobs=old,
+            advantages=torch.randn(b, t, generator=gen) * mask,
+            action_mask=mask,
+            rollout_logprobs=old + torch.randn(b, t, generator=gen) * 0.01,
+        )
+
+    def test_scalar_loss_and_float_metrics(self):
+        out = self.loss()(self.make_batch())
+        assert isinstance(out, LossOutput)
+        assert out.loss.dim() == 0 and torch.isfinite(out.loss)
+        assert all(isinstance(v, float) for v in out.metrics.values())
+
+    def test_gradient_only_on_action_tokens(self):
+        batch = self.make_batch(seed=1)
+        self.loss()(batch).loss.backward()
+        grad = batch.logprobs.grad
+        assert grad is not None
+        assert (grad[~batch.action_mask] == 0).all()
+        assert grad[batch.action_mask].abs().sum() > 0
+
+    def test_padding_values_do_not_matter(self):
+        a = self.make_batch(seed=2)
+        b = self.make_batch(seed=2)
+        with torch.no_grad():
+            b.logprobs[~b.action_mask] = 123.0
+            b.old_logprobs[~b.action_mask] = -55.0
+            b.advantages[~b.action_mask] = 9.0
+        la, lb = self.loss()(a).loss, self.loss()(b).loss
+        torch.testing.assert_close(la, lb)
+
+    def test_token_mean_splits_add_up(self):
+        """With the step's global token count, two half-batches sum to the whole batch."""
+        full = self.make_batch(seed=4)
+        n_tok = float(full.action_mask.sum())
+        n_seq = float(full.action_mask.shape[0])
+        agg = LossAggregation(mode="token_mean", num_tokens=n_tok, num_sequences=n_seq)
+        whole = self.loss()(PolicyLossInput(**{**full.__dict__, "aggregation": agg})).loss
+        parts = 0.0
+        for rows in (slice(0, 3), slice(3, 6)):
+            fields = {
+                k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in full.__dict__.items()
+            }
+            fields["aggregation"] = agg
+            parts = parts + self.loss()(PolicyLossInput(**fields)).loss
+        torch.testing.assert_close(whole, parts)
+
+
+class KLEstimatorConformance:
+    """Behaviour every KL estimator must show."""
+
+    name: ClassVar[str]
+
+    def kl(self) -> Any:
+        return resolve(get_plugin_manager(), "kl_estimators", self.name)
+
+    def test_zero_when_equal(self):
+        lp = -torch.rand(3, 5) * 4
+        assert torch.allclose(self.kl()(lp, lp.clone()), torch.zeros(3, 5))
+
+    def test_shape_and_finite(self):
+        gen = torch.Generator().manual_seed(0)
+        lp, ref = -torch.rand(4, 6, generator=gen) * 30, -torch.rand(4, 6, generator=gen) * 30
+        out = self.kl()(lp, ref)
+        assert out.shape == (4, 6) and torch.isfinite(out).all()

@@ -1,0 +1,391 @@
+"""The data that crosses seams, and the interfaces plugins implement.
+
+Shapes use these letters throughout:
+
+- ``B``: sequences in a batch. Rows that sample the same prompt are consecutive: with ``n`` samples per
+  prompt, rows ``[g*n, (g+1)*n)`` form group ``g``.
+- ``T``: response positions (everything after the prompt), right-padded to the longest response.
+
+Everything here is plain data or an abstract interface: no Ray, vLLM or DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A stable 63-bit seed from its parts, e.g. ``derive_seed(run_seed, step, prompt_uid, sample_idx)``.
+
+    Counter-based seeding lets a resumed run sample exactly the tokens the uninterrupted run sampled,
+    without saving any generator state. Python's ``hash`` is salted per process, so this uses blake2b.
+    """
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+# --- rollout engines -----------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Engines must honour every field.
+
+    Log-probs returned with the tokens are those of the sampled token under ``softmax(logits /
+    temperature)``, before top-k/top-p filtering: the same quantity the trainer recomputes, so that the
+    two can be compared (IS correction, ``rollout/train`` KL).
+    """
+
+    n: int = 1
+    """Samples drawn for this prompt."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; 1.0 disables it."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 (or -1) disables it."""
+    max_new_tokens: int = 1024
+    """Most tokens to generate for each sample."""
+    min_new_tokens: int = 0
+    """EOS and stop ids are suppressed until this many tokens exist (benchmarks fix lengths with it)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end a sample besides the tokenizer's EOS; the stop id is kept in the output."""
+    ignore_eos: bool = False
+    """Never stop at EOS or stop ids: every sample runs to ``max_new_tokens``."""
+    seed: int | None = None
+    """Seed of this request; sample ``i`` draws from ``derive_seed(seed, i)``. None: unseeded."""
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt, as token ids, with its sampling parameters."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class GenerationOutput:
+    """One sample: the tokens after the prompt, their log-probs, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """``len(logprobs) == len(token_ids)``; see :class:`SamplingParams` for which distribution."""
+    finish_reason: FinishReason
+    """``stop``: EOS or a stop id (included in ``token_ids``); ``length``: hit ``max_new_tokens``."""
+
+
+class RolloutEngine(ABC):
+    """What every rollout engine does. ``rlhf_core.testing.RolloutEngineConformance`` checks it."""
+
+    @abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
+        """Sample ``request.params.n`` outputs for each request; returns one list per request, in order."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights (HF parameter names) in place; later samples use them."""
+
+    @abstractmethod
+    def sleep(self, level: int = 1) -> None:
+        """Release memory: level 1 drops the KV cache and offloads weights, level 2 discards weights."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Take memory back after :meth:`sleep`; after a level-2 sleep weights must be sent again."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (after a weight update they are stale)."""
+
+
+@runtime_checkable
+class RolloutEngineFactory(Protocol):
+    """The object registered under ``rlhf_register_rollout_engines``."""
+
+    def available(self) -> str | None:
+        """None when the engine can run here, else the reason it cannot (e.g. 'vllm is not installed')."""
+
+    def create(self, cfg: Any, **kwargs: Any) -> Any:
+        """Build the engine (or its Ray actor handle) from the run configuration."""
+
+
+# --- trajectories and rewards ---------------------------------------------------------------------------
+
+
+@dataclass
+class Trajectory:
+    """One sampled episode, token in and token out.
+
+    ``response_ids`` holds everything after the prompt: model tokens (``action_mask`` 1) and, for
+    multi-turn episodes, environment feedback tokens (``action_mask`` 0). Engine tokens are appended
+    verbatim; nothing is ever re-tokenized.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    action_mask: list[int]
+    """Same length as ``response_ids``; 1 where the policy produced the token."""
+    rollout_logprobs: list[float]
+    """Same length as ``response_ids``; the engine's log-prob, 0.0 where ``action_mask`` is 0."""
+    prompt_uid: int = 0
+    """Stable id of the dataset prompt (resume and dynamic filtering key on it)."""
+    sample_index: int = 0
+    """Which of the ``n`` samples of its prompt this is."""
+    reward: float | None = None
+    """The scalar reward; None means unscorable (excluded from baselines and the loss)."""
+    score: float | None = None
+    """The task score used for metrics and dynamic filtering (defaults to the reward)."""
+    finish_reason: FinishReason = "stop"
+    truncated: bool = False
+    """The episode hit the context budget or ``max_new_tokens``."""
+    prompt_text: str = ""
+    label: Any = None
+    error: str | None = None
+    """Why the sample is unscorable, when it is."""
+    extra_logs: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if len(self.action_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(
+                f"Trajectory lengths differ: response_ids {n}, action_mask {len(self.action_mask)}, "
+                f"rollout_logprobs {len(self.rollout_logprobs)}"
+            )
+
+
+@dataclass
+class RewardRequest:
+    """A batch of finished samples to score. Text exists here only for reward functions and logs."""
+
+    queries: list[str]
+    """Decoded prompt + response of each sample (special tokens kept), as OpenRLHF passes them."""
+    prompts: list[str]
+    labels: list[Any]
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class RewardResult:
+    """Scores for a :class:`RewardRequest`, one entry per sample, in order."""
+
+    rewards: list[float | None]
+    """None marks an unscorable sample."""
+    scores: list[float | None]
+    extra_logs: dict[str, list[float]] = field(default_factory=dict)
+    errors: list[str | None] = field(default_factory=list)
+
+
+class RewardSource(ABC):
+    """Scores batches of samples."""
+
+    @abstractmethod
+    async def score(self, request: RewardRequest) -> RewardResult: ...
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release connections or workers."""
+
+
+@runtime_checkable
+class RewardSourceFactory(Protocol):
+    """The object registered under ``rlhf_register_reward_sources``."""
+
+    def accepts(self, cfg: Any) -> bool:
+        """Whether the reward section of the config (``remote_url``, ``model_name_or_path``) is for it."""
+
+    def create(self, cfg: Any) -> RewardSource: ...
+
+
+# --- algorithms ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdvantageInput:
+    """Everything an advantage estimator may read. ``B`` sequences, ``T`` response positions."""
+
+    rewards: torch.Tensor
+    """``[B]`` sequence rewards after length penalties, before group shaping and clipping."""
+    action_mask: torch.Tensor
+    """``[B, T]`` bool; True where the policy produced the token."""
+    n_samples_per_prompt: int = 1
+    valid: torch.Tensor | None = None
+    """``[B]`` bool; False marks unscorable samples: excluded from group baselines and statistics,
+    and given zero advantage. None means all valid."""
+    kl: torch.Tensor | None = None
+    """``[B, T]`` per-token KL(policy || ref) folded into the reward as ``-kl_coef * kl``; None when KL
+    is a loss term or there is no reference model."""
+    kl_coef: float = 0.0
+    values: torch.Tensor | None = None
+    """``[B, T]`` critic values (estimators with ``needs_critic``)."""
+    gamma: float = 1.0
+    lambd: float = 1.0
+    reward_clip: tuple[float, float] | None = None
+    """Clamp the (group-shaped) sequence reward into this range before it goes on the last token."""
+    no_std_norm: bool = False
+    """Subtract the mean but do not divide by the std in the estimator's normalisation step."""
+
+
+@dataclass
+class AdvantageOutput:
+    advantages: torch.Tensor
+    """``[B, T]``, zero where ``action_mask`` is False."""
+    returns: torch.Tensor
+    """``[B, T]``, the critic's regression target (zero where ``action_mask`` is False)."""
+
+
+@runtime_checkable
+class AdvantageEstimator(Protocol):
+    """The object registered under ``rlhf_register_advantage_estimators``."""
+
+    needs_critic: bool
+    min_samples_per_prompt: int
+    """Estimators with group baselines need 2 or more; the trainer refuses fewer up front."""
+
+    def __call__(self, batch: AdvantageInput) -> AdvantageOutput: ...
+
+
+@dataclass
+class LossAggregation:
+    """How per-token losses become one scalar.
+
+    ``mode``:
+
+    - ``token_mean``: ``sum(loss * m) / num_tokens``, where ``num_tokens`` counts the action tokens of the
+      whole optimizer step (every micro-batch of the gradient-accumulation window on every data-parallel
+      rank), so the result does not depend on how the batch was split.
+    - ``seq_mean_token_mean``: the mean over sequences of each sequence's token mean, over
+      ``num_sequences`` sequences of the step.
+    - ``seq_mean_token_sum_norm`` (Dr. GRPO): ``sum(loss * m) / (num_sequences * max_len)``.
+
+    The result is multiplied by ``dp_size`` because data-parallel gradient reduction averages over ranks.
+    With the defaults (None counts, ``dp_size`` 1) the aggregation is over the local batch.
+    """
+
+    mode: str = "token_mean"
+    num_tokens: float | None = None
+    num_sequences: float | None = None
+    max_len: int | None = None
+    dp_size: int = 1
+
+
+@dataclass
+class PolicyLossInput:
+    """One micro-batch for a policy loss. All tensors are ``[B, T]``."""
+
+    logprobs: torch.Tensor
+    """Log-probs of the current policy (carry gradients)."""
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    action_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor | None = None
+    """The engine's log-probs, for rollout/train mismatch correction."""
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    dual_clip: float | None = None
+    is_correction: str | None = None
+    """``tis``, ``icepop``, ``seq-mask-tis`` or None."""
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    aggregation: LossAggregation = field(default_factory=LossAggregation)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """A scalar ready for ``backward()``."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Detached diagnostics, e.g. ``clip_ratio``, ``ppo_kl``, ``rollout_kl``."""
+
+
+@runtime_checkable
+class PolicyLoss(Protocol):
+    """The object registered under ``rlhf_register_policy_losses``."""
+
+    def __call__(self, batch: PolicyLossInput) -> LossOutput: ...
+
+
+@runtime_checkable
+class KLEstimator(Protocol):
+    """The object registered under ``rlhf_register_kl_estimators``: ``[B, T], [B, T] -> [B, T]``."""
+
+    def __call__(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor: ...
+
+
+# --- placement -----------------------------------------------------------------------------------------
+
+Role = Literal["actor", "critic", "ref", "reward", "rollout"]
+
+
+@dataclass
+class WorkerGroupSpec:
+    """One group of identical Ray actors, e.g. 2 policy ranks or 4 rollout engines."""
+
+    role: str
+    num_workers: int
+    pool: str
+    """The bundle pool it is placed on; groups that share a pool share its devices (colocation)."""
+    num_gpus_per_worker: float = 0.0
+    num_cpus_per_worker: float = 1.0
+
+
+@dataclass
+class BundlePool:
+    """A Ray placement group: ``bundles`` resource dicts placed with ``strategy``."""
+
+    name: str
+    bundles: list[dict[str, float]]
+    strategy: str = "PACK"
+
+
+@dataclass
+class PlacementPlan:
+    pools: list[BundlePool]
+    groups: list[WorkerGroupSpec]
+
+    def describe(self) -> str:
+        """A human-readable table of pools and groups, as ``--dry-run`` prints it."""
+        lines = []
+        for pool in self.pools:
+            total: dict[str, float] = {}
+            for b in pool.bundles:
+                for k, v in b.items():
+                    total[k] = total.get(k, 0.0) + v
+            res = ", ".join(f"{k}={v:g}" for k, v in sorted(total.items()))
+            lines.append(f"pool {pool.name}: {len(pool.bundles)} bundles ({pool.strategy}; {res})")
+            for g in self.groups:
+                if g.pool == pool.name:
+                    lines.append(
+                        f"  {g.role:<8} {g.num_workers} worker(s) x "
+                        f"(GPU {g.num_gpus_per_worker:g}, CPU {g.num_cpus_per_worker:g})"
+                    )
+        return "\n".join(lines)
+
+
+@runtime_checkable
+class PlacementStrategy(Protocol):
+    """The object registered under ``rlhf_register_placement_strategies``."""
+
+    def plan(self, cfg: Any, gpus_available: bool) -> PlacementPlan: ...
+
+
+@runtime_checkable
+class TrainBackend(Protocol):
+    """The object registered under ``rlhf_register_train_backends``.
+
+    ``create_group(role, cfg, pool, num_workers)`` starts a group of training workers for ``role``
+    (``actor``, ``critic``, ``ref``, ``reward``) on a Ray placement group and returns a handle whose
+    methods fan out to every rank; ``run_trainer(mode, cfg)`` runs ``sft``, ``rm``, ``dpo`` or ``kto``.
+    The backend package documents the handle's methods.
+    """
+
+    def create_group(self, role: str, cfg: Any, pool: Any, num_workers: int) -> Any: ...
+
+    def run_trainer(self, mode: str, cfg: Any) -> Any: ...

@@ -1,0 +1,3 @@
+"""rlhf-rollout-vllm."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""rlhf-rollout-vllm registrations, loaded through its ``rlhf`` entry point like any third-party plugin."""
+
+from rlhf_core import hookimpl  # noqa: F401

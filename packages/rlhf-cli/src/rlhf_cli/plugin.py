@@ -1,3 +1,11 @@
 """rlhf-cli registrations, loaded through its ``rlhf`` entry point like any third-party plugin."""
 
-from rlhf_core import hookimpl  # noqa: F401
+from rlhf_core import hookimpl
+
+from rlhf_cli.placement import BUILTIN
+
+
+@hookimpl
+def rlhf_register_placement_strategies(register):
+    for strategy in BUILTIN:
+        register(strategy.name, strategy)

@@ -114,9 +114,10 @@ def rlhf_register_reward_sources(register: Register) -> None:
 def rlhf_register_placement_strategies(register: Register) -> None:
     """Register placement strategies, picked by ``--train.colocate_*`` (or ``--train.placement NAME``).
 
-    Each object satisfies :class:`rlhf_core.types.PlacementStrategy`: ``plan(cfg, gpus_available) ->
-    PlacementPlan`` says which actor groups share which bundles, how many workers each has, and what
-    resources each worker takes. A plan is pure data: printing it (``--dry-run``) starts nothing.
+    Each object satisfies :class:`rlhf_core.types.PlacementStrategy`: ``plan(roles, cfg,
+    gpus_available) -> PlacementPlan`` says which actor groups share which bundles, how many workers each
+    has, and what resources each worker takes. A plan is pure data: printing it (``--dry-run``) starts
+    nothing.
 
     Built-in names: ``colocate_all``, ``colocate_actor_ref``, ``colocate_critic_reward``, ``separate``.
     """

@@ -38,6 +38,18 @@ SEAMS: dict[str, str] = {
     "train_backends": "rlhf_register_train_backends",
 }
 
+SINGULAR = {
+    "advantage_estimators": "advantage estimator",
+    "policy_losses": "policy loss",
+    "kl_estimators": "KL estimator",
+    "agent_executors": "agent executor",
+    "environments": "environment",
+    "reward_sources": "reward source",
+    "placement_strategies": "placement strategy",
+    "rollout_engines": "rollout engine",
+    "train_backends": "train backend",
+}
+
 # Names the first-party packages register, so that asking for one that is missing says what to install.
 KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "advantage_estimators": dict.fromkeys(
@@ -165,7 +177,7 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
         return found[name].obj
     what = f"{flag} {name}" if flag else repr(name)
     known = ", ".join(sorted(found)) or "none"
-    msg = f"no {seam.replace('_', ' ')[:-1]} named {name!r} (asked for by {what}). Registered: {known}."
+    msg = f"no {SINGULAR[seam]} named {name!r} (asked for by {what}). Registered: {known}."
     provider = KNOWN_PROVIDERS.get(seam, {}).get(name)
     if provider:
         msg += f" {name!r} is provided by {provider}: pip install {provider}"

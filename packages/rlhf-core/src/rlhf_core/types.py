@@ -369,11 +369,22 @@ class PlacementPlan:
         return "\n".join(lines)
 
 
+@dataclass
+class RoleDemand:
+    """What one role of a run needs, before placement decides where it goes."""
+
+    num_workers: int
+    gpus_per_worker: int = 1
+    """GPUs each worker needs when GPUs exist (a vLLM engine's tensor-parallel size, else 1)."""
+
+
 @runtime_checkable
 class PlacementStrategy(Protocol):
     """The object registered under ``rlhf_register_placement_strategies``."""
 
-    def plan(self, cfg: Any, gpus_available: bool) -> PlacementPlan: ...
+    def plan(self, roles: dict[str, RoleDemand], cfg: Any, gpus_available: bool) -> PlacementPlan:
+        """Place ``roles`` (``actor``, ``critic``, ``ref``, ``reward``, ``rollout``; absent roles are
+        not needed by this run) into Ray bundle pools."""
 
 
 @runtime_checkable

@@ -1,0 +1,25 @@
+"""The example plugin's own tests: the rlhf conformance suite plus its formula on a hand-worked case."""
+
+import torch
+from rlhf_core.testing import AdvantageEstimatorConformance
+from rlhf_core.types import AdvantageInput
+
+from rlhf_example_plugin import GroupMedianEstimator
+
+
+class TestGroupMedianConformance(AdvantageEstimatorConformance):
+    name = "group_median"
+
+
+def test_median_baseline_by_hand():
+    # group 1: rewards 1, 5, 2 -> median 2 -> 1-2=-1, 5-2=3, 2-2=0
+    # group 2: rewards 0, 0, 9, sample 2 invalid -> median of (0, 0) = 0 -> 0, 0, invalid -> 0
+    batch = AdvantageInput(
+        rewards=torch.tensor([1.0, 5.0, 2.0, 0.0, 0.0, 9.0]),
+        action_mask=torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1], [1, 1], [1, 1]], dtype=torch.bool),
+        n_samples_per_prompt=3,
+        valid=torch.tensor([True, True, True, True, True, False]),
+    )
+    out = GroupMedianEstimator()(batch)
+    expected = torch.tensor([[-1.0, -1.0], [3.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    torch.testing.assert_close(out.advantages, expected)

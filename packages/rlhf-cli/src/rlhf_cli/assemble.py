@@ -1,0 +1,173 @@
+"""From a parsed config to a checked run: plugins resolved by name, options validated, roles placed.
+
+Everything here is pure planning (``--dry-run`` stops after it); nothing starts Ray or loads a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_core import plugins
+from rlhf_core.config_parser import config_to_yaml
+from rlhf_core.types import PlacementPlan, RoleDemand
+
+from rlhf_cli.placement import strategy_name
+
+
+class RunConfigError(ValueError):
+    """Options that cannot work together, or a plugin that is missing; the message says why."""
+
+
+@dataclass
+class Assembly:
+    """What a run will use: the plugin objects by seam, where they came from, and the placement plan."""
+
+    mode: str
+    cfg: Any
+    chosen: dict[str, str] = field(default_factory=dict)  # seam -> name
+    provenance: dict[str, str] = field(default_factory=dict)  # seam -> "dist version"
+    roles: dict[str, RoleDemand] = field(default_factory=dict)
+    plan: PlacementPlan | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"plugins used by 'rlhf train {self.mode}':"]
+        for seam, name in self.chosen.items():
+            lines.append(f"  {seam:<22} {name:<20} ({self.provenance[seam]})")
+        if self.plan is not None:
+            lines.append("placement plan:")
+            lines += ["  " + line for line in self.plan.describe().splitlines()]
+        return "\n".join(lines)
+
+
+def gpus_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # a broken CUDA install means no usable GPU
+        return False
+
+
+def _use(asm: Assembly, pm, seam: str, name: str, flag: str) -> Any:
+    try:
+        obj = plugins.resolve(pm, seam, name, flag)
+    except plugins.PluginError as exc:
+        raise RunConfigError(str(exc)) from None
+    reg = plugins.collect(pm, seam)[name]
+    asm.chosen[seam] = name
+    asm.provenance[seam] = f"{reg.distribution} {reg.version}".strip()
+    return obj
+
+
+def choose_engine(cfg, pm) -> str:
+    """``--rollout.engine auto``: vLLM where it is installed and a GPU exists, else the HF engine."""
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    engines = plugins.collect(pm, "rollout_engines")
+    if "vllm" in engines and engines["vllm"].obj.available() is None:
+        return "vllm"
+    return "hf"
+
+
+def _check_rl_options(cfg, estimator) -> None:
+    """Refuse up front the combinations that cannot work, saying why."""
+    c = cfg
+    n = c.rollout.n_samples_per_prompt
+    problems = []
+    if n < estimator.min_samples_per_prompt:
+        problems.append(
+            f"--algo.advantage.estimator {c.algo.advantage.estimator} compares samples of the same prompt, so "
+            f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})"
+        )
+    if not (c.reward.remote_url or c.reward.model_name_or_path or c.train.agent_func_path or c.train.env
+            or c.reward.source):
+        problems.append(
+            "no reward: give --reward.remote_url (a reward .py file or HTTP URL), "
+            "--reward.model_name_or_path, --train.agent_func_path or --train.env"
+        )
+    if c.algo.dynamic_filtering_enable and n < 2:
+        problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "
+                        "--rollout.n_samples_per_prompt >= 2")
+    if c.train.async_enable and (c.vllm.enable_sleep or c.ds.enable_sleep):
+        problems.append("--train.async_enable keeps engines and trainers busy at once, so they cannot sleep: "
+                        "drop --vllm.enable_sleep / --ds.enable_sleep")
+    if (c.vllm.enable_sleep or c.ds.enable_sleep) and not c.train.colocate_all:
+        problems.append("--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
+                        "--train.colocate_all")
+    if c.train.partial_rollout_enable and not c.train.async_enable:
+        problems.append("--train.partial_rollout_enable only applies to the async pipeline "
+                        "(--train.async_enable)")
+    if c.ds.ring_attn_size > 1 and not c.ds.packing_samples:
+        problems.append("--ds.ring_attn_size > 1 splits packed sequences across ranks: add --ds.packing_samples")
+    if c.ds.param_dtype not in ("bf16", "fp32"):
+        problems.append(f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not "
+                        "supported)")
+    if c.algo.kl.use_loss and c.algo.kl.init_coef <= 0:
+        problems.append("--algo.kl.use_loss needs --algo.kl.init_coef > 0 (0 loads no reference model)")
+    if c.train.agent_func_path and not Path(c.train.agent_func_path).is_file():
+        problems.append(f"--train.agent_func_path {c.train.agent_func_path}: no such file")
+    url = c.reward.remote_url or ""
+    for part in [u.strip() for u in url.split(",") if u.strip()]:
+        if part.endswith(".py") and not Path(part).is_file():
+            problems.append(f"--reward.remote_url {part}: no such file")
+    if problems:
+        raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
+    """Resolve the plugins a run needs, check its options and plan its placement."""
+    pm = pm or plugins.get_plugin_manager()
+    gpus = gpus_available() if gpus is None else gpus
+    asm = Assembly(mode, cfg)
+    _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
+    if mode != "ppo":
+        ranks = cfg.model.num_nodes * cfg.model.num_gpus_per_node
+        asm.roles = {"actor": RoleDemand(ranks)}
+        return asm
+
+    estimator = _use(asm, pm, "advantage_estimators", cfg.algo.advantage.estimator,
+                     "--algo.advantage.estimator")
+    _use(asm, pm, "policy_losses", cfg.actor.policy_loss_type, "--actor.policy_loss_type")
+    _use(asm, pm, "kl_estimators", cfg.algo.kl.estimator, "--algo.kl.estimator")
+    engine = choose_engine(cfg, pm)
+    factory = _use(asm, pm, "rollout_engines", engine, "--rollout.engine")
+    reason = factory.available()
+    if reason:
+        raise RunConfigError(f"--rollout.engine {engine} cannot run here: {reason}")
+    if cfg.train.agent_executor:
+        _use(asm, pm, "agent_executors", cfg.train.agent_executor, "--train.agent_executor")
+    if cfg.train.env:
+        _use(asm, pm, "environments", cfg.train.env, "--train.env")
+    _check_rl_options(cfg, estimator)
+
+    roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
+    if cfg.algo.kl.init_coef > 0:
+        roles["ref"] = RoleDemand(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
+    if estimator.needs_critic:
+        roles["critic"] = RoleDemand(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
+    if cfg.reward.model_name_or_path:
+        roles["reward"] = RoleDemand(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
+    roles["rollout"] = RoleDemand(cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1)
+    asm.roles = roles
+    strategy = _use(asm, pm, "placement_strategies", strategy_name(cfg), "--train.placement")
+    try:
+        asm.plan = strategy.plan(roles, cfg, gpus)
+    except ValueError as exc:
+        raise RunConfigError(str(exc)) from None
+    return asm
+
+
+def write_run_dir(asm: Assembly) -> Path:
+    """Create the run directory with the resolved config and the plugin versions used."""
+    out = Path(asm.cfg.ckpt.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg))
+    meta = {"mode": asm.mode, "plugins": {s: {"name": n, "from": asm.provenance[s]} for s, n in asm.chosen.items()},
+            "pid": os.getpid()}
+    (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out

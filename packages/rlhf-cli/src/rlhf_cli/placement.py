@@ -1,0 +1,90 @@
+"""The built-in placement strategies: which roles share devices.
+
+A strategy only plans; ``rlhf_cli.ray_launch`` turns the plan into Ray placement groups. Roles that share
+a pool share its bundles, each worker taking an equal fraction of a bundle's GPU (or CPU), so that Ray
+packs them onto the same devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf_core.types import BundlePool, PlacementPlan, RoleDemand, WorkerGroupSpec
+
+ROLE_ORDER = ("actor", "ref", "critic", "reward", "rollout")
+
+
+def plan_pools(roles: dict[str, RoleDemand], shared: list[set[str]], gpus_available: bool) -> PlacementPlan:
+    """Give each set in ``shared`` one pool and every other role a pool of its own.
+
+    A pool has as many bundles as its widest member needs (workers x GPUs per worker on GPU machines,
+    workers on CPU-only ones); each bundle holds one GPU (or one logical CPU).
+    """
+    pools: list[BundlePool] = []
+    groups: list[WorkerGroupSpec] = []
+    placed: set[str] = set()
+    for members in [*shared, *({r} for r in ROLE_ORDER)]:
+        names = [r for r in ROLE_ORDER if r in members and r in roles and r not in placed]
+        if not names:
+            continue
+        placed.update(names)
+        pool = "+".join(names)
+        share = 1.0 / len(names)
+        if gpus_available:
+            width = max(roles[r].num_workers * roles[r].gpus_per_worker for r in names)
+            pools.append(BundlePool(pool, [{"GPU": 1.0, "CPU": 1.0} for _ in range(width)]))
+            for r in names:
+                groups.append(WorkerGroupSpec(r, roles[r].num_workers, pool,
+                                              num_gpus_per_worker=roles[r].gpus_per_worker * share,
+                                              num_cpus_per_worker=share))
+        else:
+            width = max(roles[r].num_workers for r in names)
+            pools.append(BundlePool(pool, [{"CPU": 1.0} for _ in range(width)]))
+            for r in names:
+                groups.append(WorkerGroupSpec(r, roles[r].num_workers, pool, num_cpus_per_worker=share))
+    return PlacementPlan(pools, groups)
+
+
+@dataclass(frozen=True)
+class Colocation:
+    """A placement strategy defined by which roles it puts together."""
+
+    name: str
+
+    def shared(self, cfg) -> list[set[str]]:
+        actor_ref, critic_reward = {"actor", "ref"}, {"critic", "reward"}
+        if self.name == "colocate_all":
+            return [set(ROLE_ORDER)]
+        if self.name == "colocate_actor_ref":
+            return [actor_ref] + ([critic_reward] if cfg.train.colocate_critic_reward else [])
+        if self.name == "colocate_critic_reward":
+            return [critic_reward] + ([actor_ref] if cfg.train.colocate_actor_ref else [])
+        return []
+
+    def plan(self, roles: dict[str, RoleDemand], cfg, gpus_available: bool) -> PlacementPlan:
+        if self.name == "colocate_all" and gpus_available and "rollout" in roles:
+            actor, rollout = roles["actor"], roles["rollout"]
+            engines_gpus = rollout.num_workers * rollout.gpus_per_worker
+            if engines_gpus > actor.num_workers:
+                raise ValueError(
+                    f"--train.colocate_all puts the rollout engines on the actor's GPUs, so "
+                    f"--vllm.num_engines x --vllm.tensor_parallel_size ({engines_gpus}) cannot exceed the actor's "
+                    f"GPUs, --actor.num_nodes x --actor.num_gpus_per_node ({actor.num_workers})"
+                )
+        return plan_pools(roles, self.shared(cfg), gpus_available)
+
+
+BUILTIN = [Colocation(n) for n in ("colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate")]
+
+
+def strategy_name(cfg) -> str:
+    """The strategy the config asks for: ``--train.placement``, else the colocate flags."""
+    if cfg.train.placement:
+        return cfg.train.placement
+    if cfg.train.colocate_all:
+        return "colocate_all"
+    if cfg.train.colocate_actor_ref:
+        return "colocate_actor_ref"
+    if cfg.train.colocate_critic_reward:
+        return "colocate_critic_reward"
+    return "separate"

@@ -1,0 +1,597 @@
+"""Run configuration: one dataclass per section, dotted flags, flat aliases and YAML files.
+
+Every field is documented once, by the string under it; ``rlhf train <mode> --help`` prints those strings.
+Flags are the dotted paths of OpenRLHF's current release (``--algo.advantage.estimator``); the flat
+spellings of its earlier releases and seed documents (``--advantage_estimator``, ``--pretrain``) are
+rewritten to them by :mod:`rlhf_core.config_aliases`. Defaults follow OpenRLHF unless a field says why not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# --- shared pieces ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdamConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam beta1 and beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+
+
+@dataclass
+class MuonConfig:
+    lr: float = 0.02
+    """Muon learning rate (accepted for OpenRLHF compatibility; the deepspeed backend refuses muon)."""
+    momentum: float = 0.95
+    """Muon momentum."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    nesterov: bool = True
+    """Use Nesterov momentum."""
+
+
+@dataclass
+class OptimizerFields:
+    """Optimizer and schedule settings shared by every trained model (actor, critic, model)."""
+
+    optim: str = "adam"
+    """Optimizer: ``adam`` (AdamW)."""
+    adam: AdamConfig = field(default_factory=AdamConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    lr_scheduler: str = "cosine_with_min_lr"
+    """Learning-rate schedule after warm-up: ``cosine_with_min_lr``, ``linear``, ``constant``."""
+    lr_warmup_ratio: float = 0.03
+    """Fraction of the optimizer steps spent warming the learning rate up linearly from 0."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine schedule, as a fraction of the peak learning rate."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+
+
+# --- models ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ActorConfig(OptimizerFields):
+    model_name_or_path: str | None = None
+    """The policy: a local HF model directory (or hub id where the hub is reachable)."""
+    num_nodes: int = 1
+    """Nodes for the policy's training ranks."""
+    num_gpus_per_node: int = 1
+    """Training ranks per node (on a machine without GPUs: CPU ranks)."""
+    gradient_checkpointing_enable: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    gradient_checkpointing_reentrant: bool = False
+    """Use the reentrant checkpointing implementation."""
+    eps_clip: float = 0.2
+    """PPO clip range: the ratio is clipped to [1 - eps, 1 + eps]."""
+    eps_clip_low_high: tuple[float, float] | None = None
+    """Asymmetric clip (clip-higher): [1 - low, 1 + high]; overrides ``eps_clip``."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables it."""
+    policy_loss_type: str = "ppo"
+    """Registered policy loss: ``ppo`` or ``gspo`` (or a plugin's)."""
+    loss_agg_mode: str = "token_mean"
+    """How token losses become one number: ``token_mean`` (over the whole optimizer step, across
+    gradient accumulation and data-parallel ranks), ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``
+    (Dr. GRPO). OpenRLHF has no such flag."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE router auxiliary loss."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight; 0 only logs the entropy."""
+    freeze_visual_encoder: bool = False
+    """Keep a VLM's vision tower frozen."""
+
+
+@dataclass
+class CriticConfig(OptimizerFields):
+    model_name_or_path: str | None = None
+    """The critic's initial weights (default: the reward model, else the actor)."""
+    num_nodes: int = 1
+    """Nodes for the critic's training ranks."""
+    num_gpus_per_node: int = 1
+    """Critic training ranks per node."""
+    gradient_checkpointing_enable: bool = False
+    """Recompute activations in the backward pass."""
+    value_clip: float = 0.5
+    """Value-loss clip range around the old values."""
+    freezing_steps: int = -1
+    """Critic warm-up: train only the critic for this many steps; -1 disables it."""
+    save_value_network: bool = False
+    """Also export the critic at the end."""
+    adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=9e-6))
+
+
+@dataclass
+class RefConfig:
+    model_name_or_path: str | None = None
+    """The frozen reference model (default: the actor's initial weights)."""
+    num_nodes: int = 1
+    """Nodes for the reference model."""
+    num_gpus_per_node: int = 1
+    """Reference ranks per node."""
+    offload: bool = False
+    """Keep the reference weights in CPU memory between uses."""
+
+
+@dataclass
+class RewardConfig:
+    model_name_or_path: str | None = None
+    """A reward model (value head ``score``) served from Ray workers."""
+    remote_url: str | None = None
+    """A Python reward file (``reward.py`` exporting ``reward_func``) or HTTP reward server URL(s),
+    comma-separated."""
+    source: str | None = None
+    """Pick a registered reward source by name instead of inferring it from the fields above."""
+    num_nodes: int = 1
+    """Nodes for the reward model."""
+    num_gpus_per_node: int = 1
+    """Reward-model ranks per node."""
+    offload: bool = False
+    """Keep the reward-model weights in CPU memory between uses."""
+    normalize_enable: bool = False
+    """Normalise reward-model outputs with the mean/std stored at RM training time."""
+    clip_range: tuple[float, float] = (-10.0, 10.0)
+    """Clamp each sequence reward into this range."""
+    overlong_buffer_len: int | None = None
+    """DAPO overlong penalty: the last this-many tokens before ``max_new_tokens`` are penalised."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong penalty at the full buffer."""
+    stop_properly_penalty_coef: float | None = None
+    """Samples cut at ``max_new_tokens``: reward *= coef when coef >= 0, reward = coef when negative."""
+    timeout: float = 180.0
+    """Seconds one HTTP reward request may take."""
+    max_retries: int = 5
+    """Attempts per HTTP reward request (4xx answers are not retried)."""
+    max_concurrency: int = 32
+    """Concurrent HTTP requests to the reward servers."""
+    max_failure_fraction: float = 0.1
+    """Stop the run when more than this fraction of a step's samples cannot be scored."""
+    weights: list[float] | None = None
+    """Weights of several reward sources (comma-separated ``remote_url``s), one each."""
+
+
+# --- rollout -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"
+    """Rollout engine: ``hf`` (built in), ``vllm``, or ``auto`` (vllm when importable with a GPU, else hf)."""
+    batch_size: int = 1024
+    """Prompts per RL step (each sampled ``n_samples_per_prompt`` times)."""
+    micro_batch_size: int = 8
+    """Sequences per forward pass when computing log-probs, values and rewards."""
+    vllm_generate_batch_size: int | None = None
+    """Prompts generated per round in async mode (over-generation); default ``batch_size``."""
+    n_samples_per_prompt: int = 1
+    """Samples per prompt; group estimators need 2 or more."""
+    max_new_tokens: int = 1024
+    """Most tokens generated per sample (per turn for agents)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per forward pass when computing log-probs (dynamic batching)."""
+
+
+@dataclass
+class VllmConfig:
+    num_engines: int = 1
+    """Rollout engines (vLLM or HF)."""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine."""
+    sync_backend: str = "nccl"
+    """Weight-sync backend: ``nccl`` (GPU) or ``gloo`` (CPU); CPU runs use gloo whatever this says."""
+    sync_with_ray: bool = False
+    """Send weights through Ray's object store instead of a collective group."""
+    enable_prefix_caching: bool = False
+    """vLLM automatic prefix caching (worth it with n > 1)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM."""
+    enable_sleep: bool = False
+    """Let engines release memory between rollouts (needs ``--train.colocate_all``)."""
+    gpu_memory_utilization: float = 0.95
+    """Fraction of GPU memory vLLM may take."""
+    sync_timeout: float = 600.0
+    """Seconds a weight sync may take before it raises instead of hanging."""
+
+
+# --- training loop ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "deepspeed"
+    """Registered training backend."""
+    batch_size: int = 128
+    """Sequences per optimizer step (global, across data-parallel ranks)."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on each rank."""
+    max_epochs: int = 1
+    """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO)."""
+    num_episodes: int = 1
+    """Passes over the prompt dataset (RL)."""
+    max_steps: int = -1
+    """Stop after this many steps (-1: run the episodes/epochs out)."""
+    seed: int = 42
+    """Seed of data order, initialisation and rollout sampling."""
+    full_determinism_enable: bool = False
+    """Deterministic algorithms everywhere (slower)."""
+    colocate_all: bool = False
+    """Hybrid engine: every model and the rollout engines share the same devices."""
+    colocate_actor_ref: bool = False
+    """Actor and reference model share devices."""
+    colocate_critic_reward: bool = False
+    """Critic and reward model share devices."""
+    placement: str | None = None
+    """Pick a registered placement strategy by name (overrides the colocate flags)."""
+    async_enable: bool = False
+    """Rollout and training run concurrently through a bounded queue."""
+    async_queue_size: int = 1
+    """Rollout batches that may wait for training in async mode."""
+    partial_rollout_enable: bool = False
+    """Async only: keep generating during weight sync (samples may mix two policy versions)."""
+    agent_func_path: str | None = None
+    """A Python file exporting ``AgentExecutor`` (multi-turn agents)."""
+    agent_executor: str | None = None
+    """A registered agent executor by name (default: ``single_turn``, or the agent file's)."""
+    env: str | None = None
+    """A registered multi-turn environment by name (driven by the ``multi_turn`` executor)."""
+    env_step_timeout: float = 300.0
+    """Seconds an environment step may take before it is ended and counted."""
+    dynamic_batch_enable: bool = False
+    """Form training micro-batches by token budget instead of sequence count."""
+    max_tokens_per_gpu: int = 16192
+    """Token budget per micro-batch with dynamic batching."""
+    enable_ema: bool = False
+    """Keep an exponential moving average of the policy weights."""
+    ema_beta: float = 0.992
+    """EMA decay."""
+    max_nonfinite_steps: int = 3
+    """Stop after this many consecutive steps with a non-finite loss (each is skipped on all ranks)."""
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = "gae"
+    """Registered advantage estimator: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``,
+    ``group_norm``, ``dr_grpo``."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lambd: float = 1.0
+    """GAE lambda."""
+    no_std_norm: bool = False
+    """Do not divide advantages by their standard deviation."""
+    is_correction_enable: bool = False
+    """Correct for the rollout/train log-prob mismatch with importance weights."""
+    is_correction_threshold: tuple[float, float] = (0.5, 5.0)
+    """Low and high bounds of the importance weight."""
+    is_correction_type: str = "tis"
+    """``tis`` (truncate), ``icepop`` (mask outside the bounds) or ``seq-mask-tis``."""
+
+
+@dataclass
+class KLConfig:
+    init_coef: float = 0.01
+    """KL coefficient (0: no reference model is loaded)."""
+    target: float | None = None
+    """Adaptive controller: the KL to steer towards; None keeps the coefficient fixed."""
+    horizon: int = 10000
+    """Adaptive controller horizon in samples."""
+    use_loss: bool = False
+    """Add KL as a loss term instead of folding it into the reward."""
+    estimator: str = "k1"
+    """Registered KL estimator: ``k1``, ``k2``, ``k3``."""
+
+
+@dataclass
+class AlgoConfig:
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    dynamic_filtering_enable: bool = False
+    """Keep a prompt group only when its mean score lies strictly inside ``dynamic_filtering_range``;
+    filtered groups are replaced by new prompts."""
+    dynamic_filtering_range: tuple[float, float] = (0.0, 1.0)
+    """Open interval of kept group mean scores."""
+
+
+# --- engine and data -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 trains all weights."""
+    alpha: int = 16
+    """LoRA alpha."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters."""
+    dropout: float = 0.0
+    """LoRA dropout."""
+
+
+@dataclass
+class DSConfig:
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0-3."""
+    param_dtype: str = "bf16"
+    """Training precision: ``bf16`` or ``fp32`` (``fp16`` is refused)."""
+    zpg: int = 1
+    """ZeRO++ hierarchical partition group size."""
+    adam_offload: bool = False
+    """Keep optimizer states in CPU memory (DeepSpeed CPU Adam)."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with the backward pass."""
+    grad_accum_dtype: str | None = None
+    """Gradient accumulation dtype (default: the parameter dtype)."""
+    deepcompile: bool = False
+    """DeepSpeed deepcompile."""
+    tensor_parallel_size: int = 1
+    """DeepSpeed AutoTP degree."""
+    ring_attn_size: int = 1
+    """Ranks per ring-attention group (needs ring-flash-attn and packing)."""
+    ring_attn_head_stride: int = 1
+    """Heads per ring-attention step."""
+    packing_samples: bool = False
+    """Pack sequences without padding (flash-attn varlen on GPU; an equivalent path on CPU)."""
+    enable_sleep: bool = False
+    """Offload training state while the rollout engines run (hybrid engine)."""
+    attn_implementation: str = "sdpa"
+    """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
+    experts_implementation: str | None = None
+    """MoE experts implementation passed to transformers."""
+    use_liger_kernel: bool = False
+    """Liger fused kernels (GPU)."""
+    load_in_4bit: bool = False
+    """QLoRA: load the base model in 4 bits (bitsandbytes, GPU)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    value_head_prefix: str = "score"
+    """Name of the value head of critic and reward models."""
+    use_universal_ckpt: bool = False
+    """Save DeepSpeed universal checkpoints (resumable at another world size)."""
+
+
+@dataclass
+class DataConfig:
+    prompt_dataset: list[str] | None = None
+    """RL prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories."""
+    prompt_probs: list[float] | None = None
+    """Mixing probabilities of the prompt datasets."""
+    prompt_split: str = "train"
+    """Split of the prompt datasets."""
+    dataset: list[str] | None = None
+    """SFT/RM/DPO/KTO datasets (same formats)."""
+    dataset_probs: list[float] | None = None
+    """Mixing probabilities of ``dataset``."""
+    dataset_split: str = "train"
+    """Split of ``dataset``."""
+    input_key: str = "input"
+    """Column holding the prompt (or the conversation, with ``apply_chat_template``)."""
+    output_key: str | None = None
+    """SFT: column holding the response."""
+    label_key: str | None = None
+    """RL: column passed to reward functions as the label."""
+    prompt_key: str | None = None
+    """RM/DPO: column holding the shared prompt of chosen and rejected."""
+    chosen_key: str = "chosen"
+    """RM/DPO: column of the preferred response."""
+    rejected_key: str = "rejected"
+    """RM/DPO: column of the other response."""
+    label_kto_key: str = "label"
+    """KTO: column holding whether the completion is desirable (bool)."""
+    input_template: str | None = None
+    """Format string with ``{}`` for the prompt, used when no chat template is applied."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    tokenizer_chat_template: str | None = None
+    """Override the tokenizer's chat template."""
+    multiturn: bool = False
+    """SFT: the input is a conversation; train on every assistant turn."""
+    max_len: int = 2048
+    """Most tokens per sequence (prompt + response) in training."""
+    prompt_max_len: int | None = None
+    """Most prompt tokens (default: ``max_len - rollout.max_new_tokens`` in RL)."""
+    overlong_prompt_policy: str = "error"
+    """A prompt longer than its budget: ``error`` (names file and row), ``skip`` (counted) or
+    ``truncate_left`` (counted)."""
+    skip_bad_rows: bool = False
+    """Skip and count rows with a missing or mistyped key instead of failing on the first."""
+    max_samples: int = 100_000_000
+    """Use at most this many rows."""
+    image_key: str | None = None
+    """VLM: column holding images."""
+    max_images_per_prompt: int = 0
+    """VLM: most images per prompt."""
+    disable_fast_tokenizer: bool = False
+    """Load the slow tokenizer."""
+    dataloader_num_workers: int = 0
+    """DataLoader worker processes."""
+
+
+@dataclass
+class EvalConfig:
+    dataset: list[str] | None = None
+    """Evaluation datasets (prompts with labels in RL)."""
+    split: str = "train"
+    """Split of the evaluation datasets."""
+    steps: int = -1
+    """Evaluate every this many steps (-1: only at the end, when a dataset is given)."""
+    temperature: float = 0.6
+    """RL evaluation sampling temperature."""
+    n_samples_per_prompt: int = 4
+    """RL evaluation samples per prompt (pass@k)."""
+    max_samples: int = 100_000_000
+    """Evaluate at most this many rows."""
+
+
+@dataclass
+class CkptConfig:
+    output_dir: str = "./runs/rlhf"
+    """The run directory: resolved config, metrics, TensorBoard events, checkpoints, final model."""
+    path: str | None = None
+    """Checkpoint directory (default: ``<output_dir>/checkpoints``)."""
+    save_steps: int = -1
+    """Save a resumable checkpoint every this many steps (-1: never)."""
+    save_hf: bool = False
+    """Also export HF safetensors with each checkpoint."""
+    disable_ds: bool = False
+    """Skip the resumable DeepSpeed state (HF export only)."""
+    max_num: int = 3
+    """Keep at most this many checkpoints (the newest is always complete before older ones go)."""
+    max_mem: int = 1000
+    """Keep the checkpoints under this many GB."""
+    load_enable: bool = False
+    """Resume from the latest complete checkpoint."""
+    best_metric_key: str = ""
+    """Track the best checkpoint by this eval metric (default: the first ``eval_*_pass1``)."""
+
+
+@dataclass
+class WandbConfig:
+    key: str | None = None
+    """W&B API key; setting it turns W&B logging on."""
+    org: str | None = None
+    """W&B entity."""
+    group: str | None = None
+    """W&B group."""
+    project: str = "rlhf"
+    """W&B project."""
+    run_name: str | None = None
+    """W&B run name."""
+
+
+@dataclass
+class LoggerConfig:
+    logging_steps: int = 1
+    """Log every this many steps."""
+    tensorboard_dir: str | None = None
+    """TensorBoard directory (default: ``<output_dir>/tensorboard``)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+    """Join this Ray cluster (default: ``$RAY_ADDRESS``, else start a local one)."""
+    dashboard: bool = False
+    """Start the dashboard of a local cluster (bound to 127.0.0.1)."""
+
+
+# --- supervised models -------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig(OptimizerFields):
+    """The trained model of ``rlhf train sft|rm|dpo|kto``."""
+
+    model_name_or_path: str | None = None
+    """The model to train: a local HF model directory."""
+    num_nodes: int = 1
+    """Nodes for the training ranks."""
+    num_gpus_per_node: int = 1
+    """Training ranks per node (on a machine without GPUs: CPU ranks)."""
+    gradient_checkpointing_enable: bool = False
+    """Recompute activations in the backward pass."""
+    gradient_checkpointing_reentrant: bool = False
+    """Use the reentrant checkpointing implementation."""
+    aux_loss_coef: float = 0.0
+    """Weight of the MoE router auxiliary loss."""
+    pretrain_mode_enable: bool = False
+    """SFT: train on the whole text, not just the response."""
+    compute_fp32_loss_enable: bool = False
+    """RM: compute the loss in fp32."""
+    margin_loss_enable: bool = False
+    """RM: subtract the dataset's ``margin`` column inside the sigmoid loss."""
+    loss_type: str = "sigmoid"
+    """RM loss: ``sigmoid`` or ``logexp``."""
+    beta: float = 0.1
+    """DPO/KTO temperature."""
+    ipo_enable: bool = False
+    """DPO: use the IPO loss."""
+    label_smoothing: float = 0.0
+    """cDPO label smoothing."""
+    nll_loss_coef: float = 0.0
+    """DPO: weight of an NLL term on the chosen responses."""
+    desirable_weight: float = 1.0
+    """KTO: weight of desirable examples."""
+    undesirable_weight: float = 1.0
+    """KTO: weight of undesirable examples."""
+    adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=5e-6))
+
+
+# --- roots ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RLConfig:
+    """``rlhf train ppo``: every PPO-family algorithm (the estimator picks which)."""
+
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass
+class SupervisedConfig:
+    """``rlhf train sft`` and ``rlhf train rm``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass
+class PreferenceConfig(SupervisedConfig):
+    """``rlhf train dpo`` and ``rlhf train kto``: a trained model and a frozen reference."""
+
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+MODES: dict[str, type] = {
+    "ppo": RLConfig,
+    "sft": SupervisedConfig,
+    "rm": SupervisedConfig,
+    "dpo": PreferenceConfig,
+    "kto": PreferenceConfig,
+}
+
+
+def to_dict(cfg: object) -> dict:
+    """The config as nested plain data (tuples become lists), e.g. for YAML."""
+
+    def plain(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)

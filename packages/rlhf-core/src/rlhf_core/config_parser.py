@@ -1,0 +1,306 @@
+"""Turn command-line flags and YAML files into a config dataclass.
+
+Precedence: defaults < ``--config file.yaml`` (in order) < flags on the command line. Flat OpenRLHF
+spellings are rewritten to dotted flags first (:mod:`rlhf_core.config_aliases`). Unknown keys fail with the
+closest known spelling; a YAML file's errors name the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlhf_core import config_aliases as aliases
+from rlhf_core.config import MODES
+
+
+class ConfigError(ValueError):
+    """A flag or YAML key is unknown, malformed, or has a value of the wrong type."""
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One settable field: its dotted path, value type and documentation."""
+
+    path: str
+    kind: str  # bool | int | float | str | pair | list
+    item: type  # element type for pair/list, else the scalar type
+    doc: str
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The string written under each field of a dataclass (its documentation), by field name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _leaf_kind(tp: Any) -> tuple[str, type]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return "pair", typing.get_args(tp)[0]
+    if origin is list:
+        return "list", typing.get_args(tp)[0]
+    if tp is bool:
+        return "bool", bool
+    return tp.__name__, tp
+
+
+@functools.cache
+def leaves(root: type) -> dict[str, Leaf]:
+    """Every settable field under ``root``, keyed by dotted path."""
+    out: dict[str, Leaf] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            kind, item = _leaf_kind(tp)
+            out[prefix + f.name] = Leaf(prefix + f.name, kind, item, docs.get(f.name, ""))
+
+    walk(root, "")
+    return out
+
+
+def _parse_bool(text: str) -> bool:
+    low = str(text).lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+def build_argparser(mode: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one dotted flag per config field, grouped by section (for ``--help``)."""
+    root = MODES[mode]
+    parser = _Parser(prog=prog or f"rlhf train {mode}", allow_abbrev=False, add_help=False,
+                     description=inspect.getdoc(root))
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for leaf in leaves(root).values():
+        section = leaf.path.split(".")[0]
+        group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
+        kw: dict[str, Any] = {"dest": leaf.path, "default": argparse.SUPPRESS, "help": leaf.doc}
+        if leaf.kind == "bool":
+            kw.update(nargs="?", const=True, type=_parse_bool, metavar="BOOL")
+        elif leaf.kind == "pair":
+            kw.update(nargs=2, type=leaf.item, metavar=("LOW", "HIGH"))
+        elif leaf.kind == "list":
+            kw.update(nargs="+", type=str, metavar=leaf.item.__name__.upper())
+        else:
+            kw.update(type=leaf.item, metavar=leaf.item.__name__.upper())
+        group.add_argument(f"--{leaf.path}", **kw)
+    return parser
+
+
+def _split_flag(token: str) -> tuple[str, str | None]:
+    name, eq, value = token[2:].partition("=")
+    return name, (value if eq else None)
+
+
+def _take_values(tokens: list[str], i: int) -> list[str]:
+    """The values following the flag at ``tokens[i]``: everything up to the next ``--`` token."""
+    j = i + 1
+    while j < len(tokens) and not tokens[j].startswith("--"):
+        j += 1
+    return tokens[i + 1 : j]
+
+
+def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]:
+    """Rewrite flat OpenRLHF flags in ``tokens`` to dotted ones; notes collect what was dropped."""
+    renames = aliases.table(mode)
+    out: list[str] = []
+    clip: dict[int, str] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            out.append(tok)
+            i += 1
+            continue
+        name, inline = _split_flag(tok)
+        values = [inline] if inline is not None else _take_values(tokens, i)
+        i += 1 + (0 if inline is not None else len(values))
+        if name in renames:
+            targets = renames[name]
+            for target in (targets,) if isinstance(targets, str) else targets:
+                out += [f"--{target}", *values]
+        elif name in aliases.CONSTANTS:
+            for target, value in aliases.CONSTANTS[name]:
+                out += [f"--{target}", value]
+        elif name in aliases.DROPPED:
+            notes.append(f"--{name} is ignored: OpenRLHF dropped it and rlhf has no equivalent")
+        elif name in aliases.CLIP_PARTS and mode == "ppo":
+            clip[aliases.CLIP_PARTS[name]] = values[0] if values else ""
+        else:
+            out += [f"--{name}", *values]
+    if clip:
+        eps = "0.2"
+        for k, tok in enumerate(out):
+            if tok == "--actor.eps_clip" and k + 1 < len(out):
+                eps = out[k + 1]
+        out += ["--actor.eps_clip_low_high", clip.get(0, eps), clip.get(1, eps)]
+    return out
+
+
+def _known_flags(mode: str) -> list[str]:
+    return [f"--{p}" for p in leaves(MODES[mode])] + [f"--{a}" for a in aliases.table(mode)]
+
+
+def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
+    lines = []
+    known = _known_flags(mode)
+    after_flag = False
+    for tok in unknown:
+        if not tok.startswith("--"):
+            if not after_flag:  # the values of an unknown flag need no message of their own
+                lines.append(f"unexpected value {tok!r}{where}")
+            continue
+        after_flag = True
+        flag = "--" + _split_flag(tok)[0]
+        close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        lines.append(f"unknown option {flag}{where} for 'rlhf train {mode}'{hint}")
+    return ConfigError("\n".join(lines))
+
+
+def _flatten_yaml(data: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten_yaml(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def yaml_tokens(path: str | Path) -> list[str]:
+    """The flags a YAML config file stands for (nested sections or dotted keys, flat aliases too)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")
+    tokens: list[str] = []
+    for key, value in _flatten_yaml(data).items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = ["true" if value else "false"]
+        elif not isinstance(value, list):
+            value = [value]
+        tokens += [f"--{key}", *(str(v) for v in value)]
+    return tokens
+
+
+def _parse_tokens(mode: str, tokens: list[str], where: str) -> dict[str, Any]:
+    parser = build_argparser(mode)
+    try:
+        ns, unknown = parser.parse_known_args(tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}{where}") from None
+    if unknown:
+        raise _unknown_error(mode, unknown, where)
+    return vars(ns)
+
+
+def parse_config(mode: str, argv: list[str]) -> tuple[Any, list[str]]:
+    """Parse ``argv`` (flags only, no subcommand) for ``mode``; returns the config and notes to print."""
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+    notes: list[str] = []
+    files: list[str] = []
+    cli: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, inline = _split_flag(argv[i]) if argv[i].startswith("--") else ("", None)
+        if name == "config":
+            value = inline if inline is not None else (argv[i + 1] if i + 1 < len(argv) else None)
+            if value is None:
+                raise ConfigError("--config needs a YAML file path")
+            files.append(value)
+            i += 1 if inline is not None else 2
+            continue
+        cli.append(argv[i])
+        i += 1
+    values: dict[str, Any] = {}
+    for f in files:
+        values.update(_parse_tokens(mode, rewrite_aliases(mode, yaml_tokens(f), notes), f" (in {f})"))
+    values.update(_parse_tokens(mode, rewrite_aliases(mode, cli, notes), ""))
+    return build_config(mode, values), notes
+
+
+def build_config(mode: str, values: dict[str, Any]) -> Any:
+    """A config of ``mode`` with defaults, updated by ``{dotted path: value}``."""
+    root = MODES[mode]
+    cfg = root()
+    table = leaves(root)
+    for path, value in values.items():
+        leaf = table[path]
+        if leaf.kind == "pair":
+            value = tuple(value)
+        elif leaf.kind == "list":
+            parts = [p for v in value for p in str(v).split(",") if p != ""]
+            try:
+                value = [leaf.item(p) for p in parts]
+            except ValueError:
+                raise ConfigError(f"--{path}: expected {leaf.item.__name__} values, got {value}") from None
+        *parents, name = path.split(".")
+        target = cfg
+        for p in parents:
+            target = getattr(target, p)
+        setattr(target, name, value)
+    return cfg
+
+
+def config_to_yaml(cfg: Any) -> str:
+    from rlhf_core.config import to_dict
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+
+def load_config_yaml(mode: str, path: str | Path) -> Any:
+    """Read back a resolved config written by :func:`config_to_yaml` (e.g. from a run directory)."""
+    return build_config(mode, _parse_tokens(mode, yaml_tokens(path), f" (in {path})"))

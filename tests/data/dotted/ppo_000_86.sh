@@ -1,0 +1,12 @@
+# seeds/000 line 86 (PPO, hybrid engine), written with OpenRLHF's current dotted flags by hand
+--ref.num_nodes 1 --ref.num_gpus_per_node 8 --reward.num_nodes 1 --reward.num_gpus_per_node 8
+--critic.num_nodes 1 --critic.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8
+--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.6
+--actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture --reward.model_name_or_path OpenRLHF/Llama-3-8b-rm-mixture
+--ckpt.output_dir /openrlhf/examples/checkpoint/llama3-8b-rlhf --train.micro_batch_size 16 --train.batch_size 128
+--rollout.micro_batch_size 32 --rollout.batch_size 1024 --data.max_samples 100000 --train.max_epochs 1
+--data.prompt_max_len 1024 --rollout.max_new_tokens 1024 --ds.zero_stage 3 --ds.param_dtype bf16
+--actor.adam.lr 5e-7 --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 --data.prompt_dataset OpenRLHF/prompt-collection-v0.1
+--data.input_key context_messages --data.apply_chat_template --ds.packing_samples --train.dynamic_batch_enable
+--reward.normalize_enable --ds.adam_offload --ds.attn_implementation flash_attention_2
+--actor.gradient_checkpointing_enable --logger.wandb.key {wandb_token}

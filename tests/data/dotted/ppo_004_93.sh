@@ -1,0 +1,12 @@
+# seeds/004 line 93 (GRPO, multi-turn agent), dotted by hand
+--ref.num_nodes 1 --ref.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8
+--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.6
+--algo.kl.init_coef 1e-3 --algo.kl.use_loss --algo.kl.estimator k3 --algo.advantage.estimator group_norm
+--actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture --train.agent_func_path /openrlhf/examples/python/agent.py
+--ckpt.output_dir /openrlhf/examples/test_scripts/final/llama3-8b-rlhf --ckpt.save_hf
+--train.micro_batch_size 8 --train.batch_size 128 --rollout.micro_batch_size 16 --rollout.batch_size 128
+--rollout.n_samples_per_prompt 8 --train.max_epochs 1 --data.prompt_max_len 1024 --data.max_samples 100000
+--rollout.max_new_tokens 1024 --ds.zero_stage 3 --ds.param_dtype bf16 --actor.adam.lr 5e-7 --critic.adam.lr 9e-6
+--data.prompt_dataset OpenRLHF/prompt-collection-v0.1 --data.input_key context_messages --data.apply_chat_template
+--actor.gradient_checkpointing_enable --ds.packing_samples --vllm.sync_backend nccl --vllm.enforce_eager
+--vllm.enable_sleep --ds.enable_sleep

@@ -1,0 +1,143 @@
+"""Configuration: seed commands parse, flat and dotted spellings agree, YAML files and errors."""
+
+from pathlib import Path
+
+import pytest
+from rlhf_core.config import RLConfig, to_dict
+from rlhf_core.config_parser import ConfigError, config_to_yaml, load_config_yaml, parse_config
+from rlhf_cli.assemble import assemble
+from seed_commands import SEEDS, seed_commands
+
+DOTTED = Path(__file__).parent / "data" / "dotted"
+needs_seeds = pytest.mark.skipif(not SEEDS.is_dir(), reason=f"seed documents not found at {SEEDS}")
+
+
+def _seed_ids():
+    return [c.source for c in seed_commands()] if SEEDS.is_dir() else []
+
+
+def _with_real_files(argv: list[str], tmp_path: Path) -> list[str]:
+    """Point the commands' reward/agent file paths at a file that exists, as on the user's machine."""
+    out = []
+    for tok in argv:
+        if tok.endswith(".py") and not tok.startswith("--"):
+            real = tmp_path / Path(tok).name
+            real.write_text("# stand-in for the user's file\n")
+            tok = str(real)
+        out.append(tok)
+    return out
+
+
+@needs_seeds
+def test_seed_documents_hold_the_expected_commands():
+    modes = [c.mode for c in seed_commands()]
+    assert modes.count("ppo") >= 20 and {"rm", "dpo", "sft"} <= set(modes)
+
+
+@needs_seeds
+@pytest.mark.parametrize("source", _seed_ids())
+def test_every_seed_command_parses_and_plans(source, tmp_path):
+    (cmd,) = [c for c in seed_commands() if c.source == source]
+    cfg, _ = parse_config(cmd.mode, _with_real_files(cmd.argv, tmp_path))
+    asm = assemble(cmd.mode, cfg, gpus=True)  # the seeds target GPU clusters
+    assert asm.chosen["train_backends"] == "deepspeed"
+    if cmd.mode == "ppo":
+        assert asm.plan is not None and {g.role for g in asm.plan.groups} >= {"actor", "rollout"}
+
+
+@needs_seeds
+@pytest.mark.parametrize("name", sorted(p.name for p in DOTTED.glob("*.sh")))
+def test_dotted_spelling_resolves_to_the_same_config(name):
+    text = (DOTTED / name).read_text()
+    source = text.splitlines()[0].split()[1].replace("seeds/", "")  # "# seeds/000 line 86 ..."
+    line = text.splitlines()[0].split()[3]
+    (cmd,) = [c for c in seed_commands() if c.source.startswith(source) and c.source.endswith(f":{line}")]
+    dotted = " ".join(ln for ln in text.splitlines() if not ln.startswith("#")).split()
+    if "--input_template" in cmd.argv:  # a value with spaces: carried over verbatim
+        dotted += ["--data.input_template", cmd.argv[cmd.argv.index("--input_template") + 1]]
+    flat_cfg, _ = parse_config(cmd.mode, cmd.argv)
+    dotted_cfg, _ = parse_config(cmd.mode, dotted)
+    assert to_dict(flat_cfg) == to_dict(dotted_cfg)
+    assert flat_cfg != type(flat_cfg)()  # the command changed something
+
+
+def test_flat_aliases_that_set_several_fields():
+    cfg, notes = parse_config("ppo", ["--adam_betas", "0.8", "0.9", "--ref_reward_offload", "--bf16",
+                                      "--clip_eps_high", "0.28", "--eps_clip", "0.1", "--ptx_coef", "0.5"])
+    assert cfg.actor.adam.betas == cfg.critic.adam.betas == (0.8, 0.9)
+    assert cfg.ref.offload and cfg.reward.offload
+    assert cfg.ds.param_dtype == "bf16"
+    assert cfg.actor.eps_clip_low_high == (0.1, 0.28)  # the missing side falls back to --eps_clip
+    assert any("--ptx_coef" in n for n in notes)
+
+
+def test_supervised_optimizer_flags_without_prefix():
+    cfg, _ = parse_config("sft", ["--adam.lr", "3e-5", "--learning_rate", "2e-5", "--lr_scheduler", "constant"])
+    assert cfg.model.adam.lr == 2e-5  # the later flag wins
+    assert cfg.model.lr_scheduler == "constant"
+
+
+def test_unknown_flag_suggests_the_closest_spelling():
+    with pytest.raises(ConfigError, match=r"--algo\.advantage\.estimator"):
+        parse_config("ppo", ["--algo.advantage.estimater", "rloo"])
+    with pytest.raises(ConfigError, match="--advantage_estimator"):
+        parse_config("ppo", ["--advantage_estimater", "rloo"])
+
+
+def test_mode_specific_sections_are_rejected_elsewhere():
+    with pytest.raises(ConfigError, match="--actor.eps_clip.*rlhf train sft"):
+        parse_config("sft", ["--actor.eps_clip", "0.3"])
+
+
+def test_wrong_type_names_the_flag():
+    with pytest.raises(ConfigError, match="--ds.zero_stage"):
+        parse_config("ppo", ["--ds.zero_stage", "three"])
+    with pytest.raises(ConfigError, match="--train.colocate_all"):
+        parse_config("ppo", ["--train.colocate_all", "maybe"])
+
+
+def test_yaml_nested_dotted_and_flat_keys_with_cli_override(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text(
+        "actor:\n  model_name_or_path: /m\n  adam: {lr: 2.0e-6}\n"
+        "algo.advantage.estimator: rloo\n"
+        "n_samples_per_prompt: 4\n"
+        "train:\n  colocate_all: true\n"
+    )
+    cfg, _ = parse_config("ppo", ["--config", str(f), "--actor.adam.lr", "3e-6"])
+    assert cfg.actor.model_name_or_path == "/m"
+    assert cfg.algo.advantage.estimator == "rloo"
+    assert cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.train.colocate_all is True
+    assert cfg.actor.adam.lr == 3e-6
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("actor:\n  eps_clp: 0.3\n")
+    with pytest.raises(ConfigError, match=rf"in {f}.*did you mean --actor\.eps_clip"):
+        parse_config("ppo", ["--config", str(f)])
+    f.write_text("actor: [unclosed\n")
+    with pytest.raises(ConfigError, match=f"--config {f}: not valid YAML"):
+        parse_config("ppo", ["--config", str(f)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_config("ppo", ["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg, _ = parse_config("ppo", ["--pretrain", "/m", "--reward_clip_range", "-3", "3", "--train.colocate_all",
+                                  "--data.prompt_dataset", "a.jsonl,b.jsonl", "--data.prompt_probs", "0.3", "0.7"])
+    f = tmp_path / "config.yaml"
+    f.write_text(config_to_yaml(cfg))
+    again = load_config_yaml("ppo", f)
+    assert again == cfg
+    assert again.reward.clip_range == (-3.0, 3.0)
+    assert again.data.prompt_dataset == ["a.jsonl", "b.jsonl"]
+
+
+def test_defaults_follow_openrlhf():
+    cfg = RLConfig()
+    assert cfg.algo.advantage.estimator == "gae"
+    assert cfg.actor.eps_clip == 0.2 and cfg.critic.value_clip == 0.5
+    assert cfg.actor.adam.lr == 1e-6 and cfg.critic.adam.lr == 9e-6
+    assert cfg.reward.clip_range == (-10.0, 10.0)

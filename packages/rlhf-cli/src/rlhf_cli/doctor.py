@@ -1,0 +1,108 @@
+"""``rlhf doctor``: what is installed, which features are available here, and known-bad combinations."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import os
+import platform
+import sys
+
+from packaging.version import Version
+
+PACKAGES = ["rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-rollout-vllm", "rlhf-cli",
+            "torch", "transformers", "deepspeed", "ray", "vllm", "flash-attn", "ring-flash-attn", "peft"]
+
+
+def version_of(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def known_problems(versions: dict[str, str | None], cuda: bool) -> list[str]:
+    """Combinations that are known not to work, as warnings a user can act on."""
+    warn = []
+    if versions.get("vllm") and not cuda:
+        warn.append("vllm is installed but no CUDA device is visible: the HF engine will be used")
+    if versions.get("flash-attn") and not cuda:
+        warn.append("flash-attn is installed but needs a CUDA device; --ds.attn_implementation flash_attention_2 "
+                    "will fail here")
+    if versions.get("ring-flash-attn") and not versions.get("flash-attn"):
+        warn.append("ring-flash-attn needs flash-attn, which is not installed")
+    torch_v = versions.get("torch")
+    if torch_v and Version(torch_v.split("+")[0]) < Version("2.4"):
+        warn.append(f"torch {torch_v} is older than rlhf supports (2.4)")
+    tf_v = versions.get("transformers")
+    if tf_v and Version(tf_v) < Version("4.50"):
+        warn.append(f"transformers {tf_v} is older than rlhf supports (4.50)")
+    if os.environ.get("RAY_ADDRESS") and not os.environ.get("RAY_AUTH_MODE"):
+        warn.append("RAY_ADDRESS is set but RAY_AUTH_MODE is not: make sure the cluster's ports are not public")
+    return warn
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(f"python      {sys.version.split()[0]} on {platform.platform()}")
+    versions = {p: version_of(p) for p in PACKAGES}
+    for p, v in versions.items():
+        print(f"{p:<22} {v or '-- not installed'}")
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    print(f"\nCUDA        {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no (CPU only)'}"
+          f"{f', {torch.cuda.device_count()} device(s)' if cuda else ''}")
+    if versions["deepspeed"]:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
+        try:
+            from deepspeed.accelerator import get_accelerator
+            from deepspeed.ops.op_builder import CPUAdamBuilder
+
+            acc = get_accelerator()
+            print(f"DeepSpeed   accelerator {acc.device_name()}, backend {acc.communication_backend_name()}, "
+                  f"CPU Adam {'compatible' if CPUAdamBuilder().is_compatible() else 'unavailable'}")
+        except Exception as exc:  # report, do not fail: doctor must always finish
+            print(f"DeepSpeed   could not be inspected: {exc}")
+
+    from rlhf_core import plugins
+
+    print("\nplugins:")
+    try:
+        for dist in plugins.describe(plugins.get_plugin_manager()):
+            seams = "; ".join(f"{s}: {', '.join(sorted(n))}" for s, n in dist["seams"].items()) or "nothing"
+            print(f"  {dist['distribution']} {dist['version']}: {seams}")
+        engines = plugins.collect(plugins.get_plugin_manager(), "rollout_engines")
+        for name, reg in sorted(engines.items()):
+            reason = reg.obj.available()
+            print(f"  rollout engine {name}: {'available' if reason is None else 'unavailable: ' + reason}")
+    except plugins.PluginError as exc:
+        print(f"  plugin loading failed: {exc}")
+
+    print("\nfeatures:")
+    features = {
+        "vLLM rollout": bool(versions["vllm"]) and cuda,
+        "flash-attn / packing kernels": bool(versions["flash-attn"]) and cuda,
+        "ring attention": bool(versions["ring-flash-attn"]) and cuda,
+        "LoRA (peft)": bool(versions["peft"]),
+        "QLoRA (bitsandbytes)": importlib.util.find_spec("bitsandbytes") is not None and cuda,
+        "NCCL weight sync": cuda,
+    }
+    for name, ok in features.items():
+        print(f"  {name:<30} {'yes' if ok else 'no'}")
+
+    if importlib.util.find_spec("ray") is not None and os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        try:
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+            print(f"\nRay cluster {os.environ['RAY_ADDRESS']}: {ray.cluster_resources()}")
+            ray.shutdown()
+        except Exception as exc:
+            print(f"\nRay cluster {os.environ['RAY_ADDRESS']}: cannot connect: {exc}")
+
+    problems = known_problems(versions, cuda)
+    print("\nwarnings:" if problems else "\nno known problems")
+    for w in problems:
+        print(f"  - {w}")
+    return 0

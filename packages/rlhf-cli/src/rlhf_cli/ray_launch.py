@@ -1,0 +1,96 @@
+"""Ray plumbing: joining or starting a cluster, and turning a PlacementPlan into placement groups and actors."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from rlhf_core.types import PlacementPlan, WorkerGroupSpec
+
+# Environment every actor gets: CPU DeepSpeed when there is no GPU, no tokenizer thread pools.
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def init_ray(cfg, plan: PlacementPlan | None = None) -> None:
+    """Join ``--ray.address`` / ``$RAY_ADDRESS`` when given, else start a local cluster.
+
+    A local cluster gets as many logical CPUs as the plan's bundles need (they are bookkeeping, not
+    cores), its dashboard only when asked and then bound to 127.0.0.1.
+    """
+    if ray.is_initialized():
+        return
+    env = {**WORKER_ENV, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    if not _cuda():
+        env["DS_ACCELERATOR"] = "cpu"
+    runtime_env = {"env_vars": env}
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    needed = 0.0
+    if plan is not None:
+        needed = sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
+    ray.init(
+        num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1),
+        include_dashboard=cfg.ray.dashboard,
+        dashboard_host="127.0.0.1",
+        runtime_env=runtime_env,
+        log_to_driver=True,
+    )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class Pool:
+    """A created placement group and the plan entry it came from."""
+
+    name: str
+    group: PlacementGroup
+    num_bundles: int
+
+
+def create_pools(plan: PlacementPlan, timeout_s: float = 120.0) -> dict[str, Pool]:
+    """One Ray placement group per pool of the plan; raises if the cluster cannot hold one in time."""
+    pools: dict[str, Pool] = {}
+    for spec in plan.pools:
+        pg = placement_group(spec.bundles, strategy=spec.strategy, name=f"rlhf-{spec.name}-{os.getpid()}")
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"Ray could not place pool {spec.name!r} ({len(spec.bundles)} bundles of {spec.bundles[0]}) within "
+                f"{timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
+            )
+        pools[spec.name] = Pool(spec.name, pg, len(spec.bundles))
+    return pools
+
+
+def remove_pools(pools: dict[str, Pool]) -> None:
+    for pool in pools.values():
+        remove_placement_group(pool.group)
+
+
+def worker_options(spec: WorkerGroupSpec, pool: Pool, rank: int, gpus_per_worker_bundles: int = 1) -> dict[str, Any]:
+    """Ray actor options that pin worker ``rank`` of ``spec`` to its bundle of ``pool``.
+
+    Workers spread over the bundles in order (a worker of ``gpus_per_worker_bundles`` GPUs starts at bundle
+    ``rank * gpus_per_worker_bundles``), so roles sharing a pool land on the same bundles: colocation.
+    """
+    bundle = (rank * gpus_per_worker_bundles) % pool.num_bundles
+    return {
+        "num_cpus": spec.num_cpus_per_worker,
+        "num_gpus": spec.num_gpus_per_worker,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pool.group, placement_group_bundle_index=bundle
+        ),
+    }

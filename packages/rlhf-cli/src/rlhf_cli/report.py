@@ -1,0 +1,93 @@
+"""The run report: PNG plots of a run's metrics.jsonl and an HTML page that shows them.
+
+    python -m rlhf_cli.report RUN_DIR        # writes RUN_DIR/report/{*.png,index.html}
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import sys
+from pathlib import Path
+
+# plot file -> (title, y label, metric keys drawn on it; the first present ones are used)
+PLOTS: dict[str, tuple[str, str, list[str]]] = {
+    "reward.png": ("Reward per step", "reward", ["reward/mean", "score/mean", "eval/accuracy"]),
+    "kl.png": ("KL to the reference policy", "KL", ["kl/mean", "policy/rollout_kl"]),
+    "response_length.png": ("Response length", "tokens", ["response_length/mean"]),
+    "throughput.png": ("Throughput", "tokens / s", ["perf/tokens_per_s", "perf/gen_tokens_per_s"]),
+}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl file; a torn last line (a crash mid-write) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def make_report(run_dir: str | Path) -> Path:
+    """Write the plots and index.html under ``run_dir/report``; returns the HTML path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    out = run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    made = []
+    for fname, (title, ylabel, keys) in PLOTS.items():
+        series = {k: [(r["step"], r[k]) for r in rows if k in r and r[k] is not None] for k in keys}
+        series = {k: v for k, v in series.items() if v}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+        for key, points in series.items():
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / fname)
+        plt.close(fig)
+        made.append((fname, title))
+    last = rows[-1] if rows else {}
+    summary = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>" if isinstance(v, float)
+        else f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+        for k, v in sorted(last.items())
+    )
+    images = "".join(f'<figure><img src="{f}" alt="{html.escape(t)}"><figcaption>{html.escape(t)}</figcaption>'
+                     f"</figure>" for f, t in made)
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>rlhf run report</title>"
+        "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:0 1em 1em 0}"
+        "td{padding:0 1em 0 0}</style></head><body>"
+        f"<h1>rlhf run report</h1><p>{html.escape(str(run_dir))}: {len(rows)} steps</p>{images}"
+        f"<h2>Last step</h2><table>{summary}</table></body></html>"
+    )
+    index = out / "index.html"
+    index.write_text(page)
+    return index
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m rlhf_cli.report RUN_DIR", file=sys.stderr)
+        return 2
+    print(make_report(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

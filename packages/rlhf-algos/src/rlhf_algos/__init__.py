@@ -1,3 +1,88 @@
-"""rlhf-algos."""
+"""rlhf-algos: the math of RLHF as pure torch functions (no Ray, vLLM or DeepSpeed).
+
+Modules: ``advantages`` (estimators), ``kl`` (estimators, loss term, controllers), ``policy_loss`` (PPO,
+GSPO, IS correction, entropy term), ``value_loss``, ``aggregation``, ``shaping`` (length penalties,
+normalisation, dynamic filtering), ``preference`` (DPO/IPO/cDPO, KTO, RM), ``sft``, ``logits``.
+The estimators, policy losses and KL estimators are also registered by name through ``rlhf_algos.plugin``.
+"""
+
+from rlhf_algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    check_n_samples_per_prompt,
+    compute_advantages,
+    gae_advantages,
+    group_shaped_rewards,
+    normalize_advantages,
+    token_level_rewards,
+)
+from rlhf_algos.aggregation import AGGREGATION_MODES, aggregate
+from rlhf_algos.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    k1,
+    k2,
+    k3,
+    kl_loss,
+    make_kl_controller,
+)
+from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
+from rlhf_algos.policy_loss import (
+    IS_CORRECTION_TYPES,
+    POLICY_LOSSES,
+    entropy_loss,
+    gspo_loss,
+    ppo_loss,
+    rollout_correction_weights,
+)
+from rlhf_algos.preference import dpo_loss, kto_loss, nll_loss, rm_loss
+from rlhf_algos.sft import sft_loss
+from rlhf_algos.shaping import (
+    RunningMeanStd,
+    dynamic_filter,
+    overlong_penalty,
+    stop_properly_penalty,
+)
+from rlhf_algos.value_loss import value_loss
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATION_MODES",
+    "IS_CORRECTION_TYPES",
+    "KL_ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AdvantageEstimator",
+    "FixedKLController",
+    "RunningMeanStd",
+    "aggregate",
+    "check_n_samples_per_prompt",
+    "compute_advantages",
+    "dpo_loss",
+    "dynamic_filter",
+    "entropy_from_logits",
+    "entropy_loss",
+    "gae_advantages",
+    "group_shaped_rewards",
+    "gspo_loss",
+    "k1",
+    "k2",
+    "k3",
+    "kl_loss",
+    "kto_loss",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "nll_loss",
+    "normalize_advantages",
+    "overlong_penalty",
+    "ppo_loss",
+    "rm_loss",
+    "rollout_correction_weights",
+    "sft_loss",
+    "stop_properly_penalty",
+    "token_level_rewards",
+    "value_loss",
+]

@@ -79,10 +79,11 @@ class ActorConfig(OptimizerFields):
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens; None disables it."""
     policy_loss_type: str = "ppo"
     """Registered policy loss: ``ppo`` or ``gspo`` (or a plugin's)."""
-    loss_agg_mode: str = "token_mean"
+    loss_agg_mode: str | None = None
     """How token losses become one number: ``token_mean`` (over the whole optimizer step, across
     gradient accumulation and data-parallel ranks), ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``
-    (Dr. GRPO). OpenRLHF has no such flag."""
+    (Dr. GRPO). Default: the policy loss's own (``ppo``: token_mean, ``gspo``: seq_mean_token_mean).
+    OpenRLHF has no such flag."""
     aux_loss_coef: float = 0.0
     """Weight of the MoE router auxiliary loss."""
     entropy_coef: float = 0.0
@@ -148,7 +149,7 @@ class RewardConfig:
     stop_properly_penalty_coef: float | None = None
     """Samples cut at ``max_new_tokens``: reward *= coef when coef >= 0, reward = coef when negative."""
     timeout: float = 180.0
-    """Seconds one HTTP reward request may take."""
+    """Seconds one HTTP reward request (or one call of a reward function) may take."""
     max_retries: int = 5
     """Attempts per HTTP reward request (4xx answers are not retried)."""
     max_concurrency: int = 32
@@ -157,6 +158,8 @@ class RewardConfig:
     """Stop the run when more than this fraction of a step's samples cannot be scored."""
     weights: list[float] | None = None
     """Weights of several reward sources (comma-separated ``remote_url``s), one each."""
+    request_batch_size: int = 64
+    """Most samples per HTTP reward request; a step's batch is split over the URLs in requests this big."""
 
 
 # --- rollout -----------------------------------------------------------------------------------------------
@@ -251,6 +254,9 @@ class TrainConfig:
     """A registered multi-turn environment by name (driven by the ``multi_turn`` executor)."""
     env_step_timeout: float = 300.0
     """Seconds an environment step may take before it is ended and counted."""
+    check_retokenization: bool = False
+    """Debug: re-tokenize each finished sample's text and report drift from its token ids (metric
+    ``tokenize/drift_samples`` and one warning)."""
     dynamic_batch_enable: bool = False
     """Form training micro-batches by token budget instead of sequence count."""
     max_tokens_per_gpu: int = 16192

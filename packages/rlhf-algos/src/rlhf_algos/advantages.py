@@ -1,0 +1,233 @@
+"""Advantage estimators: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``,
+``dr_grpo``.
+
+All follow OpenRLHF's order of operations (``docs/algorithms.md`` has the formulas and the deviations):
+
+1. group shaping of the sequence rewards (:func:`group_shaped_rewards`);
+2. per-token rewards: clip the shaped reward, put it on the last action token, add ``-kl_coef * kl`` on
+   every action token (:func:`token_level_rewards`);
+3. GAE (with a critic) or discounted returns (:func:`gae_advantages`);
+4. normalisation over all action tokens of the batch, for ``gae``, ``reinforce`` and
+   ``reinforce_baseline`` only (:func:`normalize_advantages`).
+
+Call the estimator once on the whole rollout batch: group shaping needs whole groups, and the
+normalisation statistics are those of the batch it is given. Rows ``[g*n, (g+1)*n)`` form group ``g``.
+
+Samples with ``valid`` False (unscorable) take no part in baselines or statistics, and get zero advantages
+and returns. The trainer should also drop them from the loss masks (a zero advantage gives a zero policy
+loss, but the tokens would still count in a ``token_mean`` denominator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_core.types import AdvantageInput, AdvantageOutput
+
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+BATCH_NORMALIZED = ("gae", "reinforce", "reinforce_baseline")
+ESTIMATOR_NAMES = ("gae", "reinforce", *GROUP_ESTIMATORS)
+
+
+def check_n_samples_per_prompt(name: str, min_samples_per_prompt: int, n_samples_per_prompt: int) -> None:
+    """Refuse a configuration that gives a group estimator fewer samples per prompt than it needs.
+
+    The trainer calls it at start-up with the estimator's ``min_samples_per_prompt``; raises ValueError.
+    """
+    if n_samples_per_prompt < min_samples_per_prompt:
+        raise ValueError(
+            f"advantage estimator {name!r} compares the samples of each prompt and needs "
+            f"--rollout.n_samples_per_prompt >= {min_samples_per_prompt} (got {n_samples_per_prompt}); "
+            f"raise it, or pick an estimator without a group baseline (gae, reinforce)"
+        )
+
+
+def group_shaped_rewards(
+    rewards: torch.Tensor, n_samples_per_prompt: int, estimator: str, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Subtract each prompt group's baseline from the sequence rewards ``[B]``; returns ``[B]`` float32.
+
+    With ``r`` one group's valid rewards (``k`` of them)::
+
+        rloo:               r_i - (sum_j r_j - r_i) / (k - 1)          leave-one-out mean
+        reinforce_baseline: r_i - mean(r)
+        dr_grpo:            r_i - mean(r)
+        group_norm:         (r_i - mean(r)) / (std(r) + 1e-9)           std unbiased, as torch.std
+        gae, reinforce:     r_i                                         unchanged
+
+    Invalid samples are left out of ``k``, the sums and the std, and get 0 (their reward may be NaN). A
+    group with fewer than two valid samples has nothing to compare against and gets 0 for every sample.
+    A group whose valid rewards are all equal gets exactly 0: float rounding makes ``r - mean(r)`` about
+    1e-8 there, which ``group_norm``'s ``1e-9`` epsilon would blow up to values near 1.
+    """
+    if estimator not in ESTIMATOR_NAMES:
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; built-ins: {', '.join(ESTIMATOR_NAMES)}"
+        )
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    valid = valid.bool()
+    r = torch.where(valid, rewards.float(), 0.0)
+    if estimator not in GROUP_ESTIMATORS:
+        return r
+    n = n_samples_per_prompt
+    if n < 2 or r.numel() % n:
+        raise ValueError(f"{estimator} needs groups of n >= 2 rows; got {r.numel()} rows with n = {n}")
+    r, v = r.view(-1, n), valid.view(-1, n)
+    k = v.sum(-1, keepdim=True)
+    total = r.sum(-1, keepdim=True)
+    mean = total / k.clamp(min=1)
+    if estimator == "rloo":
+        shaped = r - (total - r) / (k - 1).clamp(min=1)
+    elif estimator == "group_norm":
+        var = torch.where(v, (r - mean).square(), 0.0).sum(-1, keepdim=True) / (k - 1).clamp(min=1)
+        shaped = (r - mean) / (var.sqrt() + 1e-9)
+    else:
+        shaped = r - mean
+    lo = torch.where(v, r, torch.inf).amin(-1, keepdim=True)
+    hi = torch.where(v, r, -torch.inf).amax(-1, keepdim=True)
+    informative = (k >= 2) & (lo < hi)
+    return torch.where(v & informative, shaped, 0.0).flatten()
+
+
+def token_level_rewards(
+    rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    reward_clip: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """Per-token rewards ``[B, T]`` from sequence rewards ``[B]``::
+
+        R_t = -kl_coef * kl_t + (t == last action token ? clamp(r, lo, hi) : 0)     on action tokens
+        R_t = 0                                                                      elsewhere
+
+    The last action token is the last position where ``action_mask`` is true (multi-turn masks may have
+    holes). A row without action tokens gets no reward.
+    """
+    mask = action_mask.bool()
+    r = rewards.float()
+    if reward_clip is not None:
+        r = r.clamp(reward_clip[0], reward_clip[1])
+    t = mask.shape[-1]
+    last = t - 1 - mask.flip(-1).int().argmax(-1)  # argmax returns the first maximum
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    out[torch.arange(mask.shape[0], device=mask.device), last] = torch.where(mask.any(-1), r, 0.0)
+    if kl is not None and kl_coef != 0:
+        out = out - kl_coef * torch.where(mask, kl.float(), 0.0)
+    return out
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438).
+
+    Over the action tokens of each row, ``t'`` being the next action token after ``t``::
+
+        delta_t = R_t + gamma * V_t' - V_t        (V after the last action token is 0)
+        A_t     = delta_t + gamma * lambd * A_t'
+        ret_t   = A_t + V_t
+
+    With ``values`` None (V = 0) and ``lambd`` 1 this is the discounted return ``sum_k gamma^k R_t+k``,
+    which is what ``reinforce`` and the group estimators use. Positions outside the mask are skipped (they
+    are not time steps: environment feedback in a multi-turn episode) and get 0. Returns
+    ``(advantages, returns)``, both ``[B, T]`` float32.
+    """
+    mask = action_mask.bool()
+    rew = torch.where(mask, token_rewards.float(), 0.0)
+    if values is None and gamma == 1.0:
+        # undiscounted, no critic: a reverse cumulative sum (masked positions hold 0, so skipping is moot)
+        ret = rew.flip(-1).cumsum(-1).flip(-1)
+        ret = torch.where(mask, ret, 0.0)
+        return ret, ret.clone()
+    v = torch.zeros_like(rew) if values is None else torch.where(mask, values.float(), 0.0)
+    adv = torch.zeros_like(rew)
+    last_adv = torch.zeros_like(rew[:, 0])
+    next_value = torch.zeros_like(rew[:, 0])
+    for t in reversed(range(rew.shape[-1])):
+        m = mask[:, t]
+        a = rew[:, t] + gamma * next_value - v[:, t] + gamma * lambd * last_adv
+        adv[:, t] = torch.where(m, a, 0.0)
+        last_adv = torch.where(m, a, last_adv)
+        next_value = torch.where(m, v[:, t], next_value)
+    return adv, torch.where(mask, adv + v, 0.0)
+
+
+def normalize_advantages(
+    advantages: torch.Tensor, mask: torch.Tensor, no_std_norm: bool = False
+) -> torch.Tensor:
+    """Whiten over all positions where ``mask`` ``[B, T]`` is true::
+
+        A = (A - mean) * rsqrt(clamp(var, 1e-8))       or, with no_std_norm,  A = A - mean
+
+    ``mean`` and ``var`` (biased) are over the masked positions; the result is 0 elsewhere.
+    """
+    mask = mask.bool()
+    n = mask.sum().clamp(min=1)
+    a = torch.where(mask, advantages.float(), 0.0)
+    mean = a.sum() / n
+    out = a - mean
+    if not no_std_norm:
+        var = torch.where(mask, out.square(), 0.0).sum() / n
+        out = out * var.clamp(min=1e-8).rsqrt()
+    return torch.where(mask, out, 0.0)
+
+
+def compute_advantages(batch: AdvantageInput, estimator: str) -> AdvantageOutput:
+    """Advantages and returns ``[B, T]`` for the built-in ``estimator`` (see the module docstring).
+
+    ``batch.gamma`` applies to ``gae`` and ``reinforce`` (the group estimators use 1, as OpenRLHF forces),
+    ``batch.lambd`` to ``gae``. ``batch.no_std_norm`` affects only step 4 (the batch normalisation), so it
+    changes nothing for ``rloo``, ``group_norm`` and ``dr_grpo``, as in OpenRLHF. A sample whose reward is
+    not finite counts as invalid even when ``batch.valid`` says otherwise. The input is not modified.
+    """
+    if estimator in GROUP_ESTIMATORS:
+        check_n_samples_per_prompt(estimator, 2, batch.n_samples_per_prompt)
+    if estimator == "gae" and batch.values is None:
+        raise ValueError("advantage estimator 'gae' needs critic values (AdvantageInput.values)")
+    mask = batch.action_mask.bool()
+    # a non-finite reward cannot be scored whatever `valid` says: treat it as invalid rather than poison
+    valid = torch.isfinite(batch.rewards)
+    if batch.valid is not None:
+        valid &= batch.valid.bool()
+    live = mask & valid[:, None]
+
+    shaped = group_shaped_rewards(batch.rewards, batch.n_samples_per_prompt, estimator, valid)
+    token_rewards = token_level_rewards(shaped, live, batch.kl, batch.kl_coef, batch.reward_clip)
+    gamma = batch.gamma if estimator in ("gae", "reinforce") else 1.0
+    if estimator == "gae":
+        advantages, returns = gae_advantages(token_rewards, live, batch.values, gamma, batch.lambd)
+    else:
+        advantages, returns = gae_advantages(token_rewards, live, None, gamma, 1.0)
+    if estimator in BATCH_NORMALIZED:
+        advantages = normalize_advantages(advantages, live, batch.no_std_norm)
+    return AdvantageOutput(advantages=advantages, returns=returns)
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A built-in estimator as registered: ``estimator(batch) -> AdvantageOutput`` plus what it needs."""
+
+    name: str
+    needs_critic: bool
+    min_samples_per_prompt: int
+
+    def __call__(self, batch: AdvantageInput) -> AdvantageOutput:
+        return compute_advantages(batch, self.name)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": AdvantageEstimator("gae", needs_critic=True, min_samples_per_prompt=1),
+    "reinforce": AdvantageEstimator("reinforce", needs_critic=False, min_samples_per_prompt=1),
+    **{
+        name: AdvantageEstimator(name, needs_critic=False, min_samples_per_prompt=2)
+        for name in GROUP_ESTIMATORS
+    },
+}

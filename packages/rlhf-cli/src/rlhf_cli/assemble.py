@@ -107,6 +107,14 @@ def _check_rl_options(cfg, estimator) -> None:
     if c.ds.param_dtype not in ("bf16", "fp32"):
         problems.append(f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not "
                         "supported)")
+    ranks = c.actor.num_nodes * c.actor.num_gpus_per_node
+    samples = c.rollout.batch_size * n
+    if samples % c.train.batch_size:
+        problems.append(f"--rollout.batch_size x --rollout.n_samples_per_prompt ({samples}) must be a multiple of "
+                        f"--train.batch_size ({c.train.batch_size}) so every sample is trained on")
+    if c.train.batch_size % (c.train.micro_batch_size * ranks):
+        problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
+                        f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
     if c.algo.kl.use_loss and c.algo.kl.init_coef <= 0:
         problems.append("--algo.kl.use_loss needs --algo.kl.init_coef > 0 (0 loads no reference model)")
     if c.train.agent_func_path and not Path(c.train.agent_func_path).is_file():

@@ -13,7 +13,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlhf_core.types import PlacementPlan, WorkerGroupSpec
 
 # Environment every actor gets: CPU DeepSpeed when there is no GPU, no tokenizer thread pools.
-WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
+              # torch.distributed deprecation notices from DeepSpeed internals, once per call: noise to users
+              "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}
 
 
 def init_ray(cfg, plan: PlacementPlan | None = None) -> None:

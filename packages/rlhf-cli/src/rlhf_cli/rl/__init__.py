@@ -1,0 +1,1 @@
+"""The RL controller: prompts -> rollouts -> rewards -> experience -> advantages -> updates -> weight sync."""

@@ -1,0 +1,456 @@
+"""The single-controller RL loop.
+
+One step: prompts -> rollout actors (executor + reward) -> experience (old / reference log-probs, values) ->
+advantages (estimator plugin) -> policy and critic updates -> weight sync to the engines. The sync
+pipeline runs these in turn (with ``--train.colocate_all`` the engines sleep while the trainers work); the
+async pipeline generates the next batches in a thread while the trainers work, through a bounded queue.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from rlhf_algos.kl import make_kl_controller
+from rlhf_algos.shaping import dynamic_filter
+from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.types import SamplingParams, Trajectory, derive_seed
+from rlhf_train_deepspeed.batches import CriticMicroBatch, PolicyMicroBatch, make_sequence_batch
+from rlhf_train_deepspeed.worker import PolicyStepConfig
+
+from rlhf_cli.rl.experience import Experience, advantage_input, build_experience
+from rlhf_cli.rl.prompts import Prompt, PromptStream
+
+
+class RLRunError(RuntimeError):
+    """The run cannot go on; the message names the worker, file or setting at fault."""
+
+
+@dataclass
+class Groups:
+    """The Ray worker groups of a run (None where the run does not need the role)."""
+
+    actor: Any
+    rollout: list  # RolloutActor handles
+    ref: Any = None
+    critic: Any = None
+    reward: Any = None
+
+
+@dataclass
+class Batch:
+    """Trajectories of one step, with where they came from."""
+
+    trajectories: list[Trajectory]
+    prompts_used: int
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+    policy_version: int = 0
+    stream_state: dict | None = None
+
+
+def _get(refs, what: str):
+    """``ray.get`` that names the role whose worker died."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as exc:
+        raise RLRunError(f"a {what} worker died: {exc}") from exc
+
+
+class RLController:
+    def __init__(self, cfg, groups: Groups, stream: PromptStream, pad_token_id: int, checkpoints=None,
+                 logger=None, eval_prompts: list[Prompt] | None = None):
+        self.cfg = cfg
+        self.groups = groups
+        self.stream = stream
+        self.pad = pad_token_id
+        self.checkpoints = checkpoints
+        self.logger = logger
+        self.eval_prompts = eval_prompts or []
+        pm = get_plugin_manager()
+        self.estimator = resolve(pm, "advantage_estimators", cfg.algo.advantage.estimator)
+        self.kl_fn = resolve(pm, "kl_estimators", cfg.algo.kl.estimator)
+        self.policy_loss = resolve(pm, "policy_losses", cfg.actor.policy_loss_type)
+        self.kl_ctl = make_kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
+        self.step = 0
+        self.policy_version = 0
+        self.best_metric: float | None = None
+        self.consecutive_nonfinite = 0
+        self.max_queue_size_seen = 0
+
+    # --- rollout ---------------------------------------------------------------------------------------
+
+    def sampling(self, eval_mode: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=self.cfg.eval.n_samples_per_prompt if eval_mode else r.n_samples_per_prompt,
+            temperature=self.cfg.eval.temperature if eval_mode else r.temperature,
+            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+        )
+
+    def generate(self, prompts: list[Prompt], step: int, eval_mode: bool = False) -> tuple[list[Trajectory], dict]:
+        """Spread ``prompts`` over the rollout actors (whole prompts, so groups stay together)."""
+        actors = self.groups.rollout
+        rows = [{"prompt_ids": p.ids, "prompt_text": p.text, "label": p.label, "prompt_uid": p.uid} for p in prompts]
+        per = math.ceil(len(rows) / len(actors))
+        sampling = self.sampling(eval_mode)
+        seed_step = f"eval{step}" if eval_mode else step
+        refs = [a.rollout.remote(rows[i * per:(i + 1) * per], sampling, seed_step)
+                for i, a in enumerate(actors) if rows[i * per:(i + 1) * per]]
+        results = _get(refs, "rollout")
+        trajs = [t for ts, _ in results for t in ts]
+        metrics: dict[str, float] = {}
+        for _, m in results:
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v / len(results)
+        return trajs, metrics
+
+    def collect(self, step: int) -> Batch | None:
+        """One step's trajectories: ``rollout.batch_size`` prompts, refilled when dynamic filtering drops
+        groups. Accepted groups are kept even when the data runs out (unlike OpenRLHF #1310)."""
+        want = self.cfg.rollout.batch_size
+        n = self.cfg.rollout.n_samples_per_prompt
+        kept: list[Trajectory] = []
+        used = 0
+        metrics: dict[str, float] = {}
+        groups_seen = groups_kept = 0
+        attempt = 0
+        while len(kept) < want * n and not self.stream.exhausted:
+            prompts = self.stream.take(want - len(kept) // n)
+            if not prompts:
+                break
+            used += len(prompts)
+            trajs, metrics = self.generate(prompts, step if attempt == 0 else f"{step}.{attempt}")
+            attempt += 1
+            if self.cfg.algo.dynamic_filtering_enable:
+                scores = torch.tensor([_score(t) for t in trajs])
+                valid = torch.isfinite(scores)
+                keep = dynamic_filter(torch.nan_to_num(scores), n, tuple(self.cfg.algo.dynamic_filtering_range), valid)
+                groups_seen += len(trajs) // n
+                groups_kept += len(keep)
+                trajs = [t for g in keep.tolist() for t in trajs[g * n:(g + 1) * n]]
+            kept += trajs
+        if not kept:
+            return None
+        if self.cfg.algo.dynamic_filtering_enable:
+            metrics["dynamic_filtering_pass_rate"] = groups_kept / max(groups_seen, 1)
+        return Batch(kept, used, metrics, self.policy_version, self.stream.state_dict())
+
+    # --- experience ----------------------------------------------------------------------------------
+
+    def micro_batches(self, exp: Experience, size: int) -> list:
+        """SequenceBatches of ``size`` rows; unscorable rows keep their tokens but no action mask."""
+        out = []
+        for s in range(0, len(exp.sequences), size):
+            rows = exp.rows(slice(s, s + size))
+            masks = (rows.action_mask & rows.valid[:, None]).long()
+            out.append(make_sequence_batch(
+                [seq[:pl] for seq, pl in zip(rows.sequences, rows.prompt_lens)],
+                [seq[pl:] for seq, pl in zip(rows.sequences, rows.prompt_lens)],
+                self.pad, [m[: len(seq) - pl].tolist() for m, seq, pl in zip(masks, rows.sequences, rows.prompt_lens)],
+            ))
+        return out
+
+    def make_experience(self, batch: Batch) -> Experience:
+        cfg = self.cfg
+        exp = build_experience(batch.trajectories, cfg)
+        mbs = self.micro_batches(exp, cfg.rollout.micro_batch_size)
+        width = exp.action_mask.shape[1]
+
+        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])
+
+        refs = {"old": self.groups.actor.call_sharded_async("compute_logprobs", mbs, cfg.rollout.temperature, False)}
+        if self.groups.ref is not None:
+            refs["ref"] = self.groups.ref.call_sharded_async("compute_logprobs", mbs, cfg.rollout.temperature, False)
+        if self.groups.critic is not None:
+            refs["values"] = self.groups.critic.call_sharded_async("compute_values", mbs)
+        role = {"old": self.groups.actor, "ref": self.groups.ref, "values": self.groups.critic}
+        names = {"old": "policy", "ref": "reference", "values": "critic"}
+        got = {}
+        for key, (r, real) in refs.items():
+            try:
+                got[key] = stack(role[key].gather_sharded(r, real))
+            except ray.exceptions.RayActorError as exc:
+                raise RLRunError(f"a {names[key]} worker died: {exc}") from exc
+        mask = exp.action_mask & exp.valid[:, None]
+        exp.old_logprobs = got["old"] * mask
+        exp.ref_logprobs = got["ref"] * mask if "ref" in got else None
+        exp.values = got["values"] * mask if "values" in got else None
+        kl = None
+        if exp.ref_logprobs is not None:
+            kl = self.kl_fn(exp.old_logprobs, exp.ref_logprobs) * mask
+        out = self.estimator(advantage_input(exp, cfg, kl, self.kl_ctl.value))
+        exp.advantages, exp.returns = out.advantages, out.returns
+        lengths = exp.action_mask.sum(-1).float()
+        valid = exp.valid
+        exp.info = {
+            "reward/mean": _nanmean(exp.rewards),
+            "reward/std": float(exp.rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
+            "score/mean": _nanmean(exp.scores),
+            "reward/unscorable": float((~valid).sum()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "truncated/frac": sum(t.finish_reason == "length" or t.truncated for t in batch.trajectories)
+            / len(batch.trajectories),
+            "kl/mean": float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()) if kl is not None else 0.0,
+            "kl/coef": self.kl_ctl.value,
+            "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
+            "policy/rollout_train_logprob_gap": float(((exp.old_logprobs - exp.rollout_logprobs).abs() * mask).sum()
+                                                      / mask.sum().clamp(min=1)),
+        }
+        return exp
+
+    # --- training ------------------------------------------------------------------------------------
+
+    def policy_step_config(self) -> PolicyStepConfig:
+        a, c = self.cfg.actor, self.cfg
+        low, high = a.eps_clip_low_high or (a.eps_clip, a.eps_clip)
+        adv = c.algo.advantage
+        return PolicyStepConfig(
+            loss=a.policy_loss_type, temperature=c.rollout.temperature, eps_clip_low=low, eps_clip_high=high,
+            dual_clip=a.dual_clip, is_correction=adv.is_correction_type if adv.is_correction_enable else None,
+            is_threshold=tuple(adv.is_correction_threshold),
+            agg_mode=a.loss_agg_mode or self.policy_loss.default_loss_agg_mode,
+            max_len=c.rollout.max_new_tokens, entropy_coef=a.entropy_coef,
+            kl_coef=self.kl_ctl.value if c.algo.kl.use_loss else 0.0, kl_estimator=c.algo.kl.estimator,
+        )
+
+    def train(self, exp: Experience, step: int) -> dict[str, float]:
+        """``train.max_epochs`` passes over the experience, one optimizer step per ``train.batch_size``
+        sequences, in a seeded order per epoch."""
+        cfg = self.cfg
+        b = len(exp.sequences)
+        micro = cfg.train.micro_batch_size
+        unit = micro * self.groups.actor.world_size
+        # a short final batch (data ran out) trains on the largest whole number of micro-batches per rank
+        per_step = cfg.train.batch_size if b >= cfg.train.batch_size else b // unit * unit
+        if per_step == 0:
+            return {"train/skipped_rows": float(b)}
+        train_critic = self.groups.critic is not None
+        train_actor = step > cfg.critic.freezing_steps or not train_critic
+        pcfg = self.policy_step_config()
+        totals: dict[str, list[float]] = {}
+        for epoch in range(cfg.train.max_epochs):
+            order = torch.randperm(b, generator=torch.Generator().manual_seed(derive_seed(cfg.train.seed, step, epoch) % 2**62))
+            for s in range(0, b - per_step + 1, per_step):
+                part = exp.rows(order[s:s + per_step].tolist())
+                seqs = self.micro_batches(part, micro)
+                cuts = [slice(k, k + micro) for k in range(0, per_step, micro)]
+                if train_actor:
+                    mbs = [PolicyMicroBatch(sq, _fit(part.old_logprobs[c], sq), _fit(part.advantages[c], sq),
+                                            _fit(part.rollout_logprobs[c], sq),
+                                            None if part.ref_logprobs is None else _fit(part.ref_logprobs[c], sq))
+                           for sq, c in zip(seqs, cuts)]
+                    m = self._train_call(self.groups.actor, "train_policy_step", mbs, pcfg, what="policy")
+                    _acc(totals, {f"policy/{k}": v for k, v in m.items()})
+                if train_critic:
+                    cmbs = [CriticMicroBatch(sq, _fit(part.values[c], sq), _fit(part.returns[c], sq))
+                            for sq, c in zip(seqs, cuts)]
+                    m = self._train_call(self.groups.critic, "train_critic_step", cmbs, cfg.critic.value_clip,
+                                         what="critic")
+                    _acc(totals, {f"critic/{k}": v for k, v in m.items()})
+        out = {k: s / n for k, (s, n) in totals.items()}
+        out["train/skipped_rows"] = float(b % per_step)
+        return out
+
+    def _train_call(self, group, method: str, mbs: list, arg, what: str) -> dict[str, float]:
+        try:
+            metrics = getattr(group, method)(mbs, arg)
+        except ray.exceptions.RayActorError as exc:
+            raise RLRunError(f"a {what} worker died: {exc}") from exc
+        if metrics.get("skipped"):
+            self.consecutive_nonfinite += 1
+            if self.consecutive_nonfinite >= self.cfg.train.max_nonfinite_steps:
+                raise RLRunError(
+                    f"{self.consecutive_nonfinite} {what} steps in a row had a non-finite loss (skipped on every "
+                    f"rank); stopping with the last good checkpoint kept (--train.max_nonfinite_steps)"
+                )
+        else:
+            self.consecutive_nonfinite = 0
+        return metrics
+
+    def sync_weights(self) -> None:
+        """Policy weights to every engine, through Ray's object store (gathered on rank 0)."""
+        states = self.groups.actor.call("get_state_dict_for_engines")
+        ref = ray.put(states[0])
+        _get([a.update_weights.remote(ref) for a in self.groups.rollout], "rollout")
+        self.policy_version += 1
+
+    # --- the loop --------------------------------------------------------------------------------------
+
+    def run_step(self, batch: Batch) -> dict[str, float]:
+        t0 = time.perf_counter()
+        exp = self.make_experience(batch)
+        t1 = time.perf_counter()
+        if self.cfg.train.colocate_all and self.cfg.vllm.enable_sleep:
+            _get([a.sleep.remote() for a in self.groups.rollout], "rollout")
+        train_metrics = self.train(exp, self.step)
+        t2 = time.perf_counter()
+        if self.cfg.train.colocate_all and self.cfg.vllm.enable_sleep:
+            _get([a.wake_up.remote() for a in self.groups.rollout], "rollout")
+        self.sync_weights()
+        t3 = time.perf_counter()
+        self.kl_ctl.update(exp.info["kl/mean"], len(exp.sequences))
+        tokens = sum(len(s) for s in exp.sequences)
+        return {**exp.info, **batch.rollout_metrics, **train_metrics,
+                "timing/make_experience": t1 - t0, "timing/ppo_train": t2 - t1, "timing/broadcast": t3 - t2,
+                "perf/tokens_per_s_train": tokens / max(t2 - t0, 1e-9),
+                "rollout/prompts_used": batch.prompts_used, "policy_version_lag": self.policy_version - 1
+                - batch.policy_version}
+
+    def total_steps(self) -> int:
+        steps = self.stream.total_steps(self.cfg.rollout.batch_size)
+        return min(steps, self.cfg.train.max_steps) if self.cfg.train.max_steps > 0 else steps
+
+    def fit(self) -> dict[str, float]:
+        """Run every step; returns the last step's metrics."""
+        last: dict[str, float] = {}
+        if self.cfg.train.async_enable:
+            batches = self._async_batches()
+        else:
+            batches = self._sync_batches()
+        for batch in batches:
+            self.step += 1
+            t0 = time.perf_counter()
+            metrics = self.run_step(batch)
+            metrics["timing/generation"] = batch.rollout_metrics.get("timing/generation", math.nan)
+            metrics["timing/step_total"] = time.perf_counter() - t0 + batch.rollout_metrics.get("timing/generation", 0.0)
+            metrics["async/max_queue_size"] = float(self.max_queue_size_seen)
+            metrics.update(self.maybe_evaluate())
+            self.maybe_checkpoint(batch)
+            if self.logger is not None:
+                self.logger.log(self.step, metrics)
+            last = metrics
+        return last
+
+    def _sync_batches(self):
+        while self.step < self.total_steps():
+            t0 = time.perf_counter()
+            batch = self.collect(self.step + 1)
+            if batch is None:
+                return
+            batch.rollout_metrics["timing/generation"] = time.perf_counter() - t0
+            yield batch
+
+    def _async_batches(self):
+        """Generate in a thread, at most ``train.async_queue_size`` batches ahead of training."""
+        q: queue.Queue = queue.Queue(maxsize=self.cfg.train.async_queue_size)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        target = self.total_steps()
+
+        def produce():
+            step = self.step
+            try:
+                while step < target and not stop.is_set():
+                    t0 = time.perf_counter()
+                    batch = self.collect(step + 1)
+                    if batch is None:
+                        break
+                    batch.rollout_metrics["timing/generation"] = time.perf_counter() - t0
+                    step += 1
+                    while not stop.is_set():
+                        try:
+                            q.put(batch, timeout=0.5)
+                            break
+                        except queue.Full:
+                            continue
+            except BaseException as exc:  # surfaced in the training thread
+                errors.append(exc)
+            finally:
+                q.put(None)
+
+        thread = threading.Thread(target=produce, name="rlhf-rollout", daemon=True)
+        thread.start()
+        try:
+            while True:
+                self.max_queue_size_seen = max(self.max_queue_size_seen, q.qsize())
+                batch = q.get()
+                if batch is None:
+                    break
+                yield batch
+            if errors:
+                raise errors[0]
+        finally:
+            stop.set()
+            thread.join(timeout=30)
+
+    # --- evaluation and checkpoints -----------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """pass@1 (mean score) and pass@k (mean over prompts of the best of k scores) on the eval prompts."""
+        trajs, _ = self.generate(self.eval_prompts, self.step, eval_mode=True)
+        k = self.cfg.eval.n_samples_per_prompt
+        scores = torch.tensor([_score(t) for t in trajs]).nan_to_num(0.0).view(-1, k)
+        return {"eval/pass1": float(scores.mean()), f"eval/pass{k}": float(scores.max(-1).values.mean()),
+                "eval/response_length": sum(sum(t.action_mask) for t in trajs) / len(trajs)}
+
+    def maybe_evaluate(self) -> dict[str, float]:
+        e = self.cfg.eval
+        if not self.eval_prompts:
+            return {}
+        due = (e.steps > 0 and self.step % e.steps == 0) or self.step == self.total_steps()
+        if not due:
+            return {}
+        metrics = self.evaluate()
+        key = self.cfg.ckpt.best_metric_key or "eval/pass1"
+        value = metrics.get(key)
+        if value is not None and (self.best_metric is None or value > self.best_metric):
+            self.best_metric = value
+            metrics["eval/best"] = value
+            self.groups.actor.export_hf(f"{self.cfg.ckpt.output_dir}/best_model")
+        return metrics
+
+    def client_state(self, batch: Batch) -> dict:
+        return {"step": self.step, "stream": batch.stream_state or self.stream.state_dict(),
+                "kl_ctl": self.kl_ctl.state_dict(), "best_metric": self.best_metric,
+                "policy_version": self.policy_version, "consecutive_nonfinite": self.consecutive_nonfinite}
+
+    def load_client_state(self, state: dict) -> None:
+        self.step = state["step"]
+        self.stream.load_state_dict(state["stream"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.best_metric = state["best_metric"]
+        self.policy_version = state["policy_version"]
+        self.consecutive_nonfinite = state["consecutive_nonfinite"]
+
+    def maybe_checkpoint(self, batch: Batch) -> None:
+        every = self.cfg.ckpt.save_steps
+        if self.checkpoints is None or every <= 0 or self.step % every:
+            return
+
+        def save(path):
+            self.groups.actor.save_checkpoint(str(path / "actor"))
+            if self.groups.critic is not None:
+                self.groups.critic.save_checkpoint(str(path / "critic"))
+
+        self.checkpoints.save(self.step, save, self.client_state(batch))
+
+
+def _score(t: Trajectory) -> float:
+    v = t.score if t.score is not None else t.reward
+    return float(v) if v is not None and math.isfinite(v) else math.nan
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else math.nan
+
+
+def _fit(t: torch.Tensor, seq) -> torch.Tensor:
+    """Crop a ``[b, T]`` tensor to the micro-batch's own response width."""
+    return t[:, : seq.num_response_positions].contiguous()
+
+
+def _acc(totals: dict[str, list[float]], metrics: dict[str, float]) -> None:
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            t = totals.setdefault(k, [0.0, 0])
+            t[0] += v
+            t[1] += 1

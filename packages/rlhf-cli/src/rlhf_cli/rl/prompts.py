@@ -1,0 +1,114 @@
+"""RL prompts: read, formatted and tokenized once, then served in a seeded, resumable order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from rlhf_core import data
+from rlhf_core.types import derive_seed
+
+
+@dataclass(frozen=True)
+class Prompt:
+    uid: int
+    """Position in the prepared prompt list: stable for the same data, so resume and filtering key on it."""
+    ids: list[int]
+    text: str
+    label: Any = None
+
+
+def prompt_budget(cfg) -> int:
+    """Most prompt tokens: ``--data.prompt_max_len``, else what ``--data.max_len`` leaves after generation."""
+    if cfg.data.prompt_max_len:
+        return cfg.data.prompt_max_len
+    budget = cfg.data.max_len - cfg.rollout.max_new_tokens
+    if budget < 1:
+        raise data.DataError(f"--data.max_len ({cfg.data.max_len}) leaves no room for a prompt after "
+                             f"--rollout.max_new_tokens ({cfg.rollout.max_new_tokens}); set --data.prompt_max_len")
+    return budget
+
+
+def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples=None,
+                 stats: data.DataStats | None = None) -> list[Prompt]:
+    """Read the prompt datasets of ``cfg`` (or ``paths``), render, tokenize and fit each prompt.
+
+    Rows with a missing or mistyped key fail naming file, row and key, unless ``--data.skip_bad_rows``
+    skips and counts them; overlong prompts follow ``--data.overlong_prompt_policy``.
+    """
+    d = cfg.data
+    rows = data.load_rows(paths or d.prompt_dataset or [], probs if paths else d.prompt_probs,
+                          split or d.prompt_split, seed=cfg.train.seed, max_samples=max_samples or d.max_samples)
+    budget = prompt_budget(cfg)
+    stats = stats if stats is not None else data.DataStats()
+    prompts: list[Prompt] = []
+    for row in rows:
+        try:
+            raw = data.get_field(row, d.input_key, (str, list), "--data.input_key")
+            if isinstance(raw, list):
+                data.check_messages(raw, row, d.input_key)
+            label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None
+            text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
+        except data.DataError:
+            if not d.skip_bad_rows:
+                raise
+            stats.add("bad_rows_skipped")
+            continue
+        ids = data.fit_prompt(data.encode(tokenizer, text), budget, d.overlong_prompt_policy, row.where(), stats)
+        if ids is None:
+            continue
+        prompts.append(Prompt(len(prompts), ids, text, label))
+    if not prompts:
+        raise data.DataError(f"no usable prompts in {', '.join(paths or d.prompt_dataset or [])}")
+    return prompts
+
+
+class PromptStream:
+    """Serves prompts episode after episode, each episode in its own seeded order.
+
+    The position is the whole state: ``state_dict()`` taken after a step and loaded into a new stream
+    serves exactly the prompts the uninterrupted run would have served next.
+    """
+
+    def __init__(self, prompts: list[Prompt], seed: int, num_episodes: int = 1):
+        self.prompts = prompts
+        self.seed = seed
+        self.num_episodes = num_episodes
+        self.episode = 0
+        self.position = 0
+        self._order = self._order_of(0)
+
+    def _order_of(self, episode: int) -> np.ndarray:
+        return np.random.default_rng(derive_seed(self.seed, "episode", episode)).permutation(len(self.prompts))
+
+    @property
+    def exhausted(self) -> bool:
+        return self.episode >= self.num_episodes
+
+    def take(self, k: int) -> list[Prompt]:
+        """The next ``k`` prompts, fewer (or none) once the last episode runs out."""
+        out: list[Prompt] = []
+        while len(out) < k and not self.exhausted:
+            n = min(k - len(out), len(self.prompts) - self.position)
+            out += [self.prompts[i] for i in self._order[self.position:self.position + n]]
+            self.position += n
+            if self.position == len(self.prompts):
+                self.episode, self.position = self.episode + 1, 0
+                self._order = self._order_of(self.episode)
+        return out
+
+    def total_steps(self, batch_size: int) -> int:
+        return -(-len(self.prompts) * self.num_episodes // batch_size)
+
+    def state_dict(self) -> dict:
+        return {"episode": self.episode, "position": self.position, "num_prompts": len(self.prompts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_prompts"] != len(self.prompts):
+            raise ValueError(
+                f"the checkpoint was taken with {state['num_prompts']} prompts but the data now has "
+                f"{len(self.prompts)}: resuming would serve different prompts (check --data.prompt_dataset)"
+            )
+        self.episode, self.position = state["episode"], state["position"]
+        self._order = self._order_of(self.episode)

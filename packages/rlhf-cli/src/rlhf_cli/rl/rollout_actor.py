@@ -1,0 +1,62 @@
+"""The Ray actor that hosts one rollout engine with its agent executor and reward source."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_core.types import SamplingParams, Trajectory
+
+
+class RolloutActor:
+    """One rollout engine (resolved by name in this process) plus an ``rlhf_agents.RolloutWorker``.
+
+    The controller makes it a Ray actor; everything it is given is plain data (config, names), never a
+    plugin manager or a model.
+    """
+
+    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None):
+        from rlhf_agents.worker import RolloutWorker
+        from rlhf_core.plugins import get_plugin_manager, resolve
+        from transformers import AutoTokenizer
+
+        pm = get_plugin_manager()
+        self.engine = resolve(pm, "rollout_engines", engine_name, "--rollout.engine").create(cfg, index=index)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        self.worker = RolloutWorker.from_config(cfg, self.engine, self.tokenizer, pm, reward_model_handle=reward_model)
+        self.sync_group = None
+
+    def rollout(self, prompts: list[dict], sampling: SamplingParams, step: int) -> tuple[list[Trajectory], dict]:
+        trajs = self.worker.rollout(prompts, sampling, step)
+        return trajs, dict(self.worker.last_metrics)
+
+    def update_weights(self, state_dict: dict) -> int:
+        self.engine.update_weights(state_dict.items())
+        self.engine.reset_prefix_cache()
+        return len(state_dict)
+
+    def init_weight_sync(self, **kwargs) -> None:
+        from rlhf_core import weight_sync
+
+        self.sync_group = weight_sync.init_sync_group(**kwargs)
+
+    def receive_weights(self) -> int:
+        """Load the weights the policy's rank 0 is broadcasting through the sync group."""
+        received = []
+
+        def counted():
+            for name, tensor in self.sync_group.receive():
+                received.append(name)
+                yield name, tensor
+
+        self.engine.update_weights(counted())
+        self.engine.reset_prefix_cache()
+        return len(received)
+
+    def sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def ping(self) -> bool:
+        return True

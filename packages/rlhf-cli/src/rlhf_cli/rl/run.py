@@ -1,0 +1,123 @@
+"""``rlhf train ppo``: assemble the Ray job from an Assembly and run the controller."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import ray
+from rlhf_core.plugins import get_plugin_manager, resolve
+
+from rlhf_cli.assemble import Assembly, choose_engine
+from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_options
+from rlhf_cli.rl.controller import Groups, RLController, RLRunError
+from rlhf_cli.rl.metrics import MetricsLogger
+from rlhf_cli.rl.prompts import PromptStream, load_prompts
+
+
+def _optimizer_steps(cfg, num_prompts: int) -> int:
+    """Optimizer steps of the whole run, for the learning-rate schedule."""
+    rl_steps = -(-num_prompts * cfg.train.num_episodes // cfg.rollout.batch_size)
+    if cfg.train.max_steps > 0:
+        rl_steps = min(rl_steps, cfg.train.max_steps)
+    per_rl_step = max(1, cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // cfg.train.batch_size)
+    return max(1, rl_steps * per_rl_step * cfg.train.max_epochs)
+
+
+def build_groups(asm: Assembly, pools, total_steps: int) -> Groups:
+    """Start every worker group the plan names, each pinned to its pool's bundles."""
+    cfg = asm.cfg
+    backend = resolve(get_plugin_manager(), "train_backends", cfg.train.backend)
+    made: dict = {}
+    for spec in asm.plan.groups:
+        if spec.role == "rollout":
+            continue
+        pool = pools[spec.pool]
+        made[spec.role] = backend.create_group(
+            spec.role, cfg, pool.group, spec.num_workers, total_steps=total_steps,
+            bundle_indices=[r % pool.num_bundles for r in range(spec.num_workers)],
+            num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
+            num_threads=1,
+        )
+    (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
+    from rlhf_cli.rl.rollout_actor import RolloutActor
+
+    engine = choose_engine(cfg, get_plugin_manager())
+    actor_cls = ray.remote(RolloutActor)
+    # partial rollout: weights may land while a generation is running (a second concurrent call)
+    concurrency = 2 if cfg.train.partial_rollout_enable else 1
+    width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
+    rollout = [
+        actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
+                          max_concurrency=concurrency).remote(cfg, engine, i, made.get("reward"))
+        for i in range(rollout_spec.num_workers)
+    ]
+    ray.get([a.ping.remote() for a in rollout])
+    return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
+                  reward=made.get("reward"))
+
+
+def run_rl(asm: Assembly) -> int:
+    """Run the RL job; returns the process exit code."""
+    cfg = asm.cfg
+    out = Path(cfg.ckpt.output_dir)
+    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+    prompts = load_prompts(cfg, tokenizer)
+    eval_prompts = []
+    if cfg.eval.dataset:
+        eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
+                                    max_samples=cfg.eval.max_samples)
+    stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
+    checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
+
+    started = time.perf_counter()
+    init_ray(cfg, asm.plan)
+    pools = create_pools(asm.plan)
+    groups = None
+    logger = None
+    try:
+        groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)))
+        controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
+                                  eval_prompts=eval_prompts)
+        if cfg.ckpt.load_enable:
+            latest = checkpoints.latest()
+            if latest is not None:
+                groups.actor.load_checkpoint(str(latest / "actor"))
+                if groups.critic is not None:
+                    groups.critic.load_checkpoint(str(latest / "critic"))
+                controller.load_client_state(checkpoints.load_client_state(latest))
+                controller.sync_weights()
+                print(f"resumed from {latest} at step {controller.step}", file=sys.stderr)
+            else:
+                print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
+                      file=sys.stderr)
+        logger = MetricsLogger(cfg, controller.total_steps(), controller.step)
+        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; workers up in "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        controller.logger = logger
+        controller.fit()
+        groups.actor.export_hf(str(out / "model"))
+        if groups.critic is not None and cfg.critic.save_value_network:
+            groups.critic.export_hf(str(out / "critic"))
+    except RLRunError as exc:
+        print(f"rlhf train ppo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if logger is not None:
+            logger.close()
+        if groups is not None:
+            for g in (groups.actor, groups.ref, groups.critic, groups.reward):
+                if g is not None:
+                    g.shutdown()
+            for a in groups.rollout:
+                ray.kill(a)
+        remove_pools(pools)
+        ray.shutdown()
+    from rlhf_cli.report import make_report
+
+    print(f"report: {make_report(out)}", file=sys.stderr)
+    return 0

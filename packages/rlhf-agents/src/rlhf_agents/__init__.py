@@ -1,3 +1,54 @@
-"""rlhf-agents."""
+"""rlhf-agents: how experience is collected, token in and token out.
+
+- Executors turn a prompt into a :class:`rlhf_core.types.Trajectory`: :class:`SingleTurnAgentExecutor`
+  (generate once; the reward source scores it), :class:`MultiTurnAgentExecutor` (drives an
+  :class:`AgentInstanceBase` environment, OpenRLHF's agent API) and :class:`OpenAIServerAgentExecutor`
+  (agent code talks to a local OpenAI-compatible endpoint).
+- Reward sources score batches: a Python ``reward_func`` file, HTTP reward servers, a reward model, and
+  weighted combinations (:func:`build_reward_source`).
+- :class:`RolloutWorker` runs a batch of prompts through an executor and a reward source; a Ray rollout
+  actor hosts one.
+- ``python -m rlhf_agents.serve_rm`` (``rlhf serve-rm``) serves a reward model over HTTP.
+
+An OpenRLHF agent file works after changing ``from openrlhf.utils.agent import ...`` to
+``from rlhf_agents import ...``.
+"""
+
+from rlhf_agents.executors import (
+    AgentExecutorBase,
+    AgentInstanceBase,
+    MultiTurnAgentExecutor,
+    SingleTurnAgentExecutor,
+    TokenTrace,
+    build_executor,
+)
+from rlhf_agents.loading import UserCodeError
+from rlhf_agents.openai_server import OpenAIServerAgentExecutor
+from rlhf_agents.rewards import (
+    HttpRewardSource,
+    PythonFileRewardSource,
+    RewardModelSource,
+    WeightedRewardSource,
+    build_reward_source,
+)
+from rlhf_agents.worker import RolloutFailureError, RolloutWorker, retokenization_drift
 
 __version__ = "0.1.0"
+__all__ = [
+    "AgentExecutorBase",
+    "AgentInstanceBase",
+    "HttpRewardSource",
+    "MultiTurnAgentExecutor",
+    "OpenAIServerAgentExecutor",
+    "PythonFileRewardSource",
+    "RewardModelSource",
+    "RolloutFailureError",
+    "RolloutWorker",
+    "SingleTurnAgentExecutor",
+    "TokenTrace",
+    "UserCodeError",
+    "WeightedRewardSource",
+    "build_executor",
+    "build_reward_source",
+    "retokenization_drift",
+]

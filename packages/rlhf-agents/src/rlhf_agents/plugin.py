@@ -1,3 +1,31 @@
-"""rlhf-agents registrations, loaded through its ``rlhf`` entry point like any third-party plugin."""
+"""rlhf-agents registrations, loaded through its ``rlhf`` entry point like any third-party plugin.
 
-from rlhf_core import hookimpl  # noqa: F401
+A third-party package adds an environment the same way (``[project.entry-points.rlhf] my_env =
+"my_env.plugin"``)::
+
+    from rlhf_core import hookimpl
+
+    @hookimpl
+    def rlhf_register_environments(register):
+        register("my_env", MyAgentInstance)   # --train.env my_env
+"""
+
+from rlhf_core import hookimpl
+
+from rlhf_agents.executors import MultiTurnAgentExecutor, SingleTurnAgentExecutor
+from rlhf_agents.openai_server import OpenAIServerAgentExecutor
+from rlhf_agents.rewards import HttpRewardFactory, PythonFileRewardFactory, RewardModelFactory
+
+
+@hookimpl
+def rlhf_register_agent_executors(register):
+    register("single_turn", SingleTurnAgentExecutor)
+    register("multi_turn", MultiTurnAgentExecutor)
+    register("openai_server", OpenAIServerAgentExecutor)
+
+
+@hookimpl
+def rlhf_register_reward_sources(register):
+    register("python_file", PythonFileRewardFactory())
+    register("http", HttpRewardFactory())
+    register("reward_model", RewardModelFactory())

@@ -172,6 +172,10 @@ class RewardRequest:
     labels: list[Any]
     prompt_ids: list[list[int]] = field(default_factory=list)
     response_ids: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    """``stop`` or ``length`` per sample (see :class:`GenerationOutput`)."""
+    responses: list[str] = field(default_factory=list)
+    """Decoded response of each sample, special tokens skipped."""
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""Checking what user code returns, and logging its failures once."""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from typing import Any
+
+_logged: set[tuple[str, ...]] = set()
+
+
+def describe(value: Any) -> str:
+    """A short description of a value for error messages: its type, and shape or length when it has one."""
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)}"
+    if isinstance(value, (list, tuple, dict)):
+        return f"{type(value).__name__} of length {len(value)}"
+    text = repr(value)
+    return f"{type(value).__name__} ({text[:40]}{'...' if len(text) > 40 else ''})"
+
+
+def to_float(value: Any) -> float:
+    """A Python float from a number, or a one-element torch tensor or numpy value.
+
+    Raises TypeError naming what the value was. NaN and Inf pass through: callers decide what they mean.
+    """
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
+    if callable(item) and size == 1:
+        return float(item())
+    raise TypeError(f"expected a number, got {describe(value)}")
+
+
+def check_reward_value(value: Any) -> tuple[float | None, str | None]:
+    """``(reward, None)`` for a finite number, else ``(None, why it is unscorable)``."""
+    if value is None:
+        return None, "reward is None"
+    try:
+        reward = to_float(value)
+    except TypeError as exc:
+        return None, f"reward has the wrong type: {exc}"
+    if not math.isfinite(reward):
+        return None, f"reward is {reward}"
+    return reward, None
+
+
+def log_failure_once(logger: logging.Logger, where: str, message: str, exc: BaseException | None = None) -> None:
+    """Log a failure of user code with its traceback the first time it is seen, at debug level after that.
+
+    Failures are keyed by ``where`` and the frame that raised, so one bad line logs one traceback however
+    many samples hit it.
+    """
+    key: tuple[str, ...] = (where, message if exc is None else type(exc).__name__)
+    if exc is not None and exc.__traceback__ is not None:
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        key += (last.filename, str(last.lineno))
+    if key in _logged:
+        logger.debug("%s: %s", where, message)
+        return
+    _logged.add(key)
+    if exc is None:
+        logger.error("%s: %s (further occurrences are counted, not logged)", where, message)
+    else:
+        logger.error(
+            "%s: %s (further occurrences are counted, not logged)\n%s",
+            where,
+            message,
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )

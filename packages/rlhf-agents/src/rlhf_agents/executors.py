@@ -1,0 +1,453 @@
+"""Agent executors: how one prompt becomes one token-level :class:`~rlhf_core.types.Trajectory`.
+
+Token in, token out: the prompt is tokenized once, the engine's tokens are appended verbatim with their
+log-probs (``action_mask`` 1), and environment feedback is tokenized once, on its own, and appended with
+``action_mask`` 0 and log-prob 0.0. Nothing already in the context is ever re-tokenized; text exists only
+for environments, reward functions and logs.
+
+The agent API is OpenRLHF's (``AgentInstanceBase.reset/step``, ``MultiTurnAgentExecutor(cls)``), so an
+OpenRLHF agent file works after changing its import line, with two fixes: ``async def __init__`` works,
+and a failing or hanging environment ends only its own episode (the sample is marked unscorable and
+counted) instead of the whole step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf_core.types import GenerationOutput, GenerationRequest, SamplingParams, Trajectory, derive_seed
+
+from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
+
+logger = logging.getLogger(__name__)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` on its own: no BOS/EOS added (they belong to templates, not to feedback)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def describe_class(cls: type) -> str:
+    """``Name (path/to/file.py)``: how errors point at user classes."""
+    try:
+        return f"{cls.__qualname__} ({inspect.getsourcefile(cls)})"
+    except TypeError:
+        return cls.__qualname__
+
+
+async def call_user(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a sync or async user function without blocking the event loop (sync ones run in a thread)."""
+    if inspect.iscoroutinefunction(fn):
+        result = await fn(*args, **kwargs)
+    else:
+        result = await asyncio.to_thread(fn, *args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+async def new_instance(cls: type) -> Any:
+    """``cls()``, also when ``cls`` defines ``async def __init__`` (plain ``cls()`` raises TypeError then).
+
+    A plain ``__init__`` runs in a thread: environments may do slow set-up there.
+    """
+    if inspect.iscoroutinefunction(cls.__init__):
+        obj = cls.__new__(cls)
+        await obj.__init__()
+        return obj
+    return await asyncio.to_thread(cls)
+
+
+@dataclass
+class TokenTrace:
+    """The token ids of one episode as it grows: the prompt, then model actions and environment feedback."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def add_action(self, out: GenerationOutput) -> None:
+        if len(out.token_ids) != len(out.logprobs):
+            raise ValueError(
+                f"the rollout engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} log-probs"
+            )
+        self.response_ids += list(out.token_ids)
+        self.action_mask += [1] * len(out.token_ids)
+        self.logprobs += [float(x) for x in out.logprobs]
+
+    def add_feedback(self, ids: list[int]) -> None:
+        self.response_ids += list(ids)
+        self.action_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def to_trajectory(self, **kwargs: Any) -> Trajectory:
+        return Trajectory(
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            action_mask=list(self.action_mask),
+            rollout_logprobs=list(self.logprobs),
+            **kwargs,
+        )
+
+
+def overlong_prompt(prompt_ids: list[int], max_length: int, prompt: str, label: Any) -> Trajectory | None:
+    """An unscorable, truncated trajectory when the prompt leaves no room to generate, else None."""
+    if len(prompt_ids) < max_length:
+        return None
+    return Trajectory(
+        prompt_ids=list(prompt_ids),
+        response_ids=[],
+        action_mask=[],
+        rollout_logprobs=[],
+        finish_reason="length",
+        truncated=True,
+        prompt_text=prompt,
+        label=label,
+        error=f"the prompt has {len(prompt_ids)} tokens, which leaves no room under max_len {max_length}",
+        extra_logs={"error/overlong_prompt": 1.0},
+    )
+
+
+class AgentExecutorBase(ABC):
+    """Turns one prompt into one :class:`Trajectory`, token in and token out.
+
+    ``llm_engine`` has ``async generate(GenerationRequest) -> list[GenerationOutput]``
+    (``rlhf_core.rollout.async_engine.AsyncEngine`` or a Ray engine handle wrapped the same way).
+    ``prompt_ids`` are the prompt's token ids when the caller already has them (the rollout worker always
+    passes them); they are used verbatim. A trajectory whose ``reward`` is None and ``error`` is None is
+    scored afterwards by the run's reward source, in batches.
+    """
+
+    env_step_timeout: float | None = None
+    """Seconds an environment call may take (set from ``--train.env_step_timeout``); None: no limit."""
+
+    @abstractmethod
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory: ...
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release what the executor holds (servers, connections)."""
+
+
+class SingleTurnAgentExecutor(AgentExecutorBase):
+    """Generate once; the reward source scores the result (in batches, after the episodes finish)."""
+
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory:
+        ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
+        too_long = overlong_prompt(ids, max_length, prompt, label)
+        if too_long is not None:
+            return too_long
+        max_new = min(sampling_params.max_new_tokens, max_length - len(ids))
+        params = dataclasses.replace(sampling_params, n=1, max_new_tokens=max_new)
+        (out,) = await llm_engine.generate(GenerationRequest(prompt_ids=ids, params=params))
+        trace = TokenTrace(prompt_ids=ids)
+        trace.add_action(out)
+        return trace.to_trajectory(
+            finish_reason=out.finish_reason,
+            truncated=out.finish_reason == "length",
+            prompt_text=prompt,
+            label=label,
+        )
+
+
+class AgentInstanceBase(ABC):
+    """One environment episode (OpenRLHF's agent API). A new instance is made for every sample.
+
+    ``__init__`` may be ``async def``. ``reset`` and ``step`` may be sync or async.
+
+    - ``reset(states)`` gets ``{"observation": prompt, "label": label}`` and returns ``{"observation": str}``;
+      an observation that differs from the prompt replaces it (and is tokenized once).
+    - ``step(states)`` gets ``observation_text`` (the context so far as text), ``action_text`` (the model's
+      reply, special tokens kept), ``label``, ``sampling_params``, and, token-in-token-out,
+      ``observation_ids`` and ``action_ids``. It returns ``rewards`` (a number or one-element tensor; summed
+      over turns), ``environment_feedback`` (str, appended with action_mask 0), ``done`` (bool), and
+      optionally ``scores`` (last one kept; default: the summed reward), ``sampling_params`` (for the next
+      turn: a SamplingParams or a dict of fields to change) and ``extra_logs`` (numbers; last one wins).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027 - OpenRLHF subclasses call super()
+        pass
+
+    async def reset(self, states: dict, **kwargs: Any) -> dict:
+        return {"observation": states["observation"]}
+
+    @abstractmethod
+    async def step(self, states: dict, **kwargs: Any) -> dict: ...
+
+
+class _EpisodeFailure(Exception):
+    """Ends one episode; the sample becomes unscorable with this message, counted under ``error/<kind>``."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class MultiTurnAgentExecutor(AgentExecutorBase):
+    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done.
+
+    Every turn may generate at most ``sampling_params.max_new_tokens`` tokens and the whole episode (prompt
+    and response) at most ``max_length``; an episode that reaches ``max_length`` ends with ``truncated``.
+    """
+
+    def __init__(self, agent_instance_cls: type):
+        if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
+            raise TypeError(
+                f"MultiTurnAgentExecutor needs a subclass of rlhf_agents.AgentInstanceBase, got "
+                f"{describe(agent_instance_cls)}"
+            )
+        self.agent_instance_cls = agent_instance_cls
+        self.where = describe_class(agent_instance_cls)
+
+    async def _env(self, method: str, fn: Any, *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(call_user(fn, *args), self.env_step_timeout)
+        except asyncio.TimeoutError:
+            raise _EpisodeFailure(
+                "env_timeout",
+                f"{self.where}.{method} took longer than --train.env_step_timeout "
+                f"{self.env_step_timeout:g} s; the episode was ended",
+            ) from None
+        except Exception as exc:
+            message = f"{method} raised {type(exc).__name__}: {exc}"
+            log_failure_once(logger, self.where, message, exc)
+            raise _EpisodeFailure("env_error", f"{self.where}.{message}") from exc
+
+    def _invalid(self, method: str, what: str) -> _EpisodeFailure:
+        message = f"{self.where}.{method} {what}"
+        log_failure_once(logger, self.where, message)
+        return _EpisodeFailure("env_invalid", message)
+
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory:
+        ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
+        trace = TokenTrace(prompt_ids=ids)
+        state = {"reward": 0.0, "score": None, "extra": {}, "turns": 0, "finish": "stop", "truncated": False}
+        instance = None
+        try:
+            instance = await self._env("__init__", new_instance, self.agent_instance_cls)
+            await self._run(
+                instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine
+            )
+        except _EpisodeFailure as failure:
+            return trace.to_trajectory(
+                finish_reason=state["finish"],
+                truncated=state["truncated"],
+                prompt_text=prompt,
+                label=label,
+                error=str(failure),
+                extra_logs={**state["extra"], "num_turns": float(state["turns"]), f"error/{failure.kind}": 1.0},
+            )
+        finally:
+            close = getattr(instance, "aclose", None) or getattr(instance, "close", None)
+            if close is not None:
+                try:
+                    await call_user(close)
+                except Exception as exc:  # a failing cleanup must not lose the episode
+                    log_failure_once(logger, self.where, f"close raised {type(exc).__name__}: {exc}", exc)
+        score = state["score"] if state["score"] is not None else state["reward"]
+        return trace.to_trajectory(
+            reward=state["reward"],
+            score=score,
+            finish_reason=state["finish"],
+            truncated=state["truncated"],
+            prompt_text=prompt,
+            label=label,
+            extra_logs={**state["extra"], "num_turns": float(state["turns"])},
+        )
+
+    async def _run(
+        self,
+        instance: Any,
+        trace: TokenTrace,
+        state: dict,
+        prompt: str,
+        label: Any,
+        params: SamplingParams,
+        max_length: int,
+        tokenizer: Any,
+        engine: Any,
+    ) -> None:
+        reset = await self._env("reset", instance.reset, {"observation": prompt, "label": label})
+        observation = reset.get("observation") if isinstance(reset, dict) else None
+        if not isinstance(observation, str):
+            raise self._invalid("reset", f"returned {describe(reset)}; expected a dict with an 'observation' string")
+        if observation != prompt:
+            trace.prompt_ids = encode(tokenizer, observation)
+        if len(trace) >= max_length:
+            state["truncated"], state["finish"] = True, "length"
+            raise _EpisodeFailure(
+                "overlong_prompt",
+                f"the prompt has {len(trace)} tokens, which leaves no room under max_len {max_length}",
+            )
+        observation_text = observation
+        while True:
+            turn_params = dataclasses.replace(
+                params,
+                n=1,
+                max_new_tokens=min(params.max_new_tokens, max_length - len(trace)),
+                seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]),
+            )
+            context = trace.all_ids()
+            (out,) = await engine.generate(GenerationRequest(prompt_ids=context, params=turn_params))
+            trace.add_action(out)
+            state["turns"] += 1
+            state["finish"] = out.finish_reason
+            action_text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
+            result = await self._env(
+                "step",
+                instance.step,
+                {
+                    "observation_text": observation_text,
+                    "action_text": action_text,
+                    "label": label,
+                    "sampling_params": params,
+                    "observation_ids": context,
+                    "action_ids": list(out.token_ids),
+                },
+            )
+            done, feedback, params = self._read_step(result, state, params)
+            observation_text = observation_text + action_text + feedback
+            feedback_ids = encode(tokenizer, feedback)
+            room = max_length - len(trace)
+            trace.add_feedback(feedback_ids[:room])
+            if done:
+                state["truncated"] = out.finish_reason == "length"
+                return
+            if len(feedback_ids) >= room:  # no room left for another turn
+                state["truncated"], state["finish"] = True, "length"
+                return
+
+    def _read_step(self, result: Any, state: dict, params: SamplingParams) -> tuple[bool, str, SamplingParams]:
+        """Check a ``step`` result and fold it into ``state``; returns (done, feedback, next params)."""
+        if not isinstance(result, dict):
+            raise self._invalid("step", f"returned {describe(result)}; expected a dict")
+        missing = [k for k in ("rewards", "environment_feedback", "done") if k not in result]
+        if missing:
+            raise self._invalid("step", f"returned a dict without {missing} (it has {sorted(result)})")
+        reward, why = check_reward_value(result["rewards"])
+        if why is not None:
+            raise self._invalid("step", f"returned bad 'rewards': {why}")
+        state["reward"] += reward
+        if result.get("scores") is not None:
+            score, why = check_reward_value(result["scores"])
+            if why is not None:
+                raise self._invalid("step", f"returned bad 'scores': {why.replace('reward', 'score', 1)}")
+            state["score"] = score
+        feedback = result["environment_feedback"]
+        if feedback is None:
+            feedback = ""
+        if not isinstance(feedback, str):
+            raise self._invalid("step", f"returned 'environment_feedback' as {describe(feedback)}; expected a str")
+        for key, value in (result.get("extra_logs") or {}).items():
+            try:
+                state["extra"][key] = to_float(value)
+            except TypeError as exc:
+                log_failure_once(logger, self.where, f"step extra_logs[{key!r}] is not logged: {exc}")
+        new_params = result.get("sampling_params")
+        if isinstance(new_params, dict):
+            try:
+                new_params = dataclasses.replace(params, **new_params)
+            except TypeError as exc:
+                raise self._invalid("step", f"returned unknown sampling_params fields: {exc}") from None
+        elif new_params is None:
+            new_params = params
+        elif not isinstance(new_params, SamplingParams):
+            raise self._invalid(
+                "step",
+                f"returned sampling_params as {describe(new_params)}; expected rlhf_core.types.SamplingParams "
+                f"or a dict",
+            )
+        try:
+            done = bool(result["done"])
+        except Exception as exc:
+            raise self._invalid("step", f"returned 'done' that is not a bool: {exc}") from None
+        return done, feedback, new_params
+
+
+def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
+    """The executor the config asks for.
+
+    - ``--train.agent_func_path file.py``: the file's ``AgentExecutor`` class, built with no arguments.
+    - ``--train.env NAME``: the registered environment, driven by ``--train.agent_executor`` (default
+      ``multi_turn``).
+    - otherwise ``--train.agent_executor NAME`` (default ``single_turn``).
+    """
+    from rlhf_core.plugins import get_plugin_manager, resolve
+
+    from rlhf_agents.loading import UserCodeError, load_symbol
+
+    train = cfg.train
+    pm = pm if pm is not None else get_plugin_manager()
+    if train.agent_func_path:
+        path = train.agent_func_path
+        cls = load_symbol(path, "AgentExecutor", "--train.agent_func_path")
+        if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
+            raise UserCodeError(
+                f"--train.agent_func_path {path}: AgentExecutor is a {describe(cls)}; expected a subclass of "
+                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)"
+            )
+        try:
+            executor = cls()
+        except TypeError as exc:
+            raise UserCodeError(f"--train.agent_func_path {path}: AgentExecutor() failed: {exc}") from exc
+    elif train.env:
+        env_cls = resolve(pm, "environments", train.env, flag="--train.env")
+        name = train.agent_executor or "multi_turn"
+        executor = resolve(pm, "agent_executors", name, flag="--train.agent_executor")(env_cls)
+    else:
+        name = train.agent_executor or "single_turn"
+        executor_cls = resolve(pm, "agent_executors", name, flag="--train.agent_executor")
+        try:
+            executor = executor_cls()
+        except TypeError as exc:
+            raise ValueError(
+                f"--train.agent_executor {name} cannot be built from the flags alone ({exc}): multi_turn needs "
+                f"--train.env NAME, and openai_server a subclass in --train.agent_func_path"
+            ) from exc
+    executor.env_step_timeout = train.env_step_timeout
+    return executor

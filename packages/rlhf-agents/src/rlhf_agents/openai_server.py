@@ -1,0 +1,368 @@
+"""An OpenAI-compatible endpoint backed by the rollout engine, so that agent code written against an
+OpenAI client yields token-level trajectories.
+
+Each episode gets its own session URL (``http://127.0.0.1:PORT/sessions/<id>/v1``, a ``base_url`` for an
+OpenAI client). The server serves ``/chat/completions`` (messages rendered with the tokenizer's chat
+template) and ``/completions`` (a prompt string, or token ids used verbatim), and records every call's
+input and output token ids. The episode's trajectory is the first call's input as the prompt, then each
+call's output (action_mask 1) and whatever the next call's input adds in between (action_mask 0).
+
+That only works when each call's input extends the previous call's input and output token by token. When
+it does not (a chat template that renders earlier replies differently, text that re-tokenizes
+differently), the session records a *prefix violation*: the sample is marked unscorable with a message
+giving the position and both token strings, and counted in ``error/prefix_violation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+import time
+import uuid
+from typing import Any
+
+from rlhf_core.types import GenerationRequest, SamplingParams, Trajectory, derive_seed
+
+from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
+from rlhf_agents.executors import AgentExecutorBase, TokenTrace, describe_class, encode
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass
+class _Session:
+    tokenizer: Any
+    engine: Any
+    params: SamplingParams
+    max_length: int
+    trace: TokenTrace | None = None
+    violation: str | None = None
+    truncated: bool = False
+    finish: str = "stop"
+    calls: int = 0
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+
+def _usage(ids: list[int], out_ids: list[int]) -> dict:
+    return {"prompt_tokens": len(ids), "completion_tokens": len(out_ids), "total_tokens": len(ids) + len(out_ids)}
+
+
+def _content_text(content: Any) -> Any:
+    """OpenAI message content as a string (a list of ``{"type": "text"}`` parts is joined)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content
+
+
+class OpenAIServerAgentExecutor(AgentExecutorBase):
+    """Runs :meth:`run_agent` against a local OpenAI-compatible server and returns its token trace.
+
+    Subclass it and implement ``async run_agent(base_url, prompt, label)``: talk to ``base_url`` with any
+    OpenAI client (``api_key`` is not checked), and return the episode's reward (a number), a dict with
+    ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text.
+
+    The run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request
+    may ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only.
+    """
+
+    host = "127.0.0.1"
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, _Session] = {}
+        self._runner: Any = None
+        self._start_lock: asyncio.Lock | None = None
+        self._warned: set[str] = set()
+        self.port: int | None = None
+
+    async def run_agent(self, base_url: str, prompt: str, label: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement async run_agent(base_url, prompt, label) (subclass "
+            f"rlhf_agents.OpenAIServerAgentExecutor in the --train.agent_func_path file)"
+        )
+
+    # --- the server ----------------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._runner is not None:
+                return
+            app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+            app.router.add_post("/sessions/{sid}/v1/chat/completions", self._handle_chat)
+            app.router.add_post("/sessions/{sid}/v1/completions", self._handle_completions)
+            app.router.add_get("/sessions/{sid}/v1/models", self._handle_models)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((self.host, 0))
+            await web.SockSite(runner, sock).start()
+            self.port = sock.getsockname()[1]
+            self._runner = runner
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def session_url(self, sid: str) -> str:
+        return f"http://{self.host}:{self.port}/sessions/{sid}/v1"
+
+    @staticmethod
+    def _json_error(status: int, message: str) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+
+    async def _read(self, request: Any) -> tuple[_Session, dict]:
+        session = self._sessions.get(request.match_info["sid"])
+        if session is None:
+            raise _BadRequest("unknown or finished session", status=404)
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise _BadRequest(f"the body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the body must be a JSON object")
+        if body.get("stream"):
+            raise _BadRequest("stream=true is not supported")
+        if body.get("n", 1) != 1:
+            raise _BadRequest("only n=1 is supported (each sample is its own episode)")
+        if body.get("stop"):
+            raise _BadRequest("stop strings are not supported: the engine stops on token ids (EOS)")
+        for key in ("temperature", "top_p"):
+            value = body.get(key)
+            if value is not None and value != getattr(session.params, key) and key not in self._warned:
+                self._warned.add(key)
+                logger.warning(
+                    "the agent asked for %s=%s; the run's %s=%s is used (the trainer recomputes log-probs with it)",
+                    key, value, key, getattr(session.params, key),
+                )
+        return session, body
+
+    async def _handle_models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]})
+
+    async def _handle_chat(self, request: Any) -> Any:
+        from aiohttp import web
+
+        try:
+            session, body = await self._read(request)
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _BadRequest("'messages' must be a non-empty list")
+            messages = [{**m, "content": _content_text(m.get("content"))} for m in messages if isinstance(m, dict)]
+            if session.tokenizer.chat_template is None:
+                raise _BadRequest("the tokenizer has no chat template; use /v1/completions")
+            try:
+                text = session.tokenizer.apply_chat_template(
+                    messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:
+                raise _BadRequest(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
+            ids, out_ids, finish = await self._generate(session, encode(session.tokenizer, text), body)
+        except _BadRequest as exc:
+            return self._json_error(exc.status, str(exc))
+        content = self._reply_text(session, out_ids, finish, body)
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body.get("model", "policy"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": finish,
+                        "token_ids": out_ids,
+                    }
+                ],
+                "usage": _usage(ids, out_ids),
+            }
+        )
+
+    async def _handle_completions(self, request: Any) -> Any:
+        from aiohttp import web
+
+        try:
+            session, body = await self._read(request)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = encode(session.tokenizer, prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                ids = list(prompt)  # token ids in, used verbatim
+            else:
+                raise _BadRequest("'prompt' must be a string or a list of token ids")
+            ids, out_ids, finish = await self._generate(session, ids, body)
+        except _BadRequest as exc:
+            return self._json_error(exc.status, str(exc))
+        return web.json_response(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model", "policy"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": self._reply_text(session, out_ids, finish, body),
+                        "finish_reason": finish,
+                        "logprobs": None,
+                        "token_ids": out_ids,
+                    }
+                ],
+                "usage": _usage(ids, out_ids),
+            }
+        )
+
+    @staticmethod
+    def _reply_text(session: _Session, out_ids: list[int], finish: str, body: dict) -> str:
+        """The reply as text: without its final stop token, and with any other special token kept (so that
+        sending the reply back re-renders it to the same tokens) unless ``skip_special_tokens`` is true."""
+        ids = out_ids[:-1] if finish == "stop" and out_ids else out_ids
+        return session.tokenizer.decode(ids, skip_special_tokens=bool(body.get("skip_special_tokens", False)))
+
+    async def _generate(self, session: _Session, ids: list[int], body: dict) -> tuple[list[int], list[int], str]:
+        """Generate for one call and record it in the session's token trace."""
+        async with session.lock:
+            trace = session.trace
+            if trace is not None and session.violation is None:
+                so_far = trace.all_ids()
+                if ids[: len(so_far)] != so_far:
+                    session.violation = self._violation(session, so_far, ids)
+            room = session.max_length - len(ids)
+            if room <= 0:  # the context budget is spent: answer empty, as a length stop
+                session.truncated, session.finish = True, "length"
+                if session.trace is None:
+                    session.trace = TokenTrace(prompt_ids=list(ids))
+                return ids, [], "length"
+            asked = body.get("max_completion_tokens") or body.get("max_tokens") or session.params.max_new_tokens
+            if not isinstance(asked, int) or asked < 1:
+                raise _BadRequest("max_tokens must be a positive integer")
+            params = dataclasses.replace(
+                session.params,
+                n=1,
+                max_new_tokens=min(asked, session.params.max_new_tokens, room),
+                seed=None if session.params.seed is None else derive_seed(session.params.seed, "turn", session.calls),
+            )
+            (out,) = await session.engine.generate(GenerationRequest(prompt_ids=list(ids), params=params))
+            session.calls += 1
+            session.finish = out.finish_reason
+            session.truncated = out.finish_reason == "length"
+            if session.violation is None:
+                if session.trace is None:
+                    session.trace = TokenTrace(prompt_ids=list(ids))
+                else:
+                    session.trace.add_feedback(ids[len(session.trace) :])
+                session.trace.add_action(out)
+            return ids, list(out.token_ids), out.finish_reason
+
+    def _violation(self, session: _Session, so_far: list[int], ids: list[int]) -> str:
+        pos = next((k for k, (a, b) in enumerate(zip(so_far, ids)) if a != b), min(len(so_far), len(ids)))
+        decode = session.tokenizer.decode
+        message = (
+            f"prefix violation at call {session.calls + 1}: its {len(ids)} input tokens do not extend the "
+            f"{len(so_far)} tokens of the conversation so far; they differ at token {pos} (expected "
+            f"{decode(so_far[pos : pos + 8])!r}, got {decode(ids[pos : pos + 8])!r}). Re-rendering earlier "
+            f"turns changed their tokens (chat template or re-tokenized replies): send the assistant replies "
+            f"back unchanged, or call /v1/completions with token ids"
+        )
+        log_failure_once(logger, type(self).__name__, message)
+        return message
+
+    # --- the episode ---------------------------------------------------------------------------------
+
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory:
+        await self._start()
+        sid = uuid.uuid4().hex
+        session = _Session(hf_tokenizer, llm_engine, sampling_params, max_length)
+        self._sessions[sid] = session
+        where = describe_class(type(self))
+        reward = score = error = kind = None
+        extra: dict[str, float] = {}
+        try:
+            result = await asyncio.wait_for(self.run_agent(self.session_url(sid), prompt, label), self.env_step_timeout)
+            reward, score, extra, error = self._read_result(result, where)
+            kind = "agent_invalid" if error else None
+        except asyncio.TimeoutError:
+            error = f"{where}.run_agent took longer than --train.env_step_timeout {self.env_step_timeout:g} s"
+            kind = "env_timeout"
+        except Exception as exc:
+            error, kind = f"{where}.run_agent raised {type(exc).__name__}: {exc}", "agent_error"
+            log_failure_once(logger, where, error, exc)
+        finally:
+            del self._sessions[sid]
+        if session.violation is not None:
+            error, kind = session.violation, "prefix_violation"
+        trace = session.trace
+        if trace is None:
+            trace = TokenTrace(prompt_ids=list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt))
+            if error is None:
+                error, kind = f"{where}.run_agent made no completion request", "agent_invalid"
+        if error is not None:
+            reward = score = None
+            extra[f"error/{kind}"] = 1.0
+        return trace.to_trajectory(
+            reward=reward,
+            score=score,
+            finish_reason=session.finish,
+            truncated=session.truncated,
+            prompt_text=prompt,
+            label=label,
+            error=error,
+            extra_logs={**extra, "num_turns": float(session.calls)},
+        )
+
+    @staticmethod
+    def _read_result(result: Any, where: str) -> tuple[float | None, float | None, dict, str | None]:
+        """(reward, score, extra_logs, error) from what ``run_agent`` returned; a None reward (no error) means
+        the run's reward source scores the sample."""
+        if not isinstance(result, dict):
+            result = {"reward": result}
+        extra = {}
+        for key, value in (result.get("extra_logs") or {}).items():
+            try:
+                extra[key] = to_float(value)
+            except TypeError as exc:
+                log_failure_once(logger, where, f"extra_logs[{key!r}] is not logged: {exc} ({describe(value)})")
+        raw = result.get("reward", result.get("rewards"))
+        if raw is None:
+            return None, None, extra, None
+        reward, why = check_reward_value(raw)
+        if why is not None:
+            return None, None, extra, f"{where}.run_agent returned a bad reward: {why}"
+        raw_score = result.get("score", result.get("scores"))
+        if raw_score is None:
+            return reward, reward, extra, None
+        score, why = check_reward_value(raw_score)
+        if why is not None:
+            return None, None, extra, f"{where}.run_agent returned a bad score: {why.replace('reward', 'score', 1)}"
+        return reward, score, extra, None

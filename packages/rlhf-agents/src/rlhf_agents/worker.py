@@ -1,0 +1,299 @@
+"""The rollout worker: runs every episode of a batch of prompts concurrently, then scores them in batches.
+
+It is a plain class; the RL trainer hosts one per rollout engine inside a Ray actor (``arollout`` for an
+async actor, ``rollout`` otherwise). Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
+
+from rlhf_agents.checks import describe
+from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
+from rlhf_agents.rewards import build_reward_source
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutFailureError(RuntimeError):
+    """Too many samples of one step could not be scored (``--reward.max_failure_fraction``)."""
+
+
+def retokenization_drift(tokenizer: Any, ids: list[int]) -> int | None:
+    """Where re-tokenizing the decoded text of ``ids`` first differs from ``ids``; None when it does not.
+
+    Decoding keeps special tokens and encoding adds none, so only genuine text-level drift (merges across
+    turn boundaries, normalisation, lost bytes) shows up.
+    """
+    again = encode(tokenizer, tokenizer.decode(ids, skip_special_tokens=False))
+    if again == ids:
+        return None
+    return next((k for k, (a, b) in enumerate(zip(ids, again)) if a != b), min(len(ids), len(again)))
+
+
+async def _gather_all(jobs: Sequence[Awaitable[Trajectory]]) -> list[Trajectory]:
+    """Run ``jobs`` concurrently; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+class RolloutWorker:
+    """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``.
+
+    ``engine`` has ``async generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous
+    :class:`~rlhf_core.types.RolloutEngine` is wrapped in ``rlhf_core.rollout.async_engine.AsyncEngine``.
+    Each prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used verbatim; text is
+    tokenized once without special tokens), and optionally ``label`` and ``prompt_uid``. Every prompt is
+    sampled ``sampling.n`` times; sample ``i`` of prompt ``uid`` at step ``step`` draws with seed
+    ``derive_seed(cfg.train.seed, step, uid, i)``, so a resumed run samples the same tokens. Trajectories
+    come back prompt by prompt, samples of one prompt consecutive. ``last_metrics`` holds the metrics of the
+    latest call.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        executor: AgentExecutorBase,
+        reward_source: RewardSource | None,
+        cfg: Any,
+    ):
+        if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
+            from rlhf_core.rollout.async_engine import AsyncEngine
+
+            engine = AsyncEngine(engine)
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.reward_source = reward_source
+        if executor.env_step_timeout is None:
+            executor.env_step_timeout = cfg.train.env_step_timeout
+        self.max_len = cfg.data.max_len
+        self.seed = cfg.train.seed
+        self.max_failure_fraction = cfg.reward.max_failure_fraction
+        self.check_retokenization = cfg.train.check_retokenization
+        self.agent_file = cfg.train.agent_func_path
+        self.last_metrics: dict[str, float] = {}
+        self._drift_warned = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None, reward_model_handle: Any = None
+    ) -> RolloutWorker:
+        """Executor and reward source resolved by name through the plugins of this process."""
+        from rlhf_core.plugins import get_plugin_manager
+
+        pm = pm if pm is not None else get_plugin_manager()
+        return cls(
+            engine,
+            tokenizer,
+            build_executor(cfg, pm),
+            build_reward_source(cfg, pm, reward_model_handle=reward_model_handle),
+            cfg,
+        )
+
+    # --- the public calls ---------------------------------------------------------------------------
+
+    def rollout(self, prompts: Sequence[dict], sampling: SamplingParams, step: int) -> list[Trajectory]:
+        """:meth:`arollout` on the worker's own event loop (kept between calls: sessions and servers live on it)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self.arollout(prompts, sampling, step))
+
+    async def arollout(self, prompts: Sequence[dict], sampling: SamplingParams, step: int) -> list[Trajectory]:
+        start = time.perf_counter()
+        rows = [self._read_row(row, row_index) for row_index, row in enumerate(prompts)]
+        trajectories = await _gather_all(
+            [
+                self._episode(text, ids, label, uid, i, self._sample_params(sampling, step, uid, i))
+                for text, ids, label, uid in rows
+                for i in range(sampling.n)
+            ]
+        )
+        generated = time.perf_counter()
+        await self._score(trajectories)
+        scored = time.perf_counter()
+        drifted = sum(self._check_drift(t) for t in trajectories) if self.check_retokenization else None
+        self.last_metrics = self._metrics(trajectories, drifted, generated - start, scored - generated)
+        self._check_failures(trajectories, step)
+        return trajectories
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.run_until_complete(self.aclose())
+            self._loop.close()
+            self._loop = None
+
+    async def aclose(self) -> None:
+        await self.executor.aclose()
+        if self.reward_source is not None:
+            await self.reward_source.aclose()
+
+    # --- the steps ----------------------------------------------------------------------------------
+
+    def _sample_params(self, sampling: SamplingParams, step: int, uid: Any, index: int) -> SamplingParams:
+        return dataclasses.replace(sampling, n=1, seed=derive_seed(self.seed, step, uid, index))
+
+    def _read_row(self, row: Any, row_index: int) -> tuple[str, list[int], Any, Any]:
+        if not isinstance(row, dict):
+            raise TypeError(
+                f"prompt row {row_index} is a {describe(row)}; expected a dict with 'prompt_text' or 'prompt_ids'"
+            )
+        text, ids = row.get("prompt_text"), row.get("prompt_ids")
+        if text is None and ids is None:
+            raise ValueError(f"prompt row {row_index} has neither 'prompt_text' nor 'prompt_ids' (keys: {sorted(row)})")
+        if ids is None:
+            ids = encode(self.tokenizer, text)
+        elif text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return text, list(ids), row.get("label"), row.get("prompt_uid", row_index)
+
+    async def _episode(
+        self, text: str, ids: list[int], label: Any, uid: Any, index: int, params: SamplingParams
+    ) -> Trajectory:
+        traj = await self.executor.execute(
+            text, label, params, self.max_len, self.tokenizer, self.engine, prompt_ids=list(ids)
+        )
+        if not isinstance(traj, Trajectory):
+            raise TypeError(
+                f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected an "
+                f"rlhf_core.types.Trajectory"
+            )
+        traj.prompt_uid, traj.sample_index = uid, index
+        traj.prompt_text = traj.prompt_text or text
+        traj.label = label if traj.label is None else traj.label
+        return traj
+
+    async def _score(self, trajectories: list[Trajectory]) -> None:
+        """Score, in one batched call, every sample that has neither a reward nor an error yet."""
+        pending = [t for t in trajectories if t.reward is None and t.error is None]
+        if not pending:
+            return
+        if self.reward_source is None:
+            raise ValueError(
+                f"{len(pending)} samples need a reward but no reward source is configured: set "
+                f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path"
+            )
+        decode = self.tokenizer.decode
+        request = RewardRequest(
+            queries=[decode(t.prompt_ids + t.response_ids, skip_special_tokens=False) for t in pending],
+            prompts=[t.prompt_text for t in pending],
+            labels=[t.label for t in pending],
+            prompt_ids=[list(t.prompt_ids) for t in pending],
+            response_ids=[list(t.response_ids) for t in pending],
+            finish_reasons=[t.finish_reason for t in pending],
+            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending],
+        )
+        result = await self.reward_source.score(request)
+        where = self._reward_source_name()
+        if len(result.rewards) != len(pending) or len(result.scores) != len(pending):
+            raise ValueError(
+                f"reward source {where} returned {len(result.rewards)} rewards and {len(result.scores)} scores "
+                f"for {len(pending)} samples"
+            )
+        for k, traj in enumerate(pending):
+            traj.reward = result.rewards[k]
+            if traj.reward is None:
+                traj.error = (result.errors[k] if result.errors else None) or f"{where} gave no reward"
+                traj.extra_logs["error/reward"] = 1.0
+            else:
+                traj.score = result.scores[k] if result.scores[k] is not None else traj.reward
+            for key, values in result.extra_logs.items():
+                if values[k] is not None:
+                    traj.extra_logs[key] = float(values[k])
+
+    def _reward_source_name(self) -> str:
+        return getattr(self.reward_source, "description", type(self.reward_source).__name__)
+
+    def _check_drift(self, traj: Trajectory) -> bool:
+        ids = traj.prompt_ids + traj.response_ids
+        pos = retokenization_drift(self.tokenizer, ids)
+        if pos is None:
+            return False
+        traj.extra_logs["tokenize/drift"] = 1.0
+        if not self._drift_warned:
+            self._drift_warned = True
+            again = encode(self.tokenizer, self.tokenizer.decode(ids, skip_special_tokens=False))
+            logger.warning(
+                "re-tokenizing the text of sample %s/%s changes its tokens from position %d (prompt has %d): "
+                "ids %s became %s, i.e. %r became %r. Training uses the rollout's token ids, so this only "
+                "matters for code that works on text (reward functions, chat templates). Further drift is "
+                "counted in tokenize/drift_samples, not logged.",
+                traj.prompt_uid,
+                traj.sample_index,
+                pos,
+                len(traj.prompt_ids),
+                ids[pos : pos + 6],
+                again[pos : pos + 6],
+                self.tokenizer.decode(ids[pos : pos + 6]),
+                self.tokenizer.decode(again[pos : pos + 6]),
+            )
+        return True
+
+    def _metrics(
+        self, trajectories: list[Trajectory], drifted: int | None, generate_s: float, reward_s: float
+    ) -> dict[str, float]:
+        n = len(trajectories)
+        rewards = [t.reward for t in trajectories if t.reward is not None]
+        metrics = {
+            "rollout/samples": float(n),
+            "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
+            "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
+            "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
+            "reward/mean": _mean(rewards),
+            "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
+            "reward/unscorable": float(n - len(rewards)),
+            "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
+            "timing/generate_s": generate_s,
+            "timing/reward_s": reward_s,
+        }
+        if drifted is not None:
+            metrics["tokenize/drift_samples"] = float(drifted)
+        logged: dict[str, list[float]] = {}
+        for t in trajectories:
+            for key, value in t.extra_logs.items():
+                logged.setdefault(key, []).append(value)
+        for key, values in logged.items():
+            # error/* and tokenize/drift are per-sample flags: their sum is the count
+            metrics[key] = float(sum(values)) if key.startswith(("error/", "tokenize/")) else _mean(values)
+        return metrics
+
+    def _check_failures(self, trajectories: list[Trajectory], step: int) -> None:
+        failed = [t for t in trajectories if t.reward is None]
+        if not trajectories or len(failed) / len(trajectories) <= self.max_failure_fraction:
+            return
+        causes = Counter(k.removeprefix("error/") for t in failed for k in t.extra_logs if k.startswith("error/"))
+        first_errors = list(dict.fromkeys(t.error for t in failed if t.error))[:3]
+        sources = []
+        if self.reward_source is not None:
+            sources.append(f"reward source: {self._reward_source_name()}")
+        if self.agent_file:
+            sources.append(f"agent file: {self.agent_file}")
+        raise RolloutFailureError(
+            f"step {step}: {len(failed)} of {len(trajectories)} samples could not be scored, more than "
+            f"--reward.max_failure_fraction {self.max_failure_fraction:g}"
+            + (f" ({'; '.join(sources)})" if sources else "")
+            + f". Causes: {dict(causes) or 'unknown'}. First errors:\n  "
+            + "\n  ".join(first_errors)
+        )
+

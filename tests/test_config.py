@@ -1,11 +1,12 @@
 """Configuration: seed commands parse, flat and dotted spellings agree, YAML files and errors."""
 
+import re
 from pathlib import Path
 
 import pytest
 from rlhf_core.config import RLConfig, to_dict
 from rlhf_core.config_parser import ConfigError, config_to_yaml, load_config_yaml, parse_config
-from rlhf_cli.assemble import assemble
+from rlhf_cli.assemble import RunConfigError, assemble
 from seed_commands import SEEDS, seed_commands
 
 DOTTED = Path(__file__).parent / "data" / "dotted"
@@ -34,11 +35,26 @@ def test_seed_documents_hold_the_expected_commands():
     assert modes.count("ppo") >= 20 and {"rm", "dpo", "sft"} <= set(modes)
 
 
+# Seed commands that are wrong as printed: the dry run must refuse them and say why.
+INVALID_SEEDS = {
+    # "GRPO" with the default single sample per prompt: a group baseline of one sample is undefined
+    # (OpenRLHF divides by the std of one value and trains on NaN advantages).
+    "001_1e91fc2fda3d697a.txt:121": "needs --rollout.n_samples_per_prompt >= 2 (got 1)",
+    # fragments that show a few flags (placement, resume) and leave the reward out
+    **dict.fromkeys(["001_1e91fc2fda3d697a.txt:379", "001_1e91fc2fda3d697a.txt:875",
+                     "001_1e91fc2fda3d697a.txt:947"], "no reward: give --reward.remote_url"),
+}
+
+
 @needs_seeds
 @pytest.mark.parametrize("source", _seed_ids())
 def test_every_seed_command_parses_and_plans(source, tmp_path):
     (cmd,) = [c for c in seed_commands() if c.source == source]
     cfg, _ = parse_config(cmd.mode, _with_real_files(cmd.argv, tmp_path))
+    if source in INVALID_SEEDS:
+        with pytest.raises(RunConfigError, match=re.escape(INVALID_SEEDS[source])):
+            assemble(cmd.mode, cfg, gpus=True)
+        return
     asm = assemble(cmd.mode, cfg, gpus=True)  # the seeds target GPU clusters
     assert asm.chosen["train_backends"] == "deepspeed"
     if cmd.mode == "ppo":

@@ -1,10 +1,10 @@
 """The example plugin's own tests: the rlhf conformance suite plus its formula on a hand-worked case."""
 
 import torch
-from rlhf_core.testing import AdvantageEstimatorConformance
+from rlhf_core.testing import AdvantageEstimatorConformance, EnvironmentConformance
 from rlhf_core.types import AdvantageInput
 
-from rlhf_example_plugin import GroupMedianEstimator
+from rlhf_example_plugin import GroupMedianEstimator, GuessNumber
 
 
 class TestGroupMedianConformance(AdvantageEstimatorConformance):
@@ -23,3 +23,23 @@ def test_median_baseline_by_hand():
     out = GroupMedianEstimator()(batch)
     expected = torch.tensor([[-1.0, -1.0], [3.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
     torch.testing.assert_close(out.advantages, expected)
+
+
+class TestGuessNumberConformance(EnvironmentConformance):
+    name = "guess_number"
+    label = "7"
+
+
+def test_guess_number_feedback_and_reward():
+    import asyncio
+
+    env = GuessNumber()
+
+    async def play(guesses):
+        await env.reset({"observation": "guess", "label": "7"})
+        return [await env.step({"action_text": g, "label": "7"}) for g in guesses]
+
+    first, second, third = asyncio.run(play(["3", "9", "the answer is 7"]))
+    assert (first["environment_feedback"], first["done"]) == (" higher", False)
+    assert (second["environment_feedback"], second["done"]) == (" lower", False)
+    assert third["done"] and third["rewards"] == 0.5 and third["scores"] == 1.0

@@ -3,6 +3,7 @@
 import pytest
 from rlhf_cli.placement import BUILTIN, plan_pools
 from rlhf_core.config import RLConfig
+from rlhf_core.testing import PlacementStrategyConformance
 from rlhf_core.types import RoleDemand
 
 STRATEGIES = {s.name: s for s in BUILTIN}
@@ -96,3 +97,19 @@ def test_groups_land_on_the_nodes_the_strategy_says():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+class TestColocateAllConformance(PlacementStrategyConformance):
+    name = "colocate_all"
+
+
+class TestColocateActorRefConformance(PlacementStrategyConformance):
+    name = "colocate_actor_ref"
+
+
+class TestColocateCriticRewardConformance(PlacementStrategyConformance):
+    name = "colocate_critic_reward"
+
+
+class TestSeparateConformance(PlacementStrategyConformance):
+    name = "separate"

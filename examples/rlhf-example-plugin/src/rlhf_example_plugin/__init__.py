@@ -8,6 +8,7 @@ imports this package by name.
 from __future__ import annotations
 
 import torch
+from rlhf_agents import AgentInstanceBase
 from rlhf_core import hookimpl
 from rlhf_core.types import AdvantageInput, AdvantageOutput
 
@@ -37,3 +38,43 @@ class GroupMedianEstimator:
 @hookimpl
 def rlhf_register_advantage_estimators(register):
     register("group_median", GroupMedianEstimator())
+
+
+class GuessNumber(AgentInstanceBase):
+    """A multi-turn environment: guess the secret digit (the label) in at most four tries.
+
+    Each wrong guess gets ``higher`` or ``lower`` as feedback; the reward is 1.0 for a first-try hit,
+    0.25 less per extra try, 0.0 when every try misses. The last digit in the reply is the guess.
+    """
+
+    max_tries = 4
+
+    def __init__(self, *args, **kwargs):
+        self.tries = 0
+
+    async def reset(self, states, **kwargs):
+        self.tries = 0
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.tries += 1
+        digits = [c for c in states["action_text"] if c.isdigit()]
+        guess, secret = (int(digits[-1]) if digits else None), int(states["label"])
+        hit = guess == secret
+        done = hit or self.tries >= self.max_tries
+        if hit or done:
+            feedback = ""
+        else:
+            feedback = " higher" if guess is None or guess < secret else " lower"
+        return {
+            "rewards": 1.0 - 0.25 * (self.tries - 1) if hit else 0.0,
+            "scores": 1.0 if hit else 0.0,
+            "environment_feedback": feedback,
+            "done": done,
+            "extra_logs": {"tries": float(self.tries)},
+        }
+
+
+@hookimpl
+def rlhf_register_environments(register):
+    register("guess_number", GuessNumber)

@@ -5,6 +5,7 @@
     rlhf serve-rm [flags]
     rlhf lora-merge [flags]
     rlhf doctor
+    rlhf demo [--quick]
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ def cmd_lora_merge(argv: list[str]) -> int:
     return lora_main(argv) or 0
 
 
+def cmd_demo(argv: list[str]) -> int:
+    from rlhf_cli.demo import main as demo_main
+
+    return demo_main(argv)
+
+
 def cmd_doctor(argv: list[str]) -> int:
     from rlhf_cli.doctor import main as doctor_main
 
@@ -99,6 +106,7 @@ COMMANDS = {
     "serve-rm": cmd_serve_rm,
     "lora-merge": cmd_lora_merge,
     "doctor": cmd_doctor,
+    "demo": cmd_demo,
 }
 
 

@@ -9,7 +9,8 @@
       class TestMyEstimator(AdvantageEstimatorConformance):
           name = "my_estimator"          # resolved through the installed entry points
 
-  Every test of the suite then runs against that plugin.
+  Every test of the suite then runs against that plugin. Rollout engines subclass
+  ``RolloutEngineConformance`` and override ``make_engine(model_dir)`` instead.
 """
 
 from rlhf_core.testing.algos import (
@@ -17,12 +18,22 @@ from rlhf_core.testing.algos import (
     KLEstimatorConformance,
     PolicyLossConformance,
 )
+from rlhf_core.testing.engines import RolloutEngineConformance
 from rlhf_core.testing.fixtures import register_plugin, registered_plugin
+from rlhf_core.testing.seams import (
+    EnvironmentConformance,
+    PlacementStrategyConformance,
+    RewardSourceConformance,
+)
 
 __all__ = [
     "AdvantageEstimatorConformance",
+    "EnvironmentConformance",
+    "PlacementStrategyConformance",
+    "RewardSourceConformance",
     "KLEstimatorConformance",
     "PolicyLossConformance",
+    "RolloutEngineConformance",
     "register_plugin",
     "registered_plugin",
 ]

@@ -1,0 +1,300 @@
+"""Dataset readers, mixing, and prompt / chat-template formatting, shared by every trainer.
+
+Every row keeps where it came from (:class:`Row`: file and row index), so that a bad row fails with an
+error naming the file, the row and the key, or is skipped and counted when the run asks for that
+(``--data.skip_bad_rows``). A prompt longer than its budget follows ``--data.overlong_prompt_policy``
+(:func:`fit_prompt`): it is never truncated silently.
+
+Formats: ``.jsonl``, ``.json`` (a list of objects, or JSON lines), ``.parquet``, ``.csv``, ``.arrow``,
+and directories: a dataset saved with ``datasets``' ``save_to_disk`` (a ``DatasetDict`` is indexed by
+split), or a folder of data files whose names start with the split (``train.jsonl``,
+``data/train-00000.parquet``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+OVERLONG_POLICIES = ("error", "skip", "truncate_left")
+
+
+class DataError(ValueError):
+    """A dataset problem; the message names the file, row, key or flag at fault."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One dataset row and where it came from."""
+
+    data: dict[str, Any]
+    file: str
+    index: int
+    """0-based row index inside ``file`` (for JSON lines: the line number, counting from 0)."""
+
+    def where(self) -> str:
+        return f"{self.file} row {self.index}"
+
+
+@dataclass
+class DataStats:
+    """Counts of rows that were not used as they are; trainers log them as ``data/<name>``."""
+
+    counts: Counter = field(default_factory=Counter)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"data/{k}": float(v) for k, v in sorted(self.counts.items())}
+
+
+# --- reading ---------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[Row]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} row {i}: not valid JSON ({exc.msg})") from None
+            rows.append(Row(_as_dict(obj, path, i), str(path), i))
+    return rows
+
+
+def _as_dict(obj: Any, path: Path, i: int) -> dict:
+    if not isinstance(obj, dict):
+        raise DataError(f"{path} row {i}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _read_json(path: Path, split: str) -> list[Row]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return _read_jsonl(path)  # HF's "json" loader also accepts JSON lines in a .json file
+    if isinstance(obj, dict) and isinstance(obj.get(split), list):
+        obj = obj[split]
+    if not isinstance(obj, list):
+        raise DataError(f"{path}: expected a list of objects (or a {{{split!r}: [...]}} mapping)")
+    return [Row(_as_dict(o, path, i), str(path), i) for i, o in enumerate(obj)]
+
+
+def _read_file(path: Path, split: str) -> list[Row]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path)
+    if suffix == ".json":
+        return _read_json(path, split)
+    if suffix == ".csv":
+        with path.open(encoding="utf-8", newline="") as f:
+            return [Row(dict(r), str(path), i) for i, r in enumerate(csv.DictReader(f))]
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return [Row(r, str(path), i) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    if suffix == ".arrow":
+        import datasets
+
+        return [Row(r, str(path), i) for i, r in enumerate(datasets.Dataset.from_file(str(path)))]
+    raise DataError(f"{path}: unsupported file type {suffix!r}; supported: {', '.join(FILE_FORMATS)}")
+
+
+def _read_dir(path: Path, split: str) -> list[Row]:
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(f"{path}: no split {split!r}; it has {', '.join(ds)}")
+            ds = ds[split]
+            where = f"{path}[{split}]"
+        else:
+            where = str(path)
+        return [Row(r, where, i) for i, r in enumerate(ds)]
+    files = sorted(
+        p for p in path.rglob("*") if p.suffix.lower() in FILE_FORMATS and p.name.startswith(split)
+    )
+    if not files:
+        raise DataError(
+            f"{path}: no data files for split {split!r} (looked for {split}*{{{','.join(FILE_FORMATS)}}}, "
+            "or a dataset saved with save_to_disk)"
+        )
+    return [row for f in files for row in _read_file(f, split)]
+
+
+def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
+    """Every row of a data file or local dataset directory, each with its file and row index."""
+    path = Path(path_or_dir).expanduser()
+    if not path.exists():
+        raise DataError(f"dataset not found: {path_or_dir} (a local file or directory is expected)")
+    return _read_dir(path, split) if path.is_dir() else _read_file(path, split)
+
+
+def mix_rows(
+    sources: Sequence[Sequence[Row]],
+    probs: Sequence[float] | None = None,
+    seed: int = 0,
+    max_samples: int | None = None,
+) -> list[Row]:
+    """Mix several datasets into one list of ``min(sum of sizes, max_samples)`` rows.
+
+    Each output row picks its source with probability ``probs[k]`` (normalised); a source is read in a
+    seeded random order and starts over when exhausted (so a small, highly weighted set is repeated).
+    One source, or no ``probs``, means plain concatenation.
+    """
+    total = sum(len(s) for s in sources)
+    limit = total if max_samples is None else min(total, max_samples)
+    if probs is None or len(sources) == 1:
+        return [row for s in sources for row in s][:limit]
+    if len(probs) != len(sources):
+        raise DataError(f"--data.dataset_probs has {len(probs)} values for {len(sources)} datasets")
+    p = np.asarray(probs, dtype=np.float64)
+    if (p < 0).any() or p.sum() <= 0:
+        raise DataError(f"--data.dataset_probs must be non-negative and not all zero, got {list(probs)}")
+    for k, s in enumerate(sources):
+        if p[k] > 0 and not s:
+            raise DataError(f"dataset {k} is empty but has mixing probability {probs[k]}")
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(sources), size=limit, p=p / p.sum())
+    orders = [rng.permutation(len(s)) for s in sources]
+    used = [0] * len(sources)
+    out = []
+    for k in picks:
+        out.append(sources[k][orders[k][used[k] % len(sources[k])]])
+        used[k] += 1
+    return out
+
+
+def load_rows(
+    paths: Sequence[str],
+    probs: Sequence[float] | None = None,
+    split: str = "train",
+    seed: int = 0,
+    max_samples: int | None = None,
+) -> list[Row]:
+    """Read and mix ``paths`` (see :func:`read_rows` and :func:`mix_rows`)."""
+    if not paths:
+        raise DataError("no dataset given (--data.dataset)")
+    return mix_rows([read_rows(p, split) for p in paths], probs, seed, max_samples)
+
+
+# --- fields and prompts ------------------------------------------------------------------------------------
+
+
+def get_field(row: Row, key: str, types: type | tuple[type, ...] = str, flag: str | None = None) -> Any:
+    """``row.data[key]``, checked to be an instance of ``types``; a :class:`DataError` naming file, row and
+    key (and the flag that named the key) otherwise."""
+    named = f" (set by {flag})" if flag else ""
+    if key not in row.data or row.data[key] is None:
+        have = ", ".join(map(str, row.data)) or "none"
+        raise DataError(f"{row.where()}: missing key {key!r}{named}; the row has keys: {have}")
+    value = row.data[key]
+    if not isinstance(value, types):
+        want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise DataError(f"{row.where()}: key {key!r}{named} should be {want}, got {type(value).__name__}")
+    return value
+
+
+def check_messages(messages: Any, row: Row, key: str) -> list[dict]:
+    """A conversation: a list of ``{"role": str, "content": str}``; DataError naming the row otherwise."""
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not ok or not messages:
+        raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages")
+    return messages
+
+
+def render_prompt(
+    tokenizer: Any,
+    prompt: str | list[dict],
+    input_template: str | None = None,
+    apply_chat_template: bool = False,
+) -> str:
+    """The prompt text a model sees.
+
+    With ``apply_chat_template`` a string becomes one user message, and the tokenizer's chat template is
+    applied with the generation prompt. Otherwise ``input_template`` (a format string with ``{}``) wraps
+    the string, or the string is used as it is.
+    """
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(prompt, str):
+        raise DataError("a conversation (list of messages) needs --data.apply_chat_template")
+    if input_template:
+        if "{}" not in input_template:
+            raise DataError(f"--data.input_template must contain '{{}}' for the prompt, got {input_template!r}")
+        return input_template.format(prompt)
+    return prompt
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens added (templates carry their own)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and a loss mask that is 1 on assistant turns only.
+
+    Each assistant turn ``k`` covers the tokens between the rendering of ``messages[:k]`` with the
+    generation prompt and the rendering of ``messages[:k+1]``; this needs a chat template whose
+    renderings of prefixes are prefixes (true of common templates). A template that breaks this fails
+    with a DataError rather than masking the wrong tokens.
+    """
+
+    def ids_of(msgs: list[dict], gen: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return encode(tokenizer, text)
+
+    full = ids_of(messages, False)
+    mask = [0] * len(full)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(ids_of(messages[:k], True))
+        end_ids = ids_of(messages[: k + 1], False)
+        if full[: len(end_ids)] != end_ids:
+            raise DataError("the chat template does not render conversation prefixes as prefixes")
+        for t in range(start, len(end_ids)):
+            mask[t] = 1
+    return full, mask
+
+
+def fit_prompt(
+    ids: list[int], budget: int, policy: str, where: str, stats: DataStats | None = None
+) -> list[int] | None:
+    """Apply ``--data.overlong_prompt_policy`` to a prompt of ``len(ids)`` tokens with ``budget`` allowed.
+
+    ``error`` raises a DataError naming ``where`` (file and row); ``skip`` returns None and counts
+    ``overlong_prompts_skipped``; ``truncate_left`` keeps the last ``budget`` tokens and counts
+    ``overlong_prompts_truncated``. A prompt within budget is returned unchanged.
+    """
+    if policy not in OVERLONG_POLICIES:
+        raise DataError(f"--data.overlong_prompt_policy must be one of {OVERLONG_POLICIES}, got {policy!r}")
+    if len(ids) <= budget:
+        return ids
+    if policy == "error":
+        raise DataError(
+            f"{where}: prompt has {len(ids)} tokens, more than the {budget} allowed (--data.max_len / "
+            "--data.prompt_max_len); set --data.overlong_prompt_policy skip or truncate_left to go on"
+        )
+    if stats is not None:
+        stats.add("overlong_prompts_skipped" if policy == "skip" else "overlong_prompts_truncated")
+    return None if policy == "skip" else ids[len(ids) - budget :]

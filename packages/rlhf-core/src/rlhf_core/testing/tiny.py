@@ -1,0 +1,77 @@
+"""Tiny models and tokenizers built locally, for tests and benchmarks (nothing is downloaded).
+
+The tokenizer is a whitespace word-level vocabulary: special tokens, chat-role markers, then the words
+``w0 .. w{n-1}``. Text is written as space-separated words (``"w3 w17 w5"``), so token counts are exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+# A chat template that is prefix-stable: rendering messages[:k] is a prefix of rendering messages[:k+1],
+# which is what per-turn loss masks rely on.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def make_tiny_tokenizer(path: str | Path | None = None, num_words: int = 200):
+    """A ``PreTrainedTokenizerFast`` with ``len(SPECIAL_TOKENS) + num_words`` tokens and a chat template.
+
+    Padding is on the right; ``pad_token_id`` is 0, ``bos`` 1, ``eos`` 2. When ``path`` is given the
+    tokenizer is saved there with ``save_pretrained``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for i in range(num_words):
+        vocab[f"w{i}"] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="right",
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    if path is not None:
+        tok.save_pretrained(str(path))
+    return tok
+
+
+def make_tiny_llama(path: str | Path, seed: int = 0, num_words: int = 200, **overrides) -> str:
+    """Save a randomly initialised tiny ``LlamaForCausalLM`` and its tokenizer to ``path``; returns it.
+
+    Defaults: hidden 32, 2 layers, 4 heads (2 KV heads), fp32. ``overrides`` go to ``LlamaConfig``.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    tok = make_tiny_tokenizer(path, num_words=num_words)
+    kwargs = dict(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    model.save_pretrained(str(path))
+    return str(path)

@@ -1,0 +1,67 @@
+"""The ``deepspeed`` train backend: the object registered under ``rlhf_register_train_backends``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_train_deepspeed.worker import ModelSpec
+
+ROLES = ("actor", "critic", "ref", "reward")
+
+
+def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = None) -> ModelSpec:
+    """The model a group of ``role`` hosts, from an ``RLConfig``."""
+    actor_path = cfg.actor.model_name_or_path
+    micro = cfg.train.micro_batch_size
+    grad_accum = max(1, cfg.train.batch_size // (micro * num_workers))
+    steps = total_steps or (cfg.train.max_steps if cfg.train.max_steps > 0 else 1_000_000)
+    if role == "actor":
+        if not actor_path:
+            raise ValueError("--actor.model_name_or_path is required")
+        if cfg.actor.aux_loss_coef:
+            raise ValueError("--actor.aux_loss_coef (MoE router loss) is not supported by the deepspeed backend yet")
+        return ModelSpec(
+            actor_path, "causal", True, cfg.actor, micro, grad_accum, steps,
+            cfg.actor.gradient_checkpointing_enable, cfg.actor.gradient_checkpointing_reentrant,
+        )
+    if role == "critic":
+        path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or actor_path
+        return ModelSpec(path, "value", True, cfg.critic, micro, grad_accum, steps, cfg.critic.gradient_checkpointing_enable)
+    if role == "ref":
+        return ModelSpec(cfg.ref.model_name_or_path or actor_path, "causal", False, offload=cfg.ref.offload)
+    if role == "reward":
+        if not cfg.reward.model_name_or_path:
+            raise ValueError("a reward-model group needs --reward.model_name_or_path")
+        return ModelSpec(
+            cfg.reward.model_name_or_path, "value", False, offload=cfg.reward.offload,
+            normalize_reward=cfg.reward.normalize_enable,
+        )
+    raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+
+
+class DeepSpeedBackend:
+    """``create_group`` starts Ray workers for a role of an RL run; ``run_trainer`` runs SFT/RM/DPO/KTO."""
+
+    name = "deepspeed"
+
+    def create_group(self, role: str, cfg, pool: Any = None, num_workers: int = 1, **kwargs):
+        """A :class:`rlhf_train_deepspeed.group.WorkerGroup` of ``num_workers`` ranks for ``role``
+        (``actor``, ``critic``, ``ref``, ``reward``) of an ``RLConfig``.
+
+        ``pool``: a Ray placement group or None. Keyword options: ``total_steps`` (optimizer steps of the
+        run, for the LR schedule), ``bundle_indices``, ``num_gpus_per_worker``, ``num_cpus_per_worker``,
+        ``num_threads`` (see :func:`rlhf_train_deepspeed.group.create_worker_group`).
+        """
+        from rlhf_train_deepspeed.group import create_worker_group
+
+        spec = spec_for_role(role, cfg, num_workers, kwargs.pop("total_steps", None))
+        return create_worker_group(
+            role, spec, cfg.ds, num_workers, seed=cfg.train.seed,
+            full_determinism=cfg.train.full_determinism_enable, pool=pool, **kwargs,
+        )
+
+    def run_trainer(self, mode: str, cfg) -> dict:
+        """Run ``sft``, ``rm``, ``dpo`` or ``kto`` with a ``SupervisedConfig`` / ``PreferenceConfig``."""
+        from rlhf_train_deepspeed.trainers import run_supervised
+
+        return run_supervised(mode, cfg)

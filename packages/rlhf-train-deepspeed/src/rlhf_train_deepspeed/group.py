@@ -1,0 +1,268 @@
+"""A group of N training ranks as Ray actors, and the handle that fans calls out to them.
+
+The group is set up without the ``deepspeed`` launcher: rank 0 picks a free port on its node, every rank
+gets MASTER_ADDR/PORT, RANK, WORLD_SIZE and LOCAL_RANK, and they join one process group (NCCL with GPUs,
+gloo on CPU). The handle's methods take the micro-batches of a whole step, give each rank its contiguous
+share, and gather the results in order. The README of this package documents every method.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from rlhf_train_deepspeed.batches import CriticMicroBatch, PolicyMicroBatch, SequenceBatch
+from rlhf_train_deepspeed.strategy import StepResult
+from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, SupervisedConfigLite, TrainWorker
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+def merge_steps(results: list[StepResult]) -> dict[str, float]:
+    """One metrics dict for a step: the global loss (sum over ranks), weighted means of the other
+    metrics over all micro-batches of all ranks, and the skip flag."""
+    out: dict[str, float] = {
+        "loss": sum(r.loss for r in results),
+        "skipped": float(results[0].skipped),
+        "lr": results[0].lr,
+    }
+    if results[0].grad_norm is not None:
+        out["grad_norm"] = results[0].grad_norm
+    totals: dict[str, list[float]] = {}
+    for r in results:
+        for k, (s, w) in r.metrics.items():
+            t = totals.setdefault(k, [0.0, 0.0])
+            t[0] += s
+            t[1] += w
+    out.update({k: s / w for k, (s, w) in totals.items() if w > 0})
+    return out
+
+
+class WorkerGroup:
+    """Handle of one model's ranks. Build it with :func:`create_worker_group` (or the backend's
+    ``create_group``)."""
+
+    def __init__(self, actors: list, role: str, spec: ModelSpec):
+        self.actors = actors
+        self.role = role
+        self.spec = spec
+        self.world_size = len(actors)
+        self.nonfinite_steps = 0
+        """Steps skipped because a loss was not finite (on any rank)."""
+
+    # --- fan-out primitives ---
+
+    def call_async(self, method: str, *args, **kwargs) -> list:
+        """Call ``method`` with the same arguments on every rank; returns the Ray object refs."""
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Call ``method`` on every rank and wait; returns the per-rank results."""
+        return _ray().get(self.call_async(method, *args, **kwargs))
+
+    def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list, list[int]]:
+        """Give rank ``r`` the ``r``-th contiguous share of ``items`` (as its first argument). Ranks with a
+        shorter share get copies of their last item so that every rank runs the same number of forward
+        passes (ZeRO-3 gathers are collective); those extra results are dropped by :meth:`gather_sharded`."""
+        if not items:
+            raise ValueError(f"{method}: no micro-batches given")
+        per = math.ceil(len(items) / self.world_size)
+        refs, real = [], []
+        for r, actor in enumerate(self.actors):
+            share = items[r * per : (r + 1) * per]
+            real.append(len(share))
+            share = share + [share[-1] if share else items[-1]] * (per - len(share))
+            refs.append(getattr(actor, method).remote(share, *args, **kwargs))
+        return refs, real
+
+    def gather_sharded(self, refs: list, real: list[int]) -> list:
+        results = _ray().get(refs)
+        return [x for res, n in zip(results, real, strict=True) for x in res[:n]]
+
+    def _even_split(self, items: list, what: str) -> None:
+        if len(items) % self.world_size:
+            raise ValueError(
+                f"{what}: {len(items)} micro-batches cannot be split evenly over {self.world_size} ranks"
+            )
+
+    # --- forward-only ---
+
+    def compute_logprobs(
+        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False
+    ) -> list:
+        """``[B, T]`` response log-probs per micro-batch (with entropies: ``(logprobs, entropy)`` pairs)."""
+        return self.gather_sharded(*self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy))
+
+    def compute_values(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
+        """``[B, T]`` critic values per micro-batch."""
+        return self.gather_sharded(*self.call_sharded_async("compute_values", batches))
+
+    def compute_rewards(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
+        """``[B]`` rewards per micro-batch (normalised with ``--reward.normalize_enable``)."""
+        return self.gather_sharded(*self.call_sharded_async("compute_rewards", batches))
+
+    # --- training ---
+
+    def _step(self, method: str, micro_batches: list, *args, counts: dict[str, float]) -> dict[str, float]:
+        self._even_split(micro_batches, method)
+        per = len(micro_batches) // self.world_size
+        refs = [
+            getattr(a, method).remote(micro_batches[r * per : (r + 1) * per], *args, counts)
+            for r, a in enumerate(self.actors)
+        ]
+        metrics = merge_steps(_ray().get(refs))
+        if metrics["skipped"]:
+            self.nonfinite_steps += 1
+        metrics["nonfinite_steps"] = float(self.nonfinite_steps)
+        return metrics
+
+    def train_policy_step(self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig) -> dict[str, float]:
+        """One optimizer step over all ``micro_batches`` (a multiple of the world size), with the
+        registered policy loss ``cfg.loss``. Token/sequence counts for the aggregation are global."""
+        masks = [mb.seq.response_mask() for mb in micro_batches]
+        counts = {  # sequences without any action token take no part in the normalisation
+            "num_tokens": float(sum(m.sum() for m in masks)),
+            "num_sequences": float(sum(m.any(-1).sum() for m in masks)),
+        }
+        return self._step("train_policy", micro_batches, cfg, counts=counts)
+
+    def train_critic_step(self, micro_batches: list[CriticMicroBatch], value_clip: float | None = 0.5) -> dict[str, float]:
+        """One optimizer step of the clipped value loss over all ``micro_batches``."""
+        counts = {"num_tokens": float(sum(mb.seq.response_mask().sum() for mb in micro_batches))}
+        return self._step("train_critic", micro_batches, value_clip, counts=counts)
+
+    def train_supervised_step(self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]) -> dict[str, float]:
+        """One optimizer step of an SFT/RM/DPO/KTO loss (used by the trainers in this package)."""
+        return self._step("train_supervised", micro_batches, cfg, counts=counts)
+
+    def eval_supervised(self, micro_batches: list, cfg: SupervisedConfigLite) -> tuple[dict[str, float], list[float]]:
+        """Weighted-mean metrics over evaluation micro-batches, and (RM) the rewards seen."""
+        per_batch = self.gather_sharded(*self.call_sharded_async("eval_supervised", micro_batches, cfg))
+        totals: dict[str, list[float]] = {}
+        rewards: list[float] = []
+        for metrics, weight, batch_rewards in per_batch:
+            rewards += batch_rewards
+            for k, v in metrics.items():
+                t = totals.setdefault(k, [0.0, 0.0])
+                t[0] += v * weight
+                t[1] += weight
+        return {k: s / w for k, (s, w) in totals.items() if w > 0}, rewards
+
+    # --- checkpoints, export, weight sync ---
+
+    def save_checkpoint(self, path: str) -> None:
+        """Every rank writes its DeepSpeed shard and RNG state under ``path`` (a shared directory)."""
+        self.call("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.call("load_checkpoint", path)
+
+    def export_hf(self, out_dir: str, config_updates: dict | None = None) -> None:
+        """HF safetensors export to ``out_dir`` (written by rank 0)."""
+        self.call("export_hf", out_dir, config_updates, self.spec.path)
+
+    def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
+        """All weights as full CPU tensors with HF names (ZeRO-3 gathered), for the object-store path."""
+        return self.call("get_state_dict_for_engines")[0]
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """An address and free port on rank 0's node, for the ``master_addr``/``master_port`` of the sync group."""
+        return _ray().get(self.actors[0].master_address.remote())
+
+    def broadcast_weights_to_engines_async(
+        self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0
+    ) -> list:
+        """Start sending the weights through ``rlhf_core.weight_sync`` (rank 0 sends, as sync rank 0); the
+        engines must join the group (ranks 1..world_size-1) and ``receive`` meanwhile. Returns Ray refs;
+        ``ray.get`` on them gives the tensor count on rank 0's entry."""
+        return self.call_async("broadcast_weights_to_engines", master_addr, master_port, world_size, backend, timeout_s)
+
+    def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> None:
+        """(Re)load a model on every rank, replacing the current one (the process group is kept)."""
+        self.spec = spec
+        self.nonfinite_steps = 0
+        self.call("init_model", spec, ds, seed, full_determinism)
+
+    def sleep(self) -> None:
+        """Offload training state to CPU memory (GPU ZeRO-3 with ``--ds.enable_sleep``; no-op on CPU)."""
+        self.call("sleep")
+
+    def wake_up(self) -> None:
+        self.call("wake_up")
+
+    def shutdown(self) -> None:
+        ray = _ray()
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+
+
+def _has_gpus() -> bool:
+    return _ray().cluster_resources().get("GPU", 0) > 0
+
+
+def create_worker_group(
+    role: str,
+    spec: ModelSpec,
+    ds,
+    num_workers: int,
+    *,
+    seed: int = 42,
+    full_determinism: bool = False,
+    pool: Any = None,
+    bundle_indices: list[int] | None = None,
+    num_gpus_per_worker: float | None = None,
+    num_cpus_per_worker: float = 1,
+    num_threads: int | None = None,
+) -> WorkerGroup:
+    """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model.
+
+    ``pool`` is a Ray placement group (rank ``r`` goes to bundle ``bundle_indices[r]``, default ``r``) or
+    None. GPUs per worker default to 1 when the cluster has GPUs, else 0 (CPU ranks with gloo).
+    ``num_threads`` sets torch's intra-op threads in each rank (default: the machine's cores divided among
+    the ranks on CPU, ``num_cpus_per_worker`` with GPUs).
+    """
+    ray = _ray()
+    if num_workers < 1:
+        raise ValueError(f"{role}: num_workers must be at least 1, got {num_workers}")
+    gpus = (1 if _has_gpus() else 0) if num_gpus_per_worker is None else num_gpus_per_worker
+    if pool is None and not gpus:
+        # More CPU ranks than logical CPUs would wait for resources forever: share the CPUs instead.
+        num_cpus_per_worker = min(num_cpus_per_worker, ray.cluster_resources().get("CPU", 1) / num_workers)
+    env = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
+    if not gpus:
+        env["DS_ACCELERATOR"] = "cpu"
+    for var in ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "DS_ACCELERATOR", "HF_HUB_OFFLINE"):
+        if var in os.environ:
+            env.setdefault(var, os.environ[var])
+    # CPU ranks split the cores between them (Ray would give each actor one thread); GPU ranks need few.
+    threads = num_threads or (max(1, int(num_cpus_per_worker)) if gpus else max(1, (os.cpu_count() or 1) // num_workers))
+    env["OMP_NUM_THREADS"] = str(threads)
+    actor_cls = ray.remote(TrainWorker)
+    actors = []
+    for r in range(num_workers):
+        options: dict[str, Any] = {
+            "num_cpus": num_cpus_per_worker,
+            "num_gpus": gpus,
+            "runtime_env": {"env_vars": env},
+        }
+        if pool is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            index = bundle_indices[r] if bundle_indices else r
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pool, placement_group_bundle_index=index
+            )
+        actors.append(actor_cls.options(**options).remote(r, num_workers, threads))
+    addr, port = ray.get(actors[0].master_address.remote())
+    ray.get([a.init_distributed.remote(addr, port) for a in actors])
+    group = WorkerGroup(actors, role, spec)
+    group.init_model(spec, ds, seed, full_determinism)
+    return group

@@ -1,0 +1,171 @@
+"""Models the backend trains and queries, and the batch format they read.
+
+- Policy / reference: a causal LM. :func:`response_logprobs` gives the log-probs (and entropy) of the
+  response tokens only, at a temperature: ``log_softmax(logits / temperature)``, the same quantity the
+  rollout engines report (see ``rlhf_core.types.SamplingParams``).
+- Critic / reward model: a transformer with a one-output linear value head named ``score`` by default
+  (``--ds.value_head_prefix``). Saved with the ``*ForSequenceClassification`` architecture name, so
+  ``AutoModelForSequenceClassification`` loads it. The reward is the value-head output at the last
+  non-pad token; a trained RM stores ``mean`` / ``std`` in its config for ``--reward.normalize_enable``.
+
+Batches are right-padded sequences of prompt + response (:class:`SequenceBatch`). With packing, the rows
+are laid end to end in one row with ``position_ids`` restarting at 0 for each sequence and no attention
+mask: transformers then builds a block-diagonal causal mask (flash-attn varlen on GPU, a masked SDPA on
+CPU), so packed and padded computations give the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
+from torch import nn
+
+from rlhf_train_deepspeed.batches import SequenceBatch
+
+# --- forward passes ------------------------------------------------------------------------------------
+
+
+def model_inputs(batch: SequenceBatch, packing: bool) -> tuple[dict, torch.Tensor]:
+    """The keyword arguments of the forward pass, and ``[B]`` offsets of each row in the flattened output.
+
+    Padded: ``input_ids [B, L]`` with the attention mask; row ``i`` starts at ``i * L``. Packed: one row of
+    ``sum(lengths)`` tokens with ``position_ids`` restarting per sequence and no attention mask.
+    """
+    lengths = batch.attention_mask.sum(-1)
+    if not packing:
+        offsets = torch.arange(len(batch), device=lengths.device) * batch.input_ids.shape[1]
+        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}, offsets
+    keep = batch.attention_mask.bool()
+    ids = batch.input_ids[keep][None, :]
+    positions = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths])[None, :]
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return {"input_ids": ids, "position_ids": positions}, offsets
+
+
+def response_positions(batch: SequenceBatch, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices ``[B, T]`` of the outputs that predict each response token, and the ``[B, T]`` mask.
+
+    Response token ``t`` of row ``i`` (token ``p_i + t``) is predicted at position ``p_i + t - 1``.
+    Masked entries point at index 0 so they can be gathered safely.
+    """
+    t = torch.arange(batch.num_response_positions, device=offsets.device)
+    mask = batch.response_mask().to(offsets.device)
+    pos = offsets[:, None] + batch.prompt_lens[:, None].to(offsets.device) - 1 + t[None, :]
+    return torch.where(mask, pos, torch.zeros_like(pos)), mask
+
+
+def response_logprobs(
+    model: nn.Module,
+    batch: SequenceBatch,
+    temperature: float = 1.0,
+    packing: bool = False,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``, ``[B, T]``
+    each and zero where masked, and the ``[B, T]`` mask. A temperature of 0 (greedy) is treated as 1.
+
+    Only response positions go through the softmax, so memory scales with ``B * T * V``. With
+    ``entropy_grad=False`` the entropy is a detached diagnostic (no second softmax kept for backward).
+    """
+    kwargs, offsets = model_inputs(batch, packing)
+    logits = model(**kwargs, use_cache=False).logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    pos, mask = response_positions(batch, offsets)
+    targets = kwargs["input_ids"].reshape(-1)[pos + 1]
+    logits = flat[pos].float()  # [B, T, V]: only response positions go through the softmax
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    lp = logprobs_from_logits(logits, targets) * mask
+    ent = None
+    if with_entropy:
+        ent = entropy_from_logits(logits if entropy_grad else logits.detach()) * mask
+    return lp, ent, mask
+
+
+def response_values(model: nn.Module, batch: SequenceBatch, packing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Critic values of the state before each response token, ``[B, T]`` (zero where masked), and the mask."""
+    kwargs, offsets = model_inputs(batch, packing)
+    values = model(**kwargs).reshape(-1).float()
+    pos, mask = response_positions(batch, offsets)
+    return values[pos] * mask, mask
+
+
+def sequence_rewards(model: nn.Module, batch: SequenceBatch, packing: bool = False) -> torch.Tensor:
+    """``[B]`` value-head output at the last non-pad token of each sequence."""
+    kwargs, offsets = model_inputs(batch, packing)
+    values = model(**kwargs).reshape(-1).float()
+    return values[offsets + batch.attention_mask.sum(-1).to(offsets.device) - 1]
+
+
+# --- value models ----------------------------------------------------------------------------------------
+
+
+def value_model_class(config, head_prefix: str = "score") -> type:
+    """A ``PreTrainedModel`` class: the base transformer of ``config``'s architecture plus a linear value
+    head named ``head_prefix``. Its ``forward`` returns per-token values ``[B, L]`` (fp32 head input).
+
+    Parameter names are ``<base_model_prefix>.*`` and ``<head_prefix>.weight``, the layout of
+    ``*ForSequenceClassification`` with ``num_labels=1`` when the prefix is ``score``.
+    """
+    from transformers import AutoModel
+
+    base_cls = AutoModel._model_mapping[type(config)]
+    pretrained_cls = next(c for c in base_cls.__mro__[1:] if c.__name__.endswith("PreTrainedModel"))
+
+    class ValueModel(pretrained_cls):
+        value_head_prefix = head_prefix
+
+        def __init__(self, config):
+            super().__init__(config)
+            setattr(self, self.base_model_prefix, base_cls(config))
+            setattr(self, head_prefix, nn.Linear(config.hidden_size, 1, bias=False))
+            self.post_init()
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+            base = getattr(self, self.base_model_prefix)
+            hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            return getattr(self, head_prefix)(hidden.last_hidden_state).squeeze(-1)
+
+    ValueModel.__name__ = ValueModel.__qualname__ = f"{base_cls.__name__}WithValueHead"
+    return ValueModel
+
+
+def sequence_classification_architecture(config) -> str:
+    """The ``*ForSequenceClassification`` class name of ``config``'s model type (for ``architectures``)."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification._model_mapping[type(config)].__name__
+
+
+def normalize_rewards(rewards: torch.Tensor, config) -> torch.Tensor:
+    """``(r - mean) / std`` with the statistics stored in an RM's config; unchanged when it has none."""
+    mean, std = getattr(config, "mean", None), getattr(config, "std", None)
+    if mean is None or std is None:
+        return rewards
+    return (rewards - mean) / max(float(std), 1e-8)
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` with the training dtype and attention implementation."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+    )
+
+
+def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", head_prefix: str = "score", **kwargs):
+    """A value model (:func:`value_model_class`) from a causal LM, a base model or a saved RM / critic.
+
+    A checkpoint without the head (a causal LM) gets a freshly initialised head; one with it (an RM
+    trained here, or any ``*ForSequenceClassification`` with one label and the same head name) keeps it.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    cls = value_model_class(config, head_prefix)
+    return cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)

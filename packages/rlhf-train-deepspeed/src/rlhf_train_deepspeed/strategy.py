@@ -1,0 +1,391 @@
+"""DeepSpeed set-up: distributed init, ZeRO config, optimizer and LR schedule, LoRA, and the training step.
+
+One :class:`Strategy` per worker process. It turns the ``--ds.*`` and optimizer flags into a DeepSpeed
+config, wraps models into engines, and runs an optimizer step over a list of micro-batches
+(:meth:`Strategy.optimizer_step`) with two guarantees:
+
+- the gradient of a step does not depend on how its batch was split into micro-batches or ranks, as long
+  as each micro-batch loss is already normalised by the global count of the step (``LossAggregation``);
+- a non-finite loss on any rank skips the step on every rank: the parameters, optimizer state and LR
+  schedule stay exactly as they were, and the skip is counted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LR_SCHEDULERS = ("cosine_with_min_lr", "linear", "constant")
+
+
+class ConfigError(ValueError):
+    """A flag value this backend cannot run with; the message names the flag."""
+
+
+def param_dtype(name: str) -> torch.dtype:
+    """The training dtype of ``--ds.param_dtype``; fp16 is refused (no loss scaling here)."""
+    if name == "fp16":
+        raise ConfigError(
+            "--ds.param_dtype fp16 is not supported: fp16 needs loss scaling, which this backend does not do. "
+            "Use bf16 (default; also works on CPU) or fp32."
+        )
+    if name not in PRECISIONS:
+        raise ConfigError(f"--ds.param_dtype must be one of {sorted(PRECISIONS)}, got {name!r}")
+    return PRECISIONS[name]
+
+
+def check_features(ds) -> None:
+    """Fail early, naming the flag (and the package to install), when a requested feature cannot run."""
+    if ds.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "--ds.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed "
+            "(pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine), or use sdpa"
+        )
+    if ds.ring_attn_size > 1:
+        if importlib.util.find_spec("ring_flash_attn") is None:
+            raise ConfigError(
+                f"--ds.ring_attn_size {ds.ring_attn_size} needs the ring-flash-attn package, which is not "
+                "installed (pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine)"
+            )
+        if not ds.packing_samples:
+            raise ConfigError("--ds.ring_attn_size > 1 needs --ds.packing_samples")
+        # Splitting packed sequences across a ring group is not implemented yet; say so instead of
+        # silently training without it.
+        raise ConfigError("--ds.ring_attn_size > 1 is not supported by this version of rlhf-train-deepspeed")
+    if ds.load_in_4bit:
+        if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError("--ds.load_in_4bit (QLoRA) needs a CUDA device and the bitsandbytes package")
+        if ds.lora.rank <= 0:
+            raise ConfigError("--ds.load_in_4bit (QLoRA) trains LoRA adapters: set --ds.lora.rank > 0")
+    for flag, on in (
+        ("--ds.use_liger_kernel", ds.use_liger_kernel),
+        ("--ds.tensor_parallel_size > 1 (AutoTP)", ds.tensor_parallel_size > 1),
+        ("--ds.deepcompile", ds.deepcompile),
+        ("--ds.use_universal_ckpt", ds.use_universal_ckpt),
+    ):
+        if on:
+            raise ConfigError(f"{flag} is not supported by this version of rlhf-train-deepspeed")
+
+
+def lr_multiplier(step: int, name: str, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate factor at optimizer step ``step`` (0-based), as in HF transformers' schedules.
+
+    Warm-up: ``step / warmup_steps`` for ``step < warmup_steps``. Then with ``p = (step - warmup) /
+    (total - warmup)``: constant ``1``; linear ``max(0, 1 - p)``; cosine_with_min_lr
+    ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2``.
+    """
+    if name not in LR_SCHEDULERS:
+        raise ConfigError(f"--lr_scheduler must be one of {LR_SCHEDULERS}, got {name!r}")
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if name == "constant":
+        return 1.0
+    p = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if name == "linear":
+        return max(0.0, 1.0 - p)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def make_scheduler(optimizer, optim, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` following :func:`lr_multiplier` for ``optim.lr_scheduler``."""
+    warmup = math.ceil(total_steps * optim.lr_warmup_ratio)
+    name, ratio = optim.lr_scheduler, optim.min_lr_ratio
+    lr_multiplier(0, name, total_steps, warmup, ratio)  # validates the name before training starts
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, name, total_steps, warmup, ratio)
+    )
+
+
+def make_optimizer(model: torch.nn.Module, optim, offload: bool):
+    """AdamW over the trainable parameters (no weight decay on biases and norms, i.e. 1-D tensors);
+    DeepSpeed's CPU Adam when the optimizer state is offloaded (``--ds.adam_offload``)."""
+    if optim.optim != "adam":
+        raise ConfigError(f"--optim {optim.optim!r} is not supported by the deepspeed backend; use adam")
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def ndim(p) -> int:  # ZeRO-3 parameters are empty placeholders; ds_shape is the real shape
+        return len(getattr(p, "ds_shape", p.shape))
+
+    groups = [
+        {"params": [p for p in params if ndim(p) >= 2], "weight_decay": optim.adam.weight_decay},
+        {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    kwargs = dict(lr=optim.adam.lr, betas=tuple(optim.adam.betas), eps=optim.adam.eps)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def quantization_kwargs(ds, dtype: torch.dtype) -> dict:
+    """``from_pretrained`` arguments that load the base model in 4 bits for QLoRA (``--ds.load_in_4bit``)."""
+    if not ds.load_in_4bit:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    return {
+        "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
+    }
+
+
+def apply_lora(model: torch.nn.Module, lora, task_type: str, trained_heads: list[str] | None = None) -> torch.nn.Module:
+    """Wrap ``model`` with LoRA adapters (peft) when ``--ds.lora.rank`` > 0; otherwise return it.
+    ``trained_heads`` stay fully trainable (a value head)."""
+    if lora.rank <= 0:
+        return model
+    from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+    targets = lora.target_modules
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        task_type=getattr(TaskType, task_type),
+        modules_to_save=trained_heads,
+    )
+    return get_peft_model(model, config)
+
+
+def ds_config(
+    ds,
+    *,
+    train: bool,
+    micro_batch_size: int = 1,
+    grad_accum: int = 1,
+    world_size: int = 1,
+    max_norm: float = 0.0,
+    offload_params: bool = False,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for a trained (``train=True``) or frozen model.
+
+    Frozen models (reference, reward) use ZeRO-3 when training does, so that their weights are
+    partitioned too, else stage 0; ``offload_params`` keeps a ZeRO-3 frozen model's weights in CPU memory.
+    """
+    dtype = param_dtype(ds.param_dtype)
+    pin = torch.cuda.is_available()
+    if train:
+        zero: dict[str, Any] = {
+            "stage": ds.zero_stage,
+            "overlap_comm": ds.overlap_comm,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
+        if ds.adam_offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if ds.zpg > 1:
+            zero["zero_hpz_partition_size"] = ds.zpg
+    else:
+        zero = {"stage": 3 if ds.zero_stage == 3 else 0, "stage3_param_persistence_threshold": "auto"}
+        if offload_params and ds.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        "gradient_clipping": max_norm if train else 0.0,
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
+        "zero_allow_untested_optimizer": True,
+    }
+    if train and ds.grad_accum_dtype:
+        cfg["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
+    return cfg
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Sum over this rank's micro-batches of the loss divided by the data-parallel size: summed over
+    ranks this is the loss of the whole step."""
+    skipped: bool
+    grad_norm: float | None
+    lr: float
+    metrics: dict[str, list[float]]
+    """name -> [weighted sum, weight] over this rank's micro-batches."""
+
+
+def add_metrics(acc: dict[str, list[float]], metrics: dict[str, float], weight: float) -> None:
+    for k, v in metrics.items():
+        entry = acc.setdefault(k, [0.0, 0.0])
+        entry[0] += float(v) * weight
+        entry[1] += weight
+
+
+class Strategy:
+    """Distributed context and DeepSpeed engines of one worker process (one rank)."""
+
+    def __init__(self, ds, seed: int = 42, full_determinism: bool = False):
+        self.ds = ds
+        self.seed = seed
+        self.dtype = param_dtype(ds.param_dtype)
+        check_features(ds)
+        if full_determinism:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+    # --- distributed ---
+
+    @staticmethod
+    def init_distributed(timeout_s: float = 1800.0) -> None:
+        """Join the process group described by MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK (set by the
+        Ray worker group, not a launcher): NCCL with a GPU, gloo on CPU."""
+        import datetime
+
+        import deepspeed
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "nccl"
+        else:
+            backend = "gloo"
+            # DeepSpeed JIT-compiles a shared-memory all-reduce kernel on CPU (~50 s, and rebuilt whenever
+            # another environment shares the cache). Only AutoTP inference uses it; gloo serves training.
+            import sys
+
+            import deepspeed.comm.torch  # noqa: F401 - the attribute `torch` of deepspeed.comm is torch itself
+
+            sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        if not dist.is_initialized():
+            deepspeed.init_distributed(
+                dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s), verbose=False
+            )
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @staticmethod
+    def world_size() -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @staticmethod
+    def rank() -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when ``flag`` is true on any rank (an all-reduce of one number)."""
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    # --- engines ---
+
+    def zero3_init_context(self, train: bool):
+        """Keep the returned object alive while loading a model so that transformers builds it already
+        partitioned under ZeRO-3 (``deepspeed.zero.Init``); None for other stages."""
+        if self.ds.zero_stage != 3:
+            return None
+        from transformers.integrations import HfDeepSpeedConfig
+
+        return HfDeepSpeedConfig(ds_config(self.ds, train=train, world_size=self.world_size()))
+
+    def prepare_train(
+        self,
+        model: torch.nn.Module,
+        optim,
+        *,
+        micro_batch_size: int,
+        grad_accum: int,
+        total_steps: int,
+        grad_ckpt: bool = False,
+        grad_ckpt_reentrant: bool = False,
+    ):
+        """A DeepSpeed training engine for ``model`` with AdamW and the LR schedule of ``optim``."""
+        import deepspeed
+
+        if grad_ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": grad_ckpt_reentrant})
+            if hasattr(model, "enable_input_require_grads"):
+                model.enable_input_require_grads()  # needed with reentrant checkpointing and LoRA
+        optimizer = make_optimizer(model, optim, self.ds.adam_offload)
+        scheduler = make_scheduler(optimizer, optim, total_steps)
+        cfg = ds_config(
+            self.ds,
+            train=True,
+            micro_batch_size=micro_batch_size,
+            grad_accum=grad_accum,
+            world_size=self.world_size(),
+            max_norm=optim.max_norm,
+        )
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+        return engine
+
+    def prepare_eval(self, model: torch.nn.Module, offload: bool = False):
+        """A DeepSpeed inference engine for a frozen model (reference or reward model)."""
+        import deepspeed
+
+        model.requires_grad_(False)
+        cfg = ds_config(self.ds, train=False, world_size=self.world_size(), offload_params=offload)
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+        engine.eval()
+        return engine
+
+    # --- the training step ---
+
+    def optimizer_step(
+        self,
+        engine,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float], float]],
+    ) -> StepResult:
+        """One optimizer step over ``micro_batches`` (every rank must pass the same number).
+
+        ``loss_fn(micro_batch) -> (loss, metrics, weight)``: ``loss`` is already normalised by the global
+        count of the step and multiplied by the data-parallel size (DeepSpeed averages gradients over
+        ranks), so gradients are summed over micro-batches (no division by the accumulation steps).
+
+        A non-finite loss on any rank (an all-reduced flag per micro-batch) ends the step: the last
+        backward is made non-finite on purpose so that DeepSpeed's own overflow path discards every
+        gradient accumulated so far, keeps parameters and optimizer state bitwise unchanged and does not
+        advance the LR schedule. ZeRO-0 in fp32 has no overflow path; there the gradients are dropped here.
+        """
+        engine.train()
+        lr = engine.get_lr()[0] if engine.lr_scheduler is not None else 0.0
+        n = len(micro_batches)
+        total, metrics, skipped = 0.0, {}, False
+        dp = self.world_size()
+        no_overflow_path = self.ds.zero_stage == 0 and self.dtype == torch.float32
+        for i, mb in enumerate(micro_batches):
+            loss, mb_metrics, weight = loss_fn(mb)
+            skipped = self.any_rank(not bool(torch.isfinite(loss.detach()).all()))
+            if skipped:
+                if no_overflow_path:
+                    engine.zero_grad()
+                    break
+                engine.set_gradient_accumulation_boundary(True)
+                engine.backward(loss * float("nan"), scale_wrt_gas=False)
+                engine.step()
+                if engine.was_step_applied():
+                    raise RuntimeError("DeepSpeed applied an optimizer step with non-finite gradients")
+                break
+            engine.set_gradient_accumulation_boundary(i == n - 1)
+            engine.backward(loss, scale_wrt_gas=False)
+            if i == n - 1:
+                engine.step()
+            total += float(loss.detach()) / dp
+            add_metrics(metrics, mb_metrics, weight)
+        grad_norm = None
+        if not skipped and hasattr(engine, "get_global_grad_norm"):
+            norm = engine.get_global_grad_norm()
+            grad_norm = None if norm is None else float(norm)
+        return StepResult(float("nan") if skipped else total, skipped, grad_norm, lr, metrics)

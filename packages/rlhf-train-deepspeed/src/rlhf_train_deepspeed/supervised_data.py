@@ -1,0 +1,232 @@
+"""Dataset rows -> token-id examples for SFT, RM, DPO and KTO, and examples -> micro-batches.
+
+Rows are read and formatted by :mod:`rlhf_core.data` (readers, mixing, templates). Each example keeps
+its prompt and response ids apart, so the loss covers the response only (SFT: assistant turns only with
+``--data.multiturn``; everything with ``--model.pretrain_mode_enable``).
+
+Bad rows (a missing key, a wrong type) fail with the file, row and key named, or are skipped and counted
+as ``data/bad_rows_skipped`` with ``--data.skip_bad_rows``. A prompt over its budget follows
+``--data.overlong_prompt_policy``; a response cut to fit ``--data.max_len`` is counted as
+``data/responses_truncated``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rlhf_core.data import (
+    DataError,
+    DataStats,
+    Row,
+    check_messages,
+    conversation_ids,
+    encode,
+    fit_prompt,
+    get_field,
+    render_prompt,
+)
+
+from rlhf_train_deepspeed.batches import KTOBatch, PairBatch, SequenceBatch, make_sequence_batch
+
+
+@dataclass
+class Example:
+    prompt: list[int]
+    response: list[int]
+    response_mask: list[int] | None = None
+    """1 on trained response tokens (multi-turn SFT masks user turns); None: all."""
+
+
+@dataclass
+class PairExample:
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    margin: float = 0.0
+
+
+@dataclass
+class KTOExample:
+    prompt: list[int]
+    completion: list[int]
+    desirable: bool
+
+
+def _with_eos(ids: list[int], tokenizer) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def _fit(prompt: list[int], responses: list[list[int]], data, where: str, stats: DataStats):
+    """Apply the prompt budget (``max_len - 1``: one response token at least) and cut responses to fit."""
+    prompt = fit_prompt(prompt, data.max_len - 1, data.overlong_prompt_policy, where, stats)
+    if prompt is None:
+        return None
+    room = data.max_len - len(prompt)
+    fitted = []
+    for r in responses:
+        if len(r) > room:
+            stats.add("responses_truncated")
+            r = r[:room]
+        fitted.append(r)
+    return prompt, fitted
+
+
+def _prompt_ids(tokenizer, text: str) -> list[int]:
+    ids = encode(tokenizer, text)
+    # An empty prompt still needs one token to predict the first response token from.
+    return ids or [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
+
+
+def _chat_response(tokenizer, messages: list[dict], answer: str, prompt_text: str, where: str) -> str:
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
+    if not full.startswith(prompt_text):
+        raise DataError(f"{where}: the chat template does not render the prompt as a prefix of the conversation")
+    return full[len(prompt_text) :]
+
+
+def build_examples(mode: str, rows: list[Row], tokenizer, cfg, stats: DataStats) -> list:
+    """Turn dataset rows into examples for ``mode`` (``sft``, ``rm``, ``dpo``, ``kto``)."""
+    data, model = cfg.data, cfg.model
+    out = []
+    for row in rows:
+        try:
+            fields = _read_fields(mode, row, data, model)
+        except DataError:
+            if not data.skip_bad_rows:
+                raise
+            stats.add("bad_rows_skipped")
+            continue
+        example = _tokenize(mode, fields, row.where(), tokenizer, cfg, stats)
+        if example is not None:
+            out.append(example)
+    return out
+
+
+def _read_fields(mode: str, row: Row, data, model) -> dict:
+    """The raw values a mode needs, type-checked (a DataError names the file, row and key)."""
+    text_or_chat = (str, list) if data.apply_chat_template or data.multiturn else str
+    if mode == "sft":
+        if data.multiturn:
+            return {"messages": check_messages(get_field(row, data.input_key, list, "--data.input_key"), row, data.input_key)}
+        prompt = get_field(row, data.input_key, text_or_chat, "--data.input_key")
+        if model.pretrain_mode_enable:
+            extra = get_field(row, data.output_key, str, "--data.output_key") if data.output_key else ""
+            return {"text": prompt if not extra else f"{prompt} {extra}"}
+        if not data.output_key:
+            raise DataError("SFT needs --data.output_key (or --data.multiturn, or --model.pretrain_mode_enable)")
+        return {"prompt": prompt, "response": get_field(row, data.output_key, str, "--data.output_key")}
+    if mode in ("rm", "dpo"):
+        fields = {
+            "prompt": get_field(row, data.prompt_key, text_or_chat, "--data.prompt_key") if data.prompt_key else "",
+            "chosen": get_field(row, data.chosen_key, text_or_chat, "--data.chosen_key"),
+            "rejected": get_field(row, data.rejected_key, text_or_chat, "--data.rejected_key"),
+            "margin": 0.0,
+        }
+        if model.margin_loss_enable:
+            fields["margin"] = float(get_field(row, "margin", (int, float), "--model.margin_loss_enable"))
+        return fields
+    if mode == "kto":
+        if not data.output_key:
+            raise DataError("KTO needs --data.output_key (the completion column)")
+        return {
+            "prompt": get_field(row, data.input_key, text_or_chat, "--data.input_key"),
+            "completion": get_field(row, data.output_key, str, "--data.output_key"),
+            "desirable": get_field(row, data.label_kto_key, bool, "--data.label_kto_key"),
+        }
+    raise ValueError(f"unknown supervised mode {mode!r}")
+
+
+def _tokenize(mode: str, f: dict, where: str, tokenizer, cfg, stats: DataStats):
+    data = cfg.data
+    if mode == "sft":
+        if "messages" in f:
+            ids, mask = conversation_ids(tokenizer, f["messages"])
+            if 1 not in mask:
+                stats.add("rows_without_assistant_turn")
+                return None
+            p = max(1, mask.index(1))
+            fitted = _fit(ids[:p], [ids[p:]], data, where, stats)
+            if fitted is None:
+                return None
+            prompt, (resp,) = fitted
+            return Example(prompt, resp, mask[p : p + len(resp)])
+        if "text" in f:
+            ids = _with_eos(encode(tokenizer, f["text"]), tokenizer)
+            fitted = _fit(ids[:1], [ids[1:]], data, where, stats)
+            return None if fitted is None else Example(fitted[0], fitted[1][0])
+        prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template)
+        if data.apply_chat_template:
+            messages = [{"role": "user", "content": f["prompt"]}] if isinstance(f["prompt"], str) else f["prompt"]
+            response = encode(tokenizer, _chat_response(tokenizer, messages, f["response"], prompt_text, where))
+        else:
+            response = _with_eos(encode(tokenizer, f["response"]), tokenizer)
+        fitted = _fit(_prompt_ids(tokenizer, prompt_text), [response], data, where, stats)
+        return None if fitted is None else Example(fitted[0], fitted[1][0])
+    if mode in ("rm", "dpo"):
+        prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template) if f["prompt"] else ""
+        responses = []
+        for key in ("chosen", "rejected"):
+            value = f[key]
+            if isinstance(value, list):  # a whole conversation: the prompt is everything but the last turn
+                messages = check_messages(value, Row({}, where, -1), key)
+                prompt_text = render_prompt(tokenizer, messages[:-1], None, True) if len(messages) > 1 else prompt_text
+                text = _chat_response(tokenizer, messages[:-1], messages[-1]["content"], prompt_text, where)
+            elif data.apply_chat_template:
+                messages = [{"role": "user", "content": f["prompt"]}] if isinstance(f["prompt"], str) else f["prompt"]
+                text = _chat_response(tokenizer, messages, value, prompt_text, where)
+            else:
+                text = value if not prompt_text else " " + value
+            responses.append(_with_eos(encode(tokenizer, text), tokenizer))
+        fitted = _fit(_prompt_ids(tokenizer, prompt_text), responses, data, where, stats)
+        if fitted is None:
+            return None
+        prompt, (chosen, rejected) = fitted
+        return PairExample(prompt, chosen, rejected, f["margin"])
+    prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template)
+    completion = _with_eos(encode(tokenizer, f["completion"]), tokenizer)
+    fitted = _fit(_prompt_ids(tokenizer, prompt_text), [completion], data, where, stats)
+    return None if fitted is None else KTOExample(fitted[0], fitted[1][0], f["desirable"])
+
+
+def collate(mode: str, examples: list, pad_token_id: int):
+    """One micro-batch for ``mode`` from its examples."""
+    if mode == "sft":
+        masks = [e.response_mask if e.response_mask is not None else [1] * len(e.response) for e in examples]
+        return make_sequence_batch([e.prompt for e in examples], [e.response for e in examples], pad_token_id, masks)
+    if mode in ("rm", "dpo"):
+        prompts = [e.prompt for e in examples]
+        return PairBatch(
+            make_sequence_batch(prompts, [e.chosen for e in examples], pad_token_id),
+            make_sequence_batch(prompts, [e.rejected for e in examples], pad_token_id),
+            torch.tensor([e.margin for e in examples], dtype=torch.float32),
+        )
+    if mode == "kto":
+        prompts = [e.prompt for e in examples]
+        completions = [e.completion for e in examples]
+        shifted = completions[1:] + completions[:1]
+        return KTOBatch(
+            make_sequence_batch(prompts, completions, pad_token_id),
+            torch.tensor([e.desirable for e in examples], dtype=torch.bool),
+            make_sequence_batch(prompts, shifted, pad_token_id),
+        )
+    raise ValueError(f"unknown supervised mode {mode!r}")
+
+
+def step_counts(mode: str, micro_batches: list) -> dict[str, float]:
+    """Global counts of one optimizer step: trained tokens (SFT) and sequences / pairs."""
+    if mode == "sft":
+        mb: list[SequenceBatch] = micro_batches
+        return {"num_tokens": float(sum(b.response_mask().sum() for b in mb)), "num_sequences": float(sum(len(b) for b in mb))}
+    n = sum(len(b.chosen) if isinstance(b, PairBatch) else len(b.seq) for b in micro_batches)
+    return {"num_sequences": float(n)}
+
+
+def batch_tokens(mode: str, micro_batches: list) -> int:
+    """Non-pad tokens that go through the trained model in one step (for tokens/s)."""
+    total = 0
+    for b in micro_batches:
+        seqs = [b] if isinstance(b, SequenceBatch) else [b.chosen, b.rejected] if isinstance(b, PairBatch) else [b.seq, b.kl_seq]
+        total += sum(int(s.attention_mask.sum()) for s in seqs)
+    return total

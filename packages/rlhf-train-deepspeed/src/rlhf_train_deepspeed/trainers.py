@@ -1,0 +1,289 @@
+"""The SFT, RM, DPO and KTO trainers: a loop in the driver process over a Ray group of DeepSpeed ranks.
+
+The driver reads and tokenizes the data, cuts each global batch into micro-batches (rank ``r`` gets the
+``r``-th contiguous share), calls one training step on the group, logs, evaluates and checkpoints. The
+data order of epoch ``e`` is a permutation seeded by ``(train.seed, e)``, so the data position of a
+resumed run is just its step number.
+
+Run directory (``--ckpt.output_dir``): ``metrics.jsonl`` (one JSON line per step), TensorBoard events,
+``checkpoints/`` and, at the end, the HF model (safetensors) with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from rlhf_core.data import DataError, DataStats, load_rows
+from rlhf_core.types import derive_seed
+
+from rlhf_train_deepspeed.checkpoint import CheckpointManager, fault_point
+from rlhf_train_deepspeed.strategy import ConfigError
+from rlhf_train_deepspeed.supervised_data import batch_tokens, build_examples, collate, step_counts
+from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
+
+MODES = ("sft", "rm", "dpo", "kto")
+
+
+def init_ray(cfg) -> None:
+    """Join ``--ray.address`` (or ``$RAY_ADDRESS``), else start a local Ray without a dashboard."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
+
+
+@dataclass
+class BatchPlan:
+    world_size: int
+    micro_batch_size: int
+    grad_accum: int
+    global_batch: int
+
+    @classmethod
+    def from_config(cls, cfg) -> BatchPlan:
+        world = cfg.model.num_nodes * cfg.model.num_gpus_per_node
+        mb, gb = cfg.train.micro_batch_size, cfg.train.batch_size
+        if gb % (mb * world):
+            raise ConfigError(
+                f"--train.batch_size {gb} must be a multiple of --train.micro_batch_size {mb} x {world} ranks"
+            )
+        return cls(world, mb, gb // (mb * world), gb)
+
+
+def loss_settings(mode: str, model) -> SupervisedConfigLite:
+    return SupervisedConfigLite(
+        mode=mode,
+        beta=model.beta,
+        ipo=model.ipo_enable,
+        label_smoothing=model.label_smoothing,
+        nll_loss_coef=model.nll_loss_coef,
+        loss_type=model.loss_type,
+        margin_loss=model.margin_loss_enable,
+        desirable_weight=model.desirable_weight,
+        undesirable_weight=model.undesirable_weight,
+    )
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (appended, so a resumed run continues the file) and TensorBoard scalars."""
+
+    def __init__(self, output_dir: Path, tensorboard_dir: str | None, resume_step: int):
+        self.path = output_dir / "metrics.jsonl"
+        if self.path.exists():  # drop lines of steps that a resumed run will redo
+            lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
+            kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(tensorboard_dir or str(output_dir / "tensorboard"))
+        except ImportError:  # tensorboard is a dependency, but logging must not stop training
+            pass
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def run_supervised(mode: str, cfg, group_factory=None) -> dict:
+    """Train ``cfg.model`` with the ``mode`` loss; returns the last step's metrics and the output paths.
+
+    ``group_factory(role, spec, ds, num_workers, seed)`` builds the worker group (default:
+    :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors.
+    """
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    if mode not in MODES:
+        raise ConfigError(f"unknown trainer mode {mode!r}; modes are {', '.join(MODES)}")
+    if not cfg.model.model_name_or_path:
+        raise ConfigError("--model.model_name_or_path is required")
+    if cfg.model.aux_loss_coef:
+        raise ConfigError("--model.aux_loss_coef (MoE router loss) is not supported by the deepspeed trainers yet")
+    plan = BatchPlan.from_config(cfg)
+    if cfg.logger.wandb.key:
+        print("note: --logger.wandb.* is not supported by the deepspeed trainers; logging to TensorBoard", flush=True)
+    output_dir = Path(cfg.ckpt.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer
+    )
+    if cfg.data.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.data.tokenizer_chat_template
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    stats = DataStats()
+    rows = load_rows(
+        cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split, cfg.train.seed, cfg.data.max_samples
+    )
+    examples = build_examples(mode, rows, tokenizer, cfg, stats)
+    eval_examples = []
+    if cfg.eval.dataset:
+        eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.eval.max_samples)
+        eval_examples = build_examples(mode, eval_rows, tokenizer, cfg, DataStats())
+    print(f"{mode}: {len(rows)} rows -> {len(examples)} examples ({', '.join(f'{k}={int(v)}' for k, v in stats.counts.items()) or 'none skipped'}); "
+          f"{len(eval_examples)} eval examples", flush=True)
+    steps_per_epoch = len(examples) // plan.global_batch
+    if steps_per_epoch == 0:
+        raise DataError(
+            f"{len(examples)} usable examples are fewer than one batch (--train.batch_size {plan.global_batch})"
+        )
+    total_steps = steps_per_epoch * cfg.train.max_epochs
+    if cfg.train.max_steps > 0:
+        total_steps = min(total_steps, cfg.train.max_steps)
+
+    spec = ModelSpec(
+        path=cfg.model.model_name_or_path,
+        kind="value" if mode == "rm" else "causal",
+        trainable=True,
+        optim=cfg.model,
+        micro_batch_size=plan.micro_batch_size,
+        grad_accum=plan.grad_accum,
+        total_steps=total_steps,
+        grad_ckpt=cfg.model.gradient_checkpointing_enable,
+        grad_ckpt_reentrant=cfg.model.gradient_checkpointing_reentrant,
+        ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto") else None,
+        ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else False,
+    )
+    own_group = group_factory is None
+    if own_group:
+        from rlhf_train_deepspeed.group import create_worker_group
+
+        init_ray(cfg)
+
+        def group_factory(role, spec, ds, n, seed):
+            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
+
+    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
+    losses = loss_settings(mode, cfg.model)
+
+    ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
+    start_step = 0
+    # What must not change between a run and its resume (the data position is a step number).
+    fingerprint = {
+        "mode": mode,
+        "datasets": list(cfg.data.dataset),
+        "num_examples": len(examples),
+        "global_batch": plan.global_batch,
+        "world_size": plan.world_size,
+    }
+    latest = ckpt.latest() if cfg.ckpt.load_enable else None
+    if latest is not None:
+        state = ckpt.load_client_state(latest)
+        for key, value in fingerprint.items():
+            if state["fingerprint"].get(key) != value:
+                raise ConfigError(
+                    f"cannot resume from {latest}: it was saved with {key}={state['fingerprint'].get(key)}, "
+                    f"this run has {key}={value}"
+                )
+        if not state.get("has_ds_state", True):
+            raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
+        group.load_checkpoint(str(latest))
+        start_step = state["step"]
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        print(f"resumed from {latest} at step {start_step}", flush=True)
+
+    log = MetricsLog(output_dir, cfg.logger.tensorboard_dir, start_step)
+
+    def save(step: int) -> None:
+        def write(tmp: Path) -> None:
+            if not cfg.ckpt.disable_ds:
+                group.save_checkpoint(str(tmp))
+            if cfg.ckpt.save_hf:
+                group.export_hf(str(tmp / "hf"))
+
+        client = {
+            "step": step,
+            "fingerprint": fingerprint,
+            "has_ds_state": not cfg.ckpt.disable_ds,
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }
+        ckpt.save(step, write, client)
+
+    def evaluate() -> tuple[dict[str, float], list[float]]:
+        if not eval_examples:
+            return {}, []
+        mbs = [collate(mode, chunk, pad_id) for chunk in _chunks(eval_examples, plan.micro_batch_size)]
+        metrics, rewards = group.eval_supervised(mbs, losses)
+        return {f"eval/{k}": v for k, v in metrics.items()}, rewards
+
+    order_epoch, order, consecutive_skips = -1, None, 0
+    final_eval: dict[str, float] = {}
+    rewards: list[float] = []
+    last: dict[str, float] = {}
+    bar = tqdm(total=total_steps, initial=start_step, desc=f"{mode}", dynamic_ncols=True, disable=None)
+    for step in range(start_step, total_steps):
+        epoch, within = divmod(step, steps_per_epoch)
+        if epoch != order_epoch:
+            order = np.random.default_rng(derive_seed(cfg.train.seed, "epoch", epoch)).permutation(len(examples))
+            order_epoch = epoch
+        idx = order[within * plan.global_batch : (within + 1) * plan.global_batch]
+        batch = [examples[i] for i in idx]
+        mbs = [collate(mode, chunk, pad_id) for chunk in _chunks(batch, plan.micro_batch_size)]
+        t0 = time.perf_counter()
+        metrics = group.train_supervised_step(mbs, losses, step_counts(mode, mbs))
+        elapsed = time.perf_counter() - t0
+        metrics.update({"epoch": epoch, "timing/step": elapsed, "tokens_per_s": batch_tokens(mode, mbs) / elapsed})
+        metrics.update(stats.as_metrics())
+        consecutive_skips = consecutive_skips + 1 if metrics["skipped"] else 0
+        if cfg.train.max_nonfinite_steps and consecutive_skips >= cfg.train.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"{consecutive_skips} consecutive steps had a non-finite loss and were skipped "
+                f"(--train.max_nonfinite_steps {cfg.train.max_nonfinite_steps}); the last checkpoint is intact"
+            )
+        done = step + 1
+        if eval_examples and (done == total_steps or (cfg.eval.steps > 0 and done % cfg.eval.steps == 0)):
+            final_eval, rewards = evaluate()
+            metrics.update(final_eval)
+        log.log(done, metrics)
+        last = metrics
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        if cfg.ckpt.save_steps > 0 and done % cfg.ckpt.save_steps == 0:
+            save(done)
+        fault_point("after_step", done)
+    bar.close()
+
+    if eval_examples and not final_eval:  # resumed after the last step: evaluate once more
+        final_eval, rewards = evaluate()
+    config_updates = None
+    if mode == "rm":
+        if not rewards:  # no eval set: take the statistics over (up to) 512 training examples
+            mbs = [collate(mode, c, pad_id) for c in _chunks(examples[:512], plan.micro_batch_size)]
+            rewards = group.eval_supervised(mbs, losses)[1]
+        r = torch.tensor(rewards, dtype=torch.float64)
+        config_updates = {"mean": float(r.mean()), "std": max(float(r.std()) if len(r) > 1 else 1.0, 1e-8)}
+    group.export_hf(str(output_dir), config_updates)
+    log.close()
+    if own_group:
+        group.shutdown()
+    return {"last": last, "eval": final_eval, "output_dir": str(output_dir), "steps": total_steps, "data": stats.as_metrics()}

@@ -1,0 +1,153 @@
+"""Model-side numerics without DeepSpeed: log-probs, packing, value heads, schedules, config refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from rlhf_algos.sft import sft_loss
+from rlhf_core.config import DSConfig, OptimizerFields
+from rlhf_core.types import LossAggregation
+from rlhf_train_deepspeed.batches import make_sequence_batch
+from rlhf_train_deepspeed.models import (
+    load_causal_lm,
+    load_value_model,
+    response_logprobs,
+    response_values,
+    sequence_rewards,
+)
+from rlhf_train_deepspeed.strategy import (
+    ConfigError,
+    check_features,
+    lr_multiplier,
+    make_scheduler,
+    param_dtype,
+)
+
+PROMPTS = [[1, 7, 8], [1, 9], [1, 10, 11, 12, 13]]
+RESPONSES = [[14, 15, 16, 2], [17], [18, 19]]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return make_sequence_batch(PROMPTS, RESPONSES, pad_token_id=0, action_masks=[[1, 1, 0, 1], [1], [1, 1]])
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_llama):
+    return load_causal_lm(tiny_llama, torch.float32).eval()
+
+
+def test_logprobs_are_the_tempered_log_softmax_of_each_response_token(policy, batch):
+    temperature = 0.7
+    lp, ent, mask = response_logprobs(policy, batch, temperature, with_entropy=True)
+    assert lp.shape == (3, 4) and mask.tolist()[0] == [True, True, False, True]
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES, strict=True)):
+        with torch.no_grad():  # one sequence alone, no padding, by hand
+            logits = policy(torch.tensor([p + r])).logits[0].double() / temperature
+        logp = torch.log_softmax(logits, -1)
+        for t, token in enumerate(r):
+            pos = len(p) + t - 1
+            if mask[i, t]:
+                assert lp[i, t].item() == pytest.approx(logp[pos, token].item(), abs=1e-5)
+                h = -(logp[pos].exp() * logp[pos]).sum().item()
+                assert ent[i, t].item() == pytest.approx(h, abs=1e-5)
+            else:
+                assert lp[i, t].item() == 0.0
+    assert (lp[1, 1:] == 0).all()  # past the end of a short response
+
+
+def test_packed_and_padded_logprobs_and_losses_agree(policy, batch):
+    padded, ent_pad, mask = response_logprobs(policy, batch, 1.0, packing=False, with_entropy=True)
+    packed, ent_pack, mask2 = response_logprobs(policy, batch, 1.0, packing=True, with_entropy=True)
+    assert torch.equal(mask, mask2)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_pack, ent_pad, atol=1e-5, rtol=0)
+    # the losses and their gradients agree too
+    grads = []
+    for packing in (False, True):
+        policy.zero_grad()
+        lp, _, m = response_logprobs(policy, batch, 1.0, packing=packing)
+        loss = sft_loss(lp, m, LossAggregation(num_tokens=float(m.sum())))
+        loss.backward()
+        grads.append((loss.item(), policy.model.layers[0].self_attn.q_proj.weight.grad.clone()))
+    assert grads[0][0] == pytest.approx(grads[1][0], abs=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], atol=1e-5, rtol=0)
+
+
+def test_value_model_packing_and_hf_sequence_classification(tiny_llama, batch, tmp_path):
+    from rlhf_train_deepspeed.models import sequence_classification_architecture
+    from transformers import AutoModelForSequenceClassification
+
+    vm = load_value_model(tiny_llama, torch.float32).eval()
+    assert "score.weight" in dict(vm.named_parameters())
+    with torch.no_grad():
+        v_pad, mask = response_values(vm, batch)
+        v_pack, _ = response_values(vm, batch, packing=True)
+        torch.testing.assert_close(v_pack, v_pad, atol=1e-5, rtol=0)
+        rewards = sequence_rewards(vm, batch)
+        torch.testing.assert_close(sequence_rewards(vm, batch, packing=True), rewards, atol=1e-5, rtol=0)
+        # the reward is the value at the last real token, i.e. the last value of each full sequence
+        full = vm(batch.input_ids, attention_mask=batch.attention_mask)
+        last = batch.attention_mask.sum(-1) - 1
+        torch.testing.assert_close(rewards, full[torch.arange(3), last])
+    vm.config.architectures = [sequence_classification_architecture(vm.config)]
+    vm.config.num_labels = 1
+    vm.save_pretrained(tmp_path / "rm")
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    with torch.no_grad():
+        hf_rewards = hf(batch.input_ids, attention_mask=batch.attention_mask).logits.squeeze(-1)
+    torch.testing.assert_close(hf_rewards, rewards, atol=1e-5, rtol=0)
+
+
+def test_lr_schedules_match_their_formulas():
+    total, warmup, ratio = 100, 10, 0.1
+    assert lr_multiplier(0, "cosine_with_min_lr", total, warmup, ratio) == 0.0
+    assert lr_multiplier(5, "linear", total, warmup, ratio) == 0.5
+    assert lr_multiplier(10, "cosine_with_min_lr", total, warmup, ratio) == pytest.approx(1.0)
+    mid = ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * 45 / 90))
+    assert lr_multiplier(55, "cosine_with_min_lr", total, warmup, ratio) == pytest.approx(mid)
+    assert lr_multiplier(100, "cosine_with_min_lr", total, warmup, ratio) == pytest.approx(ratio)
+    assert lr_multiplier(55, "linear", total, warmup, ratio) == pytest.approx(0.5)
+    assert lr_multiplier(99, "constant", total, warmup, ratio) == 1.0
+    opt = OptimizerFields(lr_scheduler="linear", lr_warmup_ratio=0.0)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = make_scheduler(sgd, opt, total_steps=4)
+    lrs = []
+    for _ in range(4):
+        lrs.append(sched.get_last_lr()[0])
+        sgd.step()
+        sched.step()
+    assert lrs == [2.0, 1.5, 1.0, 0.5]
+    with pytest.raises(ConfigError, match="--lr_scheduler must be one of"):
+        make_scheduler(sgd, OptimizerFields(lr_scheduler="cosine"), 4)
+
+
+def test_fp16_and_missing_kernels_are_refused_with_the_flag_named():
+    with pytest.raises(ConfigError, match="--ds.param_dtype fp16 is not supported"):
+        param_dtype("fp16")
+    assert param_dtype("bf16") == torch.bfloat16
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ConfigError, match="flash_attention_2 needs the flash-attn package"):
+            check_features(DSConfig(attn_implementation="flash_attention_2"))
+    if importlib.util.find_spec("ring_flash_attn") is None:
+        with pytest.raises(ConfigError, match="--ds.ring_attn_size 2 needs the ring-flash-attn package"):
+            check_features(DSConfig(ring_attn_size=2, packing_samples=True))
+    check_features(DSConfig())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (flash-attn varlen path)")
+def test_flash_attention_packed_matches_padded_on_gpu(tiny_llama, batch):
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed")
+    model = load_causal_lm(tiny_llama, torch.bfloat16, "flash_attention_2").cuda().eval()
+    ref = load_causal_lm(tiny_llama, torch.bfloat16, "sdpa").cuda().eval()
+    b = make_sequence_batch(PROMPTS, RESPONSES, 0)
+    b = type(b)(*(x.cuda() if x is not None else None for x in (b.input_ids, b.attention_mask, b.prompt_lens, b.action_mask)))
+    with torch.no_grad():
+        packed = response_logprobs(model, b, packing=True)[0]
+        padded = response_logprobs(ref, b, packing=False)[0]
+    torch.testing.assert_close(packed, padded, atol=2e-2, rtol=0)

@@ -1,0 +1,109 @@
+"""Kill a training run (a driver subprocess) mid-way, resume it, and get the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from rlhf_core.config import SupervisedConfig
+from rlhf_train_deepspeed.testing import ReusedGroup, sft_rows, write_jsonl
+from rlhf_train_deepspeed.trainers import run_supervised
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+
+DRIVER = textwrap.dedent(
+    """
+    import json, sys
+    from rlhf_core.config import SupervisedConfig
+    from rlhf_train_deepspeed.backend import DeepSpeedBackend
+
+    cfg = SupervisedConfig()
+    for dotted, value in json.loads(sys.argv[1]).items():
+        *parents, leaf = dotted.split(".")
+        section = cfg
+        for p in parents:
+            section = getattr(section, p)
+        setattr(section, leaf, value)
+    DeepSpeedBackend().run_trainer("sft", cfg)
+    """
+)
+
+
+def settings(tiny_llama, data, out) -> dict:
+    return {
+        "model.model_name_or_path": tiny_llama,
+        "model.num_gpus_per_node": 2,
+        "model.lr_warmup_ratio": 0.25,  # a schedule that moves: the resumed run must restore it
+        "data.dataset": [data],
+        "data.output_key": "output",
+        "data.max_len": 32,
+        "train.batch_size": 16,
+        "train.micro_batch_size": 4,
+        "train.max_epochs": 2,  # 4 steps per epoch: the kill at step 5 is in the second epoch
+        "ds.zero_stage": 3,
+        "ds.param_dtype": "fp32",
+        "ckpt.output_dir": out,
+        "ckpt.save_steps": 2,
+        "ckpt.max_num": 1,
+    }
+
+
+def to_cfg(values: dict) -> SupervisedConfig:
+    cfg = SupervisedConfig()
+    cfg.model.adam.lr = 5e-3
+    for dotted, value in values.items():
+        *parents, leaf = dotted.split(".")
+        section = cfg
+        for p in parents:
+            section = getattr(section, p)
+        setattr(section, leaf, value)
+    return cfg
+
+
+def run_driver(values: dict, fault: str, ray_address: str) -> subprocess.CompletedProcess:
+    values = {**values, "model.adam.lr": 5e-3}
+    env = {**os.environ, "RLHF_FAULT": fault, "RAY_ADDRESS": ray_address}
+    return subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(values)], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster, tiny_llama, tmp_path):
+    data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(64))
+    factory = ReusedGroup(2)
+    try:
+        full = to_cfg(settings(tiny_llama, data, str(tmp_path / "full")))
+        run_supervised("sft", full, factory)
+        want = load_file(tmp_path / "full" / "model.safetensors")
+
+        address = ray_cluster.get_runtime_context().gcs_address
+        # 1. killed after step 5: the checkpoint of step 4 is the latest
+        killed = settings(tiny_llama, data, str(tmp_path / "killed"))
+        proc = run_driver(killed, "after_step:5", address)
+        assert proc.returncode == 137, proc.stderr[-3000:]
+        assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+        # 2. crashed while saving step 4 (max_num=1): step 2 stays the latest and loadable
+        crashed = settings(tiny_llama, data, str(tmp_path / "crashed"))
+        proc = run_driver(crashed, "mid_save:4", address)
+        assert proc.returncode == 137, proc.stderr[-3000:]
+        assert (tmp_path / "crashed" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+        for name, values in (("killed", killed), ("crashed", crashed)):
+            cfg = to_cfg({**values, "ckpt.load_enable": True})
+            run_supervised("sft", cfg, factory)
+            got = load_file(tmp_path / name / "model.safetensors")
+            assert set(got) == set(want)
+            for key in want:
+                assert (got[key] - want[key]).abs().max().item() <= 1e-6, (name, key)
+            lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            assert [m["step"] for m in lines if "loss" in m] == list(range(1, 9))
+        full_losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+        resumed = [json.loads(x)["loss"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+        assert resumed == pytest.approx(full_losses, abs=1e-6)
+    finally:
+        factory.shutdown()

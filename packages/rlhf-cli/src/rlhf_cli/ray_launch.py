@@ -18,7 +18,7 @@ WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
               "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}
 
 
-def init_ray(cfg, plan: PlacementPlan | None = None) -> None:
+def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     """Join ``--ray.address`` / ``$RAY_ADDRESS`` when given, else start a local cluster.
 
     A local cluster gets as many logical CPUs as the plan's bundles need (they are bookkeeping, not
@@ -38,7 +38,7 @@ def init_ray(cfg, plan: PlacementPlan | None = None) -> None:
     if plan is not None:
         needed = sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
     ray.init(
-        num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1),
+        num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1, min_cpus),
         include_dashboard=cfg.ray.dashboard,
         dashboard_host="127.0.0.1",
         runtime_env=runtime_env,

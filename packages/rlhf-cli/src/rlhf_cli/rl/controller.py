@@ -90,7 +90,7 @@ class RLController:
         return SamplingParams(
             n=self.cfg.eval.n_samples_per_prompt if eval_mode else r.n_samples_per_prompt,
             temperature=self.cfg.eval.temperature if eval_mode else r.temperature,
-            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
         )
 
     def generate(self, prompts: list[Prompt], step: int, eval_mode: bool = False) -> tuple[list[Trajectory], dict]:
@@ -139,6 +139,8 @@ class RLController:
             return None
         if self.cfg.algo.dynamic_filtering_enable:
             metrics["dynamic_filtering_pass_rate"] = groups_kept / max(groups_seen, 1)
+        # which prompts this step trained on, as one number: resumed and uninterrupted runs must agree
+        metrics["rollout/prompt_digest"] = float(derive_seed(*sorted({t.prompt_uid for t in kept})) % 2**52)
         return Batch(kept, used, metrics, self.policy_version, self.stream.state_dict())
 
     # --- experience ----------------------------------------------------------------------------------

@@ -60,3 +60,20 @@ class RolloutActor:
 
     def ping(self) -> bool:
         return True
+
+
+class RewardModelWorkers:
+    """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out."""
+
+    def __init__(self, group, pad_token_id: int, micro_batch_size: int):
+        self.group = group
+        self.pad = pad_token_id
+        self.micro = micro_batch_size
+
+    def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
+        from rlhf_train_deepspeed.batches import make_sequence_batch
+
+        # the reward is read at the last token, so where the prompt ends does not matter
+        chunks = [sequences[i:i + self.micro] for i in range(0, len(sequences), self.micro)]
+        batches = [make_sequence_batch([s[:1] for s in c], [s[1:] for s in c], self.pad) for c in chunks]
+        return [float(r) for rewards in self.group.compute_rewards(batches) for r in rewards]

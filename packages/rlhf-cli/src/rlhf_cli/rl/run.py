@@ -25,7 +25,7 @@ def _optimizer_steps(cfg, num_prompts: int) -> int:
     return max(1, rl_steps * per_rl_step * cfg.train.max_epochs)
 
 
-def build_groups(asm: Assembly, pools, total_steps: int) -> Groups:
+def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> Groups:
     """Start every worker group the plan names, each pinned to its pool's bundles."""
     cfg = asm.cfg
     backend = resolve(get_plugin_manager(), "train_backends", cfg.train.backend)
@@ -41,7 +41,11 @@ def build_groups(asm: Assembly, pools, total_steps: int) -> Groups:
             num_threads=1,
         )
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
-    from rlhf_cli.rl.rollout_actor import RolloutActor
+    from rlhf_cli.rl.rollout_actor import RewardModelWorkers, RolloutActor
+
+    reward_model = None
+    if "reward" in made:
+        reward_model = RewardModelWorkers(made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
 
     engine = choose_engine(cfg, get_plugin_manager())
     actor_cls = ray.remote(RolloutActor)
@@ -50,7 +54,7 @@ def build_groups(asm: Assembly, pools, total_steps: int) -> Groups:
     width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
     rollout = [
         actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
-                          max_concurrency=concurrency).remote(cfg, engine, i, made.get("reward"))
+                          max_concurrency=concurrency).remote(cfg, engine, i, reward_model)
         for i in range(rollout_spec.num_workers)
     ]
     ray.get([a.ping.remote() for a in rollout])
@@ -75,12 +79,13 @@ def run_rl(asm: Assembly) -> int:
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
 
     started = time.perf_counter()
+    own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
     init_ray(cfg, asm.plan)
     pools = create_pools(asm.plan)
     groups = None
     logger = None
     try:
-        groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)))
+        groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)), tokenizer.pad_token_id or 0)
         controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
                                   eval_prompts=eval_prompts)
         if cfg.ckpt.load_enable:
@@ -116,7 +121,8 @@ def run_rl(asm: Assembly) -> int:
             for a in groups.rollout:
                 ray.kill(a)
         remove_pools(pools)
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
     from rlhf_cli.report import make_report
 
     print(f"report: {make_report(out)}", file=sys.stderr)

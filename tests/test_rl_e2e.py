@@ -1,0 +1,229 @@
+"""`rlhf train ppo` end to end on CPU: local Ray, a tiny Llama built here, 2 DeepSpeed ZeRO-3 ranks, HF engine.
+
+These runs share one Ray session (module fixture) and stay a few steps long; the kill-and-resume test
+drives the real command in subprocesses.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+REPO = Path(__file__).resolve().parents[1]
+
+REWARD = '''
+def reward_func(queries, prompts, labels, **kwargs):
+    """Fraction of response words among w0..w49: dense, and learnable in a few steps."""
+    out = []
+    for q, p in zip(queries, prompts):
+        words = q[len(p):].replace("</s>", " ").split()
+        out.append(sum(w.startswith("w") and int(w[1:]) < 50 for w in words) / max(len(words), 1))
+    return out
+'''
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("rl")
+    # 100 words: the reward's target set w0..w49 starts near half of the samples' words
+    model = make_tiny_llama(root / "model", num_words=100, hidden_size=32, intermediate_size=64)
+    with (root / "prompts.jsonl").open("w") as f:
+        for i in range(48):
+            f.write(json.dumps({"input": f"w{i} w{(i * 7) % 100} w{(i * 13) % 100}", "label": str(i % 10)}) + "\n")
+    (root / "reward.py").write_text(REWARD)
+    return {"model": model, "prompts": str(root / "prompts.jsonl"), "reward": str(root / "reward.py"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+    from rlhf_cli.ray_launch import init_ray
+    from rlhf_core.config import RLConfig
+
+    if ray.is_initialized():
+        ray.shutdown()
+    init_ray(RLConfig(), min_cpus=16)  # logical CPUs: enough bundles for every run of this module
+    yield
+    ray.shutdown()
+
+
+def base_args(assets, out, steps=2):
+    return ["--actor.model_name_or_path", assets["model"], "--reward.remote_url", assets["reward"],
+            "--data.prompt_dataset", assets["prompts"], "--data.label_key", "label",
+            "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4",
+            "--rollout.micro_batch_size", "8", "--data.max_len", "16", "--train.batch_size", "16",
+            "--train.micro_batch_size", "4", "--actor.num_gpus_per_node", "2", "--ds.zero_stage", "3",
+            "--ds.param_dtype", "fp32", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3",
+            "--actor.lr_warmup_ratio", "0", "--train.max_steps", str(steps), "--ckpt.output_dir", str(out)]
+
+
+def without(args: list[str], flag: str) -> list[str]:
+    i = args.index(flag)
+    return args[:i] + args[i + 2:]
+
+
+def train(args) -> int:
+    from rlhf_cli.main import main
+
+    os.environ["RLHF_NO_PROGRESS"] = "1"
+    return main(["train", "ppo", *args])
+
+
+def metrics(out) -> list[dict]:
+    rows = {}
+    for line in (Path(out) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row  # a resumed run rewrites the steps it repeats
+    return [rows[k] for k in sorted(rows)]
+
+
+@pytest.mark.parametrize("estimator,extra", [
+    ("gae", ["--critic.adam.lr", "1e-3"]),
+    ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: a reference group runs
+    ("reinforce_baseline", []),
+    ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
+    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28"]),
+    ("dr_grpo", ["--actor.loss_agg_mode", "seq_mean_token_sum_norm"]),
+])
+def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, estimator, extra):
+    out = tmp_path / estimator
+    assert train(base_args(assets, out) + ["--algo.advantage.estimator", estimator, *extra]) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["policy/skipped"] == 0 and r["policy/grad_norm"] > 0
+        assert 0.0 <= r["reward/mean"] <= 1.0
+    if estimator == "gae":
+        assert "critic/value_loss" in rows[-1] or any(k.startswith("critic/") for k in rows[-1])
+    if "--algo.kl.use_loss" in extra:
+        assert "policy/kl_loss" in rows[-1]
+    if estimator == "reinforce":
+        assert rows[-1]["kl/mean"] != 0.0  # the policy moved away from the reference after step 1
+    assert (out / "model" / "config.json").is_file() and (out / "report" / "reward.png").is_file()
+
+
+def test_multi_turn_environment_from_a_plugin(assets, ray_session, tmp_path):
+    out = tmp_path / "env"
+    args = base_args(assets, out) + ["--algo.advantage.estimator", "reinforce_baseline", "--train.env",
+                                     "guess_number", "--data.max_len", "32"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert len(rows) == 2 and rows[-1]["rollout/samples"] == 16
+
+
+def test_multi_turn_agent_file(assets, ray_session, tmp_path):
+    out = tmp_path / "agent"
+    args = without(base_args(assets, out), "--reward.remote_url")  # the environment gives the reward
+    args += ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path",
+             str(REPO / "examples" / "agent_multistep.py"), "--data.max_len", "48"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert len(rows) == 2 and rows[-1]["reward/unscorable"] == 0
+
+
+def test_grpo_raises_the_reward(assets, ray_session, tmp_path):
+    out = tmp_path / "learn"
+    args = base_args(assets, out, steps=12) + ["--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "2e-2",
+                                               "--rollout.batch_size", "8", "--train.batch_size", "32",
+                                               "--train.num_episodes", "2"]
+    assert train(args) == 0
+    rewards = [r["reward/mean"] for r in metrics(out)]
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last > first + 0.15, f"reward did not rise: {rewards}"
+
+
+def test_async_pipeline_respects_its_queue_bound(assets, ray_session, tmp_path):
+    out = tmp_path / "async"
+    args = base_args(assets, out, steps=4) + ["--algo.advantage.estimator", "group_norm", "--train.async_enable",
+                                              "--train.async_queue_size", "1"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["async/max_queue_size"] for r in rows) <= 1
+    assert all(r["policy_version_lag"] in (0, 1, 2) for r in rows)
+    assert any(r["policy_version_lag"] >= 1 for r in rows[1:])  # generation really ran ahead of training
+
+
+def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray_session, tmp_path):
+    from rlhf_cli.main import main
+
+    prefs = tmp_path / "prefs.jsonl"
+    with prefs.open("w") as f:
+        for i in range(64):
+            f.write(json.dumps({"prompt": f"w{i % 100}", "chosen": f"w{i % 50} w{(i + 3) % 50}",
+                                "rejected": f"w{50 + i % 50} w{50 + (i + 7) % 50}"}) + "\n")
+    rm = tmp_path / "rm"
+    assert main(["train", "rm", "--model.model_name_or_path", assets["model"], "--data.dataset", str(prefs),
+                 "--data.prompt_key", "prompt", "--data.max_len", "16", "--train.batch_size", "16",
+                 "--train.micro_batch_size", "8", "--model.adam.lr", "3e-3", "--ds.zero_stage", "0",
+                 "--ds.param_dtype", "fp32", "--ckpt.output_dir", str(rm)]) == 0
+    out = tmp_path / "ppo"
+    args = without(base_args(assets, out), "--reward.remote_url") + [
+        "--algo.advantage.estimator", "gae", "--reward.model_name_or_path", str(rm), "--critic.adam.lr", "1e-3",
+        "--algo.kl.init_coef", "0.01"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert len(rows) == 2 and all(r["reward/unscorable"] == 0 for r in rows)
+    assert any(k.startswith("critic/") for k in rows[-1])
+
+
+def _export_weights(out) -> dict:
+    return load_file(str(Path(out) / "model" / "model.safetensors"))
+
+
+def test_kill_a_training_worker_then_resume_exactly(assets, tmp_path):
+    """Uninterrupted run A; run B gets one policy rank killed with SIGKILL mid-run, must stop with a clear
+    error within a minute, and resuming from its last checkpoint must end on A's weights and prompts."""
+    import psutil
+
+    common = base_args(assets, "X", steps=10) + ["--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2",
+                                                 "--actor.adam.lr", "1e-3"]
+    env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
+
+    def cmd(out):
+        args = list(common)
+        args[args.index("X")] = str(out)
+        return [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args]
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    done = subprocess.run(cmd(a), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    proc = subprocess.Popen(cmd(b), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    killed = None
+    while time.time() < deadline and killed is None and proc.poll() is None:
+        if (b / "checkpoints" / "latest").exists() and (b / "metrics.jsonl").exists() \
+                and len((b / "metrics.jsonl").read_text().splitlines()) >= 3:
+            workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "TrainWorker" in " ".join(p.cmdline())]
+            if workers:
+                killed = workers[-1]
+                os.kill(killed.pid, signal.SIGKILL)
+                killed_at = time.time()
+        time.sleep(0.05)
+    assert killed is not None, "the run ended before a worker could be killed"
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - killed_at < 60
+    assert "worker died" in err, err[-2000:]
+
+    done = subprocess.run(cmd(b) + ["--ckpt.load_enable"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr
+    wa, wb = _export_weights(a), _export_weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-6, rtol=0)
+    digest = {r["step"]: r["rollout/prompt_digest"] for r in metrics(a)}
+    assert {r["step"]: r["rollout/prompt_digest"] for r in metrics(b)} == digest

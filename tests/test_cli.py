@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from rlhf_cli.assemble import RunConfigError, assemble
 from rlhf_core.config_parser import parse_config
 

@@ -4,10 +4,11 @@ import re
 from pathlib import Path
 
 import pytest
+from seed_commands import SEEDS, seed_commands
+
+from rlhf_cli.assemble import RunConfigError, assemble
 from rlhf_core.config import RLConfig, to_dict
 from rlhf_core.config_parser import ConfigError, config_to_yaml, load_config_yaml, parse_config
-from rlhf_cli.assemble import RunConfigError, assemble
-from seed_commands import SEEDS, seed_commands
 
 DOTTED = Path(__file__).parent / "data" / "dotted"
 needs_seeds = pytest.mark.skipif(not SEEDS.is_dir(), reason=f"seed documents not found at {SEEDS}")

@@ -3,6 +3,7 @@ plugin registering under the same hook is seen next to them. test_hook_docs.py r
 every hook in rlhf_core.hookspecs."""
 
 import pytest
+
 from rlhf_core import hookimpl
 from rlhf_core.plugins import collect, get_plugin_manager
 

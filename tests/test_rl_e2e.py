@@ -47,6 +47,7 @@ def assets(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_session():
     import ray
+
     from rlhf_cli.ray_launch import init_ray
     from rlhf_core.config import RLConfig
 

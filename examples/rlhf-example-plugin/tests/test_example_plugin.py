@@ -1,9 +1,9 @@
 """The example plugin's own tests: the rlhf conformance suite plus its formula on a hand-worked case."""
 
 import torch
+
 from rlhf_core.testing import AdvantageEstimatorConformance, EnvironmentConformance
 from rlhf_core.types import AdvantageInput
-
 from rlhf_example_plugin import GroupMedianEstimator, GuessNumber
 
 

@@ -17,14 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor, RolloutWorker, SingleTurnAgentExecutor
+from rlhf_agents.rewards import PythonFileRewardSource
 from rlhf_core.config import RLConfig
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.rollout.hf_engine import HFEngine
 from rlhf_core.testing.tiny import make_tiny_llama
 from rlhf_core.types import GenerationRequest, SamplingParams, derive_seed
-
-from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor, RolloutWorker, SingleTurnAgentExecutor
-from rlhf_agents.rewards import PythonFileRewardSource
 
 FEEDBACK = " w50 w51 w52 w53"
 TURNS = 3

@@ -8,9 +8,8 @@ import socket
 import pytest
 from aiohttp import web
 
-from rlhf_core.types import RewardRequest
-
 from rlhf_agents import HttpRewardSource, build_reward_source
+from rlhf_core.types import RewardRequest
 
 
 class ScriptedServer:

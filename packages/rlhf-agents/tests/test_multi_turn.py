@@ -8,10 +8,6 @@ import textwrap
 
 import pytest
 
-from rlhf_core import hookimpl
-from rlhf_core.plugins import PluginError
-from rlhf_core.types import SamplingParams
-
 from rlhf_agents import (
     AgentInstanceBase,
     MultiTurnAgentExecutor,
@@ -22,6 +18,9 @@ from rlhf_agents import (
     retokenization_drift,
 )
 from rlhf_agents.loading import load_module
+from rlhf_core import hookimpl
+from rlhf_core.plugins import PluginError
+from rlhf_core.types import SamplingParams
 
 
 def runs(mask: list[int]) -> list[tuple[int, int, int]]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import aiohttp
 
-from rlhf_core.types import SamplingParams
-
 from rlhf_agents import OpenAIServerAgentExecutor, RolloutWorker
 from rlhf_agents.loading import load_module
+from rlhf_core.types import SamplingParams
 
 
 def test_openai_client_example_yields_a_token_trajectory(async_engine, tokenizer, cfg_factory, check_tokens, examples_dir):

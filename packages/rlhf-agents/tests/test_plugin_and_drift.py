@@ -6,9 +6,6 @@ import logging
 
 import pytest
 
-from rlhf_core.plugins import collect, get_plugin_manager
-from rlhf_core.types import SamplingParams, Trajectory
-
 from rlhf_agents import (
     HttpRewardSource,
     MultiTurnAgentExecutor,
@@ -21,6 +18,8 @@ from rlhf_agents import (
     retokenization_drift,
 )
 from rlhf_agents.executors import AgentExecutorBase
+from rlhf_core.plugins import collect, get_plugin_manager
+from rlhf_core.types import SamplingParams, Trajectory
 
 
 def test_builtins_register_through_the_entry_point():

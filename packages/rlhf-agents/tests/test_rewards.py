@@ -9,8 +9,6 @@ import textwrap
 
 import pytest
 
-from rlhf_core.types import RewardRequest, SamplingParams
-
 from rlhf_agents import (
     PythonFileRewardSource,
     RewardModelSource,
@@ -21,6 +19,7 @@ from rlhf_agents import (
     build_reward_source,
 )
 from rlhf_agents.loading import load_module
+from rlhf_core.types import RewardRequest, SamplingParams
 
 
 def reward_file(tmp_path, body: str, name: str = "reward.py") -> str:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import textwrap
 
-from rlhf_core.types import SamplingParams
-
 from rlhf_agents import RolloutWorker
 from rlhf_agents.loading import load_module
+from rlhf_core.types import SamplingParams
 
 REWARD_FILE = """
 CALLS = []

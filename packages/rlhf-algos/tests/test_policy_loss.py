@@ -201,7 +201,7 @@ def test_split_invariance_for_every_mode(seed, loss):
     for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
         agg = LossAggregation(mode, num_tokens=float(mask.sum()), num_sequences=6.0, max_len=7)
 
-        def rows(sl):
+        def rows(sl, agg=agg):
             fields = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in full.__dict__.items()}
             return PolicyLossInput(**{**fields, "aggregation": agg})
 

@@ -1,6 +1,7 @@
 """Placement: the built-in strategies' plans, and real Ray placement across two nodes on this machine."""
 
 import pytest
+
 from rlhf_cli.placement import BUILTIN, plan_pools
 from rlhf_core.config import RLConfig
 from rlhf_core.testing import PlacementStrategyConformance
@@ -58,6 +59,7 @@ def test_groups_land_on_the_nodes_the_strategy_says():
     `colocate_all` puts both roles on the same bundles, hence the same node."""
     import ray
     from ray.cluster_utils import Cluster
+
     from rlhf_cli.ray_launch import create_pools, remove_pools, worker_options
 
     @ray.remote

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+
 from rlhf_train_deepspeed.checkpoint import CheckpointManager
 
 

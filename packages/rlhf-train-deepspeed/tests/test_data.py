@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import pytest
+
 from rlhf_core.config import SupervisedConfig
 from rlhf_core.data import (
     DataError,

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rlhf_algos.sft import sft_loss
 from rlhf_core.config import DSConfig, OptimizerFields
 from rlhf_core.types import LossAggregation
@@ -77,8 +78,9 @@ def test_packed_and_padded_logprobs_and_losses_agree(policy, batch):
 
 
 def test_value_model_packing_and_hf_sequence_classification(tiny_llama, batch, tmp_path):
-    from rlhf_train_deepspeed.models import sequence_classification_architecture
     from transformers import AutoModelForSequenceClassification
+
+    from rlhf_train_deepspeed.models import sequence_classification_architecture
 
     vm = load_value_model(tiny_llama, torch.float32).eval()
     assert "score.weight" in dict(vm.named_parameters())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlhf_core.config import RLConfig, SupervisedConfig
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import TrainBackend

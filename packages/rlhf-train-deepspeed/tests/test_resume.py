@@ -9,10 +9,11 @@ import sys
 import textwrap
 
 import pytest
+from safetensors.torch import load_file
+
 from rlhf_core.config import SupervisedConfig
 from rlhf_train_deepspeed.testing import ReusedGroup, sft_rows, write_jsonl
 from rlhf_train_deepspeed.trainers import run_supervised
-from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 

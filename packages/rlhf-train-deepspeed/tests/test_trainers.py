@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from rlhf_core.config import PreferenceConfig, SupervisedConfig
 from rlhf_train_deepspeed.testing import ReusedGroup, sft_rows, words, write_jsonl
 from rlhf_train_deepspeed.trainers import run_supervised
@@ -118,8 +119,9 @@ def test_kto_improves_its_objective(factory, tiny_llama, tmp_path):
 
 def test_lora_sft_exports_an_adapter_that_merges_into_a_plain_model(factory, tiny_llama, tmp_path):
     from peft import PeftModel
-    from rlhf_train_deepspeed.cli_lora import main as lora_merge
     from transformers import AutoModelForCausalLM
+
+    from rlhf_train_deepspeed.cli_lora import main as lora_merge
 
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(32))
     cfg = make_cfg(SupervisedConfig, tiny_llama, tmp_path, data, output_key="output", stage=2, lr=1e-2)

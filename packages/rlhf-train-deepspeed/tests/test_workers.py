@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rlhf_algos.sft import sft_loss
 from rlhf_core.config import DSConfig, ModelConfig
 from rlhf_core.types import LossAggregation

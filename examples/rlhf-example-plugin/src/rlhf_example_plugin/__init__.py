@@ -8,6 +8,7 @@ imports this package by name.
 from __future__ import annotations
 
 import torch
+
 from rlhf_agents import AgentInstanceBase
 from rlhf_core import hookimpl
 from rlhf_core.types import AdvantageInput, AdvantageOutput

@@ -21,9 +21,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_core.types import GenerationOutput, GenerationRequest, SamplingParams, Trajectory, derive_seed
-
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
+from rlhf_core.types import GenerationOutput, GenerationRequest, SamplingParams, Trajectory, derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -417,9 +416,8 @@ def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
       ``multi_turn``).
     - otherwise ``--train.agent_executor NAME`` (default ``single_turn``).
     """
-    from rlhf_core.plugins import get_plugin_manager, resolve
-
     from rlhf_agents.loading import UserCodeError, load_symbol
+    from rlhf_core.plugins import get_plugin_manager, resolve
 
     train = cfg.train
     pm = pm if pm is not None else get_plugin_manager()

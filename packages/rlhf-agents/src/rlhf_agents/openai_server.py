@@ -23,10 +23,9 @@ import time
 import uuid
 from typing import Any
 
-from rlhf_core.types import GenerationRequest, SamplingParams, Trajectory, derive_seed
-
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
 from rlhf_agents.executors import AgentExecutorBase, TokenTrace, describe_class, encode
+from rlhf_core.types import GenerationRequest, SamplingParams, Trajectory, derive_seed
 
 logger = logging.getLogger(__name__)
 

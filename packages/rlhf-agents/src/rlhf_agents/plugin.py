@@ -10,11 +10,10 @@ A third-party package adds an environment the same way (``[project.entry-points.
         register("my_env", MyAgentInstance)   # --train.env my_env
 """
 
-from rlhf_core import hookimpl
-
 from rlhf_agents.executors import MultiTurnAgentExecutor, SingleTurnAgentExecutor
 from rlhf_agents.openai_server import OpenAIServerAgentExecutor
 from rlhf_agents.rewards import HttpRewardFactory, PythonFileRewardFactory, RewardModelFactory
+from rlhf_core import hookimpl
 
 
 @hookimpl

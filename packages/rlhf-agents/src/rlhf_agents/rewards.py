@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-from rlhf_core.plugins import PluginError, collect, get_plugin_manager, resolve
-from rlhf_core.types import RewardRequest, RewardResult, RewardSource
-
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
 from rlhf_agents.executors import call_user
 from rlhf_agents.loading import UserCodeError, load_symbol
+from rlhf_core.plugins import PluginError, collect, get_plugin_manager, resolve
+from rlhf_core.types import RewardRequest, RewardResult, RewardSource
 
 logger = logging.getLogger(__name__)
 

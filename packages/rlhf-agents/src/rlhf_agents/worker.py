@@ -15,11 +15,10 @@ from collections import Counter
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
-
 from rlhf_agents.checks import describe
 from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
+from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 # plot file -> (title, y label, metric keys drawn on it; the first present ones are used)
 PLOTS: dict[str, tuple[str, str, list[str]]] = {
-    "reward.png": ("Reward per step", "reward", ["reward/mean", "score/mean", "eval/accuracy"]),
+    "reward.png": ("Reward per step", "reward", ["reward/mean", "eval/pass1"]),
     "kl.png": ("KL to the reference policy", "KL", ["kl/mean", "policy/rollout_kl"]),
     "response_length.png": ("Response length", "tokens", ["response_length/mean"]),
     "throughput.png": ("Throughput", "tokens / s", ["perf/tokens_per_s", "perf/gen_tokens_per_s"]),

@@ -17,9 +17,9 @@ CPU), so packed and padded computations give the same numbers.
 from __future__ import annotations
 
 import torch
-from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
 from torch import nn
 
+from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
 from rlhf_train_deepspeed.batches import SequenceBatch
 
 # --- forward passes ------------------------------------------------------------------------------------

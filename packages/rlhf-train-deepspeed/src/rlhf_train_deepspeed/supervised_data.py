@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from rlhf_core.data import (
     DataError,
     DataStats,
@@ -26,7 +27,6 @@ from rlhf_core.data import (
     get_field,
     render_prompt,
 )
-
 from rlhf_train_deepspeed.batches import KTOBatch, PairBatch, SequenceBatch, make_sequence_batch
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from rlhf_core.data import DataError, DataStats, load_rows
 from rlhf_core.types import derive_seed
-
 from rlhf_train_deepspeed.checkpoint import CheckpointManager, fault_point
 from rlhf_train_deepspeed.strategy import ConfigError
 from rlhf_train_deepspeed.supervised_data import batch_tokens, build_examples, collate, step_counts

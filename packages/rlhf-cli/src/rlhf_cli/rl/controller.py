@@ -322,7 +322,13 @@ class RLController:
             t0 = time.perf_counter()
             metrics = self.run_step(batch)
             metrics["timing/generation"] = batch.rollout_metrics.get("timing/generation", math.nan)
-            metrics["timing/step_total"] = time.perf_counter() - t0 + batch.rollout_metrics.get("timing/generation", 0.0)
+            total = time.perf_counter() - t0 + batch.rollout_metrics.get("timing/generation", 0.0)
+            metrics["timing/step_total"] = total
+            # verl-style throughput: prompt + response tokens of the step over its wall time
+            metrics["perf/tokens_per_s"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories) / total
+            gen = batch.rollout_metrics.get("timing/generation")
+            if gen:
+                metrics["perf/gen_tokens_per_s"] = sum(sum(t.action_mask) for t in batch.trajectories) / gen
             metrics["async/max_queue_size"] = float(self.max_queue_size_seen)
             metrics.update(self.maybe_evaluate())
             self.maybe_checkpoint(batch)

@@ -1,0 +1,77 @@
+"""Every command in the README works: `rlhf train` ones dry-run (the demo's equal what `rlhf demo` runs, and
+the demo itself runs in test_demo.py), `rlhf doctor` runs, and the image it shows exists."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_cli.assemble import assemble
+from rlhf_core.config_parser import parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def bash_commands() -> list[str]:
+    """Commands of the README's bash blocks, continuation lines joined, comments dropped."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for cmd in block.replace("\\\n", " ").splitlines():
+            cmd = cmd.split(" #")[0].strip()
+            if cmd and not cmd.startswith("#"):
+                out.append(cmd)
+    return out
+
+
+TRAIN = [c for c in bash_commands() if "rlhf train" in c]
+
+
+def test_the_readme_has_the_commands_it_promises():
+    commands = bash_commands()
+    assert "make demo" in commands and "make test" in commands
+    assert len(TRAIN) >= 5
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("cmd", [c for c in TRAIN if "--dry-run" in c])
+def test_readme_dry_runs_parse_and_plan(cmd, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the commands name files under examples/
+    argv = shlex.split(cmd[cmd.index("rlhf train"):])
+    mode, flags = argv[2], [a for a in argv[3:] if a != "--dry-run"]
+    cfg, _ = parse_config(mode, flags)
+    asm = assemble(mode, cfg, gpus=True)
+    assert asm.plan is not None
+
+
+def test_readme_demo_commands_are_the_ones_the_demo_runs(tmp_path):
+    from rlhf_cli.demo import commands
+
+    files = {k: Path("runs/demo") / v for k, v in {"base": "base_model", "sft": "sft.jsonl", "prompts": "prompts.jsonl",
+                                                     "eval": "eval.jsonl", "reward": "reward.py"}.items()}
+    shown = [shlex.split(c)[3:] for c in TRAIN if "runs/demo" in c]
+    ran = [cmd[3:] for _, cmd in commands(files, Path("runs/demo"), quick=False)]
+    assert len(shown) == 2
+    for readme_flags, demo_flags in zip(shown, ran):
+        pairs = dict(zip(readme_flags[::2], readme_flags[1::2]))
+        demo = dict(zip(demo_flags[::2], demo_flags[1::2]))
+        for flag, value in pairs.items():  # the README may leave out flags, but what it shows is what runs
+            assert demo.get(flag) == value, f"README shows {flag} {value}, the demo runs {demo.get(flag)}"
+
+
+def test_rlhf_doctor_runs():
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "doctor"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "rlhf-core" in out.stdout and "rollout engine hf: available" in out.stdout
+
+
+def test_images_in_the_readme_exist():
+    for path in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README):
+        assert (ROOT / path).is_file(), path

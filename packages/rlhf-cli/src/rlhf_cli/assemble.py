@@ -152,6 +152,12 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
     _check_rl_options(cfg, estimator)
+    if cfg.train.enable_ema:
+        asm.notes.append("--train.enable_ema is accepted but not implemented yet: the exported model is the "
+                         "trained policy, not an average")
+    if cfg.train.dynamic_batch_enable:
+        asm.notes.append("--train.dynamic_batch_enable is accepted but micro-batches are formed by "
+                         "--train.micro_batch_size (sequence count), not by token budget, in this release")
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:

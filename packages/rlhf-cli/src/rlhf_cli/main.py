@@ -40,7 +40,7 @@ def cmd_train(argv: list[str]) -> int:
     except (ConfigError, RunConfigError, plugins.PluginError) as exc:
         print(f"rlhf train {mode}: {exc}", file=sys.stderr)
         return 2
-    for note in notes:
+    for note in notes + asm.notes:
         print(f"note: {note}", file=sys.stderr)
     if dry_run:
         print(f"# rlhf train {mode} --dry-run: resolved configuration (nothing was started)")

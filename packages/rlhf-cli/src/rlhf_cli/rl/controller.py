@@ -337,10 +337,20 @@ class RLController:
             last = metrics
         return last
 
+    def trainers(self) -> list:
+        return [g for g in (self.groups.actor, self.groups.critic, self.groups.ref) if g is not None]
+
     def _sync_batches(self):
+        hybrid_sleep = self.cfg.train.colocate_all and self.cfg.ds.enable_sleep
         while self.step < self.total_steps():
             t0 = time.perf_counter()
+            if hybrid_sleep:  # the trainers' state leaves the devices while the engines generate
+                for g in self.trainers():
+                    g.sleep()
             batch = self.collect(self.step + 1)
+            if hybrid_sleep:
+                for g in self.trainers():
+                    g.wake_up()
             if batch is None:
                 return
             batch.rollout_metrics["timing/generation"] = time.perf_counter() - t0

@@ -59,10 +59,20 @@ def test_readme_demo_commands_are_the_ones_the_demo_runs(tmp_path):
     ran = [cmd[3:] for _, cmd in commands(files, Path("runs/demo"), quick=False)]
     assert len(shown) == 2
     for readme_flags, demo_flags in zip(shown, ran):
-        pairs = dict(zip(readme_flags[::2], readme_flags[1::2]))
-        demo = dict(zip(demo_flags[::2], demo_flags[1::2]))
-        for flag, value in pairs.items():  # the README may leave out flags, but what it shows is what runs
+        demo = flag_values(demo_flags)
+        for flag, value in flag_values(readme_flags).items():  # the README may leave flags out, not change them
             assert demo.get(flag) == value, f"README shows {flag} {value}, the demo runs {demo.get(flag)}"
+
+
+def flag_values(argv: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for tok in argv:
+        if tok.startswith("--"):
+            key = tok
+            out[key] = []
+        else:
+            out[key].append(tok)
+    return out
 
 
 def test_rlhf_doctor_runs():

@@ -110,12 +110,15 @@ def accuracy(model_dir: Path, eval_file: Path) -> float:
 
 
 def commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:
-    sft_epochs, rl_steps = (3, 4) if quick else (12, 30)
+    # calibrated: SFT reaches ~55-60% held-out accuracy (it learns the teacher's carry mistakes), and
+    # GRPO then fixes most of them; --quick only checks that every stage runs
+    sft_epochs, rl_steps = (3, 4) if quick else (28, 60)
     sft = ["rlhf", "train", "sft",
            "--model.model_name_or_path", str(files["base"]), "--data.dataset", str(files["sft"]),
            "--data.input_key", "input", "--data.output_key", "output", "--data.max_len", "16",
            "--train.batch_size", "32", "--train.micro_batch_size", "32", "--train.max_epochs", str(sft_epochs),
-           "--model.adam.lr", "3e-3", "--model.lr_warmup_ratio", "0.02", "--ds.zero_stage", "0",
+           "--model.adam.lr", "3e-3", "--model.adam.betas", "0.9", "0.999", "--model.lr_scheduler", "constant",
+           "--model.lr_warmup_ratio", "0", "--ds.zero_stage", "0",
            "--ds.param_dtype", "fp32", "--ckpt.output_dir", str(work / "sft")]
     rl = ["rlhf", "train", "ppo",
           "--actor.model_name_or_path", str(work / "sft"), "--reward.remote_url", str(files["reward"]),
@@ -125,7 +128,8 @@ def commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str,
           "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "16", "--rollout.max_new_tokens", "4",
           "--rollout.micro_batch_size", "64", "--data.max_len", "16",
           "--train.batch_size", "128", "--train.micro_batch_size", "64", "--train.max_steps", str(rl_steps),
-          "--actor.num_gpus_per_node", "2", "--actor.adam.lr", "1e-3", "--actor.lr_scheduler", "constant",
+          "--actor.num_gpus_per_node", "2", "--actor.adam.lr", "1e-3", "--actor.adam.betas", "0.9", "0.999",
+          "--actor.lr_scheduler", "constant",
           "--actor.lr_warmup_ratio", "0", "--ds.zero_stage", "2", "--ds.param_dtype", "fp32",
           "--ckpt.output_dir", str(work / "rl")]
     return [("SFT", sft), ("RL (GRPO)", rl)]

@@ -20,7 +20,9 @@ demo: setup
 	$(PY) -m rlhf_cli.demo $(DEMO_ARGS)
 
 bench: setup
-	$(PY) bench/run_all.py
+	$(PY) bench/sft_vs_trl.py --reps 6 --steps 10 --threads 1
+	$(PY) bench/engine_decode.py
+	$(PY) bench/grpo_vs_trl.py
 
 lint: setup
 	$(PY) -m ruff check packages tests examples bench

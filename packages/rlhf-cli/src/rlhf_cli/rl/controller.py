@@ -82,6 +82,7 @@ class RLController:
         self.best_metric: float | None = None
         self.consecutive_nonfinite = 0
         self.max_queue_size_seen = 0
+        self._sync_address: tuple[str, int] | None = None
 
     # --- rollout ---------------------------------------------------------------------------------------
 
@@ -278,10 +279,32 @@ class RLController:
         return metrics
 
     def sync_weights(self) -> None:
-        """Policy weights to every engine, through Ray's object store (gathered on rank 0)."""
-        states = self.groups.actor.call("get_state_dict_for_engines")
-        ref = ray.put(states[0])
-        _get([a.update_weights.remote(ref) for a in self.groups.rollout], "rollout")
+        """Policy weights to every engine: broadcast from the policy's rank 0 through a torch.distributed
+        group (gloo on CPU, NCCL on GPU; ZeRO-3 parameters gathered bucket by bucket), or through Ray's
+        object store with ``--vllm.sync_with_ray``. A stalled sync raises after ``--vllm.sync_timeout``."""
+        engines = self.groups.rollout
+        if self.cfg.vllm.sync_with_ray:
+            states = self.groups.actor.call("get_state_dict_for_engines")
+            ref = ray.put(states[0])
+            _get([a.update_weights.remote(ref) for a in engines], "rollout")
+        else:
+            backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
+            world, timeout = len(engines) + 1, self.cfg.vllm.sync_timeout
+            if self._sync_address is None:
+                self._sync_address = self.groups.actor.weight_sync_address()
+                addr, port = self._sync_address
+                joins = [a.init_weight_sync.remote(master_addr=addr, master_port=port, rank=i + 1, world_size=world,
+                                                   backend=backend, timeout_s=timeout) for i, a in enumerate(engines)]
+            else:
+                addr, port = self._sync_address
+                joins = []
+            receives = [a.receive_weights.remote() for a in engines]
+            sends = self.groups.actor.broadcast_weights_to_engines_async(addr, port, world, backend, timeout)
+            try:
+                _get(joins + receives, "rollout")
+                ray.get(sends)
+            except ray.exceptions.RayActorError as exc:
+                raise RLRunError(f"a policy worker died during the weight sync: {exc}") from exc
         self.policy_version += 1
 
     # --- the loop --------------------------------------------------------------------------------------

@@ -1,1 +1,42 @@
 """rlhf-core's own registrations, loaded through its ``rlhf`` entry point like any third-party plugin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_core import hookimpl
+
+
+class HFEngineFactory:
+    """The ``hf`` rollout engine (:class:`rlhf_core.rollout.hf_engine.HFEngine`): transformers, CPU or GPU.
+
+    ``create(cfg, index=0, **overrides)`` builds one in this process; a caller that wants a Ray actor does
+    ``ray.remote(factory.engine_class()).remote(**factory.engine_kwargs(cfg))``.
+    """
+
+    def available(self) -> str | None:
+        return None  # transformers and torch are rlhf-core dependencies
+
+    def engine_class(self) -> type:
+        from rlhf_core.rollout.hf_engine import HFEngine
+
+        return HFEngine
+
+    def engine_kwargs(self, cfg: Any) -> dict[str, Any]:
+        """Constructor arguments from an :class:`rlhf_core.config.RLConfig`."""
+        if not cfg.actor.model_name_or_path:
+            raise ValueError("the hf rollout engine needs --actor.model_name_or_path")
+        return {
+            "model_name_or_path": cfg.actor.model_name_or_path,
+            "dtype": cfg.ds.param_dtype,
+            "attn_implementation": cfg.ds.attn_implementation,
+        }
+
+    def create(self, cfg: Any, index: int = 0, **overrides: Any) -> Any:
+        """``index`` numbers the engines of a run; the HF engine needs no per-engine setting."""
+        return self.engine_class()(**{**self.engine_kwargs(cfg), **overrides})
+
+
+@hookimpl
+def rlhf_register_rollout_engines(register):
+    register("hf", HFEngineFactory())

@@ -179,6 +179,8 @@ class RolloutConfig:
     """Samples per prompt; group estimators need 2 or more."""
     max_new_tokens: int = 1024
     """Most tokens generated per sample (per turn for agents)."""
+    min_new_tokens: int = 0
+    """EOS and stop ids are suppressed until a sample has this many tokens (benchmarks fix lengths with it)."""
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same temperature)."""
     top_p: float = 1.0

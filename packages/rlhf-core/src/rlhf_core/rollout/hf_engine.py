@@ -1,0 +1,446 @@
+"""The built-in rollout engine: batched sampling with a transformers model and a KV cache.
+
+It is the default on CPU and wherever vLLM is absent, and runs as a Ray actor unchanged
+(``ray.remote(HFEngine).remote(path)``). It does not call ``model.generate``: one prefill of the
+left-padded prompts, then one forward per token through a lean loop (no logits-processor stack, logits
+of the last position only, sampling on the device, see :mod:`rlhf_core.rollout.sampling`).
+
+For full-attention decoders (Llama, Mistral, Qwen2, Qwen3) the KV cache is preallocated and filled in
+place, attention masks are built once per batch, and one-token attention multiplies grouped queries
+against the cache without repeating K/V: the per-step costs that dominate ``generate`` on small models.
+Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
+``DynamicCache`` and its own mask logic; results are the same, only slower.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rlhf_core.rollout.sampling import check_requests, row_keys, sample_next, sample_seeds
+from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine
+from rlhf_core.weight_sync import SyncGroup, init_sync_group, open_ipc_tensors
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_NAME = "rlhf_rollout"
+# Model types whose attention modules only project, rotate and call the attention function: our own
+# masks and attention are exact for them. Anything else takes the generic path.
+FAST_PATH_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def rollout_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention as the HF engine runs it; registered with transformers as ``rlhf_rollout``.
+
+    query ``[B, H, q, d]``; key/value ``[B, Hkv, L, d]`` (views of the KV cache); attention_mask
+    ``[B, 1, q, L]``, additive or bool (True = attend), or None for plain causal attention. Returns ``([B, q, H, d], None)`` like every HF attention
+    function. One query token: ``softmax(q k^T * scale + mask) v`` as two batched matmuls over the query
+    heads that share a KV head, so K/V are never copied. Longer queries (prefill) use torch SDPA.
+    """
+    b, h, q, d = query.shape
+    kv_heads = key.shape[1]
+    scaling = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    if q == 1:
+        scores = torch.matmul(query.reshape(b, kv_heads, h // kv_heads, d), key.transpose(-1, -2)) * scaling
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, -math.inf)
+        elif attention_mask is not None:
+            scores = scores + attention_mask  # [B, 1, 1, L] broadcasts over heads
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+        return torch.matmul(probs, value).reshape(b, 1, h, value.shape[-1]), None
+    if kv_heads != h:
+        key = key.repeat_interleave(h // kv_heads, dim=1)
+        value = value.repeat_interleave(h // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, rollout_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # plain forwards of the model still get masks
+
+
+class GrowingKVLayer(DynamicLayer):
+    """A KV-cache layer preallocated to ``capacity`` positions and filled in place.
+
+    ``keys``/``values`` are views of the filled prefix, so transformers sees an ordinary dynamic layer,
+    but appending a token writes one column instead of concatenating the whole cache (``DynamicLayer``
+    copies all of it every step).
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, heads, _, d = key_states.shape
+        self.key_buffer = key_states.new_empty(b, heads, self.capacity, d)
+        self.value_buffer = value_states.new_empty(b, value_states.shape[1], self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.key_buffer = self.key_buffer[indices]
+            self.value_buffer = self.value_buffer[indices]
+            self.keys = self.key_buffer[:, :, : self.length]
+            self.values = self.value_buffer[:, :, : self.length]
+
+
+class HFEngine(RolloutEngine):
+    """Generates with a transformers causal LM; see the module docstring.
+
+    Args:
+        model_name_or_path: a local model directory (or a hub id where the hub is reachable).
+        dtype: ``float32``, ``bfloat16`` or ``float16`` (``fp32``/``bf16``/``fp16`` also accepted).
+        device: ``cpu``, ``cuda``, ``cuda:1``...; default CUDA when available, else CPU.
+        attn_implementation: what the model is loaded with; used by the generic path.
+        max_batch_size: most sequences (prompts x samples) decoded together; larger requests are split.
+        eos_token_id: stop id(s); default the model's generation config, else its config.
+        num_threads: torch CPU threads for this process (a Ray actor sets it to its CPU share).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        dtype: str = "float32",
+        device: str | None = None,
+        attn_implementation: str = "sdpa",
+        max_batch_size: int = 256,
+        eos_token_id: int | Sequence[int] | None = None,
+        num_threads: int | None = None,
+    ):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation
+        )
+        model.requires_grad_(False)
+        self._setup(model.to(device).eval(), eos_token_id, max_batch_size)
+
+    @classmethod
+    def from_model(
+        cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None, max_batch_size: int = 256
+    ) -> HFEngine:
+        """Wrap a model that is already loaded (tests, or a trainer sharing its module); no copy is made."""
+        engine = cls.__new__(cls)
+        engine._setup(model.eval(), eos_token_id, max_batch_size)
+        return engine
+
+    def _setup(self, model, eos_token_id, max_batch_size: int) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        config = model.config
+        self.device = next(model.parameters()).device
+        if eos_token_id is None:
+            gen_config = getattr(model, "generation_config", None)
+            eos_token_id = getattr(gen_config, "eos_token_id", None)
+            if eos_token_id is None:
+                eos_token_id = config.eos_token_id
+        if eos_token_id is None:
+            eos_token_id = []
+        self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        layer_types, _ = get_layer_types_and_kwargs(config)
+        self.fast_path = config.model_type in FAST_PATH_MODEL_TYPES and all(
+            t == "full_attention" for t in layer_types
+        )
+        self.num_layers = config.num_hidden_layers
+        # Every name a trainer may send (tied weights appear under both names) -> the tensor to fill.
+        self._targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._params = {name: p for name, p in model.named_parameters()}  # unique parameters
+        self._shapes = {name: p.shape for name, p in self._params.items()}
+        self._canonical = {id(p): name for name, p in self._params.items()}  # a tied alias -> its unique name
+        self._missing: set[str] = set()  # parameters not received since a level-2 sleep
+        self._asleep = 0
+        self._sync: SyncGroup | None = None
+
+    # --- generation -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
+        requests = list(requests)
+        if self._asleep:
+            raise RuntimeError(f"HFEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()")
+        if self._missing:
+            raise RuntimeError(
+                f"HFEngine.generate: {len(self._missing)} weights (e.g. {sorted(self._missing)[0]}) were discarded "
+                "by sleep(level=2) and not sent again; call update_weights first"
+            )
+        check_requests(requests, self.vocab_size)
+        for i, req in enumerate(requests):
+            if self.max_positions is not None and len(req.prompt_ids) >= self.max_positions:
+                raise ValueError(
+                    f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, leaving no room to "
+                    f"generate in the model's max_position_embeddings={self.max_positions}"
+                )
+        rows = []  # one per sample: (request index, sample index, prompt ids, params, seed)
+        for i, req in enumerate(requests):
+            for j, seed in enumerate(sample_seeds(req.params)):
+                rows.append((i, j, req.prompt_ids, req.params, seed))
+        # Similar prompt lengths decode together (less padding); sampling is per row, so order is free.
+        rows.sort(key=lambda row: -len(row[2]))
+        results: list[list[Any]] = [[None] * req.params.n for req in requests]
+        saved_attention = self.model.config._attn_implementation
+        if self.fast_path:
+            self.model.config._attn_implementation = ATTENTION_NAME
+        try:
+            n_chunks = math.ceil(len(rows) / self.max_batch_size)
+            for k, start in enumerate(range(0, len(rows), self.max_batch_size)):
+                chunk = rows[start : start + self.max_batch_size]
+                began = time.perf_counter()
+                outs = self._generate_rows([row[2:] for row in chunk])
+                for (i, j, *_), out in zip(chunk, outs, strict=True):
+                    results[i][j] = out
+                if n_chunks > 1:
+                    logger.info(
+                        "HFEngine: batch %d/%d, %d samples, %d tokens in %.1fs", k + 1, n_chunks, len(chunk),
+                        sum(len(o.token_ids) for o in outs), time.perf_counter() - began,
+                    )
+        finally:
+            self.model.config._attn_implementation = saved_attention
+        return results
+
+    def _generate_rows(self, rows: list[tuple[list[int], Any, int]]) -> list[GenerationOutput]:
+        """Decode one batch of samples; ``rows`` are (prompt ids, SamplingParams, seed)."""
+        dev, vocab = self.device, self.vocab_size
+        n_rows = len(rows)
+        prompt_lens = [len(ids) for ids, _, _ in rows]
+        width = max(prompt_lens)  # prompts are left-padded to this many columns
+        # a sample stops at the model's last position (finish reason "length")
+        limit = self.max_positions or math.inf
+        max_new = [int(min(p.max_new_tokens, limit - len(ids))) for ids, p, _ in rows]
+        steps = max(max_new)
+
+        ids = torch.zeros(n_rows, width, dtype=torch.long)
+        for r, (prompt, _, _) in enumerate(rows):
+            ids[r, width - len(prompt) :] = torch.tensor(prompt)
+        params = [p for _, p, _ in rows]
+        # [R, S] each row's stop ids (EOS and stop_token_ids); a shorter row repeats its first id
+        stops = [[] if p.ignore_eos else sorted(self.eos_token_ids | set(p.stop_token_ids)) for p in params]
+        stop_ids = torch.zeros(n_rows, max(1, max(map(len, stops))), dtype=torch.long)
+        for r, row_stops in enumerate(stops):
+            if row_stops:
+                stop_ids[r] = row_stops[0]
+                stop_ids[r, : len(row_stops)] = torch.tensor(row_stops)
+        filtering = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        max_min_new = max(p.min_new_tokens for p in params)
+        # Everything indexed by batch slot; slots of finished samples are dropped together from time to time.
+        slots = {
+            "row": torch.arange(n_rows),
+            "prompt_len": torch.tensor(prompt_lens),
+            "temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            "top_k": torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]),
+            "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            "min_new": torch.tensor([p.min_new_tokens for p in params]),
+            "max_new": torch.tensor(max_new),
+            "keys": row_keys(torch.tensor([seed for _, _, seed in rows], dtype=torch.long)),
+            "stop_ids": stop_ids,
+            "has_stops": torch.tensor([bool(x) for x in stops]),
+            "live": torch.ones(n_rows, dtype=torch.bool),
+        }
+        pad = width - slots["prompt_len"]
+        columns = torch.arange(width)
+        key_valid = columns[None, :] >= pad[:, None]  # [R, width]: False on left padding
+        positions = (columns[None, :] - pad[:, None]).clamp(min=0)
+        dtype = next(self.model.parameters()).dtype
+        if self.fast_path:
+            cache: Cache = Cache(layers=[GrowingKVLayer(width + steps) for _ in range(self.num_layers)])
+            # Prefill: a query sees valid keys at or before it (padding queries see themselves, which keeps
+            # their rows finite); without padding, plain causal attention. Decode: an additive row mask.
+            prefill_mask = None
+            if not bool(key_valid.all()):
+                prefill_mask = torch.tril(torch.ones(width, width, dtype=torch.bool))[None] & key_valid[:, None, :]
+                prefill_mask = (prefill_mask | torch.eye(width, dtype=torch.bool)[None])[:, None]
+            slots["mask"] = torch.zeros(n_rows, 1, 1, width + steps, dtype=dtype)
+            slots["mask"][:, 0, 0, :width].masked_fill_(~key_valid, -math.inf)
+        else:
+            cache = DynamicCache(config=self.model.config)
+            slots["mask"] = torch.ones(n_rows, width + steps, dtype=torch.long)
+            slots["mask"][:, :width] = key_valid.long()
+            prefill_mask = slots["mask"][:, :width]
+        slots = {k: v.to(dev) for k, v in slots.items()}
+
+        tokens = torch.zeros(n_rows, steps, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(n_rows, steps, dtype=torch.float32, device=dev)
+        lengths = torch.zeros(n_rows, dtype=torch.long, device=dev)
+        stopped = torch.zeros(n_rows, dtype=torch.bool, device=dev)
+
+        if prefill_mask is not None:
+            prefill_mask = prefill_mask.to(dev)
+        logits = self._forward(ids.to(dev), positions.to(dev), prefill_mask, cache)
+        for t in range(steps):
+            s = slots
+            tok, lp = sample_next(
+                logits,
+                s["temperature"],
+                s["keys"],
+                t,
+                top_k=s["top_k"] if filtering else None,
+                top_p=s["top_p"] if filtering else None,
+                stop_ids=s["stop_ids"],
+                suppress=(t < s["min_new"]) & s["has_stops"] if t < max_min_new else None,
+            )
+            live = s["live"]
+            tokens[s["row"], t] = tok
+            logprobs[s["row"], t] = lp
+            lengths[s["row"]] += live.long()
+            hit_stop = (s["stop_ids"] == tok[:, None]).any(1) & s["has_stops"] & live
+            stopped[s["row"]] |= hit_stop
+            live = live & ~hit_stop & (t + 1 < s["max_new"])
+            s["live"] = live
+            n_live = int(live.sum())
+            if n_live == 0:
+                break
+            if n_live <= len(live) // 2 and len(live) >= 8:
+                keep = live.nonzero().squeeze(1)
+                slots = s = {k: v[keep] for k, v in s.items()}
+                cache.batch_select_indices(keep)
+                tok = tok[keep]
+            mask = s["mask"][..., : width + t + 1]
+            logits = self._forward(tok[:, None], (s["prompt_len"] + t)[:, None], mask, cache)
+
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        outputs = []
+        for r, (n, is_stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True)):
+            outputs.append(GenerationOutput(tokens[r][:n], logprobs[r][:n], "stop" if is_stop else "length"))
+        return outputs
+
+    def _forward(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        """Logits ``[R, V]`` (float32) of the last position."""
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    # --- weights --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Copy tensors into the parameters or buffers of the same HF names (cast to the engine's dtype)."""
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        for name, tensor in named_tensors:
+            target = self._targets.get(name)
+            if target is None:
+                some = ", ".join(list(self._params)[:3])
+                raise KeyError(f"update_weights: {name!r} is not a weight of this model (names look like {some}, ...)")
+            canonical = self._canonical.get(id(target))
+            expected = self._shapes[canonical] if canonical is not None else target.shape
+            if tuple(tensor.shape) != tuple(expected):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected)}"
+                )
+            target.copy_(tensor)
+            self._missing.discard(canonical)
+
+    def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        first_rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Join the weight-sync group as rank ``first_rank`` (the sender is rank 0); see
+        :func:`rlhf_core.weight_sync.init_sync_group`. Call it on every engine while the sender joins."""
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        self._sync = init_sync_group(master_addr, master_port, first_rank, world_size, backend, timeout_s, device=device)
+
+    def receive_weights(self) -> None:
+        """Receive one full set of weights from the sync group's rank 0 and load it."""
+        if self._sync is None:
+            raise RuntimeError("HFEngine.receive_weights: call init_weight_sync first")
+        self.update_weights(self._sync.receive())
+
+    def update_weights_from_ipc(self, handles: Sequence[tuple[str, Any]]) -> None:
+        """Load weights shared through CUDA IPC by a colocated trainer (GPU only)."""
+        self.update_weights(open_ipc_tensors(handles, self.device))
+
+    def close_weight_sync(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights move to CPU memory (nothing to do on a CPU engine; KV caches live only inside
+        ``generate``). Level 2: weights are discarded; after :meth:`wake_up` they must be sent again."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep:
+            return
+        for p in self._params.values():
+            if level == 2:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            elif self.device.type != "cpu":
+                p.data = p.data.to("cpu")
+        self._asleep = level
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        for name, p in self._params.items():
+            if self._asleep == 2:
+                p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=self.device)
+            elif self._asleep == 1 and self.device.type != "cpu":
+                p.data = p.data.to(self.device)
+        if self._asleep == 2:
+            self._missing = set(self._params)
+        self._asleep = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to do: this engine keeps no KV cache between ``generate`` calls."""

@@ -1,0 +1,256 @@
+"""Moving weights from the policy's rank 0 to the rollout engines.
+
+Every transport ends in the engine's ``update_weights(named tensors)`` with HF parameter names:
+
+1. **A broadcast group** (:func:`init_sync_group`): rank 0 is the policy's rank 0, ranks 1.. are the
+   engine processes (each vLLM tensor-parallel worker takes a rank). gloo on CPU, NCCL on GPU. The group
+   is built from its own ``TCPStore``, so it never touches the default process group that trainer ranks
+   already have. The sender streams (name, full tensor) pairs, e.g. ZeRO-3 parameters gathered bucket by
+   bucket, and never holds more than one bucket.
+2. **The object store**: :func:`cpu_state_dict` makes a dict of CPU tensors; the controller puts it in
+   Ray's object store once and calls ``engine.update_weights`` on every engine with the reference.
+3. **CUDA IPC** when an engine shares the trainer's GPU: :func:`share_ipc_tensors` on the trainer,
+   :func:`open_ipc_tensors` in the engine (GPU only).
+
+Wire format of one :meth:`SyncGroup.send`: per bucket, an int64 header ``(metadata bytes, payload bytes)``,
+then one uint8 buffer holding the metadata (JSON list of ``[name, dtype, shape, offset, nbytes]``, padded
+to 16 bytes) followed by the payload (each tensor's bytes at a 16-byte aligned offset). A ``(0, 0)``
+header ends the transfer. Every wait is bounded: a peer that stalls makes the other side raise
+:class:`WeightSyncTimeout` naming who waited for what.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 16
+_STORE_PREFIX = "rlhf_weight_sync"
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed: a peer closed the connection, or the group could not be formed."""
+
+
+class WeightSyncTimeout(WeightSyncError, TimeoutError):
+    """A weight sync waited longer than its timeout for a peer."""
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"weight sync: received unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass
+class SyncGroup:
+    """One member of a weight-sync group. Rank 0 calls :meth:`send`; every other rank :meth:`receive`."""
+
+    rank: int
+    world_size: int
+    backend: str
+    timeout_s: float
+    address: str
+    device: torch.device
+    _pg: Any = field(repr=False)
+    _store: Any = field(repr=False)
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        started = time.monotonic()
+        try:
+            self._pg.broadcast([tensor], opts).wait()
+        except RuntimeError as exc:
+            waited = time.monotonic() - started
+            if self.rank == 0:
+                who = f"rank 0 (the sender) waited {waited:.1f}s for the {self.world_size - 1} receiving rank(s)"
+            else:
+                who = f"rank {self.rank} (a receiver) waited {waited:.1f}s for rank 0 (the sender)"
+            msg = f"weight sync over {self.backend} at {self.address}: {who} to exchange {what}"
+            text = str(exc).lower()
+            if "timed out" in text or "timeout" in text:
+                raise WeightSyncTimeout(
+                    f"{msg}; no answer within timeout_s={self.timeout_s:g} (is the peer alive and in the same "
+                    f"sync?). Underlying error: {exc}"
+                ) from exc
+            raise WeightSyncError(f"{msg}; the exchange failed (did the peer exit?). Underlying error: {exc}") from exc
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 << 20) -> dict[str, int]:
+        """Rank 0: broadcast every (name, tensor), packed into buckets of about ``bucket_bytes``.
+
+        Tensors are consumed one at a time, so an iterator that gathers ZeRO-3 shards lazily keeps at
+        most one bucket of full tensors alive. Returns ``{"tensors": n, "bytes": total, "buckets": k}``.
+        """
+        if self.rank != 0:
+            raise WeightSyncError(f"SyncGroup.send: only rank 0 sends; this is rank {self.rank}")
+        stats = {"tensors": 0, "bytes": 0, "buckets": 0}
+        entries: list[list[Any]] = []
+        parts: list[torch.Tensor] = []
+        size = 0
+        for name, tensor in named_tensors:
+            flat = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
+            offset = _align(size)
+            dtype_name = str(tensor.dtype).removeprefix("torch.")
+            entries.append([name, dtype_name, list(tensor.shape), offset, flat.numel()])
+            parts.append(flat)
+            size = offset + flat.numel()
+            stats["tensors"] += 1
+            stats["bytes"] += flat.numel()
+            if size >= bucket_bytes:
+                self._send_bucket(entries, parts, size, stats["buckets"])
+                stats["buckets"] += 1
+                entries, parts, size = [], [], 0
+        if entries:
+            self._send_bucket(entries, parts, size, stats["buckets"])
+            stats["buckets"] += 1
+        self._broadcast(torch.zeros(2, dtype=torch.int64, device=self.device), "the end-of-transfer header")
+        return stats
+
+    def _send_bucket(self, entries: list[list[Any]], parts: list[torch.Tensor], size: int, index: int) -> None:
+        meta = json.dumps(entries).encode()
+        meta += b" " * (_align(len(meta)) - len(meta))  # keeps the payload 16-byte aligned
+        buffer = torch.empty(len(meta) + size, dtype=torch.uint8, device=self.device)
+        buffer[: len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+        payload = buffer[len(meta) :]
+        for (_, _, _, offset, nbytes), flat in zip(entries, parts, strict=True):
+            payload[offset : offset + nbytes].copy_(flat)
+        header = torch.tensor([len(meta), size], dtype=torch.int64, device=self.device)
+        self._broadcast(header, f"the header of bucket {index}")
+        self._broadcast(buffer, f"bucket {index} ({len(entries)} tensors, {size} bytes)")
+
+    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receivers: yield (name, tensor) in the order rank 0 sent them, until its end-of-transfer.
+
+        Each tensor is a view into its bucket's buffer, valid until the caller drops it; consume the
+        iterator to the end, or the next sync reads a half-finished stream.
+        """
+        if self.rank == 0:
+            raise WeightSyncError("SyncGroup.receive: rank 0 is the sender")
+        index = 0
+        while True:
+            header = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self._broadcast(header, f"the header of bucket {index}")
+            meta_len, size = header.tolist()
+            if meta_len == 0:
+                return
+            buffer = torch.empty(meta_len + size, dtype=torch.uint8, device=self.device)
+            self._broadcast(buffer, f"bucket {index} ({size} bytes)")
+            entries = json.loads(bytes(buffer[:meta_len].cpu().tolist()))
+            payload = buffer[meta_len:]
+            for name, dtype_name, shape, offset, nbytes in entries:
+                yield name, payload[offset : offset + nbytes].view(_dtype_from_name(dtype_name)).view(shape)
+            index += 1
+
+    def close(self) -> None:
+        shutdown = getattr(self._pg, "shutdown", None)
+        if callable(shutdown) and self.backend == "nccl":
+            shutdown()
+        self._pg = None
+        self._store = None
+
+
+def init_sync_group(
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    device: str | torch.device | None = None,
+) -> SyncGroup:
+    """Join a weight-sync group of ``world_size`` ranks; rank 0 (the sender) hosts its store on
+    ``master_addr:master_port``. Blocks until every rank has joined, at most ``timeout_s`` seconds.
+
+    ``backend`` is ``gloo`` (tensors travel through CPU memory) or ``nccl`` (``device`` must be the
+    rank's GPU). The default process group, if any, is neither used nor changed. With NCCL, a stalled
+    collective is ended by torch's NCCL watchdog after ``timeout_s`` rather than by an exception here.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"weight sync rank {rank} is outside [0, world_size={world_size})")
+    address = f"{master_addr}:{master_port}"
+    timeout = timedelta(seconds=timeout_s)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    try:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        )
+    except (RuntimeError, TimeoutError) as exc:
+        role = "host the store" if rank == 0 else "reach rank 0's store"
+        raise WeightSyncTimeout(
+            f"weight sync: rank {rank} could not {role} at {address} within {timeout_s:g}s "
+            f"(is the sender up, and the address and port right?): {exc}"
+        ) from exc
+    store = dist.PrefixStore(_STORE_PREFIX, store)
+    try:
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    except (RuntimeError, TimeoutError) as exc:
+        raise WeightSyncTimeout(
+            f"weight sync: rank {rank} waited {timeout_s:g}s at {address} for all {world_size} ranks to join "
+            f"the {backend} group; some never came: {exc}"
+        ) from exc
+    return SyncGroup(rank, world_size, backend, timeout_s, address, device, pg, store)
+
+
+def cpu_state_dict(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The object-store path: ``{name: CPU tensor}``, ready for ``ray.put`` and ``engine.update_weights``."""
+    if isinstance(named_tensors, Mapping):
+        named_tensors = named_tensors.items()
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
+
+
+def gpu_uuid(device: str | torch.device | None = None) -> str:
+    """The UUID of a GPU: the key under which colocated processes exchange IPC handles."""
+    return str(torch.cuda.get_device_properties(torch.device(device or "cuda")).uuid)
+
+
+def share_ipc_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
+    """CUDA IPC, sender side: picklable handles to the tensors' GPU memory (no copy).
+
+    The sender must keep the tensors alive until every receiver has loaded them.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return [(name, reduce_tensor(t.detach().contiguous())) for name, t in named_tensors]
+
+
+def open_ipc_tensors(
+    handles: Iterable[tuple[str, Any]] | Mapping[str, Iterable[tuple[str, Any]]], device: str | torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """CUDA IPC, receiver side: the sender's tensors, mapped into this process on ``device``.
+
+    ``handles`` is what :func:`share_ipc_tensors` returned, or a dict of those keyed by :func:`gpu_uuid`
+    (tensor-parallel engines: each worker opens the handles of its own GPU).
+    """
+    device = torch.device(device)
+    if isinstance(handles, Mapping):
+        handles = handles[gpu_uuid(device)]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for name, (rebuild, args) in handles:
+        args = list(args)
+        args[6] = index  # the device ordinal in *this* process (CUDA_VISIBLE_DEVICES differs per actor)
+        yield name, rebuild(*args)

@@ -1,0 +1,181 @@
+"""The HF engine passes the rollout-engine conformance suite: in process (fast path and generic path)
+and as a Ray actor; its log-probs equal a trainer-style batched recomputation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from rlhf_core.config import RLConfig
+from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.rollout import sampling_params_from_config
+from rlhf_core.rollout.async_engine import AsyncEngine
+from rlhf_core.rollout.hf_engine import HFEngine
+from rlhf_core.testing import RolloutEngineConformance
+from rlhf_core.testing.tiny import make_tiny_llama
+from rlhf_core.types import GenerationRequest, SamplingParams
+
+
+class TestHFEngine(RolloutEngineConformance):
+    def make_engine(self, model_dir):
+        engine = HFEngine(model_dir, dtype="float32", device="cpu")
+        assert engine.fast_path
+        return engine
+
+
+class TestHFEngineGenericPath(RolloutEngineConformance):
+    """The path other architectures take: transformers' DynamicCache and its own masks."""
+
+    def make_engine(self, model_dir):
+        engine = HFEngine(model_dir, dtype="float32", device="cpu")
+        engine.fast_path = False
+        return engine
+
+
+class RayEngine:
+    """Calls an engine actor like a local engine (what a controller does with ray.get)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __getattr__(self, name):
+        import ray
+
+        method = getattr(self.handle, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+class TestHFEngineRayActor(RolloutEngineConformance):
+    @pytest.fixture(scope="class", autouse=True)
+    def _ray(self, ray_session):
+        return ray_session
+
+    def make_engine(self, model_dir):
+        import ray
+
+        handle = ray.remote(num_cpus=1)(HFEngine).remote(model_dir, dtype="float32", device="cpu", num_threads=1)
+        return RayEngine(handle)
+
+    def close_engine(self, engine):
+        import ray
+
+        ray.kill(engine.handle)
+
+    def test_engines_side_by_side(self, model_dir, engine):
+        """A second actor on the same weights samples the same tokens for the same seeds."""
+        other = self.make_engine(model_dir)
+        try:
+            req = GenerationRequest([3, 4, 5], SamplingParams(n=2, max_new_tokens=6, seed=9, ignore_eos=True))
+            assert [o.token_ids for o in other.generate([req])[0]] == [o.token_ids for o in engine.generate([req])[0]]
+        finally:
+            self.close_engine(other)
+
+    def test_async_front_over_the_actor(self, engine):
+        """AsyncEngine awaits the actor handle's generate.remote, batching concurrent requests."""
+        llm = AsyncEngine(engine.handle)
+        requests = [GenerationRequest([3 + i], SamplingParams(max_new_tokens=4, seed=i)) for i in range(5)]
+
+        async def main():
+            return await asyncio.gather(*(llm.generate(r) for r in requests))
+
+        outs = asyncio.run(main())
+        assert llm.calls == 1
+        assert [o[0].token_ids for o in outs] == [o[0].token_ids for o in engine.generate(requests)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("hf_engine"), seed=1)
+
+
+def test_logprobs_equal_trainer_recomputation(tiny_dir):
+    """A trainer batches prompt+response right-padded, with an attention mask, and gathers
+    log_softmax(logits / T) at the response tokens; the engine's log-probs must be the same numbers."""
+    from transformers import AutoModelForCausalLM
+
+    engine = HFEngine(tiny_dir, device="cpu")
+    prompts = [[10, 11, 12], [40, 41, 42, 43, 44, 45], [70]]
+    temperature = 0.6
+    requests = [GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=i))
+                for i, p in enumerate(prompts)]
+    samples = [(req.prompt_ids, out) for req, outs in zip(requests, engine.generate(requests), strict=True) for out in outs]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    seqs = [p + o.token_ids for p, o in samples]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(2, ids[:, 1:, None]).squeeze(2)
+    for i, (prompt, out) in enumerate(samples):
+        start = len(prompt) - 1
+        want = logp[i, start : start + len(out.token_ids)]
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_long_batches_are_split_and_finished_rows_dropped(tiny_dir):
+    """More samples than max_batch_size, with very different lengths: the same tokens as one by one."""
+    engine = HFEngine(tiny_dir, device="cpu", max_batch_size=5)
+    requests = [GenerationRequest([20 + i] * (1 + i % 4), SamplingParams(n=3, max_new_tokens=2 + 5 * (i % 3), seed=i))
+                for i in range(6)]
+    together = engine.generate(requests)
+    for req, outs in zip(requests, together, strict=True):
+        alone = engine.generate([req])[0]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+        assert all(len(o.token_ids) <= req.params.max_new_tokens for o in outs)
+
+
+def test_prompt_too_long_for_the_model(tmp_path):
+    engine = HFEngine(make_tiny_llama(tmp_path, max_position_embeddings=16), device="cpu")
+    with pytest.raises(ValueError, match="request 0: the prompt has 16 tokens.*max_position_embeddings=16"):
+        engine.generate([GenerationRequest([5] * 16, SamplingParams(max_new_tokens=4))])
+    (out,), = engine.generate([GenerationRequest([5] * 12, SamplingParams(max_new_tokens=50, ignore_eos=True))])
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_update_weights_refuses_unknown_names_and_shapes(tiny_dir):
+    engine = HFEngine(tiny_dir, device="cpu")
+    with pytest.raises(KeyError, match="model.layers.9.mlp"):
+        engine.update_weights({"model.layers.9.mlp.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="lm_head.weight.*shape"):
+        engine.update_weights([("lm_head.weight", torch.zeros(3, 3))])
+    engine.sleep(2)
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="update_weights"):
+        engine.generate([GenerationRequest([5], SamplingParams(max_new_tokens=2))])
+
+
+def test_registered_as_hf_and_built_from_the_config(tiny_dir):
+    factory = resolve(get_plugin_manager(), "rollout_engines", "hf")
+    assert factory.available() is None
+    cfg = RLConfig()
+    with pytest.raises(ValueError, match="model_name_or_path"):
+        factory.create(cfg)
+    cfg.actor.model_name_or_path = tiny_dir
+    cfg.ds.param_dtype = "fp32"
+    cfg.rollout.n_samples_per_prompt = 2
+    cfg.rollout.max_new_tokens = 3
+    engine = factory.create(cfg, index=1, device="cpu")
+    assert isinstance(engine, HFEngine) and factory.engine_class() is HFEngine
+    params = sampling_params_from_config(cfg, seed=5)
+    (outs,) = engine.generate([GenerationRequest([4, 5], params)])
+    assert len(outs) == 2 and all(len(o.token_ids) <= 3 for o in outs)

@@ -1,0 +1,222 @@
+"""The vLLM rollout engine: rlhf's engine contract on top of ``vllm.LLM``.
+
+A plain class; the caller makes it a Ray actor (``ray.remote(num_gpus=...)(VLLMEngine)``). vLLM is imported
+when an engine is built, never at import time, so that this package installs and imports without it.
+
+Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
+
+- prompts go in as ``TokensPrompt(prompt_token_ids=...)``; token ids and the sampled token's log-prob
+  (``logprobs=0``) come out; nothing is detokenized.
+- a request with ``n`` samples becomes ``n`` single-sample prompts seeded ``derive_seed(seed, i)`` (vLLM
+  would seed its children ``seed + i``); prefix caching shares their prompt.
+- log-probs use ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)``, equal to the
+  contract when top-k/top-p are off (the RL default). With top-k/top-p, or before ``min_new_tokens``,
+  vLLM reports the log-prob under the filtered distribution instead (a documented deviation).
+- weights arrive through :class:`rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension`, reached
+  with ``llm.collective_rpc``: it joins the weight-sync group in each worker and loads tensors with
+  ``model_runner.model.load_weights``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from rlhf_core.rollout.sampling import check_requests, sample_seeds
+from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine, SamplingParams
+
+INSTALL_HINT = "pip install rlhf-rollout-vllm[vllm]"
+WORKER_EXTENSION = "rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}
+
+
+def import_vllm():
+    """``import vllm``, or an ImportError that says how to get it."""
+    try:
+        import vllm
+        import vllm.inputs  # noqa: F401 - TokensPrompt lives there
+    except ImportError as exc:
+        raise ImportError(
+            f"the vllm rollout engine needs vLLM, which is not installed here ({exc}). Install it with "
+            f"`{INSTALL_HINT}`, or use the built-in engine: --rollout.engine hf"
+        ) from exc
+    return vllm
+
+
+def to_vllm_sampling_params(vllm: Any, params: SamplingParams, seed: int) -> Any:
+    """One sample of a request as ``vllm.SamplingParams`` (``n=1``, its own seed, sampled log-prob only)."""
+    return vllm.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        seed=seed,
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def to_generation_output(completion: Any) -> GenerationOutput:
+    """A vLLM ``CompletionOutput`` as a :class:`GenerationOutput`."""
+    token_ids = [int(t) for t in completion.token_ids]
+    if completion.logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
+    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids, strict=True)]
+    finish = completion.finish_reason
+    if finish not in ("stop", "length", "abort"):
+        raise RuntimeError(f"vLLM returned an unfinished sample (finish_reason={finish!r})")
+    return GenerationOutput(token_ids, logprobs, finish)
+
+
+class VLLMEngine(RolloutEngine):
+    """A vLLM engine behind rlhf's engine contract.
+
+    Args:
+        model_name_or_path: local model directory (or hub id).
+        dtype: ``bfloat16``/``bf16``, ``float16``, ``float32``/``fp32`` or ``auto``.
+        tensor_parallel_size: GPUs of this engine (>1 uses vLLM's Ray executor inside the caller's
+            placement group).
+        gpu_memory_utilization: fraction of each GPU vLLM may take (weights + KV cache).
+        enable_prefix_caching: reuse KV of shared prompt prefixes (worth it with n > 1).
+        enforce_eager: no CUDA graphs (faster start, slower decode).
+        enable_sleep: allow :meth:`sleep` / :meth:`wake_up` (vLLM sleep mode).
+        seed: engine seed (per-sample seeds still come from the requests).
+        **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ...).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        dtype: str = "bfloat16",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = False,
+        enforce_eager: bool = False,
+        enable_sleep: bool = False,
+        seed: int = 0,
+        **llm_kwargs: Any,
+    ):
+        if tensor_parallel_size == 1:
+            # engine core and worker in this process: collective_rpc passes tensors without serialising
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm = import_vllm()
+        self._vllm = vllm
+        self.tensor_parallel_size = tensor_parallel_size
+        self.enable_sleep = enable_sleep
+        self.llm = vllm.LLM(
+            model=model_name_or_path,
+            dtype=DTYPES.get(dtype, dtype),
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep,
+            seed=seed,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        try:
+            self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
+            self.vocab_size = None
+        self._asleep = 0
+        self._weights_discarded = False
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
+        requests = list(requests)
+        if self._asleep:
+            raise RuntimeError(f"VLLMEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()")
+        if self._weights_discarded:
+            raise RuntimeError("VLLMEngine.generate: sleep(level=2) discarded the weights; call update_weights first")
+        check_requests(requests, self.vocab_size)
+        prompts, params, owners = [], [], []
+        for i, req in enumerate(requests):
+            for seed in sample_seeds(req.params):
+                prompts.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids)))
+                params.append(to_vllm_sampling_params(self._vllm, req.params, seed))
+                owners.append(i)
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        results: list[list[GenerationOutput]] = [[] for _ in requests]
+        for i, out in zip(owners, outputs, strict=True):
+            results[i].append(to_generation_output(out.outputs[0]))
+        return results
+
+    # --- weights --------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """The object-store path: tensors (usually CPU) go to every worker's ``load_weights``."""
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
+        self.llm.collective_rpc("rlhf_load_weights", args=(list(named_tensors),))
+        self._weights_discarded = False
+
+    def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        first_rank: int,
+        world_size: int,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Each tensor-parallel worker joins the sync group as rank ``first_rank + tp_rank``."""
+        self.llm.collective_rpc(
+            "rlhf_init_weight_sync", args=(master_addr, master_port, first_rank, world_size, backend, timeout_s)
+        )
+
+    def receive_weights(self) -> None:
+        """Every worker receives rank 0's broadcast and loads it."""
+        self.llm.collective_rpc("rlhf_receive_weights")
+        self._weights_discarded = False
+
+    def update_weights_from_ipc(self, handles: Any) -> None:
+        """CUDA IPC from colocated trainer ranks: a list of handles, or a dict keyed by GPU UUID (TP>1)."""
+        self.llm.collective_rpc("rlhf_load_ipc", args=(handles,))
+        self._weights_discarded = False
+
+    def close_weight_sync(self) -> None:
+        self.llm.collective_rpc("rlhf_close_weight_sync")
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: offload weights to CPU and drop the KV cache; level 2: drop both."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if not self.enable_sleep:
+            raise RuntimeError("VLLMEngine.sleep needs enable_sleep=True (--vllm.enable_sleep)")
+        if self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep = level
+        self._weights_discarded = self._weights_discarded or level == 2
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Retake memory; ``tags`` (``["weights"]`` then ``["kv_cache"]``) wakes in stages to limit peaks."""
+        if not self._asleep:
+            return
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self._asleep = 0
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop vLLM and free its GPU memory (a fresh engine can then start in this process)."""
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if callable(getattr(engine_core, "shutdown", None)):
+            engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -41,7 +41,8 @@ class SamplingParams:
 
     Log-probs returned with the tokens are those of the sampled token under ``softmax(logits /
     temperature)``, before top-k/top-p filtering: the same quantity the trainer recomputes, so that the
-    two can be compared (IS correction, ``rollout/train`` KL).
+    two can be compared (IS correction, ``rollout/train`` KL). Greedy samples (temperature 0) use
+    ``softmax(logits)``; the ``min_new_tokens`` suppression of stop ids does not change log-probs either.
     """
 
     n: int = 1

@@ -150,7 +150,7 @@ class SyncGroup:
                 return
             buffer = torch.empty(meta_len + size, dtype=torch.uint8, device=self.device)
             self._broadcast(buffer, f"bucket {index} ({size} bytes)")
-            entries = json.loads(bytes(buffer[:meta_len].cpu().tolist()))
+            entries = json.loads(buffer[:meta_len].cpu().numpy().tobytes())
             payload = buffer[meta_len:]
             for name, dtype_name, shape, offset, nbytes in entries:
                 yield name, payload[offset : offset + nbytes].view(_dtype_from_name(dtype_name)).view(shape)

@@ -1,0 +1,535 @@
+"""GRPO step time and peak memory: ``rlhf train ppo`` (Ray, DeepSpeed, HF engine) against TRL's GRPOTrainer.
+
+Design: /work/shared/reference/performance-anchors.md §6a. Both sides load the same random Llama and
+tokenizer (saved once), get the same fixed-length word-id prompts, draw n samples per prompt of exactly
+``L`` tokens (EOS suppressed until then), score them with the same cheap reward of the completion ids,
+and take one AdamW step per RL step over all samples (GRPO group-normalised advantages, token-mean loss,
+fp32, no gradient checkpointing, T=1, top_p=1, top_k=0). Each run is a fresh process; runs go in A B A B
+order; each does ``--warmup`` steps that are dropped plus ``--steps`` measured ones.
+
+Measured per run (one JSON file per run under bench/results/):
+- step_s: wall seconds per RL step, from step end to step end in the driver (rlhf: when the controller
+  logs the step; TRL: ``on_step_end``); rlhf's own ``timing/step_total`` is kept beside it.
+- phases: rlhf's ``timing/*`` (generation includes the reward call, make_experience is the old- and
+  reference-log-prob passes plus advantages, ppo_train the optimizer step, broadcast the weight sync);
+  TRL: generate (``_generate``), reward (``_calculate_rewards``), logprob (the rest of
+  ``_generate_and_score_completions``: the reference pass), train (the rest of the step).
+- startup_s: process start to the first step's start (Ray, workers and model loading included).
+- peak_rss: the highest sum of RSS over the child and all its descendants (Ray's raylet, GCS and workers),
+  polled every 50 ms with psutil. Shared pages (torch libraries mapped by each Ray worker, the object
+  store) are counted once per process, so peak_pss (proportional set size, polled every 1 s) is kept too.
+
+    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --quick        # smoke run, seconds per side
+    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py                # both grid rows, both variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+# (name, hidden, layers, prompt length, completion length): the two rows of the TRL table of §3
+GRID = {
+    "M": (128, 2, 16, 32),
+    "L": (256, 4, 32, 64),
+}
+VOCAB_WORDS = 1017  # + 7 special tokens = vocab 1024
+
+REWARD_FILE = '''
+def reward_func(queries, prompts, labels, **kwargs):
+    """Parity of the sum of the completion's word ids: cheap, deterministic, needs the completion only."""
+    out = []
+    for q, p in zip(queries, prompts):
+        words = q[len(p):].split()
+        out.append(float(sum(int(w[1:]) for w in words if w[0] == "w" and w[1:].isdigit()) % 2))
+    return out
+'''
+
+
+def make_workload(root: Path, hidden: int, layers: int, prompt_len: int, num_prompts: int) -> None:
+    """The model (with its tokenizer), the prompts file and the reward file, under ``root``."""
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    if not (root / "model" / "config.json").exists():
+        make_tiny_llama(root / "model", seed=0, num_words=VOCAB_WORDS, hidden_size=hidden,
+                        intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    rng = random.Random(0)
+    with (root / "prompts.jsonl").open("w") as f:
+        for _ in range(num_prompts):
+            f.write(json.dumps({"input": " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(prompt_len))}) + "\n")
+    (root / "reward.py").write_text(REWARD_FILE)
+
+
+# --- the two contenders, each run in a fresh child process ---------------------------------------------
+
+
+def variant_flags(variant: str, seqs: int) -> list[str]:
+    """rlhf's settings beyond the workload. ``rlhf``: its defaults (one CPU rank, ZeRO-2);
+    ``rlhf-zero0``: one rank without ZeRO; ``rlhf-dp2``: two data-parallel policy ranks (one core each),
+    ZeRO-0 (the reference model, when there is one, keeps one rank)."""
+    return {
+        "rlhf": [],
+        "rlhf-zero0": ["--ds.zero_stage", "0"],
+        "rlhf-dp2": ["--actor.num_gpus_per_node", "2", "--ds.zero_stage", "0",
+                     "--train.micro_batch_size", str(seqs // 2), "--rollout.micro_batch_size", str(seqs // 2)],
+    }[variant]
+
+
+def rlhf_flags(args, root: Path, out: Path, variant: str) -> list[str]:
+    _, _, lp, lc = GRID[args.size]
+    seqs = args.prompts * args.n
+    flags = [
+        "--actor.model_name_or_path", str(root / "model"), "--reward.remote_url", str(root / "reward.py"),
+        "--data.prompt_dataset", str(root / "prompts.jsonl"), "--data.max_len", str(lp + lc),
+        "--rollout.n_samples_per_prompt", str(args.n), "--rollout.batch_size", str(args.prompts),
+        "--rollout.max_new_tokens", str(lc), "--rollout.min_new_tokens", str(lc),
+        "--rollout.temperature", "1", "--rollout.top_p", "1", "--rollout.top_k", "0",
+        "--rollout.micro_batch_size", str(seqs), "--train.batch_size", str(seqs),
+        "--train.micro_batch_size", str(seqs), "--train.max_epochs", "1",
+        "--train.max_steps", str(args.warmup + args.steps), "--train.seed", "0",
+        "--algo.advantage.estimator", "group_norm", "--actor.loss_agg_mode", "token_mean",
+        "--actor.adam.lr", "1e-4", "--actor.adam.betas", "0.9", "0.999", "--actor.adam.weight_decay", "0",
+        "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--actor.max_norm", "1.0",
+        "--ds.param_dtype", "fp32", "--vllm.num_engines", "1", "--rollout.engine", "hf",
+        "--ckpt.output_dir", str(out),
+    ]
+    if args.beta > 0:
+        flags += ["--algo.kl.init_coef", str(args.beta), "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
+    else:
+        flags += ["--algo.kl.init_coef", "0"]
+    return flags + variant_flags(variant, seqs)
+
+
+def child_rlhf(args, root: Path, out: Path) -> dict:
+    import rlhf_cli.rl.controller as controller
+    import rlhf_cli.rl.metrics as metrics
+    from rlhf_cli.main import main
+
+    marks: dict = {"step_end": []}
+    fit, log = controller.RLController.fit, metrics.MetricsLogger.log
+
+    def timed_fit(self):
+        marks["fit_start"] = time.time()
+        return fit(self)
+
+    def timed_log(self, step, values):
+        marks["step_end"].append(time.time())
+        return log(self, step, values)
+
+    controller.RLController.fit = timed_fit
+    metrics.MetricsLogger.log = timed_log
+    os.environ["RLHF_NO_PROGRESS"] = "1"
+    rc = main(["train", "ppo", *rlhf_flags(args, root, out, args.who)])
+    if rc:
+        raise SystemExit(f"rlhf train ppo exited with {rc}")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "timing/step_total" in r]
+    ends = marks["step_end"]
+    walls = [b - a for a, b in zip([marks["fit_start"], *ends[:-1]], ends, strict=True)]
+    phases = {k[len("timing/"):]: [r[k] for r in rows] for k in rows[0] if k.startswith("timing/")}
+    return {
+        "first_step_start": marks["fit_start"], "step_wall": walls, "phases": phases,
+        "step_total": [r["timing/step_total"] for r in rows],
+        "completion_len": [r["response_length/mean"] for r in rows],
+        "reward_mean": [r["reward/mean"] for r in rows],
+        "grad_norm": [r.get("policy/grad_norm") for r in rows],
+    }
+
+
+def child_trl(args, root: Path, out: Path) -> dict:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    _, _, _, lc = GRID[args.size]
+    spans: dict[str, list[float]] = {"generate": [], "reward": [], "experience": []}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spans[name].append(time.perf_counter() - t0)
+        return wrapper
+
+    GRPOTrainer._generate = timed("generate", GRPOTrainer._generate)
+    GRPOTrainer._calculate_rewards = timed("reward", GRPOTrainer._calculate_rewards)
+    GRPOTrainer._generate_and_score_completions = timed("experience", GRPOTrainer._generate_and_score_completions)
+    marks: dict = {"step_end": []}
+    lengths: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            marks.setdefault("first_step_start", time.time())
+
+        def on_step_end(self, *a, **k):
+            marks["step_end"].append(time.time())
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    def reward(prompts, completions, completion_ids, **kwargs):
+        return [float(sum(ids) % 2) for ids in completion_ids]
+
+    tok = AutoTokenizer.from_pretrained(str(root / "model"))
+    model = AutoModelForCausalLM.from_pretrained(str(root / "model"), dtype=torch.float32, attn_implementation="sdpa")
+    ds = load_dataset("json", data_files=str(root / "prompts.jsonl"), split="train").rename_column("input", "prompt")
+    seqs = args.prompts * args.n
+    config = GRPOConfig(
+        output_dir=str(out), report_to="none", use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=seqs, gradient_accumulation_steps=1, num_generations=args.n,
+        max_completion_length=lc, generation_kwargs={"min_new_tokens": lc}, use_vllm=False,
+        temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", beta=args.beta, num_iterations=1,
+        learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, lr_scheduler_type="constant",
+        warmup_steps=0, max_grad_norm=1.0, max_steps=args.warmup + args.steps, logging_steps=1,
+        save_strategy="no", seed=0, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=ds, processing_class=tok,
+                          callbacks=[StepClock()])
+    trainer.train()
+    ends = marks["step_end"]
+    walls = [b - a for a, b in zip([marks["first_step_start"], *ends[:-1]], ends, strict=True)]
+    gen, rew, exp = spans["generate"], spans["reward"], spans["experience"]
+    return {
+        "first_step_start": marks["first_step_start"], "step_wall": walls,
+        "phases": {
+            "generation": [g + r for g, r in zip(gen, rew, strict=True)],  # like rlhf's, reward included
+            "generate": gen, "reward": rew,
+            "logprob": [e - g - r for e, g, r in zip(exp, gen, rew, strict=True)],
+            "train": [w - e for w, e in zip(walls, exp, strict=True)],
+        },
+        "completion_len": lengths,
+        "grad_norm": [h.get("grad_norm") for h in trainer.state.log_history if "grad_norm" in h],
+    }
+
+
+def child(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    root = Path(args.workdir) / args.size
+    out = root / f"out-{args.who}-{os.getpid()}"
+    result = (child_trl if args.who == "trl" else child_rlhf)(args, root, out)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# --- the parent: spawn, watch memory, summarise ----------------------------------------------------------
+
+
+def busy_cores() -> float:
+    """CPU seconds per second spent by the whole machine outside idle/iowait (all processes)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+
+
+def wait_for_quiet(max_busy: float, timeout_s: float = 900.0) -> float:
+    """Wait until the other processes of the machine use less than ``max_busy`` cores (3 s samples);
+    returns what the last sample saw. Gives up after ``timeout_s`` (the run is then marked by its load)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        before = busy_cores()
+        time.sleep(3.0)
+        busy = (busy_cores() - before) / 3.0
+        if busy < max_busy or time.monotonic() > deadline:
+            return busy
+        print(f"  waiting: other processes use {busy:.1f} cores", flush=True)
+
+
+class TreeMemory(threading.Thread):
+    """Peak RSS (every 50 ms) and peak PSS (every 1 s) summed over a process and its descendants, and
+    the CPU time of the tree (to tell how much the rest of the machine used meanwhile)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.peak_rss = self.peak_pss = 0
+        self.max_procs = 0
+        self.cpu_by_pid: dict[int, float] = {}
+        self.done = threading.Event()
+
+    def tree(self):
+        import psutil
+
+        try:
+            return [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def run(self):
+        import psutil
+
+        last_pss = 0.0
+        while not self.done.is_set():
+            procs = self.tree()
+            rss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                    t = p.cpu_times()
+                    self.cpu_by_pid[p.pid] = t.user + t.system
+                except psutil.Error:
+                    pass
+            self.peak_rss = max(self.peak_rss, rss)
+            self.max_procs = max(self.max_procs, len(procs))
+            if time.monotonic() - last_pss >= 1.0:
+                last_pss = time.monotonic()
+                pss = 0
+                for p in procs:
+                    try:
+                        pss += p.memory_full_info().pss
+                    except psutil.Error:
+                        pass
+                self.peak_pss = max(self.peak_pss, pss)
+            self.done.wait(0.05)
+
+
+def run_child(args, who: str, env: dict, rep: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--who", who, "--size", args.size,
+           "--beta", str(args.beta), "--prompts", str(args.prompts), "--n", str(args.n), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--workdir", args.workdir]
+    quiet = wait_for_quiet(args.max_busy)
+    load_before = os.getloadavg()[0]
+    spawned = time.time()
+    busy_before = busy_cores()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    mem = TreeMemory(proc.pid)
+    mem.start()
+    stdout, stderr = proc.communicate()
+    mem.done.set()
+    mem.join()
+    wall = time.time() - spawned
+    # cores the rest of the machine kept busy during the run (other engineers' jobs)
+    foreign = max(0.0, (busy_cores() - busy_before - sum(mem.cpu_by_pid.values())) / wall)
+    line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        sys.exit(f"{who} run failed (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}")
+    r = json.loads(line[len("RESULT "):])
+    w = args.warmup
+    measured = r["step_wall"][w:]
+    hidden, layers, lp, lc = GRID[args.size]
+    seqs = args.prompts * args.n
+    phases = {k: statistics.median(v[w:]) for k, v in r["phases"].items() if len(v) > w}
+    gen_s = generate_seconds(phases)
+    step_s = statistics.median(measured)
+    summary = {
+        "who": who, "size": args.size, "hidden": hidden, "layers": layers,
+        "prompt_len": lp, "completion_len": lc, "prompts": args.prompts, "n": args.n, "beta": args.beta,
+        "threads": args.threads, "rep": rep,
+        "flags": None if who == "trl" else rlhf_flags(args, Path(args.workdir) / args.size, Path("OUT"), who),
+        "step_s": step_s, "step_s_p90": _p90(measured), "step_s_all": r["step_wall"],
+        "phases_median": phases,
+        "startup_s": r["first_step_start"] - spawned,
+        "total_s": wall,
+        "gen_tok_per_s": seqs * lc / gen_s if gen_s else None,
+        "ms_per_decode_step": 1000 * gen_s / lc if gen_s else None,
+        "e2e_gen_tok_per_s": seqs * lc / step_s,
+        "throughput_tok_per_s": seqs * (lp + lc) / step_s,
+        "peak_rss_mib": mem.peak_rss / 2**20, "peak_pss_mib": mem.peak_pss / 2**20, "max_procs": mem.max_procs,
+        "load_before": load_before, "load_after": os.getloadavg()[0], "other_busy_cores_before": quiet,
+        "other_busy_cores_during": foreign,
+        "completion_len_seen": r["completion_len"], "grad_norm": r["grad_norm"],
+    }
+    if "step_total" in r:
+        summary["step_total_median"] = statistics.median(r["step_total"][w:])
+        # the controller's own clock against the driver's wall clock over all steps
+        summary["step_total_sum"], summary["step_wall_sum"] = sum(r["step_total"]), sum(r["step_wall"])
+    RESULTS.mkdir(exist_ok=True)
+    name = f"{args.size}-b{args.beta:g}-t{args.threads}-{who}-rep{rep}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    (RESULTS / name).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def generate_seconds(phases: dict[str, float]) -> float:
+    """Seconds of decoding alone: TRL's ``_generate``, rlhf's engine time (``generate_s``)."""
+    return phases.get("generate", phases.get("generate_s", phases.get("generation")))
+
+
+def load_results(paths) -> list[dict]:
+    return [json.loads(Path(p).read_text()) for p in sorted(paths)]
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    """One row per (size, beta, threads, contender): medians over its runs, and the median over rounds of
+    the throughput ratio against the TRL run of the same round."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["size"], r["beta"], r["threads"], r["who"]), []).append(r)
+    rows = []
+    for (size, beta, threads, who), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2],
+                                                                                  kv[0][3] == "trl", kv[0][3])):
+        trl = {r["rep"]: r for r in groups.get((size, beta, threads, "trl"), [])}
+        ratios = [trl[r["rep"]]["step_s"] / r["step_s"] for r in runs if r["rep"] in trl]
+        ph = [r["phases_median"] for r in runs]
+        if who == "trl":
+            phases = {"generate": _med(p["generate"] for p in ph), "reward": _med(p["reward"] for p in ph),
+                      "logprob": _med(p["logprob"] for p in ph), "train": _med(p["train"] for p in ph),
+                      "sync": 0.0}
+        else:
+            phases = {"generate": _med(p.get("generate_s") for p in ph), "reward": _med(p.get("reward_s") for p in ph),
+                      "logprob": _med(p["make_experience"] for p in ph), "train": _med(p["ppo_train"] for p in ph),
+                      "sync": _med(p["broadcast"] for p in ph)}
+        first = runs[0]
+        rows.append({
+            "size": size, "beta": beta, "threads": threads, "who": who, "runs": len(runs),
+            "hidden": first["hidden"], "layers": first["layers"], "lp": first["prompt_len"], "lc": first["completion_len"],
+            "step_s": _med(r["step_s"] for r in runs), "p90": _med(r["step_s_p90"] for r in runs),
+            "step_range": (min(r["step_s"] for r in runs), max(r["step_s"] for r in runs)),
+            "phases": phases,
+            "gen_tok_per_s": _med(r["gen_tok_per_s"] for r in runs),
+            "ms_per_decode_step": _med(r["ms_per_decode_step"] for r in runs),
+            "throughput": _med(r["throughput_tok_per_s"] for r in runs),
+            "rss": _med(r["peak_rss_mib"] for r in runs), "pss": _med(r["peak_pss_mib"] for r in runs),
+            "procs": max(r["max_procs"] for r in runs), "startup": _med(r["startup_s"] for r in runs),
+            "others": _med(r.get("other_busy_cores_during") for r in runs),
+            "ratio": _med(ratios) if ratios else None, "ratios": ratios,
+            "clock_check": [(r["step_total_sum"], r["step_wall_sum"]) for r in runs if "step_total_sum" in r],
+            "completion_len_seen": sorted({x for r in runs for x in r["completion_len_seen"]}),
+            "grad_norm_step1": _med(r["grad_norm"][0] for r in runs if r["grad_norm"] and r["grad_norm"][0] is not None),
+        })
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | beta | threads | contender | runs | step s median (p90) | generate / reward / logprob+ref / "
+            "train / sync s | gen tok/s (ms/decode step) | throughput tok/s | rlhf/TRL throughput | peak RSS MiB "
+            "(PSS) | processes | start-up s | other jobs, cores |\n" + "|---" * 14 + "|\n")
+    out = []
+    for r in rows:
+        p = r["phases"]
+        ratio = "—" if r["who"] == "trl" else f"**{r['ratio']:.2f}x**" if r["ratio"] else "n/a"
+        out.append(
+            f"| h{r['hidden']}/{r['layers']}L {r['lp']}+{r['lc']} | {r['beta']:g} | {r['threads']} | {r['who']} | {r['runs']} | "
+            f"{r['step_s']:.2f} ({r['p90']:.2f}) | {p['generate']:.2f} / {p['reward']:.3f} / {p['logprob']:.2f} / "
+            f"{p['train']:.2f} / {p['sync']:.2f} | {r['gen_tok_per_s']:.0f} ({r['ms_per_decode_step']:.1f}) | "
+            f"{r['throughput']:.0f} | {ratio} | {r['rss']:.0f} ({r['pss']:.0f}) | {r['procs']} | {r['startup']:.1f} | "
+            f"{r['others']:.2f} |")
+    return head + "\n".join(out) + "\n"
+
+
+def write_md(rows: list[dict], command: str) -> None:
+    import platform
+
+    import torch
+    import transformers
+    import trl
+
+    text = f"""# GRPO step time and memory: rlhf (`rlhf train ppo`) vs TRL GRPOTrainer
+
+Command (each grid row / variant is one invocation; `--report` rebuilds this file from bench/results/):
+
+    {command}
+
+Workload (performance-anchors.md §6a): random Llama (tied embeddings, vocab 1024, intermediate 2h, 4 heads /
+2 KV heads) saved once and loaded by both; word-id prompts of fixed length; 8 prompts x n=8 = 64 samples per
+step, each exactly L tokens (EOS suppressed until L: TRL `min_new_tokens`, rlhf `--rollout.min_new_tokens`);
+reward = parity of the sum of completion ids; GRPO (group mean/std advantages), token-mean (`dapo`) loss,
+one AdamW step per RL step over all 64 samples (lr 1e-4 constant, betas 0.9/0.999, clip 1.0), fp32, no
+gradient checkpointing, T=1, top_p=1, top_k=0, `OMP_NUM_THREADS`/`torch.set_num_threads` = threads; beta>0
+adds a reference model (TRL `beta`, rlhf `--algo.kl.init_coef B --algo.kl.use_loss --algo.kl.estimator k3`).
+2 warm-up + 10 measured steps per run, fresh process per run, A B A B order (rlhf, rlhf-dp2, TRL per round).
+Machine: {platform.machine()}, {os.cpu_count()} cores shared with other engineers' jobs, torch {torch.__version__},
+transformers {transformers.__version__}, trl {trl.__version__}.
+
+Contenders: `rlhf` = rlhf defaults where the workload fixes nothing (one DeepSpeed CPU rank, ZeRO-2, one HF
+rollout engine, sync pipeline); `rlhf-dp2` = what a user would pick for 2 cores: `--actor.num_gpus_per_node 2
+--ds.zero_stage 0` (two data-parallel CPU ranks, one core each). TRL = GRPOTrainer with `use_cpu=True,
+use_vllm=False` (HF `generate`).
+
+Columns: step s = median over runs of each run's median wall seconds per RL step (p90 likewise); phases are
+medians of per-step seconds: generate = decoding (TRL `_generate`, rlhf engine time), reward, logprob+ref =
+TRL's reference pass / rlhf's `make_experience` (old-policy and reference log-prob passes + advantages),
+train = forward/backward/optimizer (TRL: the rest of the step), sync = rlhf weight broadcast to the engine.
+gen tok/s = 64 x L / generate s; throughput = 64 x (prompt + L) / step s; rlhf/TRL = median over rounds of
+TRL step s / rlhf step s from the same round. Peak RSS = highest sum of RSS over the process tree (Ray's
+raylet, GCS, dashboard agents and workers included), polled every 50 ms; PSS (shared pages split between
+processes) polled every 1 s. Start-up = process start to first step. Other jobs = cores the rest of the
+machine used during the run (total busy CPU minus our process tree; approximate for rlhf, whose Ray workers
+exit before the last sample).
+
+{table(rows)}
+"""
+    (HERE / "grpo_vs_trl.md").write_text(text + NOTES)
+    print(f"wrote {HERE / 'grpo_vs_trl.md'}")
+
+
+NOTES = ""
+
+
+def _p90(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: size M, 1 rep, 1 warm-up + 2 steps")
+    p.add_argument("--size", choices=sorted(GRID), default="M", help="grid row (M: h128/2 layers, L: h256/4)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 runs a reference model)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2, help="A B rounds")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", default="rlhf,rlhf-dp2,trl",
+                   help="contenders of each round, in order: trl and rlhf variants (rlhf, rlhf-zero0, rlhf-dp2)")
+    p.add_argument("--max-busy", type=float, default=0.5,
+                   help="before each run, wait (up to 15 min) until other processes use fewer cores than this")
+    p.add_argument("--workdir", default="/tmp/rlhf-bench-grpo")
+    p.add_argument("--report", action="store_true", help="rebuild bench/grpo_vs_trl.md from bench/results/*.json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--who", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    if args.report:
+        command = ("DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size {M,L} [--beta 0.04] "
+                   "[--threads 1] --reps 3; ... --report")
+        return write_md(summarise(load_results(RESULTS.glob("*.json"))), command)
+    if args.quick:
+        args.size, args.reps, args.warmup, args.steps = "M", 1, 1, 2
+    _, _, lp, _ = GRID[args.size]
+    root = Path(args.workdir) / args.size
+    root.mkdir(parents=True, exist_ok=True)
+    hidden, layers, lp, _ = GRID[args.size]
+    make_workload(root, hidden, layers, lp, args.prompts * (args.warmup + args.steps) * 2)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+           "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0",
+           "HF_HUB_OFFLINE": "1", "RLHF_NO_PROGRESS": "1"}
+    for rep in range(args.reps):
+        for who in args.runs.split(","):  # A B A B
+            s = run_child(args, who, env, rep)
+            ph = " ".join(f"{k}={v:.2f}" for k, v in s["phases_median"].items())
+            print(f"{args.size} beta={args.beta:g} t{args.threads} rep {rep} {who}: step {s['step_s']:.2f}s "
+                  f"(p90 {s['step_s_p90']:.2f}) [{ph}] gen {s['gen_tok_per_s']:.0f} tok/s  startup "
+                  f"{s['startup_s']:.1f}s  peak RSS {s['peak_rss_mib']:.0f} MiB (PSS {s['peak_pss_mib']:.0f}, "
+                  f"{s['max_procs']} procs)  others busy {s['other_busy_cores_during']:.2f} cores", flush=True)
+
+
+if __name__ == "__main__":
+    main()

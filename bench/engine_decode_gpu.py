@@ -36,9 +36,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from rlhf_core.rollout.hf_engine import HFEngine
     from rlhf_core.types import GenerationRequest, SamplingParams
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     config = Qwen2Config(

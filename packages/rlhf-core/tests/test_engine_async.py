@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.rollout.hf_engine import HFEngine
 from rlhf_core.testing.tiny import make_tiny_llama

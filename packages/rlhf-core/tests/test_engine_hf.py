@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+
 from rlhf_core.config import RLConfig
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.rollout import sampling_params_from_config

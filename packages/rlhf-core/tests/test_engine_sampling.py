@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rlhf_core.rollout.sampling import (
     check_requests,
     counter_uniform,

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from rlhf_core.testing.engines import forward_logprobs, free_port, perturbed_weights
 from rlhf_core.testing.tiny import make_tiny_llama
 from rlhf_core.weight_sync import (

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from rlhf_core.config import RLConfig
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.testing import RolloutEngineConformance

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
 from rlhf_core.rollout.sampling import check_requests, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine, SamplingParams
 

@@ -6,7 +6,6 @@ import importlib.util
 from typing import Any
 
 from rlhf_core import hookimpl
-
 from rlhf_rollout_vllm.engine import INSTALL_HINT
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from rlhf_core.weight_sync import init_sync_group, open_ipc_tensors
 
 

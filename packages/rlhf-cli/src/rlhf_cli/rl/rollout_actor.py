@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.types import SamplingParams, Trajectory
+
+
+class OneThreadEngine(AsyncEngine):
+    """An ``AsyncEngine`` whose batched ``generate`` calls all run on ``thread`` (one worker), the thread
+    that also built the engine and loads its weights."""
+
+    def __init__(self, engine: Any, thread: ThreadPoolExecutor):
+        super().__init__(engine)
+        self.thread = thread
+
+    async def _call(self, requests):
+        return await asyncio.get_running_loop().run_in_executor(self.thread, self.engine.generate, requests)
 
 
 class RolloutActor:
@@ -20,17 +35,31 @@ class RolloutActor:
         from transformers import AutoTokenizer
 
         pm = get_plugin_manager()
-        self.engine = resolve(pm, "rollout_engines", engine_name, "--rollout.engine").create(cfg, index=index)
+        factory = resolve(pm, "rollout_engines", engine_name, "--rollout.engine")
+        # The HF engine's torch work (loading, decoding, weight loads) stays on one thread: with torch's
+        # OpenMP backend every thread that runs parallel ops gets its own worker team, and two teams on the
+        # same cores make libgomp throttle its spin-waits; CPU decoding ran ~1.7x slower (bench/grpo_vs_trl.md).
+        # Partial rollout keeps the Ray threads: its weights must be able to land while a generation runs.
+        self.engine_thread = None
+        if engine_name == "hf" and not cfg.train.partial_rollout_enable:
+            self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-engine")
+        self.engine = self._on_engine_thread(factory.create, cfg, index=index)
+        engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
-        self.worker = RolloutWorker.from_config(cfg, self.engine, self.tokenizer, pm, reward_model_handle=reward_model)
+        self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
         self.sync_group = None
+
+    def _on_engine_thread(self, fn, *args, **kwargs):
+        if self.engine_thread is None:
+            return fn(*args, **kwargs)
+        return self.engine_thread.submit(fn, *args, **kwargs).result()
 
     def rollout(self, prompts: list[dict], sampling: SamplingParams, step: int) -> tuple[list[Trajectory], dict]:
         trajs = self.worker.rollout(prompts, sampling, step)
         return trajs, dict(self.worker.last_metrics)
 
     def update_weights(self, state_dict: dict) -> int:
-        self.engine.update_weights(state_dict.items())
+        self._on_engine_thread(self.engine.update_weights, state_dict.items())
         self.engine.reset_prefix_cache()
         return len(state_dict)
 
@@ -48,7 +77,7 @@ class RolloutActor:
                 received.append(name)
                 yield name, tensor
 
-        self.engine.update_weights(counted())
+        self._on_engine_thread(self.engine.update_weights, counted())
         self.engine.reset_prefix_cache()
         return len(received)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,6 +49,10 @@ class RolloutActor:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
         self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
         self.sync_group = None
+        # With partial rollout the actor runs calls concurrently, so the first receive_weights can start
+        # while init_weight_sync is still joining the group.
+        self.sync_ready = threading.Event()
+        self.sync_timeout = cfg.vllm.sync_timeout
 
     def _on_engine_thread(self, fn, *args, **kwargs):
         if self.engine_thread is None:
@@ -67,10 +72,13 @@ class RolloutActor:
         from rlhf_core import weight_sync
 
         self.sync_group = weight_sync.init_sync_group(**kwargs)
+        self.sync_ready.set()
 
     def receive_weights(self) -> int:
         """Load the weights the policy's rank 0 is broadcasting through the sync group."""
         received = []
+        if not self.sync_ready.wait(self.sync_timeout):
+            raise TimeoutError(f"no weight-sync group joined within --vllm.sync_timeout {self.sync_timeout:g} s")
 
         def counted():
             for name, tensor in self.sync_group.receive():

@@ -50,6 +50,7 @@ def make_workload(root: Path, args) -> tuple[str, str]:
 
 def run_ours(model: str, data: str, out: Path, args) -> dict:
     import ray
+
     from rlhf_core.config import SupervisedConfig
     from rlhf_train_deepspeed.trainers import run_supervised
 

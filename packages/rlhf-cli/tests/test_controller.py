@@ -1,7 +1,12 @@
 """The RL controller's own logic, with its workers replaced by plain objects: refilling filtered groups,
-keeping accepted ones when the data runs out, stopping on repeated non-finite steps, resumable state."""
+keeping accepted ones when the data runs out, stopping on repeated non-finite steps, resumable state,
+micro-batches (fixed or token-budget) that keep each row with its own results."""
+
+from types import SimpleNamespace
 
 import pytest
+import torch
+
 from rlhf_cli.rl.controller import Groups, RLController, RLRunError
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_core.config import RLConfig
@@ -91,3 +96,113 @@ def test_client_state_round_trip():
     assert (other.step, other.best_metric, other.policy_version) == (1, 0.7, 1)
     assert other.kl_ctl.value == ctl.kl_ctl.value != cfg.algo.kl.init_coef
     assert [p.uid for p in other.stream.take(4)] == [p.uid for p in ctl.stream.take(4)]
+
+
+class FakeRank:
+    """Stands in for a Ray training actor: ``rank.method.remote(...)`` runs at once. Its "log-prob" of a
+    response token is ``-token / 100``, so every result says which row it belongs to."""
+
+    def __init__(self):
+        self.passes: list[list[int]] = []  # first prompt token of each row, per forward pass
+        self.trained: list = []
+        self.compute_logprobs = SimpleNamespace(remote=self.logprobs)
+        self.train_policy = SimpleNamespace(remote=self.train)
+
+    def logprobs(self, batches, temperature, with_entropy):
+        self.passes += [b.input_ids[:, 0].tolist() for b in batches]
+        return [token_logprobs(b) for b in batches]
+
+    def train(self, micro_batches, cfg, counts):
+        from rlhf_train_deepspeed.strategy import StepResult
+
+        self.trained.append(micro_batches)
+        return StepResult(0.0, False, 1.0, 0.0, {})
+
+
+def token_logprobs(b) -> torch.Tensor:
+    out = torch.zeros(len(b), b.num_response_positions)
+    for i, (pl, rl) in enumerate(zip(b.prompt_lens.tolist(), b.response_lens.tolist())):
+        out[i, :rl] = -b.input_ids[i, pl:pl + rl].float() / 100
+    return out
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_micro_batches_keep_each_row_with_its_own_results(monkeypatch, dynamic):
+    import rlhf_train_deepspeed.group as group_module
+    from rlhf_cli.rl.controller import Batch
+    from rlhf_train_deepspeed.group import WorkerGroup
+
+    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
+    ranks = [FakeRank(), FakeRank()]
+    cfg = config()
+    cfg.rollout.micro_batch_size = 2
+    cfg.train.batch_size, cfg.train.micro_batch_size = 8, 2
+    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = dynamic, 12
+    cfg.train.max_epochs = 2  # off-policy after the first epoch: the old log-probs are computed
+    # row i: prompt [i + 1, ...], responses of 1 to 9 tokens (ids 10i + t); the 4th token of row 3 is feedback
+    shapes = [(2, 2), (3, 9), (2, 1), (4, 6), (1, 2), (2, 9), (3, 1), (1, 2)]
+    trajs = []
+    for i, (p, r) in enumerate(shapes):
+        response = [10 * i + t for t in range(r)]
+        mask = [0 if (i, t) == (3, 3) else 1 for t in range(r)]
+        trajs.append(Trajectory([i + 1] * p, response, mask, [-x / 100 * m for x, m in zip(response, mask)],
+                                prompt_uid=i // 2, sample_index=i % 2, reward=float(i % 3)))
+    ctl = controller(cfg, 4)
+    ctl.groups = Groups(actor=WorkerGroup(ranks, "actor", None), rollout=[])
+    exp = ctl.make_experience(Batch(trajs, prompts_used=4))
+
+    seen = ranks[0].passes + ranks[1].passes
+    assert sorted(x for rows in seen for x in rows) == list(range(1, 9))  # every row in one forward pass
+    assert len(ranks[0].passes) == len(ranks[1].passes)
+    if dynamic:  # grouped by length, not in row order, and within the budget (rows x longest row)
+        assert [x for rows in seen for x in rows] != list(range(1, 9))
+        assert len({len(rows) for rows in seen}) > 1
+        assert all(len(rows) * max(sum(shapes[x - 1]) for x in rows) <= 12 for rows in seen)
+    want = torch.zeros(8, 9)
+    for i, t in enumerate(trajs):
+        want[i, :len(t.response_ids)] = torch.tensor(t.rollout_logprobs)
+    torch.testing.assert_close(exp.old_logprobs, want, atol=0, rtol=0)
+    assert exp.info["policy/rollout_train_logprob_gap"] == 0.0
+
+    ctl.train(exp, step=1)
+    steps = [rank.trained for rank in ranks]
+    assert len(steps[0]) == len(steps[1]) == 2 and len(steps[0][0]) == len(steps[1][0])  # a step per epoch
+    rows_trained = []
+    for mb in steps[0][0] + steps[1][0]:
+        rows_trained += mb.seq.input_ids[:, 0].tolist()
+        lp = token_logprobs(mb.seq) * mb.seq.response_mask()
+        assert mb.old_logprobs.shape == mb.advantages.shape == lp.shape  # cropped to the micro-batch's width
+        torch.testing.assert_close(mb.old_logprobs, lp, atol=0, rtol=0)  # each row's own old log-probs
+        if dynamic:
+            assert len(mb.seq) == 1 or mb.seq.input_ids.numel() <= 12
+        else:
+            assert len(mb.seq) == 2
+    assert sorted(rows_trained) == list(range(1, 9))
+
+
+def test_an_on_policy_step_skips_the_old_logprob_pass(monkeypatch):
+    """One epoch, one optimizer step, no KL in the reward: the old log-probs would equal the current ones, so
+    no forward pass is made for them and the policy step receives None (it uses its own, detached)."""
+    import rlhf_train_deepspeed.group as group_module
+    from rlhf_cli.rl.controller import Batch
+    from rlhf_train_deepspeed.group import WorkerGroup
+
+    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
+    ranks = [FakeRank(), FakeRank()]
+    cfg = config()
+    cfg.rollout.micro_batch_size = 2
+    cfg.train.batch_size, cfg.train.micro_batch_size = 8, 2
+    trajs = [Trajectory([i + 1] * 2, [10 * i, 10 * i + 1], [1, 1], [-0.1, -0.2], prompt_uid=i // 2,
+                        sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
+    ctl = controller(cfg, 4)
+    ctl.groups = Groups(actor=WorkerGroup(ranks, "actor", None), rollout=[])
+    exp = ctl.make_experience(Batch(trajs, prompts_used=4))
+    assert ranks[0].passes == ranks[1].passes == [] and exp.old_logprobs is None
+    assert "policy/rollout_train_logprob_gap" not in exp.info  # the policy step reports it instead
+    ctl.train(exp, step=1)
+    assert all(mb.old_logprobs is None for rank in ranks for mb in rank.trained[0])
+
+    cfg.train.max_epochs = 2  # the second epoch is off-policy: the pass is back
+    ranks[0].passes.clear()
+    exp = ctl.make_experience(Batch(trajs, prompts_used=4))
+    assert len(ranks[0].passes) == 2 and exp.old_logprobs is not None

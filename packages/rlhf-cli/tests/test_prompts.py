@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from rlhf_cli.rl.prompts import Prompt, PromptStream, load_prompts
 from rlhf_core.config import RLConfig
 from rlhf_core.data import DataError

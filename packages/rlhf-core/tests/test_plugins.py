@@ -1,6 +1,7 @@
 """The plugin manager: discovery filters, duplicates, misspelled hooks, lookups and their errors."""
 
 import pytest
+
 from rlhf_core import hookimpl, plugins
 from rlhf_core.plugins import PluginError, collect, get_plugin_manager, resolve
 

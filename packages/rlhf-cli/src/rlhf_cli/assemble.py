@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_cli.placement import strategy_name
 from rlhf_core import plugins
 from rlhf_core.config_parser import config_to_yaml
 from rlhf_core.types import PlacementPlan, RoleDemand
-
-from rlhf_cli.placement import strategy_name
 
 
 class RunConfigError(ValueError):
@@ -104,6 +103,10 @@ def _check_rl_options(cfg, estimator) -> None:
                         "(--train.async_enable)")
     if c.ds.ring_attn_size > 1 and not c.ds.packing_samples:
         problems.append("--ds.ring_attn_size > 1 splits packed sequences across ranks: add --ds.packing_samples")
+    for flag, budget in (("--train.max_tokens_per_gpu", c.train.max_tokens_per_gpu),
+                         ("--rollout.max_tokens_per_gpu", c.rollout.max_tokens_per_gpu)):
+        if budget is not None and budget < 1:
+            problems.append(f"{flag} {budget}: a token budget per micro-batch must be positive")
     if c.ds.param_dtype not in ("bf16", "fp32"):
         problems.append(f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not "
                         "supported)")
@@ -152,12 +155,6 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
     _check_rl_options(cfg, estimator)
-    if cfg.train.enable_ema:
-        asm.notes.append("--train.enable_ema is accepted but not implemented yet: the exported model is the "
-                         "trained policy, not an average")
-    if cfg.train.dynamic_batch_enable:
-        asm.notes.append("--train.dynamic_batch_enable is accepted but micro-batches are formed by "
-                         "--train.micro_batch_size (sequence count), not by token budget, in this release")
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:

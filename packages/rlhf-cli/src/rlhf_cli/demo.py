@@ -92,9 +92,10 @@ def make_assets(work: Path, seed: int = 0) -> dict[str, Path]:
 
 def accuracy(model_dir: Path, eval_file: Path) -> float:
     """Greedy accuracy on the held-out prompts, with the built-in HF engine."""
+    from transformers import AutoTokenizer
+
     from rlhf_core.rollout.hf_engine import HFEngine
     from rlhf_core.types import GenerationRequest, SamplingParams
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [json.loads(line) for line in eval_file.read_text().splitlines()]

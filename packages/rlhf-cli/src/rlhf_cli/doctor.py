@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     features = {
         "vLLM rollout": bool(versions["vllm"]) and cuda,
         "flash-attn / packing kernels": bool(versions["flash-attn"]) and cuda,
-        "ring attention": bool(versions["ring-flash-attn"]) and cuda,
+        # --ds.ring_attn_size: ring-flash-attn (+ flash-attn) on CUDA; without CUDA an exact, not memory-saving,
+        # all-gather attention runs instead (rlhf_train_deepspeed.ring_attn)
+        "ring attention": bool(versions["ring-flash-attn"] and versions["flash-attn"]) if cuda else True,
         "LoRA (peft)": bool(versions["peft"]),
         "QLoRA (bitsandbytes)": importlib.util.find_spec("bitsandbytes") is not None and cuda,
         "NCCL weight sync": cuda,

@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import sys
 
+from rlhf_cli.assemble import RunConfigError, assemble, write_run_dir
 from rlhf_core import plugins
 from rlhf_core.config import MODES
 from rlhf_core.config_parser import ConfigError, build_argparser, config_to_yaml, parse_config
-
-from rlhf_cli.assemble import RunConfigError, assemble, write_run_dir
 
 USAGE = __doc__.split("\n", 2)[2]
 

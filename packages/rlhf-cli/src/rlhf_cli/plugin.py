@@ -1,8 +1,7 @@
 """rlhf-cli registrations, loaded through its ``rlhf`` entry point like any third-party plugin."""
 
-from rlhf_core import hookimpl
-
 from rlhf_cli.placement import BUILTIN
+from rlhf_core import hookimpl
 
 
 @hookimpl

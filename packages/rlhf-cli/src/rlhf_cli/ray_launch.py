@@ -10,6 +10,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from rlhf_core.types import PlacementPlan, WorkerGroupSpec
 
 # Environment every actor gets: CPU DeepSpeed when there is no GPU, no tokenizer thread pools.

@@ -188,7 +188,8 @@ class RolloutConfig:
     top_k: int = 0
     """Top-k sampling; 0 disables it."""
     max_tokens_per_gpu: int | None = None
-    """Token budget per forward pass when computing log-probs (dynamic batching)."""
+    """Token budget per forward pass when computing log-probs and values with ``--train.dynamic_batch_enable``
+    (default: ``--train.max_tokens_per_gpu``)."""
 
 
 @dataclass
@@ -260,13 +261,19 @@ class TrainConfig:
     """Debug: re-tokenize each finished sample's text and report drift from its token ids (metric
     ``tokenize/drift_samples`` and one warning)."""
     dynamic_batch_enable: bool = False
-    """Form training micro-batches by token budget instead of sequence count."""
+    """Form micro-batches by token budget instead of sequence count: the training steps' (see
+    ``max_tokens_per_gpu``) and the log-prob / value passes' (``--rollout.max_tokens_per_gpu``); every rank
+    still runs the same number of micro-batches."""
     max_tokens_per_gpu: int = 16192
-    """Token budget per micro-batch with dynamic batching."""
+    """Token budget per training micro-batch with dynamic batching: the sum of the sequence lengths with
+    ``--ds.packing_samples``, rows x the longest row when padded. A longer sequence gets a micro-batch of its
+    own (never truncated)."""
     enable_ema: bool = False
-    """Keep an exponential moving average of the policy weights."""
+    """Keep an exponential moving average of the policy weights (fp32, updated after every applied optimizer
+    step) and export it as ``<output_dir>/model`` and ``best_model``; the rollout engines keep getting the
+    trained weights."""
     ema_beta: float = 0.992
-    """EMA decay."""
+    """EMA decay: ``ema = beta * ema + (1 - beta) * weights``, in [0, 1)."""
     max_nonfinite_steps: int = 3
     """Stop after this many consecutive steps with a non-finite loss (each is skipped on all ranks)."""
 
@@ -349,7 +356,8 @@ class DSConfig:
     tensor_parallel_size: int = 1
     """DeepSpeed AutoTP degree."""
     ring_attn_size: int = 1
-    """Ranks per ring-attention group (needs ring-flash-attn and packing)."""
+    """Ranks per ring-attention group: each packed micro-batch is split over them (needs packing; on CUDA
+    also ring-flash-attn and flash-attn; on CPU an exact all-gather attention is used)."""
     ring_attn_head_stride: int = 1
     """Heads per ring-attention step."""
     packing_samples: bool = False

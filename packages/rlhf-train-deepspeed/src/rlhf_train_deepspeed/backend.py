@@ -20,9 +20,13 @@ def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = No
             raise ValueError("--actor.model_name_or_path is required")
         if cfg.actor.aux_loss_coef:
             raise ValueError("--actor.aux_loss_coef (MoE router loss) is not supported by the deepspeed backend yet")
+        ema_beta = cfg.train.ema_beta if cfg.train.enable_ema else None
+        if ema_beta is not None and not 0.0 <= ema_beta < 1.0:
+            raise ValueError(f"--train.ema_beta must be in [0, 1), got {ema_beta}")
         return ModelSpec(
             actor_path, "causal", True, cfg.actor, micro, grad_accum, steps,
             cfg.actor.gradient_checkpointing_enable, cfg.actor.gradient_checkpointing_reentrant,
+            ema_beta=ema_beta,
         )
     if role == "critic":
         path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or actor_path

@@ -118,6 +118,68 @@ def to_device(obj, device: torch.device):
     return obj
 
 
+def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: int, packed: bool) -> list[list[int]]:
+    """Row indices grouped into micro-batches that each fit a token budget (dynamic batching), rank-major,
+    with the same number of micro-batches on every rank.
+
+    ``lengths[i]`` is row ``i``'s token count (prompt + response), ``B = len(lengths)``, ``R = num_ranks``
+    (data-parallel ranks: the ranks of one ring-attention group share their micro-batches and count once).
+    The cost of a micro-batch ``M`` is the size of its forward pass::
+
+        packed:  cost(M) = sum_{i in M} lengths[i]
+        padded:  cost(M) = |M| * max_{i in M} lengths[i]
+
+    1. Rows are dealt to the ranks in equal numbers (the first ``B mod R`` ranks take one more), longest
+       first, each to the rank holding the fewest tokens among those with room.
+    2. Each rank places its rows, longest first, in the first of its micro-batches where the cost stays
+       ``<= max_tokens``, else in a new one. A single row longer than ``max_tokens`` gets a micro-batch of its
+       own, over the budget: rows are never dropped or truncated.
+    3. A rank with fewer micro-batches than the most any rank has halves its costliest one (of two rows or
+       more) until the counts are equal, because every rank must run the same number of forward/backward
+       passes (ZeRO-3 gathers are collective). That needs at least as many rows on the rank as the target
+       count, which holds whenever ``B`` is a multiple of ``R``; otherwise a rank short of rows may end with
+       fewer micro-batches (one row each).
+
+    Returns ``K`` lists of row indices (ascending within each), rank ``r``'s at ``[r*K/R, (r+1)*K/R)`` when
+    the counts are equal. Every row appears in exactly one micro-batch.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive token budget, got {max_tokens}")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
+
+    def cost(rows: list[int]) -> int:  # rows longest first, as they are placed below
+        return sum(lengths[i] for i in rows) if packed else len(rows) * lengths[rows[0]]
+
+    room = [len(lengths) // num_ranks + (r < len(lengths) % num_ranks) for r in range(num_ranks)]
+    shares: list[list[int]] = [[] for _ in range(num_ranks)]
+    tokens = [0] * num_ranks
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min((r for r in range(num_ranks) if len(shares[r]) < room[r]), key=lambda r: tokens[r])
+        shares[r].append(i)
+        tokens[r] += lengths[i]
+    per_rank: list[list[list[int]]] = []
+    for share in shares:
+        mbs: list[list[int]] = []
+        sums: list[int] = []  # tokens of each micro-batch, kept so that a try costs O(1)
+        for i in share:
+            k = next((k for k, mb in enumerate(mbs)
+                      if (sums[k] + lengths[i] if packed else (len(mb) + 1) * lengths[mb[0]]) <= max_tokens), None)
+            if k is None:
+                mbs.append([i])
+                sums.append(lengths[i])
+            else:
+                mbs[k].append(i)
+                sums[k] += lengths[i]
+        per_rank.append(mbs)
+    target = max(len(mbs) for mbs in per_rank)
+    for mbs in per_rank:
+        while len(mbs) < target and any(len(mb) > 1 for mb in mbs):
+            big = max((mb for mb in mbs if len(mb) > 1), key=cost)
+            half = len(big) // 2
+            mbs.append(big[half:])  # rows are longest first: the shorter half pads to a shorter width
+            del big[half:]
+    return [sorted(mb) for mbs in per_rank for mb in mbs]
 
 
 @dataclass
@@ -125,7 +187,9 @@ class PolicyMicroBatch:
     """One micro-batch of a policy step. Tensors are ``[B, T]`` over response positions."""
 
     seq: SequenceBatch
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    """The behaviour policy's log-probs. None when the step is on-policy (one epoch, one optimizer step per
+    rollout batch): they equal the current log-probs, so the step uses those, detached."""
     advantages: torch.Tensor
     rollout_logprobs: torch.Tensor | None = None
     """The engine's log-probs, for IS correction (``--algo.advantage.is_correction_enable``)."""

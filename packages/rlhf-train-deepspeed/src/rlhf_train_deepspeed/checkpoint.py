@@ -10,7 +10,8 @@ A crash at any point leaves ``latest`` naming a complete checkpoint (or nothing,
 Old checkpoints are deleted only after the new one is committed, keeping at most ``max_num`` (and under
 ``max_mem`` GB). The manager knows nothing about models: the caller's ``save_fn(dir)`` writes the model
 state (e.g. every DeepSpeed rank) and ``client_state`` holds everything else the trainer needs to
-continue exactly (step, data position, RNG, and for RL: KL controller, EMA, best metric...).
+continue exactly (step, data position, RNG, and for RL: KL controller, best metric...); the policy EMA
+lives in the per-rank files the save function writes.
 """
 
 from __future__ import annotations

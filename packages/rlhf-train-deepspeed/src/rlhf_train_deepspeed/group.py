@@ -54,6 +54,9 @@ class WorkerGroup:
         self.role = role
         self.spec = spec
         self.world_size = len(actors)
+        self.ring_size = 1
+        """Ranks per ring-attention group (``--ds.ring_attn_size``): consecutive ranks ``[d*R, (d+1)*R)``
+        receive the same micro-batches and return the same results; data parallelism is over the groups."""
         self.nonfinite_steps = 0
         """Steps skipped because a loss was not finite (on any rank)."""
 
@@ -67,17 +70,24 @@ class WorkerGroup:
         """Call ``method`` on every rank and wait; returns the per-rank results."""
         return _ray().get(self.call_async(method, *args, **kwargs))
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: the number of ring groups (the world size without ring attention)."""
+        return self.world_size // self.ring_size
+
     def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list, list[int]]:
-        """Give rank ``r`` the ``r``-th contiguous share of ``items`` (as its first argument). Ranks with a
-        shorter share get copies of their last item so that every rank runs the same number of forward
-        passes (ZeRO-3 gathers are collective); those extra results are dropped by :meth:`gather_sharded`."""
+        """Give ring group ``d`` (rank ``r`` without ring attention) the ``d``-th contiguous share of ``items``
+        (as its first argument). Ranks with a shorter share get copies of their last item so that every rank
+        runs the same number of forward passes (ZeRO-3 gathers are collective); those extra results, and
+        those of all but the first rank of each ring group, are dropped by :meth:`gather_sharded`."""
         if not items:
             raise ValueError(f"{method}: no micro-batches given")
-        per = math.ceil(len(items) / self.world_size)
+        per = math.ceil(len(items) / self.dp_size)
         refs, real = [], []
         for r, actor in enumerate(self.actors):
-            share = items[r * per : (r + 1) * per]
-            real.append(len(share))
+            d = r // self.ring_size
+            share = items[d * per : (d + 1) * per]
+            real.append(len(share) if r % self.ring_size == 0 else 0)
             share = share + [share[-1] if share else items[-1]] * (per - len(share))
             refs.append(getattr(actor, method).remote(share, *args, **kwargs))
         return refs, real
@@ -87,9 +97,9 @@ class WorkerGroup:
         return [x for res, n in zip(results, real, strict=True) for x in res[:n]]
 
     def _even_split(self, items: list, what: str) -> None:
-        if len(items) % self.world_size:
+        if len(items) % self.dp_size:
             raise ValueError(
-                f"{what}: {len(items)} micro-batches cannot be split evenly over {self.world_size} ranks"
+                f"{what}: {len(items)} micro-batches cannot be split evenly over {self.dp_size} data-parallel ranks"
             )
 
     # --- forward-only ---
@@ -112,19 +122,19 @@ class WorkerGroup:
 
     def _step(self, method: str, micro_batches: list, *args, counts: dict[str, float]) -> dict[str, float]:
         self._even_split(micro_batches, method)
-        per = len(micro_batches) // self.world_size
-        refs = [
-            getattr(a, method).remote(micro_batches[r * per : (r + 1) * per], *args, counts)
-            for r, a in enumerate(self.actors)
-        ]
-        metrics = merge_steps(_ray().get(refs))
+        per = len(micro_batches) // self.dp_size
+        refs = []
+        for r, a in enumerate(self.actors):
+            d = r // self.ring_size  # the ring group: its ranks all get the same share
+            refs.append(getattr(a, method).remote(micro_batches[d * per : (d + 1) * per], *args, counts))
+        metrics = merge_steps(_ray().get(refs)[:: self.ring_size])  # one rank per ring group
         if metrics["skipped"]:
             self.nonfinite_steps += 1
         metrics["nonfinite_steps"] = float(self.nonfinite_steps)
         return metrics
 
     def train_policy_step(self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig) -> dict[str, float]:
-        """One optimizer step over all ``micro_batches`` (a multiple of the world size), with the
+        """One optimizer step over all ``micro_batches`` (a multiple of :attr:`dp_size`), with the
         registered policy loss ``cfg.loss``. Token/sequence counts for the aggregation are global."""
         masks = [mb.seq.response_mask() for mb in micro_batches]
         counts = {  # sequences without any action token take no part in the normalisation
@@ -164,9 +174,10 @@ class WorkerGroup:
     def load_checkpoint(self, path: str) -> None:
         self.call("load_checkpoint", path)
 
-    def export_hf(self, out_dir: str, config_updates: dict | None = None) -> None:
-        """HF safetensors export to ``out_dir`` (written by rank 0)."""
-        self.call("export_hf", out_dir, config_updates, self.spec.path)
+    def export_hf(self, out_dir: str, config_updates: dict | None = None, ema: bool | None = None) -> None:
+        """HF safetensors export to ``out_dir`` (written by rank 0): the EMA weights when the model keeps
+        one (``ModelSpec.ema_beta``) unless ``ema=False``, else the trained weights."""
+        self.call("export_hf", out_dir, config_updates, self.spec.path, ema)
 
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
         """All weights as full CPU tensors with HF names (ZeRO-3 gathered), for the object-store path."""
@@ -188,6 +199,7 @@ class WorkerGroup:
         """(Re)load a model on every rank, replacing the current one (the process group is kept)."""
         self.spec = spec
         self.nonfinite_steps = 0
+        self.ring_size = max(1, ds.ring_attn_size)
         self.call("init_model", spec, ds, seed, full_determinism)
 
     def sleep(self) -> None:

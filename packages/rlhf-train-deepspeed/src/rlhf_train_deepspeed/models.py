@@ -12,6 +12,9 @@ Batches are right-padded sequences of prompt + response (:class:`SequenceBatch`)
 are laid end to end in one row with ``position_ids`` restarting at 0 for each sequence and no attention
 mask: transformers then builds a block-diagonal causal mask (flash-attn varlen on GPU, a masked SDPA on
 CPU), so packed and padded computations give the same numbers.
+
+With ring attention (``ring``, a :class:`rlhf_train_deepspeed.ring_attn.RingGroup`; packing only) each rank
+runs one slice of the packed row and the per-token outputs are all-gathered over its ring group.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
+from rlhf_train_deepspeed import ring_attn
 from rlhf_train_deepspeed.batches import SequenceBatch
 
 # --- forward passes ------------------------------------------------------------------------------------
@@ -61,17 +65,24 @@ def response_logprobs(
     packing: bool = False,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    ring: ring_attn.RingGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``, ``[B, T]``
     each and zero where masked, and the ``[B, T]`` mask. A temperature of 0 (greedy) is treated as 1.
 
     Only response positions go through the softmax, so memory scales with ``B * T * V``. With
     ``entropy_grad=False`` the entropy is a detached diagnostic (no second softmax kept for backward).
+    With ``ring`` (packing only) see :func:`_ring_logprobs`.
     """
     kwargs, offsets = model_inputs(batch, packing)
+    pos, mask = response_positions(batch, offsets)
+    if ring is not None:
+        if not packing:
+            raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
+        lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring)
+        return lp * mask, None if ent is None else ent * mask, mask
     logits = model(**kwargs, use_cache=False).logits
     flat = logits.reshape(-1, logits.shape[-1])
-    pos, mask = response_positions(batch, offsets)
     targets = kwargs["input_ids"].reshape(-1)[pos + 1]
     logits = flat[pos].float()  # [B, T, V]: only response positions go through the softmax
     if temperature > 0 and temperature != 1.0:
@@ -83,18 +94,58 @@ def response_logprobs(
     return lp, ent, mask
 
 
-def response_values(model: nn.Module, batch: SequenceBatch, packing: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring):
+    """``[B, T]`` log-probs (and entropies, else None) with this rank running only its ring slice.
+
+    The local tokens that predict a response token go through the softmax (labels: the next token of the
+    full packed row); their results are written into a ``[n]`` vector of the slice, all-gathered into
+    ``[N']`` over the ring group and read at the response positions ``pos`` like the unsliced path.
+    """
+    sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
+    logits = model(**sl.inputs, use_cache=False).logits[0]  # [n, V]
+    wanted = torch.zeros(sl.total, dtype=torch.bool, device=pos.device)
+    wanted[pos[mask]] = True
+    rows = wanted[sl.start : sl.end].nonzero().squeeze(-1)
+    logits = logits[rows].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+
+    def whole_row(x: torch.Tensor) -> torch.Tensor:
+        local = x.new_zeros(sl.end - sl.start).index_put((rows,), x)
+        return ring_attn.gather_tokens(local, ring)[pos]
+
+    lp = whole_row(logprobs_from_logits(logits, sl.labels[rows]))
+    ent = whole_row(entropy_from_logits(logits if entropy_grad else logits.detach())) if with_entropy else None
+    return lp, ent
+
+
+def token_values(model: nn.Module, kwargs: dict, batch: SequenceBatch, ring=None) -> torch.Tensor:
+    """Value-head output for every token of the flattened model input (``[B * L]`` padded, ``[N]`` packed);
+    with ``ring`` this rank runs its slice and the values are all-gathered (``[N']``, padding at the end)."""
+    if ring is None:
+        return model(**kwargs).reshape(-1).float()
+    if "position_ids" not in kwargs:
+        raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
+    sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
+    return ring_attn.gather_tokens(model(**sl.inputs).reshape(-1).float(), ring)
+
+
+def response_values(
+    model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic values of the state before each response token, ``[B, T]`` (zero where masked), and the mask."""
     kwargs, offsets = model_inputs(batch, packing)
-    values = model(**kwargs).reshape(-1).float()
+    values = token_values(model, kwargs, batch, ring)
     pos, mask = response_positions(batch, offsets)
     return values[pos] * mask, mask
 
 
-def sequence_rewards(model: nn.Module, batch: SequenceBatch, packing: bool = False) -> torch.Tensor:
+def sequence_rewards(
+    model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
+) -> torch.Tensor:
     """``[B]`` value-head output at the last non-pad token of each sequence."""
     kwargs, offsets = model_inputs(batch, packing)
-    values = model(**kwargs).reshape(-1).float()
+    values = token_values(model, kwargs, batch, ring)
     return values[offsets + batch.attention_mask.sum(-1).to(offsets.device) - 1]
 
 

@@ -50,16 +50,20 @@ def check_features(ds) -> None:
             "(pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine), or use sdpa"
         )
     if ds.ring_attn_size > 1:
-        if importlib.util.find_spec("ring_flash_attn") is None:
-            raise ConfigError(
-                f"--ds.ring_attn_size {ds.ring_attn_size} needs the ring-flash-attn package, which is not "
-                "installed (pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine)"
-            )
+        # On CUDA ring attention runs ring-flash-attn; without CUDA an exact all-gather-K/V attention
+        # (rlhf_train_deepspeed.ring_attn) serves, so only a CUDA machine needs the packages.
+        if torch.cuda.is_available():
+            missing = [p for p, m in (("ring-flash-attn", "ring_flash_attn"), ("flash-attn", "flash_attn"))
+                       if importlib.util.find_spec(m) is None]
+            if missing:
+                raise ConfigError(
+                    f"--ds.ring_attn_size {ds.ring_attn_size} needs the {' and '.join(missing)} package(s) on a "
+                    "CUDA machine, which are not installed (pip install 'rlhf-train-deepspeed[flash]')"
+                )
         if not ds.packing_samples:
             raise ConfigError("--ds.ring_attn_size > 1 needs --ds.packing_samples")
-        # Splitting packed sequences across a ring group is not implemented yet; say so instead of
-        # silently training without it.
-        raise ConfigError("--ds.ring_attn_size > 1 is not supported by this version of rlhf-train-deepspeed")
+        if ds.ring_attn_head_stride < 1:
+            raise ConfigError(f"--ds.ring_attn_head_stride must be at least 1, got {ds.ring_attn_head_stride}")
     if ds.load_in_4bit:
         if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("--ds.load_in_4bit (QLoRA) needs a CUDA device and the bitsandbytes package")
@@ -214,7 +218,7 @@ def ds_config(
 class StepResult:
     loss: float
     """Sum over this rank's micro-batches of the loss divided by the data-parallel size: summed over
-    ranks this is the loss of the whole step."""
+    ranks (one per ring group with ring attention) this is the loss of the whole step."""
     skipped: bool
     grad_norm: float | None
     lr: float
@@ -239,6 +243,16 @@ class Strategy:
         check_features(ds)
         if full_determinism:
             torch.use_deterministic_algorithms(True, warn_only=True)
+        self.ring = None
+        """This rank's :class:`~rlhf_train_deepspeed.ring_attn.RingGroup` with ``--ds.ring_attn_size`` > 1."""
+        if ds.ring_attn_size > 1:
+            from rlhf_train_deepspeed import ring_attn
+
+            if self.world_size() % ds.ring_attn_size:
+                raise ConfigError(
+                    f"--ds.ring_attn_size {ds.ring_attn_size} must divide the number of ranks ({self.world_size()})"
+                )
+            self.ring = ring_attn.setup_ring(ds.ring_attn_size, ds.ring_attn_head_stride)
 
     # --- distributed ---
 
@@ -280,6 +294,12 @@ class Strategy:
     @staticmethod
     def rank() -> int:
         return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: the number of ring groups (all ranks without ring attention). Losses are
+        multiplied by it; see ``ring_attn`` for why it is not the world size under ring attention."""
+        return self.world_size() // max(1, self.ds.ring_attn_size)
 
     def any_rank(self, flag: bool) -> bool:
         """True when ``flag`` is true on any rank (an all-reduce of one number)."""
@@ -363,7 +383,7 @@ class Strategy:
         lr = engine.get_lr()[0] if engine.lr_scheduler is not None else 0.0
         n = len(micro_batches)
         total, metrics, skipped = 0.0, {}, False
-        dp = self.world_size()
+        dp = self.dp_size
         no_overflow_path = self.ds.zero_stage == 0 and self.dtype == torch.float32
         for i, mb in enumerate(micro_batches):
             loss, mb_metrics, weight = loss_fn(mb)

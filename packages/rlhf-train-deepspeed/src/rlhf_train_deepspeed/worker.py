@@ -7,6 +7,7 @@ same number of micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -64,6 +65,9 @@ class ModelSpec:
     """DPO/KTO: a frozen reference model hosted in the same worker."""
     ref_offload: bool = False
     init_value_head: bool = True
+    ema_beta: float | None = None
+    """Trained models: keep an EMA of the weights with this decay (``--train.enable_ema``,
+    ``--train.ema_beta``) and export it instead of the trained weights; None: no EMA."""
 
 
 @dataclass
@@ -129,6 +133,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@torch.no_grad()
+def ema_update_(ema: list[torch.Tensor], params: list[torch.Tensor], beta: float) -> None:
+    """In place, for every pair: ``ema_i = beta * ema_i + (1 - beta) * params_i``.
+
+    ``ema_i`` is float32 with the shape of ``params_i`` (any shape: here one rank's local shard of a trainable
+    parameter, the flat ``p.ds_tensor`` slice under ZeRO-3 or ``p.data`` under ZeRO 0-2). ``params_i`` may be
+    bf16 or live on another device; it is upcast to float32 on ``ema_i``'s device. Under bf16 the average is
+    over the bf16 module weights (what an export writes), not the optimizer's fp32 master weights.
+    """
+    if len(ema) != len(params):
+        raise ValueError(f"ema_update_: {len(ema)} EMA tensors for {len(params)} parameters")
+    for e, p in zip(ema, params, strict=True):
+        e.mul_(beta).add_(p.to(device=e.device, dtype=torch.float32), alpha=1.0 - beta)
+
+
 class TrainWorker:
     """One rank. ``rank``/``world_size`` come from the group; the process group is joined through
     environment variables (no ``deepspeed`` launcher)."""
@@ -147,6 +166,8 @@ class TrainWorker:
         self.ref_engine = None
         self.spec: ModelSpec | None = None
         self._sync_group = None
+        self.ema: list[torch.Tensor] | None = None
+        """fp32 EMA of this rank's local shards of the trainable parameters (``ModelSpec.ema_beta``)."""
 
     # --- set-up ---
 
@@ -164,10 +185,15 @@ class TrainWorker:
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> dict:
         """Load the model described by ``spec`` into a DeepSpeed engine (replacing any previous one)."""
         self.spec = spec
+        self.ema = None
         self.strategy = Strategy(ds, seed, full_determinism)
         seed_everything(seed)
         dtype = self.strategy.dtype
         attn = ds.attn_implementation
+        if self.strategy.ring is not None:  # sequence parallelism: load with the ring attention function
+            from rlhf_train_deepspeed.ring_attn import attn_implementation
+
+            attn = attn_implementation(self.strategy.ring)
         zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
         if spec.kind == "value":
@@ -191,6 +217,8 @@ class TrainWorker:
                 grad_ckpt=spec.grad_ckpt,
                 grad_ckpt_reentrant=spec.grad_ckpt_reentrant,
             )
+            if spec.ema_beta is not None:
+                self.ema = [s.detach().to(torch.float32, copy=True) for s in self._local_shards()]
         else:
             self.engine = self.strategy.prepare_eval(model, spec.offload)
         self.ref_engine = None
@@ -205,6 +233,16 @@ class TrainWorker:
     def packing(self) -> bool:
         return bool(self.strategy.ds.packing_samples)
 
+    @property
+    def ring(self):
+        """This rank's ring-attention group (``--ds.ring_attn_size`` > 1), else None."""
+        return self.strategy.ring
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size, the loss multiplier: ranks / ring size (see ``ring_attn``)."""
+        return self.strategy.dp_size
+
     def _dev(self, obj):
         return to_device(obj, self.strategy.device)
 
@@ -218,7 +256,7 @@ class TrainWorker:
         self.engine.eval()
         out = []
         for b in batches:
-            lp, ent, _ = response_logprobs(self.engine, self._dev(b), temperature, self.packing, with_entropy)
+            lp, ent, _ = response_logprobs(self.engine, self._dev(b), temperature, self.packing, with_entropy, ring=self.ring)
             out.append((lp.cpu(), ent.cpu()) if with_entropy else lp.cpu())
         return out
 
@@ -226,7 +264,7 @@ class TrainWorker:
     def compute_values(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
         """Per micro-batch ``[B, T]`` critic values of the state before each response token."""
         self.engine.eval()
-        return [response_values(self.engine, self._dev(b), self.packing)[0].cpu() for b in batches]
+        return [response_values(self.engine, self._dev(b), self.packing, self.ring)[0].cpu() for b in batches]
 
     @torch.no_grad()
     def compute_rewards(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
@@ -234,7 +272,7 @@ class TrainWorker:
         self.engine.eval()
         out = []
         for b in batches:
-            r = sequence_rewards(self.engine, self._dev(b), self.packing)
+            r = sequence_rewards(self.engine, self._dev(b), self.packing, self.ring)
             if self.spec.normalize_reward:
                 r = normalize_rewards(r, self.hf_config)
             out.append(r.cpu())
@@ -260,18 +298,20 @@ class TrainWorker:
             num_tokens=counts["num_tokens"],
             num_sequences=counts["num_sequences"],
             max_len=cfg.max_len,
-            dp_size=self.world_size,
+            dp_size=self.dp_size,
         )
 
         def loss_fn(mb: PolicyMicroBatch):
             mb = self._dev(mb)
             lp, ent, mask = response_logprobs(
-                self.engine, mb.seq, cfg.temperature, self.packing, with_entropy=True, entropy_grad=bool(cfg.entropy_coef)
+                self.engine, mb.seq, cfg.temperature, self.packing, with_entropy=True, entropy_grad=bool(cfg.entropy_coef),
+                ring=self.ring,
             )
+            on_policy = mb.old_logprobs is None
             out = policy_loss(
                 PolicyLossInput(
                     logprobs=lp,
-                    old_logprobs=mb.old_logprobs,
+                    old_logprobs=lp.detach() if on_policy else mb.old_logprobs,
                     advantages=mb.advantages,
                     action_mask=mask,
                     rollout_logprobs=mb.rollout_logprobs,
@@ -287,6 +327,9 @@ class TrainWorker:
             metrics = dict(out.metrics)
             with torch.no_grad():
                 metrics["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
+                if on_policy and mb.rollout_logprobs is not None:  # else the controller reports it
+                    gap = (lp - mb.rollout_logprobs).abs() * mask
+                    metrics["rollout_train_logprob_gap"] = float(gap.sum() / mask.sum().clamp(min=1))
             if cfg.entropy_coef:
                 loss = loss + entropy_loss(ent, mask, cfg.entropy_coef, agg)
             if kl_fn is not None:
@@ -294,10 +337,13 @@ class TrainWorker:
                     raise ValueError("the KL loss term (--algo.kl.use_loss) needs ref_logprobs in each micro-batch")
                 kl = kl_loss(lp, mb.ref_logprobs, mask, kl_fn, agg)
                 loss = loss + cfg.kl_coef * kl
-                metrics["kl_loss"] = float(kl.detach()) / self.world_size
+                metrics["kl_loss"] = float(kl.detach()) / self.dp_size
             return loss, metrics, float(mask.sum())
 
-        return self.strategy.optimizer_step(self.engine, micro_batches, loss_fn)
+        result = self.strategy.optimizer_step(self.engine, micro_batches, loss_fn)
+        if self.ema is not None and not result.skipped and self.engine.was_step_applied():
+            ema_update_(self.ema, self._local_shards(), self.spec.ema_beta)
+        return result
 
     def train_critic(
         self, micro_batches: list[CriticMicroBatch], value_clip: float | None, counts: dict[str, float]
@@ -306,11 +352,11 @@ class TrainWorker:
         from rlhf_algos.value_loss import value_loss
         from rlhf_core.types import LossAggregation
 
-        agg = LossAggregation(num_tokens=counts["num_tokens"], dp_size=self.world_size)
+        agg = LossAggregation(num_tokens=counts["num_tokens"], dp_size=self.dp_size)
 
         def loss_fn(mb: CriticMicroBatch):
             mb = self._dev(mb)
-            values, mask = response_values(self.engine, mb.seq, self.packing)
+            values, mask = response_values(self.engine, mb.seq, self.packing, self.ring)
             out = value_loss(values, mb.old_values, mb.returns, mask, value_clip, agg)
             metrics = dict(out.metrics)
             metrics["values"] = float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
@@ -328,18 +374,18 @@ class TrainWorker:
         from rlhf_algos.sft import sft_loss
         from rlhf_core.types import LossAggregation
 
-        dp = self.world_size if counts else 1
+        dp = self.dp_size if counts else 1
         train = counts is not None
         mb = self._dev(mb)
         pad = self.hf_config.pad_token_id or 0
         if cfg.mode == "sft":
-            lp, _, mask = response_logprobs(self.engine, mb, 1.0, self.packing)
+            lp, _, mask = response_logprobs(self.engine, mb, 1.0, self.packing, ring=self.ring)
             loss = sft_loss(lp, mask, LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp))
             n = float(mask.sum())
             return loss, {"nll": float(-(lp.detach() * mask).sum()) / max(n, 1.0)}, n
         if cfg.mode == "rm":
             both = concat_batches([mb.chosen, mb.rejected], pad)
-            rewards = sequence_rewards(self.engine, both, self.packing)
+            rewards = sequence_rewards(self.engine, both, self.packing, self.ring)
             b = len(mb.chosen)
             margin = mb.margin if cfg.margin_loss else None
             out = rm_loss(rewards[:b], rewards[b:], margin, cfg.loss_type)
@@ -350,9 +396,9 @@ class TrainWorker:
         if cfg.mode == "dpo":
             both = concat_batches([mb.chosen, mb.rejected], pad)
             b = len(mb.chosen)
-            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing)
+            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
             with torch.no_grad():
-                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing)
+                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
             logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
             out = dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], cfg.beta, cfg.label_smoothing, cfg.ipo)
             loss = out.loss
@@ -365,9 +411,9 @@ class TrainWorker:
         if cfg.mode == "kto":
             both = concat_batches([mb.seq, mb.kl_seq], pad)
             b = len(mb.seq)
-            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing)
+            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
             with torch.no_grad():
-                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing)
+                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
             logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
             # The reference point: mean log-ratio on mismatched pairs, averaged over ranks.
             kl = (logps[b:] - ref_logps[b:]).detach().mean()
@@ -401,9 +447,11 @@ class TrainWorker:
     # --- checkpoints and export ---
 
     def save_checkpoint(self, path: str) -> None:
-        """DeepSpeed engine state (model, optimizer, LR schedule) and this rank's RNG states."""
+        """DeepSpeed engine state (model, optimizer, LR schedule), this rank's RNG states and EMA shards."""
         self.engine.save_checkpoint(path, tag=ENGINE_TAG)
         torch.save(rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
+        if self.ema is not None:
+            torch.save([e.cpu() for e in self.ema], Path(path) / f"ema_rank{self.rank}.pt")
 
     def load_checkpoint(self, path: str) -> None:
         load_path, _ = self.engine.load_checkpoint(
@@ -414,9 +462,66 @@ class TrainWorker:
         rng_file = Path(path) / f"rng_rank{self.rank}.pt"
         if rng_file.exists():
             set_rng_state(torch.load(rng_file, weights_only=False))
+        if self.ema is not None:
+            self._load_ema(Path(path) / f"ema_rank{self.rank}.pt")
+
+    def _load_ema(self, ema_file: Path) -> None:
+        shards = self._local_shards()
+        if not ema_file.exists():
+            self.ema = [s.detach().to(torch.float32, copy=True) for s in shards]
+            if self.rank == 0:
+                print(f"warning: {ema_file.parent} has no EMA (a run without --train.enable_ema?): "
+                      "the EMA starts again from the loaded weights", flush=True)
+            return
+        saved = torch.load(ema_file, weights_only=True)
+        if [tuple(e.shape) for e in saved] != [tuple(s.shape) for s in shards]:
+            raise ValueError(
+                f"{ema_file}: the saved EMA shards do not fit this model's local shards (a checkpoint of another "
+                f"model, LoRA setting, number of ranks or ZeRO stage?)"
+            )
+        self.ema = [e.to(device=s.device, dtype=torch.float32) for e, s in zip(saved, shards, strict=True)]
 
     def _module(self):
         return self.engine.module
+
+    def _local_shards(self) -> list[torch.Tensor]:
+        """This rank's part of every trainable parameter: the flat ZeRO-3 partition ``p.ds_tensor`` (a view
+        into the optimizer's flat buffer, updated in place by each step), else the whole ``p.data``."""
+        return [
+            p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+            for p in self._module().parameters()
+            if p.requires_grad
+        ]
+
+    @contextlib.contextmanager
+    def _ema_swapped_in(self):
+        """Within the block the model holds the EMA weights; the trained weights are restored bitwise after
+        it, also when it raises. Entering is collective under ZeRO-3, leaving is local."""
+        shards = self._local_shards()
+        trained = [s.clone() for s in shards]
+        optimizer = self.engine.optimizer
+        zero3 = hasattr(optimizer, "checkpoint_event_prologue")
+        # ZeRO-3 keeps small "persistent" parameters gathered between steps: partition everything so that
+        # the shards are the only copy, and re-gather the persistent ones (now EMA) afterwards. Their full
+        # trained values are kept so that restoring needs no collective.
+        persistent = [p for p in self._module().parameters() if p.requires_grad and getattr(p, "ds_persist", False)]
+        trained_full = [p.data.clone() if p.data.numel() else None for p in persistent]
+        if zero3:
+            optimizer.checkpoint_event_prologue()
+        try:
+            for s, e in zip(shards, self.ema, strict=True):
+                s.copy_(e)
+            if zero3:
+                optimizer.checkpoint_event_epilogue()
+            yield
+        finally:
+            for s, t in zip(shards, trained, strict=True):
+                s.copy_(t)
+            if zero3:
+                optimizer.invalidate_secondary_tensor()  # hpZ copies of the EMA shards
+                for p, full in zip(persistent, trained_full, strict=True):
+                    if p.data.numel() and full is not None:  # still gathered: holds the EMA in full
+                        p.data.copy_(full)
 
     def _is_peft(self) -> bool:
         return hasattr(self._module(), "peft_config")
@@ -488,10 +593,25 @@ class TrainWorker:
             pass
         return 0
 
-    def export_hf(self, out_dir: str, config_updates: dict | None = None, tokenizer_path: str | None = None) -> None:
+    def export_hf(
+        self,
+        out_dir: str,
+        config_updates: dict | None = None,
+        tokenizer_path: str | None = None,
+        ema: bool | None = None,
+    ) -> None:
         """Write an HF model (safetensors) to ``out_dir`` on rank 0: a causal LM loadable with
         ``AutoModelForCausalLM``, or a value model loadable with ``AutoModelForSequenceClassification``.
-        With LoRA the PEFT adapter is written instead (merge it with ``rlhf lora-merge``)."""
+        With LoRA the PEFT adapter is written instead (merge it with ``rlhf lora-merge``). ``ema`` (default:
+        whether this model keeps an EMA) writes the EMA weights instead of the trained ones."""
+        if ema is None:
+            ema = self.ema is not None
+        if ema and self.ema is None:
+            raise ValueError("export_hf(ema=True): this model keeps no EMA (--train.enable_ema is off)")
+        with self._ema_swapped_in() if ema else contextlib.nullcontext():
+            self._write_hf(out_dir, config_updates, tokenizer_path)
+
+    def _write_hf(self, out_dir: str, config_updates: dict | None, tokenizer_path: str | None) -> None:
         module = self._module()
         if self._is_peft():
             import deepspeed

@@ -17,15 +17,20 @@ from typing import Any
 
 import ray
 import torch
+
 from rlhf_algos.kl import make_kl_controller
 from rlhf_algos.shaping import dynamic_filter
-from rlhf_core.plugins import get_plugin_manager, resolve
-from rlhf_core.types import SamplingParams, Trajectory, derive_seed
-from rlhf_train_deepspeed.batches import CriticMicroBatch, PolicyMicroBatch, make_sequence_batch
-from rlhf_train_deepspeed.worker import PolicyStepConfig
-
 from rlhf_cli.rl.experience import Experience, advantage_input, build_experience
 from rlhf_cli.rl.prompts import Prompt, PromptStream
+from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.types import SamplingParams, Trajectory, derive_seed
+from rlhf_train_deepspeed.batches import (
+    CriticMicroBatch,
+    PolicyMicroBatch,
+    make_sequence_batch,
+    token_budget_micro_batches,
+)
+from rlhf_train_deepspeed.worker import PolicyStepConfig
 
 
 class RLRunError(RuntimeError):
@@ -146,11 +151,12 @@ class RLController:
 
     # --- experience ----------------------------------------------------------------------------------
 
-    def micro_batches(self, exp: Experience, size: int) -> list:
-        """SequenceBatches of ``size`` rows; unscorable rows keep their tokens but no action mask."""
+    def micro_batches(self, exp: Experience, cuts: list) -> list:
+        """One SequenceBatch per cut (a row slice or a list of row indices); unscorable rows keep their tokens
+        but no action mask."""
         out = []
-        for s in range(0, len(exp.sequences), size):
-            rows = exp.rows(slice(s, s + size))
+        for cut in cuts:
+            rows = exp.rows(cut)
             masks = (rows.action_mask & rows.valid[:, None]).long()
             out.append(make_sequence_batch(
                 [seq[:pl] for seq, pl in zip(rows.sequences, rows.prompt_lens)],
@@ -162,13 +168,30 @@ class RLController:
     def make_experience(self, batch: Batch) -> Experience:
         cfg = self.cfg
         exp = build_experience(batch.trajectories, cfg)
-        mbs = self.micro_batches(exp, cfg.rollout.micro_batch_size)
+        b = len(exp.sequences)
+        if cfg.train.dynamic_batch_enable:
+            budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+            cuts = token_budget_micro_batches([len(q) for q in exp.sequences], self.groups.actor.dp_size, budget,
+                                              cfg.ds.packing_samples)
+        else:
+            size = cfg.rollout.micro_batch_size
+            cuts = [slice(s, s + size) for s in range(0, b, size)]
+        mbs = self.micro_batches(exp, cuts)
         width = exp.action_mask.shape[1]
+        # the stacked results hold the rows in the order of ``cuts``; this puts row i back at position i
+        restore = torch.cat([torch.arange(b)[c] for c in cuts]).argsort()
 
         def stack(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])
+            return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])[restore]
 
-        refs = {"old": self.groups.actor.call_sharded_async("compute_logprobs", mbs, cfg.rollout.temperature, False)}
+        # On-policy step (one epoch, one optimizer step over the whole batch, no KL folded into the reward):
+        # the old log-probs are the current policy's, so the policy step uses its own, detached, and this
+        # forward pass is skipped (TRL does the same with one iteration).
+        on_policy = (cfg.train.max_epochs == 1 and b <= cfg.train.batch_size
+                     and (self.groups.ref is None or cfg.algo.kl.use_loss))
+        refs = {}
+        if not on_policy:
+            refs["old"] = self.groups.actor.call_sharded_async("compute_logprobs", mbs, cfg.rollout.temperature, False)
         if self.groups.ref is not None:
             refs["ref"] = self.groups.ref.call_sharded_async("compute_logprobs", mbs, cfg.rollout.temperature, False)
         if self.groups.critic is not None:
@@ -182,12 +205,15 @@ class RLController:
             except ray.exceptions.RayActorError as exc:
                 raise RLRunError(f"a {names[key]} worker died: {exc}") from exc
         mask = exp.action_mask & exp.valid[:, None]
-        exp.old_logprobs = got["old"] * mask
+        exp.old_logprobs = got["old"] * mask if "old" in got else None
         exp.ref_logprobs = got["ref"] * mask if "ref" in got else None
         exp.values = got["values"] * mask if "values" in got else None
         kl = None
         if exp.ref_logprobs is not None:
-            kl = self.kl_fn(exp.old_logprobs, exp.ref_logprobs) * mask
+            # on-policy, the engine's log-probs of the same weights stand in for the old ones (KL as a loss:
+            # this KL is only reported, and steers an adaptive coefficient)
+            policy = exp.rollout_logprobs if exp.old_logprobs is None else exp.old_logprobs
+            kl = self.kl_fn(policy, exp.ref_logprobs) * mask
         out = self.estimator(advantage_input(exp, cfg, kl, self.kl_ctl.value))
         exp.advantages, exp.returns = out.advantages, out.returns
         lengths = exp.action_mask.sum(-1).float()
@@ -204,9 +230,10 @@ class RLController:
             "kl/mean": float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()) if kl is not None else 0.0,
             "kl/coef": self.kl_ctl.value,
             "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
-            "policy/rollout_train_logprob_gap": float(((exp.old_logprobs - exp.rollout_logprobs).abs() * mask).sum()
-                                                      / mask.sum().clamp(min=1)),
         }
+        if exp.old_logprobs is not None:  # on-policy steps get it from the policy step instead
+            exp.info["policy/rollout_train_logprob_gap"] = float(
+                ((exp.old_logprobs - exp.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
         return exp
 
     # --- training ------------------------------------------------------------------------------------
@@ -226,12 +253,15 @@ class RLController:
 
     def train(self, exp: Experience, step: int) -> dict[str, float]:
         """``train.max_epochs`` passes over the experience, one optimizer step per ``train.batch_size``
-        sequences, in a seeded order per epoch."""
+        sequences, in a seeded order per epoch. Micro-batches hold ``train.micro_batch_size`` rows, or with
+        ``train.dynamic_batch_enable`` as many as fit ``train.max_tokens_per_gpu`` tokens."""
         cfg = self.cfg
         b = len(exp.sequences)
         micro = cfg.train.micro_batch_size
-        unit = micro * self.groups.actor.world_size
+        dynamic = cfg.train.dynamic_batch_enable
+        unit = self.groups.actor.dp_size * (1 if dynamic else micro)
         # a short final batch (data ran out) trains on the largest whole number of micro-batches per rank
+        # (with dynamic batching: of rows per rank)
         per_step = cfg.train.batch_size if b >= cfg.train.batch_size else b // unit * unit
         if per_step == 0:
             return {"train/skipped_rows": float(b)}
@@ -243,18 +273,29 @@ class RLController:
             order = torch.randperm(b, generator=torch.Generator().manual_seed(derive_seed(cfg.train.seed, step, epoch) % 2**62))
             for s in range(0, b - per_step + 1, per_step):
                 part = exp.rows(order[s:s + per_step].tolist())
-                seqs = self.micro_batches(part, micro)
-                cuts = [slice(k, k + micro) for k in range(0, per_step, micro)]
+                if dynamic:
+                    lengths = [len(q) for q in part.sequences]
+                    cuts = token_budget_micro_batches(lengths, self.groups.actor.dp_size,
+                                                      cfg.train.max_tokens_per_gpu, cfg.ds.packing_samples)
+                else:
+                    cuts = [slice(k, k + micro) for k in range(0, per_step, micro)]
+                seqs = self.micro_batches(part, cuts)
                 if train_actor:
-                    mbs = [PolicyMicroBatch(sq, _fit(part.old_logprobs[c], sq), _fit(part.advantages[c], sq),
+                    old = part.old_logprobs
+                    mbs = [PolicyMicroBatch(sq, None if old is None else _fit(old[c], sq), _fit(part.advantages[c], sq),
                                             _fit(part.rollout_logprobs[c], sq),
                                             None if part.ref_logprobs is None else _fit(part.ref_logprobs[c], sq))
                            for sq, c in zip(seqs, cuts)]
                     m = self._train_call(self.groups.actor, "train_policy_step", mbs, pcfg, what="policy")
                     _acc(totals, {f"policy/{k}": v for k, v in m.items()})
                 if train_critic:
+                    ccuts, cseqs = cuts, seqs
+                    if dynamic and self.groups.critic.dp_size != self.groups.actor.dp_size:
+                        ccuts = token_budget_micro_batches(lengths, self.groups.critic.dp_size,
+                                                           cfg.train.max_tokens_per_gpu, cfg.ds.packing_samples)
+                        cseqs = self.micro_batches(part, ccuts)
                     cmbs = [CriticMicroBatch(sq, _fit(part.values[c], sq), _fit(part.returns[c], sq))
-                            for sq, c in zip(seqs, cuts)]
+                            for sq, c in zip(cseqs, ccuts)]
                     m = self._train_call(self.groups.critic, "train_critic_step", cmbs, cfg.critic.value_clip,
                                          what="critic")
                     _acc(totals, {f"critic/{k}": v for k, v in m.items()})

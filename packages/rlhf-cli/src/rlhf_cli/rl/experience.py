@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
 from rlhf_algos.shaping import overlong_penalty, stop_properly_penalty
 from rlhf_core.types import AdvantageInput, Trajectory
 

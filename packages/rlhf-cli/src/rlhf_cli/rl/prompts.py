@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from rlhf_core import data
 from rlhf_core.types import derive_seed
 

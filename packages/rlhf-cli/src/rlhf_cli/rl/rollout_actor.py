@@ -31,9 +31,10 @@ class RolloutActor:
     """
 
     def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None):
+        from transformers import AutoTokenizer
+
         from rlhf_agents.worker import RolloutWorker
         from rlhf_core.plugins import get_plugin_manager, resolve
-        from transformers import AutoTokenizer
 
         pm = get_plugin_manager()
         factory = resolve(pm, "rollout_engines", engine_name, "--rollout.engine")

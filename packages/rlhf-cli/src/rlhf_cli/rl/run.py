@@ -7,13 +7,13 @@ import time
 from pathlib import Path
 
 import ray
-from rlhf_core.plugins import get_plugin_manager, resolve
 
 from rlhf_cli.assemble import Assembly, choose_engine
 from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_options
 from rlhf_cli.rl.controller import Groups, RLController, RLRunError
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
+from rlhf_core.plugins import get_plugin_manager, resolve
 
 
 def _optimizer_steps(cfg, num_prompts: int) -> int:
@@ -66,8 +66,9 @@ def run_rl(asm: Assembly) -> int:
     """Run the RL job; returns the process exit code."""
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
-    from rlhf_train_deepspeed.checkpoint import CheckpointManager
     from transformers import AutoTokenizer
+
+    from rlhf_train_deepspeed.checkpoint import CheckpointManager
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
     prompts = load_prompts(cfg, tokenizer)

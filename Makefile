@@ -10,11 +10,13 @@ export RAY_USAGE_STATS_ENABLED := 0
 setup:
 	@scripts/bootstrap
 
+# Two test processes share the cores: one torch thread per process (Ray workers included, see
+# rlhf_cli.rl.run.cpu_threads) keeps OpenMP from spinning against the other process.
 test: setup
-	$(PY) -m pytest -n 2 --dist loadgroup --timeout 900 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup --timeout 900 $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -n 2 -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 -m "not slow" $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m rlhf_cli.demo $(DEMO_ARGS)

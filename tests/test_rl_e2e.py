@@ -96,7 +96,9 @@ def metrics(out) -> list[dict]:
     ("reinforce_baseline", ["--vllm.sync_with_ray"]),  # weights through the object store, not a group
     ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
     ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28"]),
-    ("dr_grpo", ["--actor.loss_agg_mode", "seq_mean_token_sum_norm"]),
+    # hybrid engine: every role and the engine on the same bundles, taking turns (sleep/wake)
+    ("dr_grpo", ["--actor.loss_agg_mode", "seq_mean_token_sum_norm", "--train.colocate_all",
+                 "--vllm.enable_sleep", "--ds.enable_sleep"]),
 ])
 def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, estimator, extra):
     out = tmp_path / estimator
@@ -114,6 +116,8 @@ def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, e
         assert "policy/kl_loss" in rows[-1]
     if estimator == "reinforce":
         assert rows[-1]["kl/mean"] != 0.0  # the policy moved away from the reference after step 1
+    placement = json.loads((out / "run.json").read_text())["plugins"]["placement_strategies"]["name"]
+    assert placement == ("colocate_all" if "--train.colocate_all" in extra else "separate")
     assert (out / "model" / "config.json").is_file() and (out / "report" / "reward.png").is_file()
 
 

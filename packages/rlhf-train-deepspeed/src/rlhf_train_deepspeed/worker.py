@@ -166,6 +166,7 @@ class TrainWorker:
         self.ref_engine = None
         self.spec: ModelSpec | None = None
         self._sync_group = None
+        self._plugins = None
         self.ema: list[torch.Tensor] | None = None
         """fp32 EMA of this rank's local shards of the trainable parameters (``ModelSpec.ema_beta``)."""
 
@@ -290,7 +291,9 @@ class TrainWorker:
         from rlhf_core.plugins import get_plugin_manager, resolve
         from rlhf_core.types import LossAggregation, PolicyLossInput
 
-        pm = get_plugin_manager()
+        if self._plugins is None:  # reading the entry points costs ~10 ms: once per worker, not per step
+            self._plugins = get_plugin_manager()
+        pm = self._plugins
         policy_loss = resolve(pm, "policy_losses", cfg.loss, "--actor.policy_loss_type")
         kl_fn = resolve(pm, "kl_estimators", cfg.kl_estimator, "--algo.kl.estimator") if cfg.kl_coef else None
         agg = LossAggregation(

@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.types import SamplingParams, Trajectory
 
@@ -30,7 +31,7 @@ class RolloutActor:
     plugin manager or a model.
     """
 
-    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None):
+    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None):
         from transformers import AutoTokenizer
 
         from rlhf_agents.worker import RolloutWorker
@@ -45,6 +46,9 @@ class RolloutActor:
         self.engine_thread = None
         if engine_name == "hf" and not cfg.train.partial_rollout_enable:
             self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-engine")
+        if num_threads:  # per thread with OpenMP: Ray's and the engine's
+            torch.set_num_threads(num_threads)
+            self._on_engine_thread(torch.set_num_threads, num_threads)
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
         engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,11 +26,25 @@ def _optimizer_steps(cfg, num_prompts: int) -> int:
     return max(1, rl_steps * per_rl_step * cfg.train.max_epochs)
 
 
+def cpu_threads(cfg, processes: int) -> int:
+    """Torch threads for each of ``processes`` processes that compute at the same time on this machine: its
+    cores split between them (halved when the async pipeline overlaps generation and training), at most
+    ``$OMP_NUM_THREADS`` when set. More threads than cores is far worse than idle cores: OpenMP workers
+    spin-wait for each other, and CPU runs went several times slower."""
+    cores = os.cpu_count() or 1
+    if cfg.train.async_enable:
+        cores = max(1, cores // 2)
+    limit = int(os.environ.get("OMP_NUM_THREADS") or cores)
+    return max(1, min(cores // processes, limit))
+
+
 def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> Groups:
     """Start every worker group the plan names, each pinned to its pool's bundles."""
     cfg = asm.cfg
     backend = resolve(get_plugin_manager(), "train_backends", cfg.train.backend)
     made: dict = {}
+    # the training groups' forward passes run side by side in make_experience
+    trainer_threads = cpu_threads(cfg, sum(g.num_workers for g in asm.plan.groups if g.role != "rollout"))
     for spec in asm.plan.groups:
         if spec.role == "rollout":
             continue
@@ -38,7 +53,7 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
             spec.role, cfg, pool.group, spec.num_workers, total_steps=total_steps,
             bundle_indices=[r % pool.num_bundles for r in range(spec.num_workers)],
             num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
-            num_threads=1,
+            num_threads=trainer_threads,
         )
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
     from rlhf_cli.rl.rollout_actor import RewardModelWorkers, RolloutActor
@@ -52,9 +67,10 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     # partial rollout: weights may land while a generation is running (a second concurrent call)
     concurrency = 2 if cfg.train.partial_rollout_enable else 1
     width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
+    threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" else None
     rollout = [
         actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
-                          max_concurrency=concurrency).remote(cfg, engine, i, reward_model)
+                          max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
         for i in range(rollout_spec.num_workers)
     ]
     ray.get([a.ping.remote() for a in rollout])

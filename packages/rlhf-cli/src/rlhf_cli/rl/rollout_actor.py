@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.types import SamplingParams, Trajectory
 

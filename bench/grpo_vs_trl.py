@@ -77,12 +77,13 @@ def make_workload(root: Path, hidden: int, layers: int, prompt_len: int, num_pro
 
 def variant_flags(variant: str, seqs: int) -> list[str]:
     """rlhf's settings beyond the workload. ``rlhf``: its defaults (one CPU rank, ZeRO-2);
-    ``rlhf-zero0``: one rank without ZeRO; ``rlhf-dp2``: two data-parallel policy ranks and two rollout
-    engines (one core each), ZeRO-0 (the reference model, when there is one, keeps one rank)."""
+    ``rlhf-zero0``: one rank without ZeRO; ``rlhf-dp2``: two data-parallel policy (and reference) ranks and
+    two rollout engines (one core each), ZeRO-0."""
     return {
         "rlhf": [],
         "rlhf-zero0": ["--ds.zero_stage", "0"],
         "rlhf-dp2": ["--actor.num_gpus_per_node", "2", "--ds.zero_stage", "0", "--vllm.num_engines", "2",
+                     "--ref.num_gpus_per_node", "2",
                      "--train.micro_batch_size", str(seqs // 2), "--rollout.micro_batch_size", str(seqs // 2)],
     }[variant]
 
@@ -457,7 +458,8 @@ transformers {transformers.__version__}, trl {trl.__version__}.
 
 Contenders: `rlhf` = rlhf defaults where the workload fixes nothing (one DeepSpeed CPU rank, ZeRO-2, one HF
 rollout engine, sync pipeline); `rlhf-dp2` = what a user would pick for 2 cores: `--actor.num_gpus_per_node 2
---ds.zero_stage 0 --vllm.num_engines 2` (two data-parallel CPU ranks and two engines, one core each). TRL = GRPOTrainer with `use_cpu=True,
+--ds.zero_stage 0 --vllm.num_engines 2 --ref.num_gpus_per_node 2` (two data-parallel CPU ranks per model and
+two engines, one core each). TRL = GRPOTrainer with `use_cpu=True,
 use_vllm=False` (HF `generate`).
 
 Columns: step s = median over runs of each run's median wall seconds per RL step (p90 likewise); phases are

@@ -70,8 +70,7 @@ def response_logprobs(
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``, ``[B, T]``
     each and zero where masked, and the ``[B, T]`` mask. A temperature of 0 (greedy) is treated as 1.
 
-    Only response positions go through the LM head and the softmax (``logits_to_keep``, which every
-    transformers causal LM with generation support takes), so memory scales with ``B * T * V``. With
+    Only response positions go through the softmax, so memory scales with ``B * T * V``. With
     ``entropy_grad=False`` the entropy is a detached diagnostic (no second softmax kept for backward).
     With ``ring`` (packing only) see :func:`_ring_logprobs`.
     """
@@ -82,14 +81,10 @@ def response_logprobs(
             raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
         lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring)
         return lp * mask, None if ent is None else ent * mask, mask
-    # The LM head runs only at the K columns that predict some response token: prompt positions would
-    # cost [B, L, V] logits (most of a step's activation memory with long prompts and large vocabularies).
-    width = kwargs["input_ids"].shape[1]
-    cols = torch.unique(pos % width)  # [K], sorted
-    logits = model(**kwargs, use_cache=False, logits_to_keep=cols).logits  # [rows, K, V]
+    logits = model(**kwargs, use_cache=False).logits
     flat = logits.reshape(-1, logits.shape[-1])
     targets = kwargs["input_ids"].reshape(-1)[pos + 1]
-    logits = flat[(pos // width) * len(cols) + torch.searchsorted(cols, pos % width)].float()  # [B, T, V]
+    logits = flat[pos].float()  # [B, T, V]: only response positions go through the softmax
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     lp = logprobs_from_logits(logits, targets) * mask

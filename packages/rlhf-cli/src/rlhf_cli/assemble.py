@@ -107,6 +107,8 @@ def _check_rl_options(cfg, estimator) -> None:
                          ("--rollout.max_tokens_per_gpu", c.rollout.max_tokens_per_gpu)):
         if budget is not None and budget < 1:
             problems.append(f"{flag} {budget}: a token budget per micro-batch must be positive")
+    if c.train.enable_ema and not 0.0 <= c.train.ema_beta < 1.0:
+        problems.append(f"--train.ema_beta {c.train.ema_beta}: the EMA decay must be in [0, 1)")
     if c.ds.param_dtype not in ("bf16", "fp32"):
         problems.append(f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not "
                         "supported)")

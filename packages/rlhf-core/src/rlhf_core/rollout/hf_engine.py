@@ -8,6 +8,9 @@ of the last position only, sampling on the device, see :mod:`rlhf_core.rollout.s
 For full-attention decoders (Llama, Mistral, Qwen2, Qwen3) the KV cache is preallocated and filled in
 place, attention masks are built once per batch, and one-token attention multiplies grouped queries
 against the cache without repeating K/V: the per-step costs that dominate ``generate`` on small models.
+Their decode steps skip the module calls too (:func:`decode_token` reads the weights directly), which
+halves a step of a small model; a model with adapters, hooks or position-dependent RoPE keeps the
+module path.
 Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
 ``DynamicCache`` and its own mask logic; results are the same, only slower.
 """
@@ -129,6 +132,81 @@ class GrowingKVLayer(DynamicLayer):
             self.values = self.value_buffer[:, :, : self.length]
 
 
+# RoPE variants whose cos/sin depend only on the position, so one table serves every decode step
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+def decode_plan(model) -> dict | None:
+    """The modules :func:`decode_token` reads, or None when the model has parts it does not cover:
+    projections that are not plain ``nn.Linear`` (adapters, quantized layers), forward hooks (ZeRO-3
+    gathering), or RoPE scaling that changes with the sequence length."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return None
+    if getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES:
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return None
+    linears = [model.lm_head]
+    for layer in inner.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        linears += [at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        return None
+    act = model.config.hidden_act
+    return {"inner": inner, "lm_head": model.lm_head, "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn}
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm of Llama, Mistral and Qwen: ``w * (x / sqrt(mean(x^2) + eps))``, in float32."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers applies it: ``x cos + rotate_half(x) sin``; x ``[B, H, d]``, cos/sin ``[B, 1, d]``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def decode_token(plan: dict, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                 cache: Cache) -> torch.Tensor:
+    """One new token per row through a Llama-family decoder; the same math as the model's forward.
+
+    tokens ``[B]``; cos/sin ``[B, d]`` of each row's position; mask ``[B, 1, 1, L]`` additive over the L
+    cached positions including this one; ``cache`` holds :class:`GrowingKVLayer` s and gets this token's
+    K/V. Per layer: ``h += o(attn(rope(q(n1 h)), rope(k(n1 h)), v(n1 h)))`` then
+    ``h += down(act(gate(n2 h)) * up(n2 h))``; Qwen3 normalises q and k per head before RoPE.
+    Returns float32 logits ``[B, V]``.
+    """
+    inner = plan["inner"]
+    b = tokens.shape[0]
+    cos, sin = cos[:, None], sin[:, None]
+    h = F.embedding(tokens, inner.embed_tokens.weight)
+    for layer, kv in zip(inner.layers, cache.layers, strict=True):
+        at, mlp = layer.self_attn, layer.mlp
+        d = at.head_dim
+        x = _rms_norm(layer.input_layernorm, h)
+        q = F.linear(x, at.q_proj.weight, at.q_proj.bias).view(b, -1, d)
+        k = F.linear(x, at.k_proj.weight, at.k_proj.bias).view(b, -1, d)
+        v = F.linear(x, at.v_proj.weight, at.v_proj.bias).view(b, -1, d)
+        if hasattr(at, "q_norm"):
+            q, k = _rms_norm(at.q_norm, q), _rms_norm(at.k_norm, k)
+        keys, values = kv.update(_rotate(k, cos, sin)[:, :, None], v[:, :, None])
+        heads, kv_heads = q.shape[1], keys.shape[1]
+        q = _rotate(q, cos, sin).view(b, kv_heads, heads // kv_heads, d)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * at.scaling + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        out = torch.matmul(probs, values).reshape(b, heads * d)
+        h = h + F.linear(out, at.o_proj.weight, at.o_proj.bias)
+        x = _rms_norm(layer.post_attention_layernorm, h)
+        up = plan["act"](F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+        h = h + F.linear(up, mlp.down_proj.weight, mlp.down_proj.bias)
+    head = plan["lm_head"]
+    return F.linear(_rms_norm(inner.norm, h), head.weight, head.bias).float()
+
+
 class HFEngine(RolloutEngine):
     """Generates with a transformers causal LM; see the module docstring.
 
@@ -190,6 +268,7 @@ class HFEngine(RolloutEngine):
             t == "full_attention" for t in layer_types
         )
         self.num_layers = config.num_hidden_layers
+        self.plan = decode_plan(model) if self.fast_path else None
         # Every name a trainer may send (tied weights appear under both names) -> the tensor to fill.
         self._targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -299,6 +378,11 @@ class HFEngine(RolloutEngine):
                 prefill_mask = (prefill_mask | torch.eye(width, dtype=torch.bool)[None])[:, None]
             slots["mask"] = torch.zeros(n_rows, 1, 1, width + steps, dtype=dtype)
             slots["mask"][:, 0, 0, :width].masked_fill_(~key_valid, -math.inf)
+        plan = self.plan if self.fast_path else None
+        if plan is not None:  # cos/sin of every position a row can reach, computed once
+            rope = plan["inner"].rotary_emb
+            table = torch.arange(width + steps, device=dev)[None]
+            cos, sin = (x[0] for x in rope(torch.zeros((), dtype=dtype, device=dev), table))
         else:
             cache = DynamicCache(config=self.model.config)
             slots["mask"] = torch.ones(n_rows, width + steps, dtype=torch.long)
@@ -343,7 +427,11 @@ class HFEngine(RolloutEngine):
                 cache.batch_select_indices(keep)
                 tok = tok[keep]
             mask = s["mask"][..., : width + t + 1]
-            logits = self._forward(tok[:, None], (s["prompt_len"] + t)[:, None], mask, cache)
+            position = s["prompt_len"] + t
+            if plan is not None:
+                logits = decode_token(plan, tok, cos[position], sin[position], mask, cache)
+            else:
+                logits = self._forward(tok[:, None], position[:, None], mask, cache)
 
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         outputs = []

@@ -206,3 +206,29 @@ def test_an_on_policy_step_skips_the_old_logprob_pass(monkeypatch):
     ranks[0].passes.clear()
     exp = ctl.make_experience(Batch(trajs, prompts_used=4))
     assert len(ranks[0].passes) == 2 and exp.old_logprobs is not None
+
+
+def test_a_ring_group_gets_one_budget_per_rank(monkeypatch):
+    """With ring attention of size 2 both ranks run the same micro-batches, each holding half of it: a
+    micro-batch may hold two ranks' budgets (24 tokens here), and no more."""
+    import rlhf_train_deepspeed.group as group_module
+    from rlhf_cli.rl.controller import Batch
+    from rlhf_train_deepspeed.group import WorkerGroup
+
+    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
+    ranks = [FakeRank(), FakeRank()]
+    cfg = config()
+    cfg.ds.packing_samples = True
+    cfg.train.batch_size = 8
+    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 12
+    lengths = [2 + 5] * 8  # prompt + response tokens of every row
+    trajs = [Trajectory([i + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 2,
+                        sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
+    ctl = controller(cfg, 4)
+    actor = WorkerGroup(ranks, "actor", None)
+    actor.ring_size = 2
+    ctl.groups = Groups(actor=actor, rollout=[])
+    ctl.train(ctl.make_experience(Batch(trajs, prompts_used=4)), step=1)
+    assert ranks[0].trained == ranks[1].trained  # one ring group: the same micro-batches on both ranks
+    sizes = [int(mb.seq.attention_mask.sum()) for mb in ranks[0].trained[0]]
+    assert sum(sizes) == sum(lengths) and max(sizes) == 21  # three 7-token rows fit 24, never four

@@ -265,9 +265,10 @@ class TrainConfig:
     ``max_tokens_per_gpu``) and the log-prob / value passes' (``--rollout.max_tokens_per_gpu``); every rank
     still runs the same number of micro-batches."""
     max_tokens_per_gpu: int = 16192
-    """Token budget per training micro-batch with dynamic batching: the sum of the sequence lengths with
-    ``--ds.packing_samples``, rows x the longest row when padded. A longer sequence gets a micro-batch of its
-    own (never truncated)."""
+    """Token budget per rank and training micro-batch with dynamic batching: the sum of the sequence lengths
+    with ``--ds.packing_samples``, rows x the longest row when padded. A longer sequence gets a micro-batch of
+    its own (never truncated). With ``--ds.ring_attn_size R`` a micro-batch holds up to R budgets, since each
+    rank of the ring runs 1/R of it."""
     enable_ema: bool = False
     """Keep an exponential moving average of the policy weights (fp32, updated after every applied optimizer
     step) and export it as ``<output_dir>/model`` and ``best_model``; the rollout engines keep getting the

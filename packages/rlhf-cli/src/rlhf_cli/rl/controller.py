@@ -170,7 +170,8 @@ class RLController:
         exp = build_experience(batch.trajectories, cfg)
         b = len(exp.sequences)
         if cfg.train.dynamic_batch_enable:
-            budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+            # a ring-attention group of R ranks splits each micro-batch R ways: R budgets per micro-batch
+            budget = (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) * self.groups.actor.ring_size
             cuts = token_budget_micro_batches([len(q) for q in exp.sequences], self.groups.actor.dp_size, budget,
                                               cfg.ds.packing_samples)
         else:
@@ -254,7 +255,8 @@ class RLController:
     def train(self, exp: Experience, step: int) -> dict[str, float]:
         """``train.max_epochs`` passes over the experience, one optimizer step per ``train.batch_size``
         sequences, in a seeded order per epoch. Micro-batches hold ``train.micro_batch_size`` rows, or with
-        ``train.dynamic_batch_enable`` as many as fit ``train.max_tokens_per_gpu`` tokens."""
+        ``train.dynamic_batch_enable`` as many as fit ``train.max_tokens_per_gpu`` tokens per rank (times the
+        ring-attention size, whose ranks each hold a slice of the micro-batch)."""
         cfg = self.cfg
         b = len(exp.sequences)
         micro = cfg.train.micro_batch_size
@@ -276,7 +278,8 @@ class RLController:
                 if dynamic:
                     lengths = [len(q) for q in part.sequences]
                     cuts = token_budget_micro_batches(lengths, self.groups.actor.dp_size,
-                                                      cfg.train.max_tokens_per_gpu, cfg.ds.packing_samples)
+                                                      cfg.train.max_tokens_per_gpu * self.groups.actor.ring_size,
+                                                      cfg.ds.packing_samples)
                 else:
                     cuts = [slice(k, k + micro) for k in range(0, per_step, micro)]
                 seqs = self.micro_batches(part, cuts)
@@ -292,7 +295,8 @@ class RLController:
                     ccuts, cseqs = cuts, seqs
                     if dynamic and self.groups.critic.dp_size != self.groups.actor.dp_size:
                         ccuts = token_budget_micro_batches(lengths, self.groups.critic.dp_size,
-                                                           cfg.train.max_tokens_per_gpu, cfg.ds.packing_samples)
+                                                           cfg.train.max_tokens_per_gpu * self.groups.critic.ring_size,
+                                                           cfg.ds.packing_samples)
                         cseqs = self.micro_batches(part, ccuts)
                     cmbs = [CriticMicroBatch(sq, _fit(part.values[c], sq), _fit(part.returns[c], sq))
                             for sq, c in zip(cseqs, ccuts)]

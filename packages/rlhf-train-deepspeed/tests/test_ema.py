@@ -90,8 +90,8 @@ def groups(ray_cluster, model_path):
 def zero3_run(groups, model_path, micro_batches, tmp_path_factory) -> dict:
     """3 policy steps under ZeRO-3 on 2 ranks: the raw weights before and after each step, a checkpoint after
     step 2, the EMA and raw exports at the end and the engines' weights after those exports. An EMA export
-    after step 1 (as ``best_model`` is written mid-run) must not disturb the training that follows: the
-    ZeRO-0 run it is compared with has none."""
+    after step 1 (as ``best_model`` is written mid-run) and a hybrid-engine sleep/wake-up after step 2 must
+    not disturb the training that follows: the ZeRO-0 run it is compared with has neither."""
     group, tmp = groups[2], tmp_path_factory.mktemp("ema-run")
     group.init_model(spec(model_path, 2), zero(3))
     raw = [group.get_state_dict_for_engines()]
@@ -102,6 +102,8 @@ def zero3_run(groups, model_path, micro_batches, tmp_path_factory) -> dict:
             group.export_hf(str(tmp / "mid-run"))
         if step == 2:
             group.save_checkpoint(str(tmp / "ckpt"))
+            group.sleep()  # the EMA goes to CPU memory and back (a no-op move on CPU ranks)
+            group.wake_up()
     group.export_hf(str(tmp / "ema"))  # the default with an EMA: the average
     group.export_hf(str(tmp / "raw"), ema=False)
     return {"raw": raw, "ema": exported(tmp / "ema"), "raw_export": exported(tmp / "raw"),

@@ -649,7 +649,10 @@ class TrainWorker:
 
     def sleep(self) -> None:
         """Hybrid engine (``--ds.enable_sleep``): move ZeRO-3 training state (parameters, gradients,
-        optimizer) to CPU memory while the rollout engines use the GPU. Nothing to free on CPU ranks."""
+        optimizer) and the fp32 EMA to CPU memory while the rollout engines use the GPU. Nothing moves
+        on CPU ranks."""
+        if self.ema is not None:
+            self.ema = [e.to("cpu") for e in self.ema]
         if torch.cuda.is_available() and self.strategy.ds.zero_stage == 3 and self.spec.trainable:
             self.engine.offload_states()
 
@@ -657,6 +660,8 @@ class TrainWorker:
         """Undo :meth:`sleep` before the next training or forward call."""
         if torch.cuda.is_available() and self.strategy.ds.zero_stage == 3 and self.spec.trainable:
             self.engine.reload_states()
+        if self.ema is not None:
+            self.ema = [e.to(s.device) for e, s in zip(self.ema, self._local_shards(), strict=True)]
 
     def ping(self) -> int:
         return self.rank

@@ -232,3 +232,23 @@ def test_a_ring_group_gets_one_budget_per_rank(monkeypatch):
     assert ranks[0].trained == ranks[1].trained  # one ring group: the same micro-batches on both ranks
     sizes = [int(mb.seq.attention_mask.sum()) for mb in ranks[0].trained[0]]
     assert sum(sizes) == sum(lengths) and max(sizes) == 21  # three 7-token rows fit 24, never four
+
+
+def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
+    """Without --ckpt.load_enable the rows of the run before are kept as metrics.1.jsonl, not mixed in (the
+    report would draw both runs as one line)."""
+    import json
+
+    from rlhf_cli.rl.metrics import MetricsLogger
+
+    cfg = config()
+    cfg.ckpt.output_dir = str(tmp_path)
+    for run in (1, 2):
+        logger = MetricsLogger(cfg, total_steps=2)
+        for step in (1, 2):
+            logger.log(step, {"reward/mean": float(run)})
+        logger.close()
+    now = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    before = [json.loads(x) for x in (tmp_path / "metrics.1.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in now] == [(1, 2.0), (2, 2.0)]
+    assert [(r["step"], r["reward/mean"]) for r in before] == [(1, 1.0), (2, 1.0)]

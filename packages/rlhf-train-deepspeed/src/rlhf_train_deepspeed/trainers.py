@@ -82,14 +82,14 @@ def _chunks(items: list, size: int) -> list[list]:
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (appended, so a resumed run continues the file) and TensorBoard scalars."""
+    """``metrics.jsonl`` (a resumed run continues the file; see ``prepare_metrics_file``) and TensorBoard
+    scalars."""
 
     def __init__(self, output_dir: Path, tensorboard_dir: str | None, resume_step: int):
+        from rlhf_core.rundir import prepare_metrics_file
+
         self.path = output_dir / "metrics.jsonl"
-        if self.path.exists():  # drop lines of steps that a resumed run will redo
-            lines = [ln for ln in self.path.read_text().splitlines() if ln.strip()]
-            kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+        prepare_metrics_file(self.path, resume_step)
         self.writer = None
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rlhf_core.rundir import prepare_metrics_file
+
 
 class MetricsLogger:
     """Writes one JSON line per step (flushed, so a crash loses at most the line being written)."""
@@ -17,6 +19,7 @@ class MetricsLogger:
     def __init__(self, cfg, total_steps: int, start_step: int = 0, mode: str = "ppo"):
         self.dir = Path(cfg.ckpt.output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        prepare_metrics_file(self.dir / "metrics.jsonl", start_step)
         self.file = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
         self.every = max(1, cfg.logger.logging_steps)
         tb_dir = cfg.logger.tensorboard_dir or str(self.dir / "tensorboard")

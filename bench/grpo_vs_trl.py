@@ -477,13 +477,15 @@ exit before the last sample).
 
 {table(rows)}
 
-Reading the table: rlhf's generation is 2.4x faster than TRL's on h128 and 1.3x on h256/4L (a KV-cache engine
-per core whose decode step calls no modules), and on-policy steps skip the old-log-prob pass as TRL does. The policy update costs
-about the same on both sides: one forward and backward over the same tokens with the same torch kernels, and
-both phases keep both cores busy. So the whole step gains most where generation dominates: **1.62x** with
-128-token completions (goal 1.5x met), 1.3-1.4x with 32 tokens, 1.1x on h256/4L, where training is 60% of the
-step. The machine is a shared 2-vCPU VM whose speed drifts by up to 1.5x within an hour (TRL's h128 step
-ranged 0.30-0.48 s in this run), so compare ratios within a run, not across runs.
+Reading the table: rlhf's generation is 2.1-2.7x faster than TRL's on h128 and 1.6x on h256/4L (a KV-cache
+engine per core whose decode step calls no modules), and on-policy steps skip the old-log-prob pass as TRL
+does. The policy update costs about the same on both sides: one forward and backward over the same tokens
+with the same torch kernels (the LM head only at response positions on both), and both phases keep both cores
+busy. So the step gains most where generation is a large share: 1.43-1.59x on h128 here, 1.21x with a
+reference model, 1.12x on h256/4L, where training is 60% of the step. The machine is a shared 2-vCPU VM whose
+speed drifts by up to 1.5x within an hour: per-round ratios on h128 ranged from 1.28x to 1.86x, and an
+earlier run of the same command an hour before (before the LM-head change) gave medians of 1.32x (h128, 32
+tokens), 1.62x (128 tokens), 1.37x (beta 0.04) and 1.11x (h256). Compare ratios within a run, not across runs.
 """
     (HERE / "grpo_vs_trl.md").write_text(text + NOTES)
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")

@@ -218,16 +218,23 @@ def _tiny_decoder(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
-def test_direct_decode_equals_the_module_forward(kind):
+def test_direct_decode_equals_the_module_forward(kind, monkeypatch):
     """decode_token reads the weights itself; it must give the model's own forward: the same tokens and
-    log-probs (1e-5) through prompts of different lengths (left padding) and rows finishing early."""
+    log-probs (1e-5) through prompts of different lengths (left padding) and rows finishing early. Without
+    the direct step the model still decodes into the preallocated cache (the fast path's other half)."""
+    from rlhf_core.rollout.hf_engine import GrowingKVLayer
+
     engine = HFEngine.from_model(_tiny_decoder(kind))
     assert engine.fast_path and engine.plan is not None
     requests = [GenerationRequest(list(range(5, 5 + n)), SamplingParams(n=3, max_new_tokens=9 + n, seed=n))
                 for n in (1, 4, 7)]
     direct = engine.generate(requests)
     engine.plan = None
+    writes = []
+    update = GrowingKVLayer.update
+    monkeypatch.setattr(GrowingKVLayer, "update", lambda self, k, v, *a, **kw: writes.append(1) or update(self, k, v))
     module = engine.generate(requests)
+    assert len(writes) > 2 * 9  # every layer, every step
     for a_outs, b_outs in zip(direct, module, strict=True):
         for a, b in zip(a_outs, b_outs, strict=True):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason

@@ -378,16 +378,16 @@ class HFEngine(RolloutEngine):
                 prefill_mask = (prefill_mask | torch.eye(width, dtype=torch.bool)[None])[:, None]
             slots["mask"] = torch.zeros(n_rows, 1, 1, width + steps, dtype=dtype)
             slots["mask"][:, 0, 0, :width].masked_fill_(~key_valid, -math.inf)
-        plan = self.plan if self.fast_path else None
-        if plan is not None:  # cos/sin of every position a row can reach, computed once
-            rope = plan["inner"].rotary_emb
-            table = torch.arange(width + steps, device=dev)[None]
-            cos, sin = (x[0] for x in rope(torch.zeros((), dtype=dtype, device=dev), table))
         else:
             cache = DynamicCache(config=self.model.config)
             slots["mask"] = torch.ones(n_rows, width + steps, dtype=torch.long)
             slots["mask"][:, :width] = key_valid.long()
             prefill_mask = slots["mask"][:, :width]
+        plan = self.plan if self.fast_path else None
+        if plan is not None:  # cos/sin of every position a row can reach, computed once
+            rope = plan["inner"].rotary_emb
+            table = torch.arange(width + steps, device=dev)[None]
+            cos, sin = (x[0] for x in rope(torch.zeros((), dtype=dtype, device=dev), table))
         slots = {k: v.to(dev) for k, v in slots.items()}
 
         tokens = torch.zeros(n_rows, steps, dtype=torch.long, device=dev)

@@ -33,7 +33,8 @@ def spec(path: str, grad_accum: int, **kw) -> ModelSpec:
 
 
 def global_batch() -> list:
-    """4 micro-batches of 2 sequences with different prompt and response lengths."""
+    """4 micro-batches of 2 sequences with different prompt and response lengths; in micro-batches 0 and 2
+    both sequences share a prompt, which the workers run once (``--ds.shared_prefix``, on by default)."""
     g = torch.Generator().manual_seed(0)
 
     def ids(n):
@@ -41,7 +42,7 @@ def global_batch() -> list:
 
     out = []
     for k in range(4):
-        prompts = [ids(2 + k), ids(3)]
+        prompts = [ids(2 + k)] * 2 if k % 2 == 0 else [ids(2 + k), ids(3)]
         responses = [ids(4), ids(1 + k)]
         out.append(make_sequence_batch(prompts, responses, pad_token_id=0))
     return out

@@ -367,6 +367,10 @@ class DSConfig:
     """Offload training state while the rollout engines run (hybrid engine)."""
     attn_implementation: str = "sdpa"
     """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
+    shared_prefix: bool = True
+    """Run a prompt shared by several sequences of a micro-batch (the samples of one prompt, DPO's chosen and
+    rejected) through the policy and reference once; exact. Applies with ``sdpa``, without packing or ring
+    attention, on Llama, Mistral, Qwen2/3 and their MoE variants without sliding windows."""
     experts_implementation: str | None = None
     """MoE experts implementation passed to transformers."""
     use_liger_kernel: bool = False

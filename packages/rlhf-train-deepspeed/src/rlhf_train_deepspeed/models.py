@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
-from rlhf_train_deepspeed import ring_attn
+from rlhf_train_deepspeed import ring_attn, shared_prefix
 from rlhf_train_deepspeed.batches import SequenceBatch
 
 # --- forward passes ------------------------------------------------------------------------------------
@@ -81,16 +81,24 @@ def response_logprobs(
             raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
         lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring)
         return lp * mask, None if ent is None else ent * mask, mask
-    # The LM head skips the columns before the first one that predicts a response token (the shortest
-    # prompt's), as TRL does: with a 1024-word vocabulary and 16-token prompts that is 10% of a step.
-    width = kwargs["input_ids"].shape[1]
-    cols = pos % width
-    first = int(cols[mask].min()) if bool(mask.any()) else 0
-    keep = width - first
-    logits = model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [rows, keep, V]
-    flat = logits.reshape(-1, logits.shape[-1])
     targets = kwargs["input_ids"].reshape(-1)[pos + 1]
-    rows = torch.where(mask, (pos // width) * keep + cols - first, torch.zeros_like(pos))
+    layout = None
+    if not packing and shared_prefix.enabled(model):
+        layout = shared_prefix.plan(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu())
+    if layout is not None:  # rows with the same prompt run it once
+        layout = shared_prefix.to_device(layout, targets.device)
+        flat = shared_prefix.response_logits(model, layout)  # [G * K, V]
+        rows = torch.where(mask, layout.logit_rows, torch.zeros_like(pos))
+    else:
+        # The LM head skips the columns before the first one that predicts a response token (the shortest
+        # prompt's), as TRL does: with a 1024-word vocabulary and 16-token prompts that is 10% of a step.
+        width = kwargs["input_ids"].shape[1]
+        cols = pos % width
+        first = int(cols[mask].min()) if bool(mask.any()) else 0
+        keep = width - first
+        logits = model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [rows, keep, V]
+        flat = logits.reshape(-1, logits.shape[-1])
+        rows = torch.where(mask, (pos // width) * keep + cols - first, torch.zeros_like(pos))
     logits = flat[rows].float()  # [B, T, V]: only response positions go through the softmax
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature

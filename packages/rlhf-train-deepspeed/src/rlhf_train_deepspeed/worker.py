@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_train_deepspeed import shared_prefix
 from rlhf_train_deepspeed.batches import (
     CriticMicroBatch,
     PolicyMicroBatch,
@@ -104,6 +105,15 @@ class SupervisedConfigLite:
     margin_loss: bool = False
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+
+
+def causal_attn(path: str, ds, attn: str) -> str:
+    """``attn``, or the shared-prompt attention where ``--ds.shared_prefix`` applies to the model at ``path``."""
+    if attn != ds.attn_implementation or not ds.shared_prefix:  # ring attention chose its own
+        return attn
+    from transformers import AutoConfig
+
+    return shared_prefix.attn_implementation(AutoConfig.from_pretrained(path), ds)
 
 
 def free_port() -> int:
@@ -200,7 +210,7 @@ class TrainWorker:
         if spec.kind == "value":
             model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant)
         elif spec.kind == "causal":
-            model = load_causal_lm(spec.path, dtype, attn, **quant)
+            model = load_causal_lm(spec.path, dtype, causal_attn(spec.path, ds, attn), **quant)
         else:
             raise ValueError(f"unknown model kind {spec.kind!r}")
         self.hf_config = model.config
@@ -225,7 +235,7 @@ class TrainWorker:
         self.ref_engine = None
         if spec.ref_path:
             zero3 = self.strategy.zero3_init_context(False)  # noqa: F841
-            ref = load_causal_lm(spec.ref_path, dtype, attn)
+            ref = load_causal_lm(spec.ref_path, dtype, causal_attn(spec.ref_path, ds, attn))
             self.ref_engine = self.strategy.prepare_eval(ref, spec.ref_offload)
         del zero3
         return {"rank": self.rank, "num_parameters": sum(p.numel() for p in model.parameters())}

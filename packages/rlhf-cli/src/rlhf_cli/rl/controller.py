@@ -270,9 +270,14 @@ class RLController:
         train_critic = self.groups.critic is not None
         train_actor = step > cfg.critic.freezing_steps or not train_critic
         pcfg = self.policy_step_config()
+        # with --ds.shared_prefix whole groups are shuffled, so that a micro-batch runs each prompt once
+        n = cfg.rollout.n_samples_per_prompt
+        group = n if cfg.ds.shared_prefix and b % n == 0 else 1
         totals: dict[str, list[float]] = {}
         for epoch in range(cfg.train.max_epochs):
-            order = torch.randperm(b, generator=torch.Generator().manual_seed(derive_seed(cfg.train.seed, step, epoch) % 2**62))
+            seed = derive_seed(cfg.train.seed, step, epoch) % 2**62
+            groups = torch.randperm(b // group, generator=torch.Generator().manual_seed(seed))
+            order = (groups[:, None] * group + torch.arange(group)).reshape(-1)
             for s in range(0, b - per_step + 1, per_step):
                 part = exp.rows(order[s:s + per_step].tolist())
                 if dynamic:

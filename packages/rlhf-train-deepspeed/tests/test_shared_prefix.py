@@ -1,0 +1,142 @@
+"""Shared-prompt forward (``--ds.shared_prefix``): the same log-probs, entropies and gradients as the padded
+batch, on each model family it is switched on for; plain SDPA everywhere else."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_train_deepspeed import shared_prefix
+from rlhf_train_deepspeed.batches import make_sequence_batch
+from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
+from rlhf_train_deepspeed.worker import causal_attn
+
+
+def ds(**kw):
+    base = dict(shared_prefix=True, attn_implementation="sdpa", packing_samples=False, ring_attn_size=1)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def tiny(kind: str):
+    """A random 2-layer decoder with the feature its family adds: Llama's biases, Qwen2's q/k/v biases,
+    Qwen3's per-head q/k norms and head_dim != hidden/heads, Mistral's GQA."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common)),
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)),
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**common, sliding_window=None)),
+    }[kind]()
+    with torch.no_grad():  # random biases and norm weights, so that a missed one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.5 if "norm" in name else 0.0, 0.2)
+    return model.train()
+
+
+def grouped_batch(seed: int = 0):
+    """Three prompts of different lengths with 4, 3 and 1 samples of different response lengths, rows
+    interleaved, and an action mask with holes (environment tokens of a multi-turn sample)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(3, 96, (n,), generator=g).tolist()
+
+    rows = []
+    for p, lens in ((ids(12), [4, 7, 2, 5]), (ids(15), [6, 6, 3]), (ids(9), [5])):
+        rows += [(p, ids(n)) for n in lens]
+    rows = [rows[i] for i in (3, 0, 5, 1, 7, 4, 2, 6)]
+    masks = [[1] * len(r) for _, r in rows]
+    masks[1][2:4] = [0, 0]
+    return make_sequence_batch([p for p, _ in rows], [r for _, r in rows], 0, masks)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_log_probs_entropies_and_gradients_equal_the_padded_batch(kind):
+    plain = tiny(kind)
+    shared = copy.deepcopy(plain)
+    shared.set_attn_implementation(shared_prefix.attn_implementation(shared.config, ds()))
+    assert shared_prefix.enabled(shared) and not shared_prefix.enabled(plain)
+    batch = grouped_batch()
+    layout = shared_prefix.plan(batch.input_ids, batch.attention_mask, batch.prompt_lens)
+    assert layout is not None and layout.input_ids.shape == (3, 15 + 4 * 7)  # 129 tokens instead of 8 x 21
+
+    if kind == "llama":  # LoRA adapters: PEFT's wrapper must not hide the attention implementation
+        from rlhf_core.config import LoraConfig
+        from rlhf_train_deepspeed.strategy import apply_lora
+
+        lora = LoraConfig(rank=4, alpha=8)
+        torch.manual_seed(2)
+        plain = apply_lora(plain, lora, "CAUSAL_LM")
+        torch.manual_seed(2)
+        shared = apply_lora(shared, lora, "CAUSAL_LM")
+        assert shared_prefix.enabled(shared)
+    outs = [response_logprobs(m, batch, 0.7, with_entropy=True) for m in (plain, shared)]
+    (lp_a, ent_a, mask_a), (lp_b, ent_b, mask_b) = outs
+    assert torch.equal(mask_a, mask_b) and int(mask_a.sum()) == 38 - 2
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=0)
+    w = torch.randn(lp_a.shape, generator=torch.Generator().manual_seed(1))
+    for lp, ent in ((lp_a, ent_a), (lp_b, ent_b)):
+        ((lp * w).sum() + 0.1 * ent.sum()).backward()
+    trained = [(n, a, b) for (n, a), b in zip(plain.named_parameters(), shared.parameters(), strict=True) if a.requires_grad]
+    assert trained
+    for name, a, b in trained:
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_without_a_layout_the_model_computes_plain_sdpa(tiny_llama):
+    """A model loaded for sharing serves every other forward (padded rows, reference passes, generation
+    masks) exactly as SDPA does."""
+    plain = load_causal_lm(tiny_llama, torch.float32, "sdpa")
+    shared = load_causal_lm(tiny_llama, torch.float32, causal_attn(tiny_llama, ds(), "sdpa"))
+    assert shared.config._attn_implementation == shared_prefix.ATTN
+    batch = make_sequence_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]], 0)  # padded, nothing shared
+    assert shared_prefix.plan(batch.input_ids, batch.attention_mask, batch.prompt_lens) is None
+    kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    assert torch.equal(shared(**kwargs).logits, plain(**kwargs).logits)
+
+
+def test_the_plan_declines_when_sharing_runs_more_tokens():
+    def plan(prompts, responses):
+        b = make_sequence_batch(prompts, responses, 0)
+        return shared_prefix.plan(b.input_ids, b.attention_mask, b.prompt_lens)
+
+    assert plan([[5, 6], [7, 8]], [[9], [10]]) is None  # no prompt in common
+    # a 5-sample group of 1-token responses beside a lone 9-token one: 2 rows x (2 + 5 x 9) > 6 x 11 padded
+    assert plan([[5, 6]] * 5 + [[7, 8]], [[9]] * 5 + [list(range(10, 19))]) is None
+    layout = plan([[5, 6, 7]] * 4, [[9, 10]] * 4)  # 1 x (3 + 4 x 2) < 4 x 5
+    assert layout is not None and layout.columns.tolist() == [2, 3, 5, 7, 9]
+    # 8 samples of 4,096 tokens after a 512-token prompt: an 8 x 4,096 x 4,608 mask (151M), over the limit
+    assert plan([[5] * 512] * 8, [[9] * 4096] * 8) is None
+    assert plan([[5] * 512] * 8, [[9] * 1024] * 8) is not None  # 8 x 1,024 x 1,536 (13M)
+
+
+def test_which_models_and_settings_get_it():
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    llama = LlamaConfig()
+    assert shared_prefix.attn_implementation(llama, ds()) == shared_prefix.ATTN
+    assert shared_prefix.attn_implementation(llama, ds(shared_prefix=False)) == "sdpa"
+    assert shared_prefix.attn_implementation(llama, ds(packing_samples=True)) == "sdpa"
+    assert shared_prefix.attn_implementation(llama, ds(ring_attn_size=2)) == "sdpa"
+    assert shared_prefix.attn_implementation(llama, ds(attn_implementation="eager")) == "eager"
+    assert not shared_prefix.supported(MistralConfig(sliding_window=4096))
+    assert shared_prefix.supported(Qwen2Config(sliding_window=4096, use_sliding_window=False))
+    assert not shared_prefix.supported(Gemma2Config())  # soft-capping, sliding layers

@@ -104,17 +104,22 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("hf_engine"), seed=1)
 
 
-def test_logprobs_equal_trainer_recomputation(tiny_dir):
+def test_logprobs_equal_trainer_recomputation(tiny_dir, monkeypatch):
     """A trainer batches prompt+response right-padded, with an attention mask, and gathers
-    log_softmax(logits / T) at the response tokens; the engine's log-probs must be the same numbers."""
+    log_softmax(logits / T) at the response tokens; the engine's log-probs must be the same numbers.
+    The two samples of each prompt share one prefill row (its KV cache copied to both)."""
     from transformers import AutoModelForCausalLM
 
     engine = HFEngine(tiny_dir, device="cpu")
-    prompts = [[10, 11, 12], [40, 41, 42, 43, 44, 45], [70]]
+    forward_rows = []
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *a: forward_rows.append(ids.shape) or forward(ids, *a))
+    prompts = [[10, 11, 12], [40, 41, 42, 43, 44, 45], [70], [10, 11, 12]]
     temperature = 0.6
     requests = [GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=i))
                 for i, p in enumerate(prompts)]
     samples = [(req.prompt_ids, out) for req, outs in zip(requests, engine.generate(requests), strict=True) for out in outs]
+    assert forward_rows[0] == (3, 6)  # prefill: 3 distinct prompts for 8 samples
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     seqs = [p + o.token_ids for p, o in samples]

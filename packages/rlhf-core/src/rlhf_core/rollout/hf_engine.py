@@ -395,9 +395,18 @@ class HFEngine(RolloutEngine):
         lengths = torch.zeros(n_rows, dtype=torch.long, device=dev)
         stopped = torch.zeros(n_rows, dtype=torch.bool, device=dev)
 
+        # The samples of a prompt share its prefill: each distinct prompt runs once (row `first[k]`), then
+        # its cache rows and last logits are copied to every sample (row r takes prompt `source[r]`).
+        distinct: dict[tuple, int] = {}
+        source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt, _, _ in rows]
+        first = torch.tensor([source.index(k) for k in range(len(distinct))])
+        source = torch.tensor(source)
         if prefill_mask is not None:
-            prefill_mask = prefill_mask.to(dev)
-        logits = self._forward(ids.to(dev), positions.to(dev), prefill_mask, cache)
+            prefill_mask = prefill_mask[first].to(dev)
+        logits = self._forward(ids[first].to(dev), positions[first].to(dev), prefill_mask, cache)
+        if len(distinct) < n_rows:
+            cache.batch_select_indices(source.to(dev))
+            logits = logits[source.to(dev)]
         for t in range(steps):
             s = slots
             tok, lp = sample_next(

@@ -27,7 +27,7 @@ from rlhf_algos.kl import (
     kl_loss,
     make_kl_controller,
 )
-from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
+from rlhf_algos.logits import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from rlhf_algos.policy_loss import (
     IS_CORRECTION_TYPES,
     POLICY_LOSSES,
@@ -73,6 +73,7 @@ __all__ = [
     "k3",
     "kl_loss",
     "kto_loss",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "make_kl_controller",
     "nll_loss",

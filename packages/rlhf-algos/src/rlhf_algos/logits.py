@@ -25,3 +25,43 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     z = logits.float()
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`logprobs_from_logits` and :func:`entropy_from_logits` in one pass: ``[B, T, V]`` logits and
+    ``[B, T]`` labels -> two ``[B, T]`` float32 tensors, both differentiable.
+
+    With ``p = softmax(z)`` and ``lse = logsumexp(z)``: ``logp = z[label] - lse`` and
+    ``H = lse - sum_v p_v z_v``. One exponential over the vocabulary instead of three, and the backward
+    reuses ``p``: ``dlogp/dz = onehot(label) - p`` and ``dH/dz = -p (z - lse + H)``.
+    """
+    return _LogprobsAndEntropy.apply(logits, labels.long())
+
+
+class _LogprobsAndEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
+        z = logits.float()
+        m = z.amax(-1, keepdim=True)
+        p = torch.exp(z - m)
+        total = p.sum(-1, keepdim=True)
+        lse = m + total.log()
+        p.div_(total)
+        logp = z.gather(-1, labels.unsqueeze(-1)) - lse
+        entropy = lse - (p * z).sum(-1, keepdim=True)
+        ctx.set_materialize_grads(False)  # an unused (e.g. detached) entropy costs nothing in backward
+        ctx.save_for_backward(z, p, labels, lse, entropy)
+        ctx.logits_dtype = logits.dtype
+        return logp.squeeze(-1), entropy.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        z, p, labels, lse, entropy = ctx.saved_tensors
+        grad = None
+        if grad_entropy is not None:
+            grad = -grad_entropy.unsqueeze(-1) * p * (z - lse + entropy)
+        if grad_logp is not None:
+            g = grad_logp.unsqueeze(-1)
+            grad = -g * p if grad is None else grad - g * p
+            grad.scatter_add_(-1, labels.unsqueeze(-1), g)
+        return None if grad is None else grad.to(ctx.logits_dtype), None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
+from rlhf_algos.logits import logprobs_and_entropy, logprobs_from_logits
 from rlhf_train_deepspeed import ring_attn, shared_prefix
 from rlhf_train_deepspeed.batches import SequenceBatch
 
@@ -102,11 +102,10 @@ def response_logprobs(
     logits = flat[rows].float()  # [B, T, V]: only response positions go through the softmax
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    lp = logprobs_from_logits(logits, targets) * mask
-    ent = None
-    if with_entropy:
-        ent = entropy_from_logits(logits if entropy_grad else logits.detach()) * mask
-    return lp, ent, mask
+    if not with_entropy:
+        return logprobs_from_logits(logits, targets) * mask, None, mask
+    lp, ent = logprobs_and_entropy(logits, targets)
+    return lp * mask, (ent if entropy_grad else ent.detach()) * mask, mask
 
 
 def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring):
@@ -129,9 +128,10 @@ def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, e
         local = x.new_zeros(sl.end - sl.start).index_put((rows,), x)
         return ring_attn.gather_tokens(local, ring)[pos]
 
-    lp = whole_row(logprobs_from_logits(logits, sl.labels[rows]))
-    ent = whole_row(entropy_from_logits(logits if entropy_grad else logits.detach())) if with_entropy else None
-    return lp, ent
+    if not with_entropy:
+        return whole_row(logprobs_from_logits(logits, sl.labels[rows])), None
+    lp, ent = logprobs_and_entropy(logits, sl.labels[rows])
+    return whole_row(lp), whole_row(ent if entropy_grad else ent.detach())
 
 
 def token_values(model: nn.Module, kwargs: dict, batch: SequenceBatch, ring=None) -> torch.Tensor:

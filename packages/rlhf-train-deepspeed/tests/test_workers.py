@@ -52,21 +52,22 @@ def counts(mbs) -> dict:
     return {"num_tokens": float(sum(b.response_mask().sum() for b in mbs)), "num_sequences": 8.0}
 
 
-def reference_step(path: str, mbs) -> tuple[float, dict]:
-    """The same step in plain torch: token-mean NLL over the whole batch, clip, AdamW."""
+def reference_step(path: str, mbs) -> tuple[float, float, dict]:
+    """The same step in plain torch: token-mean NLL over the whole batch, clip, AdamW. Returns the loss, the
+    gradient norm before clipping and the new weights."""
     model = load_causal_lm(path, torch.float32).train()
     n_tok = counts(mbs)["num_tokens"]
     loss = sum(sft_loss(*response_logprobs(model, b)[::2], LossAggregation(num_tokens=n_tok)) for b in mbs)
     loss.backward()
     params = list(model.parameters())
-    torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
     opt = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
          {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
         lr=LR, betas=(0.9, 0.95), eps=1e-8,
     )
     opt.step()
-    return loss.item(), {k: v.detach().clone() for k, v in model.named_parameters()}
+    return loss.item(), float(grad_norm), {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def cpu_adam_ready() -> bool:
@@ -103,12 +104,13 @@ def test_one_step_matches_plain_torch(groups, tiny_llama, ranks, stage, grad_ckp
                     "with `python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()'` "
                     "or set RLHF_TEST_BUILD_OPS=1")
     mbs = global_batch()
-    ref_loss, ref_weights = reference_step(tiny_llama, mbs)
+    ref_loss, ref_norm, ref_weights = reference_step(tiny_llama, mbs)
     group = groups[ranks]
     ds = DSConfig(zero_stage=stage, param_dtype="fp32", adam_offload=offload)  # offload: DeepSpeedCPUAdam
     group.init_model(spec(tiny_llama, 4 // ranks, grad_ckpt=grad_ckpt), ds)
     metrics = group.train_supervised_step(mbs, SFT, counts(mbs))
     assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)  # before clipping, as DeepSpeed reports it
     weights = group.get_state_dict_for_engines()
     assert set(weights) == set(ref_weights)
     for name, w in weights.items():
@@ -163,7 +165,7 @@ def test_bf16_on_cpu_trains_close_to_fp32(groups, tiny_llama):
     group = groups[2]
     group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="bf16"))
     bf16 = group.train_supervised_step(mbs, SFT, counts(mbs))
-    ref_loss, _ = reference_step(tiny_llama, mbs)
+    ref_loss, _, _ = reference_step(tiny_llama, mbs)
     assert bf16["skipped"] == 0.0
     assert bf16["loss"] == pytest.approx(ref_loss, rel=2e-2)
     weights = group.get_state_dict_for_engines()

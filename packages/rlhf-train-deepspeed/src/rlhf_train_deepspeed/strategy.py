@@ -385,6 +385,7 @@ class Strategy:
         total, metrics, skipped = 0.0, {}, False
         dp = self.dp_size
         no_overflow_path = self.ds.zero_stage == 0 and self.dtype == torch.float32
+        grad_norm = None
         for i, mb in enumerate(micro_batches):
             loss, mb_metrics, weight = loss_fn(mb)
             skipped = self.any_rank(not bool(torch.isfinite(loss.detach()).all()))
@@ -401,11 +402,13 @@ class Strategy:
             engine.set_gradient_accumulation_boundary(i == n - 1)
             engine.backward(loss, scale_wrt_gas=False)
             if i == n - 1:
+                if no_overflow_path:  # DeepSpeed keeps no norm for a plain torch optimizer: the all-reduced one
+                    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                    grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
                 engine.step()
             total += float(loss.detach()) / dp
             add_metrics(metrics, mb_metrics, weight)
-        grad_norm = None
-        if not skipped and hasattr(engine, "get_global_grad_norm"):
+        if not skipped and grad_norm is None and hasattr(engine, "get_global_grad_norm"):
             norm = engine.get_global_grad_norm()
             grad_norm = None if norm is None else float(norm)
         return StepResult(float("nan") if skipped else total, skipped, grad_norm, lr, metrics)

@@ -477,15 +477,18 @@ exit before the last sample).
 
 {table(rows)}
 
-Reading the table: rlhf's generation is 2.1-2.7x faster than TRL's on h128 and 1.6x on h256/4L (a KV-cache
-engine per core whose decode step calls no modules), and on-policy steps skip the old-log-prob pass as TRL
-does. The policy update costs about the same on both sides: one forward and backward over the same tokens
-with the same torch kernels (the LM head only at response positions on both), and both phases keep both cores
-busy. So the step gains most where generation is a large share: 1.43-1.59x on h128 here, 1.21x with a
-reference model, 1.12x on h256/4L, where training is 60% of the step. The machine is a shared 2-vCPU VM whose
-speed drifts by up to 1.5x within an hour: per-round ratios on h128 ranged from 1.28x to 1.86x, and an
-earlier run of the same command an hour before (before the LM-head change) gave medians of 1.32x (h128, 32
-tokens), 1.62x (128 tokens), 1.37x (beta 0.04) and 1.11x (h256). Compare ratios within a run, not across runs.
+Reading the table: rlhf's generation is 2.2-2.8x faster than TRL's on h128 and 1.5x on h256/4L (a KV-cache
+engine per core whose decode step calls no modules; the 8 samples of a prompt share one prefill). Its policy
+update runs each prompt once for its 8 samples (`--ds.shared_prefix`, on by default: one row per prompt,
+`[prompt | sample 1 | ... | sample 8]`, with an attention that gives each sample the prompt and its own
+tokens; same gradients), so it processes 4,352 tokens where TRL processes 6,144 on h256/4L (2,176 vs 3,072 on h128 with
+32-token completions), and gets log-probs and entropy from one softmax. On-policy steps skip the old-log-prob pass as TRL
+does. The rest of the update is the same fp32 torch kernels over the same response tokens, and both phases
+keep both cores busy, so h256/4L, where the update is 56% of the step, gains least. The machine is a shared
+2-vCPU VM whose speed drifts by up to 1.5x within an hour: per-round ratios ranged from 1.30x to 1.59x on
+h256/4L and from 1.38x to 2.38x on h128, and the same command half an hour earlier (with the shared prompts,
+before the one-softmax change) gave medians of 1.38x (h128, 32 tokens), 1.60x (128 tokens), 1.34x (beta 0.04)
+and 1.25x (h256). Compare ratios within a run, not across runs.
 """
     (HERE / "grpo_vs_trl.md").write_text(text + NOTES)
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")

@@ -14,7 +14,7 @@ from rlhf_core.rollout import sampling_params_from_config
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.rollout.hf_engine import HFEngine, decode_plan
 from rlhf_core.testing import RolloutEngineConformance
-from rlhf_core.testing.tiny import make_tiny_llama
+from rlhf_core.testing.tiny import make_tiny_llama, tiny_decoder
 from rlhf_core.types import GenerationRequest, SamplingParams
 
 
@@ -187,41 +187,6 @@ def test_registered_as_hf_and_built_from_the_config(tiny_dir):
     assert len(outs) == 2 and all(len(o.token_ids) <= 3 for o in outs)
 
 
-def _tiny_decoder(kind: str):
-    """A random 2-layer decoder of each family the direct decode path covers, with the feature that family
-    adds: Llama with llama3 RoPE scaling and biases everywhere, Qwen2's q/k/v biases, Qwen3's per-head q/k
-    norms and a head_dim that is not hidden/heads, Mistral's GQA."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2)
-    torch.manual_seed(0)
-    if kind == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True, rope_parameters=rope))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
-    else:
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
-    with torch.no_grad():  # random biases and norm weights, so that a missed one shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(0.3 if "norm" in name else 0.0, 0.2)
-    return model.eval()
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_direct_decode_equals_the_module_forward(kind, monkeypatch):
     """decode_token reads the weights itself; it must give the model's own forward: the same tokens and
@@ -229,7 +194,7 @@ def test_direct_decode_equals_the_module_forward(kind, monkeypatch):
     the direct step the model still decodes into the preallocated cache (the fast path's other half)."""
     from rlhf_core.rollout.hf_engine import GrowingKVLayer
 
-    engine = HFEngine.from_model(_tiny_decoder(kind))
+    engine = HFEngine.from_model(tiny_decoder(kind))
     assert engine.fast_path and engine.plan is not None
     requests = [GenerationRequest(list(range(5, 5 + n)), SamplingParams(n=3, max_new_tokens=9 + n, seed=n))
                 for n in (1, 4, 7)]
@@ -250,12 +215,12 @@ def test_direct_decode_steps_aside_for_what_it_does_not_cover():
     """Adapters, forward hooks and RoPE that depends on the sequence length keep the module path."""
     from peft import LoraConfig, get_peft_model
 
-    assert decode_plan(_tiny_decoder("llama")) is not None
-    lora = get_peft_model(_tiny_decoder("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert decode_plan(tiny_decoder("llama")) is not None
+    lora = get_peft_model(tiny_decoder("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
     assert decode_plan(lora.base_model.model) is None
-    hooked = _tiny_decoder("qwen2")
+    hooked = tiny_decoder("qwen2")
     hooked.model.layers[1].mlp.register_forward_pre_hook(lambda *_: None)
     assert decode_plan(hooked) is None
-    dynamic = _tiny_decoder("llama")
+    dynamic = tiny_decoder("llama")
     dynamic.model.rotary_emb.rope_type = "dynamic"
     assert decode_plan(dynamic) is None

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf_core.testing.tiny import tiny_decoder
 from rlhf_train_deepspeed import shared_prefix
 from rlhf_train_deepspeed.batches import make_sequence_batch
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
@@ -18,36 +19,6 @@ from rlhf_train_deepspeed.worker import causal_attn
 def ds(**kw):
     base = dict(shared_prefix=True, attn_implementation="sdpa", packing_samples=False, ring_attn_size=1)
     return SimpleNamespace(**{**base, **kw})
-
-
-def tiny(kind: str):
-    """A random 2-layer decoder with the feature its family adds: Llama's biases, Qwen2's q/k/v biases,
-    Qwen3's per-head q/k norms and head_dim != hidden/heads, Mistral's GQA."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = {
-        "llama": lambda: LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True)),
-        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**common)),
-        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16)),
-        "mistral": lambda: MistralForCausalLM(MistralConfig(**common, sliding_window=None)),
-    }[kind]()
-    with torch.no_grad():  # random biases and norm weights, so that a missed one shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(0.5 if "norm" in name else 0.0, 0.2)
-    return model.train()
 
 
 def grouped_batch(seed: int = 0):
@@ -69,7 +40,7 @@ def grouped_batch(seed: int = 0):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_log_probs_entropies_and_gradients_equal_the_padded_batch(kind):
-    plain = tiny(kind)
+    plain = tiny_decoder(kind).train()
     shared = copy.deepcopy(plain)
     shared.set_attn_implementation(shared_prefix.attn_implementation(shared.config, ds()))
     assert shared_prefix.enabled(shared) and not shared_prefix.enabled(plain)

@@ -75,3 +75,42 @@ def make_tiny_llama(path: str | Path, seed: int = 0, num_words: int = 200, **ove
     model = LlamaForCausalLM(LlamaConfig(**kwargs))
     model.save_pretrained(str(path))
     return str(path)
+
+
+def tiny_decoder(kind: str):
+    """A random 2-layer decoder (in eval mode) of each Llama-family model type, with the feature that family
+    adds: Llama with llama3 RoPE scaling and biases everywhere, Qwen2's q/k/v biases, Qwen3's per-head q/k
+    norms and a head_dim that is not hidden/heads, Mistral's GQA. Biases and norm weights are random, so
+    that a code path that misses one shows. ``kind``: llama, qwen2, qwen3, mistral."""
+    import torch
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2)
+    torch.manual_seed(0)
+    if kind == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True, rope_parameters=rope))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    else:
+        raise ValueError(f"unknown kind {kind!r}: llama, qwen2, qwen3 or mistral")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.3 if "norm" in name else 0.0, 0.2)
+    return model.eval()

@@ -91,8 +91,7 @@ class Layout:
     """``[B, T]`` index into the ``[G*K]`` flattened logits for response token ``t`` of sequence ``i``."""
 
 
-def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor, pad_token_id: int = 0
-         ) -> Layout | None:
+def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> Layout | None:
     """The shared-prompt layout of a right-padded batch (``[B, L]`` ids and mask, ``[B]`` prompt lengths),
     or None when it would not run fewer tokens than the padded batch (no prompt shared, or groups so
     uneven that the empty slots cost more than the prompts saved), or when its attention mask would pass
@@ -112,7 +111,7 @@ def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: tor
         return None
 
     width = P + S * R
-    ids = torch.full((g, width), pad_token_id, dtype=torch.long)
+    ids = torch.zeros((g, width), dtype=torch.long)  # empty slots are masked out, so their ids do not matter
     pos = torch.zeros((g, width), dtype=torch.long)
     key_ok = torch.zeros((g, P), dtype=torch.bool)
     K = 1 + S * (R - 1)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_core.memory import keep_freed_memory
 from rlhf_train_deepspeed import shared_prefix
 from rlhf_train_deepspeed.batches import (
     CriticMicroBatch,
@@ -172,6 +173,8 @@ class TrainWorker:
         os.environ["LOCAL_RANK"] = str(rank % visible if visible > 1 else 0)
         if num_threads:
             torch.set_num_threads(num_threads)
+        if not visible:  # a CPU rank frees and reallocates its activations every step
+            keep_freed_memory()
         self.engine = None
         self.ref_engine = None
         self.spec: ModelSpec | None = None

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rlhf_core.memory import keep_freed_memory
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.types import SamplingParams, Trajectory
 
@@ -50,6 +51,8 @@ class RolloutActor:
         if num_threads:  # per thread with OpenMP: Ray's and the engine's
             torch.set_num_threads(num_threads)
             self._on_engine_thread(torch.set_num_threads, num_threads)
+        if not torch.cuda.is_available():  # a CPU engine frees and reallocates its KV cache every batch
+            keep_freed_memory()
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
         engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)

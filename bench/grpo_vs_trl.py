@@ -368,7 +368,16 @@ def generate_seconds(phases: dict[str, float]) -> float:
 
 
 def load_results(paths) -> list[dict]:
-    return [json.loads(Path(p).read_text()) for p in sorted(paths)]
+    return [{**json.loads(Path(p).read_text()), "_file": Path(p).name} for p in sorted(paths)]
+
+
+def _rounds(runs: list[dict]) -> dict[int, list[dict]]:
+    """Runs by round number, oldest first (file names end in the run's start time): the k-th rlhf run of
+    round r and the k-th TRL run of round r come from the same invocation."""
+    out: dict[int, list[dict]] = {}
+    for r in sorted(runs, key=lambda r: r["_file"][-20:]):
+        out.setdefault(r["rep"], []).append(r)
+    return out
 
 
 def _med(xs):
@@ -385,8 +394,9 @@ def summarise(results: list[dict]) -> list[dict]:
     rows = []
     for (size, beta, threads, who), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2],
                                                                                   kv[0][3] == "trl", kv[0][3])):
-        trl = {r["rep"]: r for r in groups.get((size, beta, threads, "trl"), [])}
-        ratios = [trl[r["rep"]]["step_s"] / r["step_s"] for r in runs if r["rep"] in trl]
+        trl = _rounds(groups.get((size, beta, threads, "trl"), []))
+        ratios = [t["step_s"] / r["step_s"] for rep, mine in _rounds(runs).items()
+                  for r, t in zip(mine, trl.get(rep, []))]
         ph = [r["phases_median"] for r in runs]
         if who == "trl":
             phases = {"generate": _med(p["generate"] for p in ph), "reward": _med(p["reward"] for p in ph),
@@ -477,18 +487,20 @@ exit before the last sample).
 
 {table(rows)}
 
-Reading the table: rlhf's generation is 2.2-2.8x faster than TRL's on h128 and 1.5x on h256/4L (a KV-cache
+Reading the table: rlhf's generation is 2.4-3.5x faster than TRL's on h128 and 1.8x on h256/4L (a KV-cache
 engine per core whose decode step calls no modules; the 8 samples of a prompt share one prefill). Its policy
 update runs each prompt once for its 8 samples (`--ds.shared_prefix`, on by default: one row per prompt,
 `[prompt | sample 1 | ... | sample 8]`, with an attention that gives each sample the prompt and its own
-tokens; same gradients), so it processes 4,352 tokens where TRL processes 6,144 on h256/4L (2,176 vs 3,072 on h128 with
-32-token completions), and gets log-probs and entropy from one softmax. On-policy steps skip the old-log-prob pass as TRL
-does. The rest of the update is the same fp32 torch kernels over the same response tokens, and both phases
-keep both cores busy, so h256/4L, where the update is 56% of the step, gains least. The machine is a shared
-2-vCPU VM whose speed drifts by up to 1.5x within an hour: per-round ratios ranged from 1.30x to 1.59x on
-h256/4L and from 1.38x to 2.38x on h128, and the same command half an hour earlier (with the shared prompts,
-before the one-softmax change) gave medians of 1.38x (h128, 32 tokens), 1.60x (128 tokens), 1.34x (beta 0.04)
-and 1.25x (h256). Compare ratios within a run, not across runs.
+tokens; same gradients), so it processes 4,352 tokens where TRL processes 6,144 on h256/4L (2,176 vs 3,072 on
+h128 with 32-token completions), and gets log-probs and entropy from one softmax; the update is 1.5-1.8x
+faster than TRL's. On-policy steps skip the old-log-prob pass as TRL does. Training ranks and engines keep
+freed memory (glibc `mallopt`), so a step no longer page-faults in the memory the step before freed; that
+took the h256/4L update from 0.80-0.86 s to about 0.7 s and removed the slow first measured steps. The rest
+of the update is the same fp32 torch kernels over the same response tokens, and both phases keep both cores
+busy, so h256/4L, where the update is 55% of the step, gains least: 1.48x over 10 rounds (two invocations of
+5), below the 1.5x goal by a hair, with rounds from 1.31x to 1.63x. The machine is a shared 2-vCPU VM whose
+speed drifts by up to 1.5x within an hour (h128 rounds ranged from 1.38x to 2.18x), so compare ratios within
+a run, not across runs.
 """
     (HERE / "grpo_vs_trl.md").write_text(text + NOTES)
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")
@@ -526,7 +538,7 @@ def main() -> None:
         return child(args)
     if args.report:
         command = ("DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size {M,L,M128} [--beta 0.04] "
-                   "--runs rlhf-dp2,trl[,rlhf] --reps {5,3}; ... --report")
+                   "--runs rlhf-dp2,trl --reps {5,3}; ... --report")
         return write_md(summarise(load_results(RESULTS.glob("*.json"))), command)
     if args.quick:
         args.size, args.reps, args.warmup, args.steps = "M", 1, 1, 2

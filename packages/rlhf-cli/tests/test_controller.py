@@ -234,6 +234,35 @@ def test_a_ring_group_gets_one_budget_per_rank(monkeypatch):
     assert sum(sizes) == sum(lengths) and max(sizes) == 21  # three 7-token rows fit 24, never four
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_token_budgets_keep_a_prompts_samples_together(monkeypatch, shared):
+    """With --ds.shared_prefix each dynamic micro-batch holds the samples of one prompt (the rank runs that
+    prompt once); without it rows are dealt to the ranks in turn, so a micro-batch mixes prompts."""
+    import rlhf_train_deepspeed.group as group_module
+    from rlhf_cli.rl.controller import Batch
+    from rlhf_train_deepspeed.group import WorkerGroup
+
+    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
+    ranks = [FakeRank(), FakeRank()]
+    cfg = config()
+    cfg.ds.shared_prefix = shared
+    cfg.rollout.n_samples_per_prompt = 4
+    cfg.train.batch_size = 16
+    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 28  # four 7-token rows
+    trajs = [Trajectory([i // 4 + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 4,
+                        sample_index=i % 4, reward=float(i % 3)) for i in range(16)]
+    ctl = controller(cfg, 4)
+    ctl.groups = Groups(actor=WorkerGroup(ranks, "actor", None), rollout=[])
+    ctl.train(ctl.make_experience(Batch(trajs, prompts_used=4)), step=1)
+    mbs = ranks[0].trained[0] + ranks[1].trained[0]
+    assert sorted(x for mb in mbs for x in mb.seq.input_ids[:, 2].tolist()) == [10 * i for i in range(16)]
+    prompts_per_mb = [len(set(mb.seq.input_ids[:, 0].tolist())) for mb in mbs]
+    if shared:
+        assert prompts_per_mb == [1, 1, 1, 1]
+    else:
+        assert max(prompts_per_mb) > 1
+
+
 def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
     """Without --ckpt.load_enable the rows of the run before are kept as metrics.1.jsonl, not mixed in (the
     report would draw both runs as one line)."""

@@ -49,6 +49,40 @@ def test_any_row_count_keeps_every_row_within_budget(lengths, ranks, max_tokens,
     assert all(cost(lengths, mb, packed) <= max_tokens or len(mb) == 1 for mb in mbs)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 4).flatmap(lambda r: st.tuples(
+        st.just(r), st.lists(st.tuples(st.integers(1, 60), st.integers(0, 5)), min_size=r, max_size=48)
+        .map(lambda x: x[: len(x) // r * r]))),
+    st.integers(1, 120),
+    st.booleans(),
+)
+def test_prompt_units_keep_every_guarantee(ranks_and_rows, max_tokens, packed):
+    ranks, rows = ranks_and_rows
+    lengths, keys = [n for n, _ in rows], [k for _, k in rows]
+    mbs = token_budget_micro_batches(lengths, ranks, max_tokens, packed, prompts=keys)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
+    assert all(cost(lengths, mb, packed) <= max_tokens or len(mb) == 1 for mb in mbs)
+    assert len(mbs) % ranks == 0
+    per = len(mbs) // ranks
+    for r in range(ranks):
+        assert sum(len(mb) for mb in mbs[r * per:(r + 1) * per]) == len(lengths) // ranks
+
+
+def test_rows_of_one_prompt_share_micro_batches():
+    # 4 prompts x 4 samples, interleaved, all 10 tokens; 2 ranks, 40 tokens per micro-batch
+    lengths, keys = [10] * 16, [i % 4 for i in range(16)]
+    assert token_budget_micro_batches(lengths, 2, 40, packed=False, prompts=keys) == [
+        [0, 4, 8, 12], [2, 6, 10, 14], [1, 5, 9, 13], [3, 7, 11, 15]]
+    # without keys the rows are dealt to the ranks in turn, so each micro-batch mixes two prompts
+    assert token_budget_micro_batches(lengths, 2, 40, packed=False) == [
+        [0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    # a prompt with more samples than a rank holds is dealt row by row, longest first, to the rank with the
+    # fewest tokens: 9 -> r0, 8 -> r1, 7 -> r1, 6 -> r0, 5 -> r0 (15 vs 15), 4 -> r1
+    lengths = [5, 9, 7, 8, 6, 4]
+    assert token_budget_micro_batches(lengths, 2, 100, packed=False, prompts=["p"] * 6) == [[0, 1, 4], [2, 3, 5]]
+
+
 def test_packed_and_padded_costs_group_differently():
     # packed: 8+2 fits 10; padded: a 2-token row next to the 8-token one costs 2 x 8 = 16
     assert token_budget_micro_batches([8, 2, 2, 2], 1, 10, packed=True) == [[0, 1], [2, 3]]

@@ -6,6 +6,7 @@ micro-batch), right-padded, like :class:`rlhf_core.types.Trajectory` data.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
@@ -118,22 +119,29 @@ def to_device(obj, device: torch.device):
     return obj
 
 
-def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: int, packed: bool) -> list[list[int]]:
+def token_budget_micro_batches(
+    lengths: list[int], num_ranks: int, max_tokens: int, packed: bool, prompts: Sequence[Hashable] | None = None
+) -> list[list[int]]:
     """Row indices grouped into micro-batches that each fit a token budget (dynamic batching), rank-major,
     with the same number of micro-batches on every rank.
 
     ``lengths[i]`` is row ``i``'s token count (prompt + response), ``B = len(lengths)``, ``R = num_ranks``
     (data-parallel ranks: the ranks of one ring-attention group share their micro-batches and count once).
-    The cost of a micro-batch ``M`` is the size of its forward pass::
+    ``prompts[i]`` (optional) is a key of row ``i``'s prompt, e.g. its ids: rows with the same key form a
+    unit that stays together where it can, so that ``--ds.shared_prefix`` runs the prompt once for them.
+    Without keys every row is its own unit. The cost of a micro-batch ``M`` is the size of its forward pass::
 
         packed:  cost(M) = sum_{i in M} lengths[i]
         padded:  cost(M) = |M| * max_{i in M} lengths[i]
 
-    1. Rows are dealt to the ranks in equal numbers (the first ``B mod R`` ranks take one more), longest
-       first, each to the rank holding the fewest tokens among those with room.
-    2. Each rank places its rows, longest first, in the first of its micro-batches where the cost stays
-       ``<= max_tokens``, else in a new one. A single row longer than ``max_tokens`` gets a micro-batch of its
-       own, over the budget: rows are never dropped or truncated.
+    (an upper bound for rows that share their prompt, which run fewer tokens).
+
+    1. Units are dealt to the ranks longest first (by their longest row), each to the rank holding the
+       fewest tokens among those with room for all of it; a unit no rank has room for is dealt row by row.
+       Ranks get equal numbers of rows (the first ``B mod R`` ranks one more).
+    2. Each rank places its rows in that order (a unit's rows together, longest first) in the first of its
+       micro-batches where the cost stays ``<= max_tokens``, else in a new one. A single row longer than
+       ``max_tokens`` gets a micro-batch of its own, over the budget: rows are never dropped or truncated.
     3. A rank with fewer micro-batches than the most any rank has halves its costliest one (of two rows or
        more) until the counts are equal, because every rank must run the same number of forward/backward
        passes (ZeRO-3 gathers are collective). That needs at least as many rows on the rank as the target
@@ -147,37 +155,51 @@ def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: i
         raise ValueError(f"max_tokens must be a positive token budget, got {max_tokens}")
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
+    if prompts is not None and len(prompts) != len(lengths):
+        raise ValueError(f"{len(prompts)} prompt keys for {len(lengths)} rows")
 
-    def cost(rows: list[int]) -> int:  # rows longest first, as they are placed below
-        return sum(lengths[i] for i in rows) if packed else len(rows) * lengths[rows[0]]
+    def cost(rows: list[int]) -> int:
+        return sum(lengths[i] for i in rows) if packed else len(rows) * max(lengths[i] for i in rows)
 
+    units: dict[Hashable, list[int]] = {}
+    for i in range(len(lengths)):
+        units.setdefault(i if prompts is None else prompts[i], []).append(i)
+    ordered = [sorted(u, key=lambda i: (-lengths[i], i)) for u in units.values()]
+    ordered.sort(key=lambda u: (-lengths[u[0]], u[0]))
     room = [len(lengths) // num_ranks + (r < len(lengths) % num_ranks) for r in range(num_ranks)]
     shares: list[list[int]] = [[] for _ in range(num_ranks)]
     tokens = [0] * num_ranks
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min((r for r in range(num_ranks) if len(shares[r]) < room[r]), key=lambda r: tokens[r])
-        shares[r].append(i)
-        tokens[r] += lengths[i]
+    for unit in ordered:
+        whole = [r for r in range(num_ranks) if room[r] - len(shares[r]) >= len(unit)]
+        for i in unit:
+            r = min(whole or [r for r in range(num_ranks) if len(shares[r]) < room[r]], key=lambda r: tokens[r])
+            whole = [r] if whole else []  # the rest of the unit follows its first row
+            shares[r].append(i)
+            tokens[r] += lengths[i]
     per_rank: list[list[list[int]]] = []
     for share in shares:
         mbs: list[list[int]] = []
-        sums: list[int] = []  # tokens of each micro-batch, kept so that a try costs O(1)
+        sums: list[int] = []  # tokens and longest row of each micro-batch, so that a try costs O(1)
+        widest: list[int] = []
         for i in share:
+            n = lengths[i]
             k = next((k for k, mb in enumerate(mbs)
-                      if (sums[k] + lengths[i] if packed else (len(mb) + 1) * lengths[mb[0]]) <= max_tokens), None)
+                      if (sums[k] + n if packed else (len(mb) + 1) * max(widest[k], n)) <= max_tokens), None)
             if k is None:
                 mbs.append([i])
-                sums.append(lengths[i])
+                sums.append(n)
+                widest.append(n)
             else:
                 mbs[k].append(i)
-                sums[k] += lengths[i]
+                sums[k] += n
+                widest[k] = max(widest[k], n)
         per_rank.append(mbs)
     target = max(len(mbs) for mbs in per_rank)
     for mbs in per_rank:
         while len(mbs) < target and any(len(mb) > 1 for mb in mbs):
             big = max((mb for mb in mbs if len(mb) > 1), key=cost)
             half = len(big) // 2
-            mbs.append(big[half:])  # rows are longest first: the shorter half pads to a shorter width
+            mbs.append(big[half:])  # rows in placement order: the later half is the shorter one, or another prompt
             del big[half:]
     return [sorted(mb) for mbs in per_rank for mb in mbs]
 

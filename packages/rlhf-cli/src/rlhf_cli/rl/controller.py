@@ -165,6 +165,13 @@ class RLController:
             ))
         return out
 
+    def prompt_keys(self, exp: Experience) -> list[tuple] | None:
+        """Each row's prompt ids, for token-budget micro-batches to keep a prompt's samples together where
+        ``--ds.shared_prefix`` runs the prompt once for them (not with packing, which does not share)."""
+        if not self.cfg.ds.shared_prefix or self.cfg.ds.packing_samples:
+            return None
+        return [tuple(seq[:pl]) for seq, pl in zip(exp.sequences, exp.prompt_lens)]
+
     def make_experience(self, batch: Batch) -> Experience:
         cfg = self.cfg
         exp = build_experience(batch.trajectories, cfg)
@@ -173,7 +180,7 @@ class RLController:
             # a ring-attention group of R ranks splits each micro-batch R ways: R budgets per micro-batch
             budget = (cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu) * self.groups.actor.ring_size
             cuts = token_budget_micro_batches([len(q) for q in exp.sequences], self.groups.actor.dp_size, budget,
-                                              cfg.ds.packing_samples)
+                                              cfg.ds.packing_samples, self.prompt_keys(exp))
         else:
             size = cfg.rollout.micro_batch_size
             cuts = [slice(s, s + size) for s in range(0, b, size)]
@@ -284,7 +291,7 @@ class RLController:
                     lengths = [len(q) for q in part.sequences]
                     cuts = token_budget_micro_batches(lengths, self.groups.actor.dp_size,
                                                       cfg.train.max_tokens_per_gpu * self.groups.actor.ring_size,
-                                                      cfg.ds.packing_samples)
+                                                      cfg.ds.packing_samples, self.prompt_keys(part))
                 else:
                     cuts = [slice(k, k + micro) for k in range(0, per_step, micro)]
                 seqs = self.micro_batches(part, cuts)

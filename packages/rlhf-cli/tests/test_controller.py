@@ -263,6 +263,49 @@ def test_token_budgets_keep_a_prompts_samples_together(monkeypatch, shared):
         assert max(prompts_per_mb) > 1
 
 
+class FakeEngineActor:
+    """A rollout actor whose engine takes ``ranks`` ranks of the broadcast group (0: it cannot join one)."""
+
+    def __init__(self, ranks: int, calls: list):
+        def remote(name, result=None):
+            return SimpleNamespace(remote=lambda *a, **kw: calls.append((self, name, a, kw)) or result)
+
+        self.weight_sync_ranks = remote("ranks", ranks)
+        self.init_weight_sync = remote("join")
+        self.receive_weights = remote("receive")
+        self.update_weights = remote("update")
+
+
+@pytest.mark.parametrize("ranks,with_ray", [([2, 1], False), ([1, 0], False), ([1, 1], True)],
+                         ids=["tp2-and-hf", "one-engine-cannot-join", "sync-with-ray"])
+def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
+    import rlhf_cli.rl.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "ray", SimpleNamespace(get=lambda refs: refs, put=lambda x: x,
+                                                                  exceptions=controller_module.ray.exceptions))
+    calls, sends = [], []
+    engines = [FakeEngineActor(r, calls) for r in ranks]
+    actor = SimpleNamespace(weight_sync_address=lambda: ("10.0.0.1", 29500),
+                            broadcast_weights_to_engines_async=lambda *a: sends.append(a),
+                            call=lambda method: [{"w": torch.ones(1)}])
+    cfg = config()
+    cfg.vllm.sync_with_ray = with_ray
+    ctl = controller(cfg, 4)
+    ctl.groups = Groups(actor=actor, rollout=engines)
+    for _ in range(2):
+        ctl.sync_weights()
+    names = [(engines.index(e), name) for e, name, _, _ in calls]
+    if with_ray or 0 in ranks:  # every engine gets the state dict through the object store, each sync
+        assert sends == [] and [n for n in names if n[1] != "ranks"] == [(0, "update"), (1, "update")] * 2
+        assert [n for n in names if n[1] == "ranks"] == ([] if with_ray else [(0, "ranks"), (1, "ranks")])
+        return
+    # the TP-2 engine takes ranks 1-2, the next one rank 3; the group is joined once, then reused
+    joins = [kw for _, name, _, kw in calls if name == "join"]
+    assert [(j["first_rank"], j["world_size"], j["backend"]) for j in joins] == [(1, 4, "gloo"), (3, 4, "gloo")]
+    assert names.count((0, "receive")) == names.count((1, "receive")) == 2
+    assert [s[:3] for s in sends] == [("10.0.0.1", 29500, 4)] * 2
+
+
 def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
     """Without --ckpt.load_enable the rows of the run before are kept as metrics.1.jsonl, not mixed in (the
     report would draw both runs as one line)."""

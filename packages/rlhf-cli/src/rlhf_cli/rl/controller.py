@@ -88,6 +88,7 @@ class RLController:
         self.consecutive_nonfinite = 0
         self.max_queue_size_seen = 0
         self._sync_address: tuple[str, int] | None = None
+        self._sync_ranks: list[int] | None = None  # broadcast-group ranks of each engine; a 0: object store
 
     # --- rollout ---------------------------------------------------------------------------------------
 
@@ -337,21 +338,28 @@ class RLController:
 
     def sync_weights(self) -> None:
         """Policy weights to every engine: broadcast from the policy's rank 0 through a torch.distributed
-        group (gloo on CPU, NCCL on GPU; ZeRO-3 parameters gathered bucket by bucket), or through Ray's
-        object store with ``--vllm.sync_with_ray``. A stalled sync raises after ``--vllm.sync_timeout``."""
+        group that the engines join themselves (gloo on CPU, NCCL on GPU; one rank per tensor-parallel
+        worker; ZeRO-3 parameters gathered bucket by bucket), or through Ray's object store with
+        ``--vllm.sync_with_ray`` or an engine that cannot join a group. A stalled sync raises after
+        ``--vllm.sync_timeout``."""
         engines = self.groups.rollout
-        if self.cfg.vllm.sync_with_ray:
+        if self._sync_ranks is None:
+            self._sync_ranks = [0] if self.cfg.vllm.sync_with_ray else _get(
+                [a.weight_sync_ranks.remote() for a in engines], "rollout")
+        if not all(self._sync_ranks):
             states = self.groups.actor.call("get_state_dict_for_engines")
             ref = ray.put(states[0])
             _get([a.update_weights.remote(ref) for a in engines], "rollout")
         else:
             backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
-            world, timeout = len(engines) + 1, self.cfg.vllm.sync_timeout
+            world, timeout = 1 + sum(self._sync_ranks), self.cfg.vllm.sync_timeout
             if self._sync_address is None:
                 self._sync_address = self.groups.actor.weight_sync_address()
                 addr, port = self._sync_address
-                joins = [a.init_weight_sync.remote(master_addr=addr, master_port=port, rank=i + 1, world_size=world,
-                                                   backend=backend, timeout_s=timeout) for i, a in enumerate(engines)]
+                firsts = [1 + sum(self._sync_ranks[:i]) for i in range(len(engines))]
+                joins = [a.init_weight_sync.remote(master_addr=addr, master_port=port, first_rank=first,
+                                                   world_size=world, backend=backend, timeout_s=timeout)
+                         for a, first in zip(engines, firsts, strict=True)]
             else:
                 addr, port = self._sync_address
                 joins = []

@@ -57,7 +57,6 @@ class RolloutActor:
         engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
         self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
-        self.sync_group = None
         # With partial rollout the actor runs calls concurrently, so the first receive_weights can start
         # while init_weight_sync is still joining the group.
         self.sync_ready = threading.Event()
@@ -77,26 +76,25 @@ class RolloutActor:
         self.engine.reset_prefix_cache()
         return len(state_dict)
 
-    def init_weight_sync(self, **kwargs) -> None:
-        from rlhf_core import weight_sync
+    def weight_sync_ranks(self) -> int:
+        """Ranks the engine takes in the weight-broadcast group (one per tensor-parallel worker), or 0 for an
+        engine without ``init_weight_sync``, whose weights then come through the object store."""
+        if not hasattr(self.engine, "init_weight_sync"):
+            return 0
+        return getattr(self.engine, "tensor_parallel_size", 1)
 
-        self.sync_group = weight_sync.init_sync_group(**kwargs)
+    def init_weight_sync(self, **kwargs) -> None:
+        """The engine joins the broadcast group (``master_addr``, ``master_port``, ``first_rank``,
+        ``world_size``, ``backend``, ``timeout_s``)."""
+        self._on_engine_thread(self.engine.init_weight_sync, **kwargs)
         self.sync_ready.set()
 
-    def receive_weights(self) -> int:
+    def receive_weights(self) -> None:
         """Load the weights the policy's rank 0 is broadcasting through the sync group."""
-        received = []
         if not self.sync_ready.wait(self.sync_timeout):
             raise TimeoutError(f"no weight-sync group joined within --vllm.sync_timeout {self.sync_timeout:g} s")
-
-        def counted():
-            for name, tensor in self.sync_group.receive():
-                received.append(name)
-                yield name, tensor
-
-        self._on_engine_thread(self.engine.update_weights, counted())
+        self._on_engine_thread(self.engine.receive_weights)
         self.engine.reset_prefix_cache()
-        return len(received)
 
     def sleep(self, level: int = 1) -> None:
         self.engine.sleep(level)

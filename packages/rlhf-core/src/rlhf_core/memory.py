@@ -23,8 +23,9 @@ def keep_freed_memory() -> bool:
     whenever more than twice that threshold is free at its top, so the next step page-faults its memory in
     again, tens of thousands of minor faults per step until the threshold catches up (on the h256 GRPO
     bench, policy updates of 0.80-0.86 s against 0.73 s with this). With blocks up to 32 MiB from the heap
-    and trimming only past 1 GiB free, a step reuses the pages of the one before. The resident size stays at its peak, which a worker reaches every step
-    anyway. Returns False where the C library is not glibc (nothing changed)."""
+    and trimming only past 1 GiB free, a step reuses the pages of the one before. The resident size stays
+    at its peak, which a worker reaches every step anyway. Returns False where the C library is not glibc
+    (nothing changed)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

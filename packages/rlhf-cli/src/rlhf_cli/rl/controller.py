@@ -344,7 +344,7 @@ class RLController:
         ``--vllm.sync_timeout``."""
         engines = self.groups.rollout
         if self._sync_ranks is None:
-            self._sync_ranks = [0] if self.cfg.vllm.sync_with_ray else _get(
+            self._sync_ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray else _get(
                 [a.weight_sync_ranks.remote() for a in engines], "rollout")
         if not all(self._sync_ranks):
             states = self.groups.actor.call("get_state_dict_for_engines")

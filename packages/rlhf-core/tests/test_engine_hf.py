@@ -21,7 +21,7 @@ from rlhf_core.types import GenerationRequest, SamplingParams
 class TestHFEngine(RolloutEngineConformance):
     def make_engine(self, model_dir):
         engine = HFEngine(model_dir, dtype="float32", device="cpu")
-        assert engine.fast_path
+        assert engine.fast_path and engine.pack_weights  # the suite's weight updates check the packed copies
         return engine
 
 
@@ -187,18 +187,21 @@ def test_registered_as_hf_and_built_from_the_config(tiny_dir):
     assert len(outs) == 2 and all(len(o.token_ids) <= 3 for o in outs)
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
-def test_direct_decode_equals_the_module_forward(kind, monkeypatch):
-    """decode_token reads the weights itself; it must give the model's own forward: the same tokens and
-    log-probs (1e-5) through prompts of different lengths (left padding) and rows finishing early. Without
-    the direct step the model still decodes into the preallocated cache (the fast path's other half)."""
+def test_direct_decode_equals_the_module_forward(kind, pack, monkeypatch):
+    """decode_token reads the weights itself (or their packed copies); it must give the model's own
+    forward: the same tokens and log-probs (1e-5) through prompts of different lengths (left padding) and
+    rows finishing early. Without the direct step the model still decodes into the preallocated cache
+    (the fast path's other half)."""
     from rlhf_core.rollout.hf_engine import GrowingKVLayer
 
-    engine = HFEngine.from_model(tiny_decoder(kind))
-    assert engine.fast_path and engine.plan is not None
+    engine = HFEngine.from_model(tiny_decoder(kind), pack_weights=pack)
+    assert engine.fast_path and engine.plan is not None and engine.pack_weights == pack
     requests = [GenerationRequest(list(range(5, 5 + n)), SamplingParams(n=3, max_new_tokens=9 + n, seed=n))
                 for n in (1, 4, 7)]
     direct = engine.generate(requests)
+    assert (engine._packed is not None) == pack
     engine.plan = None
     writes = []
     update = GrowingKVLayer.update

@@ -10,7 +10,8 @@ place, attention masks are built once per batch, and one-token attention multipl
 against the cache without repeating K/V: the per-step costs that dominate ``generate`` on small models.
 Their decode steps skip the module calls too (:func:`decode_token` reads the weights directly), which
 halves a step of a small model; a model with adapters, hooks or position-dependent RoPE keeps the
-module path.
+module path. On CPU in float32, an engine that loaded its own model also keeps oneDNN-blocked copies of
+those weights for the decode matmuls (:func:`pack_linears`), about 10% off a decode step.
 Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
 ``DynamicCache`` and its own mask logic; results are the same, only slower.
 """
@@ -154,7 +155,25 @@ def decode_plan(model) -> dict | None:
     if any(type(m) is not torch.nn.Linear for m in linears):
         return None
     act = model.config.hidden_act
-    return {"inner": inner, "lm_head": model.lm_head, "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn}
+    return {"inner": inner, "lm_head": model.lm_head, "linears": linears,
+            "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn}
+
+
+def pack_linears(plan: dict, rows: int) -> dict[torch.nn.Module, torch.Tensor]:
+    """oneDNN's blocked layout of every weight :func:`decode_token` multiplies by, for ``rows`` rows.
+
+    A decode step multiplies a few dozen rows by each weight; from the blocked copy oneDNN skips
+    re-packing the weight on every call (h256, 4 layers, batch 32, one thread: 6.5 -> 5.7 ms per step).
+    The copies are snapshots: whoever changes the weights must drop them (:class:`HFEngine` does).
+    """
+    return {m: torch.ops.mkldnn._reorder_linear_weight(m.weight, rows) for m in plan["linears"]}
+
+
+def _linear(x: torch.Tensor, module: torch.nn.Linear, packed: dict) -> torch.Tensor:
+    weight = packed.get(module)
+    if weight is None:
+        return F.linear(x, module.weight, module.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, module.bias, "none", [], "")
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -171,16 +190,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def decode_token(plan: dict, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                 cache: Cache) -> torch.Tensor:
+                 cache: Cache, packed: dict | None = None) -> torch.Tensor:
     """One new token per row through a Llama-family decoder; the same math as the model's forward.
 
     tokens ``[B]``; cos/sin ``[B, d]`` of each row's position; mask ``[B, 1, 1, L]`` additive over the L
     cached positions including this one; ``cache`` holds :class:`GrowingKVLayer` s and gets this token's
     K/V. Per layer: ``h += o(attn(rope(q(n1 h)), rope(k(n1 h)), v(n1 h)))`` then
     ``h += down(act(gate(n2 h)) * up(n2 h))``; Qwen3 normalises q and k per head before RoPE.
+    ``packed``: :func:`pack_linears` of the current weights, used in place of the modules' own.
     Returns float32 logits ``[B, V]``.
     """
     inner = plan["inner"]
+    packed = packed or {}
     b = tokens.shape[0]
     cos, sin = cos[:, None], sin[:, None]
     h = F.embedding(tokens, inner.embed_tokens.weight)
@@ -188,9 +209,9 @@ def decode_token(plan: dict, tokens: torch.Tensor, cos: torch.Tensor, sin: torch
         at, mlp = layer.self_attn, layer.mlp
         d = at.head_dim
         x = _rms_norm(layer.input_layernorm, h)
-        q = F.linear(x, at.q_proj.weight, at.q_proj.bias).view(b, -1, d)
-        k = F.linear(x, at.k_proj.weight, at.k_proj.bias).view(b, -1, d)
-        v = F.linear(x, at.v_proj.weight, at.v_proj.bias).view(b, -1, d)
+        q = _linear(x, at.q_proj, packed).view(b, -1, d)
+        k = _linear(x, at.k_proj, packed).view(b, -1, d)
+        v = _linear(x, at.v_proj, packed).view(b, -1, d)
         if hasattr(at, "q_norm"):
             q, k = _rms_norm(at.q_norm, q), _rms_norm(at.k_norm, k)
         keys, values = kv.update(_rotate(k, cos, sin)[:, :, None], v[:, :, None])
@@ -199,12 +220,11 @@ def decode_token(plan: dict, tokens: torch.Tensor, cos: torch.Tensor, sin: torch
         scores = torch.matmul(q, keys.transpose(-1, -2)) * at.scaling + mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         out = torch.matmul(probs, values).reshape(b, heads * d)
-        h = h + F.linear(out, at.o_proj.weight, at.o_proj.bias)
+        h = h + _linear(out, at.o_proj, packed)
         x = _rms_norm(layer.post_attention_layernorm, h)
-        up = plan["act"](F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
-        h = h + F.linear(up, mlp.down_proj.weight, mlp.down_proj.bias)
-    head = plan["lm_head"]
-    return F.linear(_rms_norm(inner.norm, h), head.weight, head.bias).float()
+        up = plan["act"](_linear(x, mlp.gate_proj, packed)) * _linear(x, mlp.up_proj, packed)
+        h = h + _linear(up, mlp.down_proj, packed)
+    return _linear(_rms_norm(inner.norm, h), plan["lm_head"], packed).float()
 
 
 class HFEngine(RolloutEngine):
@@ -237,18 +257,21 @@ class HFEngine(RolloutEngine):
             model_name_or_path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation
         )
         model.requires_grad_(False)
-        self._setup(model.to(device).eval(), eos_token_id, max_batch_size)
+        self._setup(model.to(device).eval(), eos_token_id, max_batch_size, pack_weights=True)
 
     @classmethod
     def from_model(
-        cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None, max_batch_size: int = 256
+        cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None, max_batch_size: int = 256,
+        pack_weights: bool = False,
     ) -> HFEngine:
-        """Wrap a model that is already loaded (tests, or a trainer sharing its module); no copy is made."""
+        """Wrap a model that is already loaded (tests, or a trainer sharing its module); no copy is made.
+        ``pack_weights`` keeps packed copies of the weights as an engine loaded from a path does: only when
+        the module's weights change through this engine (``update_weights``), never behind its back."""
         engine = cls.__new__(cls)
-        engine._setup(model.eval(), eos_token_id, max_batch_size)
+        engine._setup(model.eval(), eos_token_id, max_batch_size, pack_weights)
         return engine
 
-    def _setup(self, model, eos_token_id, max_batch_size: int) -> None:
+    def _setup(self, model, eos_token_id, max_batch_size: int, pack_weights: bool) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
         config = model.config
@@ -269,6 +292,9 @@ class HFEngine(RolloutEngine):
         )
         self.num_layers = config.num_hidden_layers
         self.plan = decode_plan(model) if self.fast_path else None
+        self.pack_weights = (pack_weights and self.plan is not None and self.device.type == "cpu"
+                             and model.lm_head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
+        self._packed: dict | None = None  # pack_linears of the current weights; dropped whenever they change
         # Every name a trainer may send (tied weights appear under both names) -> the tensor to fill.
         self._targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -305,6 +331,8 @@ class HFEngine(RolloutEngine):
         # Similar prompt lengths decode together (less padding); sampling is per row, so order is free.
         rows.sort(key=lambda row: -len(row[2]))
         results: list[list[Any]] = [[None] * req.params.n for req in requests]
+        if rows and self.pack_weights and self._packed is None:
+            self._packed = pack_linears(self.plan, min(len(rows), self.max_batch_size))
         saved_attention = self.model.config._attn_implementation
         if self.fast_path:
             self.model.config._attn_implementation = ATTENTION_NAME
@@ -438,7 +466,7 @@ class HFEngine(RolloutEngine):
             mask = s["mask"][..., : width + t + 1]
             position = s["prompt_len"] + t
             if plan is not None:
-                logits = decode_token(plan, tok, cos[position], sin[position], mask, cache)
+                logits = decode_token(plan, tok, cos[position], sin[position], mask, cache, self._packed)
             else:
                 logits = self._forward(tok[:, None], position[:, None], mask, cache)
 
@@ -467,6 +495,7 @@ class HFEngine(RolloutEngine):
         """Copy tensors into the parameters or buffers of the same HF names (cast to the engine's dtype)."""
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
+        self._packed = None
         for name, tensor in named_tensors:
             target = self._targets.get(name)
             if target is None:
@@ -519,6 +548,7 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._asleep:
             return
+        self._packed = None
         for p in self._params.values():
             if level == 2:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -530,6 +560,7 @@ class HFEngine(RolloutEngine):
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
+        self._packed = None
         for name, p in self._params.items():
             if self._asleep == 2:
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=self.device)

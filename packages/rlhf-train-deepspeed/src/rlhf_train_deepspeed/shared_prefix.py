@@ -3,18 +3,19 @@ prompt in RL, chosen and rejected in DPO) run that prompt through the model once
 
 Layout, one row per group of sequences with the same prompt (``G`` rows)::
 
-    [ P prompt slots, left-padded | slot 0: R response tokens | slot 1: R | ... | slot S-1: R ]
+    [ P prompt slots, left-padded | slot 0: W response tokens | slot 1: W | ... | slot S-1: W ]
 
-``P`` is the longest prompt, ``S`` the largest group, ``R`` the longest response. Positions are the
-prompt's ``0..p-1`` and ``p..p+R-1`` in every slot. The attention function registered here as
+``P`` is the longest prompt, ``S`` the largest group, ``R`` the longest response and ``W = R - 1``: a
+response's last token predicts nothing and no other token attends to it, so no slot needs it. Positions
+are the prompt's ``0..p-1`` and ``p..p+W-1`` in every slot. The attention function registered here as
 ``rlhf_shared_prefix`` gives
 
 - prompt queries: the causal prompt keys of their row (pad keys masked);
 - response token ``t`` of slot ``s``: the row's prompt keys, then keys ``0..t`` of slot ``s`` only,
 
 which is the attention each sequence has on its own, so log-probs and gradients equal the unshared ones up
-to float summation order. The linear layers see ``G*P + G*S*R`` tokens instead of ``B*(P+R)``: with 8
-samples of a 32-token prompt and 64-token responses, 29% fewer. The prompt's keys and values are expanded
+to float summation order. The linear layers see ``G*P + G*S*W`` tokens instead of ``B*(P+R)``: with 8
+samples of a 32-token prompt and 64-token responses, 30% fewer. The prompt's keys and values are expanded
 to every slot, so autograd sums the group's gradients into the one prompt.
 
 Without a layout (``shared_prefix`` keyword absent) the function is transformers' SDPA, and its masks are
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 ATTN = "rlhf_shared_prefix"
 MAX_MASK_ENTRIES = 1 << 26
-"""Largest response mask (``G*S*R*(P+R)`` booleans, also materialised as floats by SDPA) a layout may use."""
+"""Largest response mask (``G*S*W*(P+W)`` booleans, also materialised as floats by SDPA) a layout may use."""
 
 # Attention in these architectures is plain softmax attention over RoPE'd q/k; sliding windows are checked
 # separately. Others (soft-capping, attention sinks, cross-layer KV sharing) keep SDPA.
@@ -74,19 +75,20 @@ class Layout:
     """Where each sequence of a micro-batch sits in the shared-prompt rows (see the module docstring)."""
 
     input_ids: torch.Tensor
-    """``[G, P + S*R]``"""
+    """``[G, P + S*W]``"""
     position_ids: torch.Tensor
-    """``[G, P + S*R]``"""
+    """``[G, P + S*W]``"""
     prompt_len: int
     slots: int
-    response_len: int
+    slot_len: int
+    """``W``: positions per slot, the longest response less its last token (at least 1)"""
     prompt_mask: torch.Tensor
     """``[G, 1, P, P]`` bool: causal over real prompt keys (a pad query sees itself, so no row is empty)."""
     response_mask: torch.Tensor
-    """``[G*S, 1, R, P+R]`` bool: the group's real prompt keys, then causal over the slot's own keys."""
+    """``[G*S, 1, W, P+W]`` bool: the group's real prompt keys, then causal over the slot's own keys."""
     columns: torch.Tensor
     """``[K]`` columns of a row whose outputs predict a response token: the last prompt slot, then every
-    slot's first ``R - 1`` positions (``K = 1 + S*(R-1)``)."""
+    slot's first ``R - 1`` positions (``K = 1 + S*(R-1)``; all ``W`` of them unless ``R`` is 1)."""
     logit_rows: torch.Tensor
     """``[B, T]`` index into the ``[G*K]`` flattened logits for response token ``t`` of sequence ``i``."""
 
@@ -107,10 +109,11 @@ def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: tor
     P = max(plens)
     S = max(len(m) for m in members)
     R = max(n - p for n, p in zip(lengths, plens, strict=True))
-    if g == b or g * (P + S * R) >= b * input_ids.shape[1] or g * S * R * (P + R) > MAX_MASK_ENTRIES:
+    W = max(R - 1, 1)
+    if g == b or g * (P + S * W) >= b * input_ids.shape[1] or g * S * W * (P + W) > MAX_MASK_ENTRIES:
         return None
 
-    width = P + S * R
+    width = P + S * W
     ids = torch.zeros((g, width), dtype=torch.long)  # empty slots are masked out, so their ids do not matter
     pos = torch.zeros((g, width), dtype=torch.long)
     key_ok = torch.zeros((g, P), dtype=torch.bool)
@@ -122,20 +125,20 @@ def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: tor
         pos[gi, P - p : P] = torch.arange(p)
         key_ok[gi, P - p :] = True
         for s, i in enumerate(group):
-            start = P + s * R
-            r = lengths[i] - p
+            start = P + s * W
+            r = min(lengths[i] - p, W)
             ids[gi, start : start + r] = torch.tensor(rows[i][p : p + r])
-            pos[gi, start : start + R] = torch.arange(p, p + R)
+            pos[gi, start : start + W] = torch.arange(p, p + W)
             # token 0 is predicted by the last prompt slot, token t >= 1 by slot position t - 1
             logit_rows[i, 0] = gi * K
             logit_rows[i, 1:] = gi * K + 1 + s * (R - 1) + torch.arange(R - 1)
     q, k = torch.arange(P)[:, None], torch.arange(P)[None, :]
     prompt_mask = ((k <= q) & key_ok[:, None, :]) | (k == q)
-    causal = torch.ones(R, R, dtype=torch.bool).tril()
-    response_mask = torch.cat([key_ok[:, None, None, :].expand(g, S, R, P), causal.expand(g, S, R, R)], -1)
-    slot_starts = P + torch.arange(S) * R
+    causal = torch.ones(W, W, dtype=torch.bool).tril()
+    response_mask = torch.cat([key_ok[:, None, None, :].expand(g, S, W, P), causal.expand(g, S, W, W)], -1)
+    slot_starts = P + torch.arange(S) * W
     columns = torch.cat([torch.tensor([P - 1]), (slot_starts[:, None] + torch.arange(R - 1)).reshape(-1)])
-    return Layout(ids, pos, P, S, R, prompt_mask[:, None], response_mask.reshape(g * S, 1, R, P + R),
+    return Layout(ids, pos, P, S, W, prompt_mask[:, None], response_mask.reshape(g * S, 1, W, P + W),
                   columns, logit_rows)
 
 
@@ -156,12 +159,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             raise NotImplementedError(f"shared-prompt attention does not support {name}; use --ds.shared_prefix false")
     g, heads, _, d = query.shape
     kv = key.shape[1]
-    P, S, R = layout.prompt_len, layout.slots, layout.response_len
+    P, S, W = layout.prompt_len, layout.slots, layout.slot_len
 
-    def slots(x: torch.Tensor) -> torch.Tensor:  # [G, h, S*R, D] -> [G*S, h, R, D]
-        return x.reshape(g, x.shape[1], S, R, d).transpose(1, 2).reshape(g * S, x.shape[1], R, d)
+    def slots(x: torch.Tensor) -> torch.Tensor:  # [G, h, S*W, D] -> [G*S, h, W, D]
+        return x.reshape(g, x.shape[1], S, W, d).transpose(1, 2).reshape(g * S, x.shape[1], W, d)
 
-    def with_prompt(x: torch.Tensor) -> torch.Tensor:  # [G, Hkv, N, D] -> [G*S, Hkv, P+R, D]
+    def with_prompt(x: torch.Tensor) -> torch.Tensor:  # [G, Hkv, N, D] -> [G*S, Hkv, P+W, D]
         prompt = x[:, :, :P].unsqueeze(1).expand(g, S, kv, P, d).reshape(g * S, kv, P, d)
         return torch.cat([prompt, slots(x[:, :, P:])], 2)
 
@@ -173,8 +176,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     out_slots = F.scaled_dot_product_attention(
         slots(query[:, :, P:]), with_prompt(key), with_prompt(value), attn_mask=layout.response_mask,
         dropout_p=dropout, scale=scaling, enable_gqa=gqa,
-    )  # [G*S, H, R, D]
-    out_slots = out_slots.reshape(g, S, heads, R, d).permute(0, 1, 3, 2, 4).reshape(g, S * R, heads, d)
+    )  # [G*S, H, W, D]
+    out_slots = out_slots.reshape(g, S, heads, W, d).permute(0, 1, 3, 2, 4).reshape(g, S * W, heads, d)
     return torch.cat([out_prompt.transpose(1, 2), out_slots], 1).contiguous(), None
 
 

@@ -20,8 +20,9 @@ from rlhf_core.types import GenerationRequest, SamplingParams
 
 class TestHFEngine(RolloutEngineConformance):
     def make_engine(self, model_dir):
-        engine = HFEngine(model_dir, dtype="float32", device="cpu")
-        assert engine.fast_path and engine.pack_weights  # the suite's weight updates check the packed copies
+        # packed although the model is below PACK_MIN_HIDDEN: the suite's weight updates check the copies
+        engine = HFEngine(model_dir, dtype="float32", device="cpu", pack_weights=True)
+        assert engine.fast_path and engine.pack_weights
         return engine
 
 
@@ -212,6 +213,20 @@ def test_direct_decode_equals_the_module_forward(kind, pack, monkeypatch):
         for a, b in zip(a_outs, b_outs, strict=True):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_packed_weights_by_default_from_hidden_size_256(tmp_path):
+    """Below PACK_MIN_HIDDEN packing costs more than it saves; a module the engine does not own is never
+    packed unless asked."""
+    from rlhf_core.rollout.hf_engine import PACK_MIN_HIDDEN
+
+    small = make_tiny_llama(tmp_path / "small", hidden_size=PACK_MIN_HIDDEN // 2, intermediate_size=64)
+    wide = make_tiny_llama(tmp_path / "wide", hidden_size=PACK_MIN_HIDDEN, intermediate_size=64,
+                           num_hidden_layers=1)
+    assert not HFEngine(small, device="cpu").pack_weights
+    assert HFEngine(wide, device="cpu").pack_weights
+    assert not HFEngine(wide, device="cpu", dtype="bf16").pack_weights
+    assert not HFEngine.from_model(tiny_decoder("llama")).pack_weights
 
 
 def test_direct_decode_steps_aside_for_what_it_does_not_cover():

@@ -10,8 +10,9 @@ place, attention masks are built once per batch, and one-token attention multipl
 against the cache without repeating K/V: the per-step costs that dominate ``generate`` on small models.
 Their decode steps skip the module calls too (:func:`decode_token` reads the weights directly), which
 halves a step of a small model; a model with adapters, hooks or position-dependent RoPE keeps the
-module path. On CPU in float32, an engine that loaded its own model also keeps oneDNN-blocked copies of
-those weights for the decode matmuls (:func:`pack_linears`), about 10% off a decode step.
+module path. On CPU in float32, an engine that loaded a model of hidden size 256 or more also keeps
+oneDNN-blocked copies of those weights for the decode matmuls (:func:`pack_linears`), about 10% off a
+decode step at 256 and more above.
 Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
 ``DynamicCache`` and its own mask logic; results are the same, only slower.
 """
@@ -133,6 +134,10 @@ class GrowingKVLayer(DynamicLayer):
             self.values = self.value_buffer[:, :, : self.length]
 
 
+# Below this hidden size oneDNN's per-call cost outweighs the packing it saves (one thread, 32 rows: the
+# decode linears of h128 run 30% slower packed, h192 5-10% slower, h256 0-25% faster, h512 20-30% faster)
+PACK_MIN_HIDDEN = 256
+
 # RoPE variants whose cos/sin depend only on the position, so one table serves every decode step
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
@@ -238,6 +243,8 @@ class HFEngine(RolloutEngine):
         max_batch_size: most sequences (prompts x samples) decoded together; larger requests are split.
         eos_token_id: stop id(s); default the model's generation config, else its config.
         num_threads: torch CPU threads for this process (a Ray actor sets it to its CPU share).
+        pack_weights: decode from packed copies of the weights (:func:`pack_linears`); default: on CPU in
+            float32 for models of hidden size :data:`PACK_MIN_HIDDEN` or more.
     """
 
     def __init__(
@@ -249,6 +256,7 @@ class HFEngine(RolloutEngine):
         max_batch_size: int = 256,
         eos_token_id: int | Sequence[int] | None = None,
         num_threads: int | None = None,
+        pack_weights: bool | None = None,
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -257,21 +265,22 @@ class HFEngine(RolloutEngine):
             model_name_or_path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation
         )
         model.requires_grad_(False)
-        self._setup(model.to(device).eval(), eos_token_id, max_batch_size, pack_weights=True)
+        self._setup(model.to(device).eval(), eos_token_id, max_batch_size, pack_weights)
 
     @classmethod
     def from_model(
         cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None, max_batch_size: int = 256,
-        pack_weights: bool = False,
+        pack_weights: bool | None = False,
     ) -> HFEngine:
         """Wrap a model that is already loaded (tests, or a trainer sharing its module); no copy is made.
-        ``pack_weights`` keeps packed copies of the weights as an engine loaded from a path does: only when
-        the module's weights change through this engine (``update_weights``), never behind its back."""
+        ``pack_weights`` (True, or None for the size rule of an engine loaded from a path) keeps packed
+        copies of the weights: only when the module's weights change through this engine
+        (``update_weights``), never behind its back."""
         engine = cls.__new__(cls)
         engine._setup(model.eval(), eos_token_id, max_batch_size, pack_weights)
         return engine
 
-    def _setup(self, model, eos_token_id, max_batch_size: int, pack_weights: bool) -> None:
+    def _setup(self, model, eos_token_id, max_batch_size: int, pack_weights: bool | None) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
         config = model.config
@@ -292,6 +301,8 @@ class HFEngine(RolloutEngine):
         )
         self.num_layers = config.num_hidden_layers
         self.plan = decode_plan(model) if self.fast_path else None
+        if pack_weights is None:
+            pack_weights = config.hidden_size >= PACK_MIN_HIDDEN
         self.pack_weights = (pack_weights and self.plan is not None and self.device.type == "cpu"
                              and model.lm_head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self._packed: dict | None = None  # pack_linears of the current weights; dropped whenever they change

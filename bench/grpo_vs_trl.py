@@ -487,20 +487,25 @@ exit before the last sample).
 
 {table(rows)}
 
-Reading the table: rlhf's generation is 2.4-3.5x faster than TRL's on h128 and 1.8x on h256/4L (a KV-cache
-engine per core whose decode step calls no modules; the 8 samples of a prompt share one prefill). Its policy
-update runs each prompt once for its 8 samples (`--ds.shared_prefix`, on by default: one row per prompt,
-`[prompt | sample 1 | ... | sample 8]`, with an attention that gives each sample the prompt and its own
-tokens; same gradients), so it processes 4,352 tokens where TRL processes 6,144 on h256/4L (2,176 vs 3,072 on
-h128 with 32-token completions), and gets log-probs and entropy from one softmax; the update is 1.5-1.8x
-faster than TRL's. On-policy steps skip the old-log-prob pass as TRL does. Training ranks and engines keep
-freed memory (glibc `mallopt`), so a step no longer page-faults in the memory the step before freed; that
-took the h256/4L update from 0.80-0.86 s to about 0.7 s and removed the slow first measured steps. The rest
-of the update is the same fp32 torch kernels over the same response tokens, and both phases keep both cores
-busy, so h256/4L, where the update is 55% of the step, gains least: 1.48x over 10 rounds (two invocations of
-5), below the 1.5x goal by a hair, with rounds from 1.31x to 1.63x. The machine is a shared 2-vCPU VM whose
-speed drifts by up to 1.5x within an hour (h128 rounds ranged from 1.38x to 2.18x), so compare ratios within
-a run, not across runs.
+Reading the table: rlhf's generation is 2.3-2.6x faster than TRL's on h128 and 1.8x on h256/4L (a KV-cache
+engine per core whose decode step calls no modules and, from hidden size 256, multiplies by weights kept in
+oneDNN's blocked layout; the 8 samples of a prompt share one prefill). Its policy update runs each prompt
+once for its 8 samples (`--ds.shared_prefix`, on by default: one row per prompt, `[prompt | sample 1 | ... |
+sample 8]`, each sample without its last token, which predicts nothing, and an attention that gives each
+sample the prompt and its own tokens; same gradients), so it processes 4,288 tokens where TRL processes
+6,144 on h256/4L (2,112 vs 3,072 on h128 with 32-token completions), and gets log-probs and entropy from
+one softmax; the update is 1.4-1.7x faster than TRL's. On-policy steps skip the old-log-prob pass as TRL
+does; training ranks and engines keep freed memory (glibc `mallopt`). Per token, the update runs the same
+fp32 GEMMs as TRL's at the same speed per core (about 50 GFLOP/s per core in a run, 85-90 alone: GEMM-bound
+without bf16), and both phases keep both cores busy (Ray's timeline of an h256/4L step: 0.40-0.43 s of
+generation, 13 ms hand-over, 0.62-0.70 s of update, 15 ms weight sync, 6 ms to the next rollout), so
+h256/4L, where the update is 60% of the step, gains least: 1.49x over 20 rounds in two invocations of 10
+(1.41x and 1.57x; rounds from 1.23x to 1.84x), at the 1.5x goal but not clearly over it. Against the
+previous commit in 5 alternating runs of the same session, this version's packed decode weights and
+shorter slots made the h256/4L step 9% faster (median of the pairs, 4 of 5 faster; generation 12%), while
+the ratio moved from the previous session's 1.48x to 1.49x: TRL's step measured 1.76 s in the first
+invocation and 1.94 s in the second (previous session: 1.95 s). The machine is a shared 2-vCPU VM whose speed drifts by up to
+1.5x within an hour, so compare ratios within a run, not across runs.
 """
     (HERE / "grpo_vs_trl.md").write_text(text + NOTES)
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")

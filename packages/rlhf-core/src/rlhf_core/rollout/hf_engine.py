@@ -571,7 +571,6 @@ class HFEngine(RolloutEngine):
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        self._packed = None
         for name, p in self._params.items():
             if self._asleep == 2:
                 p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=self.device)

@@ -504,8 +504,8 @@ h256/4L, where the update is 60% of the step, gains least: 1.49x over 20 rounds 
 previous commit in 5 alternating runs of the same session, this version's packed decode weights and
 shorter slots made the h256/4L step 9% faster (median of the pairs, 4 of 5 faster; generation 12%), while
 the ratio moved from the previous session's 1.48x to 1.49x: TRL's step measured 1.76 s in the first
-invocation and 1.94 s in the second (previous session: 1.95 s). The machine is a shared 2-vCPU VM whose speed drifts by up to
-1.5x within an hour, so compare ratios within a run, not across runs.
+invocation and 1.94 s in the second (previous session: 1.95 s). The machine is a shared 2-vCPU VM whose
+speed drifts by up to 1.5x within an hour, so compare ratios within a run, not across runs.
 """
     (HERE / "grpo_vs_trl.md").write_text(text + NOTES)
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")

@@ -64,7 +64,7 @@ def worker(args) -> dict:
         from rlhf_core.rollout.hf_engine import HFEngine
         from rlhf_core.types import GenerationRequest, SamplingParams
 
-        engine = HFEngine.from_model(model, pack_weights=None)  # packed by the size rule, as when loaded from a path
+        engine = HFEngine.from_model(model, own_weights=True)  # fused, and packed by the size rule, as when loaded from a path
 
         def run(new_tokens):
             requests = [

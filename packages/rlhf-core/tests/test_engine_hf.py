@@ -188,21 +188,37 @@ def test_registered_as_hf_and_built_from_the_config(tiny_dir):
     assert len(outs) == 2 and all(len(o.token_ids) <= 3 for o in outs)
 
 
-@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("weights", ["module", "fused", "packed"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
-def test_direct_decode_equals_the_module_forward(kind, pack, monkeypatch):
-    """decode_token reads the weights itself (or their packed copies); it must give the model's own
-    forward: the same tokens and log-probs (1e-5) through prompts of different lengths (left padding) and
-    rows finishing early. Without the direct step the model still decodes into the preallocated cache
-    (the fast path's other half)."""
+def test_direct_decode_equals_the_module_forward(kind, weights, monkeypatch):
+    """decode_token reads the weights itself (the modules' own, the fused q/k/v and gate/up layout of an
+    engine that owns its model, or packed copies of those); it must give the model's own forward: the
+    same tokens and log-probs (1e-5) through prompts of different lengths (left padding) and rows
+    finishing early. Without the direct step the model still decodes into the preallocated cache (the
+    fast path's other half)."""
+    from rlhf_core.rollout import hf_engine
     from rlhf_core.rollout.hf_engine import GrowingKVLayer
 
-    engine = HFEngine.from_model(tiny_decoder(kind), pack_weights=pack)
-    assert engine.fast_path and engine.plan is not None and engine.pack_weights == pack
+    model = tiny_decoder(kind)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = HFEngine.from_model(model, own_weights=weights != "module", pack_weights=weights == "packed")
+    assert engine.fast_path and engine.plan is not None and engine.pack_weights == (weights == "packed")
+    attn = model.model.layers[0].self_attn
+    # fused: the projections are views of one tensor, holding the same values as before
+    shared = attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
+    assert shared == (weights != "module")
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
     requests = [GenerationRequest(list(range(5, 5 + n)), SamplingParams(n=3, max_new_tokens=9 + n, seed=n))
                 for n in (1, 4, 7)]
+    seen = []
+    decode = hf_engine.decode_token
+    monkeypatch.setattr(hf_engine, "decode_token", lambda plan, *a: seen.append(a[-1]) or decode(plan, *a))
     direct = engine.generate(requests)
-    assert (engine._packed is not None) == pack
+    qkv, _, gate_up, _ = seen[0]["layers"][0]  # one matmul per group once fused
+    assert (len(qkv), len(gate_up)) == ((3, 2) if weights == "module" else (1, 1))
+    assert seen[0]["packed"] == (weights == "packed")
+    monkeypatch.undo()
     engine.plan = None
     writes = []
     update = GrowingKVLayer.update
@@ -213,6 +229,33 @@ def test_direct_decode_equals_the_module_forward(kind, pack, monkeypatch):
         for a, b in zip(a_outs, b_outs, strict=True):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_fused_layout_returns_after_sleep(tmp_path):
+    """Sleeping gives the parameters separate tensors again; waking lays them out fused again (level 2
+    once the weights are sent back), and the engine generates exactly what it did before sleeping."""
+    engine = HFEngine(make_tiny_llama(tmp_path / "m"), device="cpu")
+    attn = engine.model.model.layers[1].self_attn
+    mlp = engine.model.model.layers[1].mlp
+
+    def fused() -> bool:
+        def storage(m):
+            return m.weight.untyped_storage().data_ptr()
+        return storage(attn.q_proj) == storage(attn.v_proj) and storage(mlp.gate_proj) == storage(mlp.up_proj)
+
+    requests = [GenerationRequest([5, 6, 7], SamplingParams(n=2, max_new_tokens=6, seed=3))]
+    before = engine.generate(requests)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    assert fused()
+    for level in (1, 2):
+        engine.sleep(level)
+        engine.wake_up()
+        if level == 2:
+            engine.update_weights(state)
+        assert fused(), level
+        again = engine.generate(requests)
+        assert [o.token_ids for o in again[0]] == [o.token_ids for o in before[0]]
+        assert [o.logprobs for o in again[0]] == [o.logprobs for o in before[0]]
 
 
 def test_packed_weights_by_default_from_hidden_size_256(tmp_path):

@@ -508,25 +508,27 @@ exit before the last sample).
 
 {table(rows)}
 
-Reading the table: rlhf's generation is 2.3-2.6x faster than TRL's on h128 and 1.8x on h256/4L (a KV-cache
-engine per core whose decode step calls no modules and, from hidden size 256, multiplies by weights kept in
-oneDNN's blocked layout; the 8 samples of a prompt share one prefill). Its policy update runs each prompt
-once for its 8 samples (`--ds.shared_prefix`, on by default: one row per prompt, `[prompt | sample 1 | ... |
-sample 8]`, each sample without its last token, which predicts nothing, and an attention that gives each
-sample the prompt and its own tokens; same gradients), so it processes 4,288 tokens where TRL processes
-6,144 on h256/4L (2,112 vs 3,072 on h128 with 32-token completions), and gets log-probs and entropy from
-one softmax; the update is 1.4-1.7x faster than TRL's. On-policy steps skip the old-log-prob pass as TRL
-does; training ranks and engines keep freed memory (glibc `mallopt`). Per token, the update runs the same
-fp32 GEMMs as TRL's at the same speed per core (about 50 GFLOP/s per core in a run, 85-90 alone: GEMM-bound
-without bf16), and both phases keep both cores busy (Ray's timeline of an h256/4L step: 0.40-0.43 s of
-generation, 13 ms hand-over, 0.62-0.70 s of update, 15 ms weight sync, 6 ms to the next rollout), so
-h256/4L, where the update is 60% of the step, gains least: 1.49x over 20 rounds in two invocations of 10
-(1.41x and 1.57x; rounds from 1.23x to 1.84x), at the 1.5x goal but not clearly over it. Against the
-previous commit in 5 alternating runs of the same session, this version's packed decode weights and
-shorter slots made the h256/4L step 9% faster (median of the pairs, 4 of 5 faster; generation 12%), while
-the ratio moved from the previous session's 1.48x to 1.49x: TRL's step measured 1.76 s in the first
-invocation and 1.94 s in the second (previous session: 1.95 s). The machine is a shared 2-vCPU VM whose
-speed drifts by up to 1.5x within an hour, so compare ratios within a run, not across runs.
+Reading the table: rlhf's generation is 2.6-2.7x faster than TRL's on h128 and 2.0x on h256/4L (a KV-cache
+engine per core whose decode step calls no modules, runs q/k/v and gate/up as one matmul each from a fused
+weight layout and, from hidden size 256, multiplies by weights kept in oneDNN's blocked layout; the 8
+samples of a prompt share one prefill). Its policy update runs each prompt once for its 8 samples
+(`--ds.shared_prefix`, on by default: one row per prompt, `[prompt | sample 1 | ... | sample 8]`, each
+sample without its last token, which predicts nothing, and an attention that gives each sample the prompt
+and its own tokens; same gradients), so it processes 4,288 tokens where TRL processes 6,144 on h256/4L
+(2,112 vs 3,072 on h128 with 32-token completions), and gets log-probs and entropy from one softmax; the
+update is 1.5-1.7x faster than TRL's. On-policy steps skip the old-log-prob pass as TRL does; training
+ranks and engines keep freed memory (glibc `mallopt`). Per token, the update runs the same fp32 GEMMs as
+TRL's at the same speed per core (85-100 GFLOP/s alone: GEMM-bound without bf16), and both phases keep both
+cores busy (per-process CPU over 10 s of an h256/4L run: ranks 52-54% of a core each, engines 36-38%,
+Ray's daemons and the driver 6% together), so h256/4L, where the update is 60% of the step, gains least:
+1.66x over 10 rounds (rounds from 1.26x to 1.88x). An earlier grid of this session gave 1.50x there (and
+1.45-1.81x on the h128 rows) with this bench's memory poller listing the process tree and reading every
+process's CPU time every 50 ms and its PSS every second: that took 10-13% of a core beside rlhf's 13
+processes and 5-6% beside TRL's one, and it fell on workers that wait for each other (a phase ends with
+the slower of two engines or two ranks). The two grids ran an hour apart on a shared 2-vCPU VM whose speed
+drifts by up to 1.5x within an hour, so part of the difference is the machine; compare ratios within a
+run, not across runs. The fused decode weights took 3-12% off an engine's 64-token call in a one-engine
+A/B (engine_decode.md); in a GRPO step that is within the machine's noise.
 """
     (HERE / "grpo_vs_trl.md").write_text(text + NOTES)
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")

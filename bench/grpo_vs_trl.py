@@ -508,7 +508,7 @@ exit before the last sample).
 
 {table(rows)}
 
-Reading the table: rlhf's generation is 2.6-2.7x faster than TRL's on h128 and 2.0x on h256/4L (a KV-cache
+Reading the table: rlhf's generation is 2.6-2.7x faster than TRL's on h128 and 1.9x on h256/4L (a KV-cache
 engine per core whose decode step calls no modules, runs q/k/v and gate/up as one matmul each from a fused
 weight layout and, from hidden size 256, multiplies by weights kept in oneDNN's blocked layout; the 8
 samples of a prompt share one prefill). Its policy update runs each prompt once for its 8 samples
@@ -516,12 +516,12 @@ samples of a prompt share one prefill). Its policy update runs each prompt once 
 sample without its last token, which predicts nothing, and an attention that gives each sample the prompt
 and its own tokens; same gradients), so it processes 4,288 tokens where TRL processes 6,144 on h256/4L
 (2,112 vs 3,072 on h128 with 32-token completions), and gets log-probs and entropy from one softmax; the
-update is 1.5-1.7x faster than TRL's. On-policy steps skip the old-log-prob pass as TRL does; training
+update is 1.45-1.7x faster than TRL's. On-policy steps skip the old-log-prob pass as TRL does; training
 ranks and engines keep freed memory (glibc `mallopt`). Per token, the update runs the same fp32 GEMMs as
 TRL's at the same speed per core (85-100 GFLOP/s alone: GEMM-bound without bf16), and both phases keep both
 cores busy (per-process CPU over 10 s of an h256/4L run: ranks 52-54% of a core each, engines 36-38%,
 Ray's daemons and the driver 6% together), so h256/4L, where the update is 60% of the step, gains least:
-1.66x over 10 rounds (rounds from 1.26x to 1.88x). An earlier grid of this session gave 1.50x there (and
+1.62x over 15 rounds in two invocations (1.66x over 10, then 1.61x over 5; rounds from 1.26x to 1.88x). An earlier grid of this session gave 1.50x there (and
 1.45-1.81x on the h128 rows) with this bench's memory poller listing the process tree and reading every
 process's CPU time every 50 ms and its PSS every second: that took 10-13% of a core beside rlhf's 13
 processes and 5-6% beside TRL's one, and it fell on workers that wait for each other (a phase ends with
@@ -566,7 +566,7 @@ def main() -> None:
         return child(args)
     if args.report:
         command = ("DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size {M,L,M128} [--beta 0.04] "
-                   "--runs rlhf-dp2,trl --reps {5,3}; ... --report")
+                   "--runs rlhf-dp2,trl --reps {10,5}; ... --report")
         return write_md(summarise(load_results(RESULTS.glob("*.json"))), command)
     if args.quick:
         args.size, args.reps, args.warmup, args.steps = "M", 1, 1, 2

@@ -260,7 +260,7 @@ def test_fused_layout_returns_after_sleep(tmp_path):
 
 def test_packed_weights_by_default_from_hidden_size_256(tmp_path):
     """Below PACK_MIN_HIDDEN packing costs more than it saves; a module the engine does not own is never
-    packed unless asked."""
+    packed (nor fused) unless handed over with ``own_weights``."""
     from rlhf_core.rollout.hf_engine import PACK_MIN_HIDDEN
 
     small = make_tiny_llama(tmp_path / "small", hidden_size=PACK_MIN_HIDDEN // 2, intermediate_size=64)

@@ -14,6 +14,7 @@ from typing import Any
 from rlhf_cli.placement import strategy_name
 from rlhf_core import plugins
 from rlhf_core.config_parser import config_to_yaml
+from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, is_prm_model, preflight
 from rlhf_core.types import PlacementPlan, RoleDemand
 
 
@@ -132,6 +133,23 @@ def _check_rl_options(cfg, estimator) -> None:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
 
+def _check_prm_reward(cfg) -> bool:
+    """Whether the reward is a process reward model (it then scores in the rollout actors, so no reward-model
+    workers start); its settings are checked here, before anything starts."""
+    path, source = cfg.reward.model_name_or_path, cfg.reward.source
+    if cfg.reward.remote_url or source not in (None, "prm"):
+        return False
+    if not is_prm_model(path):
+        if source == "prm":
+            raise RunConfigError(f"--reward.source prm: --reward.model_name_or_path {path} is not a PRM trained by "
+                                 "rlhf train prm (its config.json has no prm_placeholder_token)")
+        return False
+    if cfg.reward.prm_aggregation not in PRM_AGGREGATIONS:
+        raise RunConfigError(f"--reward.prm_aggregation {cfg.reward.prm_aggregation!r}: choose one of "
+                             f"{', '.join(PRM_AGGREGATIONS)}")
+    return True
+
+
 def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     """Resolve the plugins a run needs, check its options and plan its placement."""
     pm = pm or plugins.get_plugin_manager()
@@ -139,6 +157,10 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     asm = Assembly(mode, cfg)
     _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
     if mode != "ppo":
+        try:
+            preflight(mode, cfg)
+        except SetupError as exc:
+            raise RunConfigError(str(exc)) from None
         ranks = cfg.model.num_nodes * cfg.model.num_gpus_per_node
         asm.roles = {"actor": RoleDemand(ranks)}
         return asm
@@ -157,13 +179,14 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
     _check_rl_options(cfg, estimator)
+    prm_reward = _check_prm_reward(cfg)
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:
         roles["ref"] = RoleDemand(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
     if estimator.needs_critic:
         roles["critic"] = RoleDemand(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
-    if cfg.reward.model_name_or_path:
+    if cfg.reward.model_name_or_path and not prm_reward:  # a PRM scores in the rollout actors
         roles["reward"] = RoleDemand(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
     roles["rollout"] = RoleDemand(cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1)
     asm.roles = roles

@@ -103,7 +103,8 @@ def rlhf_register_reward_sources(register: Register) -> None:
     it, and ``create(cfg) -> RewardSource`` builds one whose async ``score(RewardRequest)`` returns a
     :class:`rlhf_core.types.RewardResult`. ``--reward.source NAME`` picks one explicitly.
 
-    Built-in names: ``python_file``, ``http``, ``reward_model``.
+    Built-in names: ``python_file``, ``http``, ``reward_model``, ``prm`` (a process reward model trained by
+    ``rlhf train prm``; it also fills ``RewardResult.step_scores``).
     """
 
 

@@ -52,9 +52,9 @@ def test_step_scores_are_the_positive_probability():
 
 
 def test_kd_loss_hand_computed():
-    # token 0: student q = [1/4, 3/4], teacher p = [3/4, 1/4], label 1; token 1 is masked
-    s = torch.tensor([[[0.0, math.log(3)], [50.0, 0.0]]], requires_grad=True)
-    t = torch.tensor([[[math.log(3), 0.0], [0.0, 80.0]]])
+    # token 0: student q = [1/4, 3/4], teacher p = [3/4, 1/4], label 1; token 1 is masked and holds inf/NaN
+    s = torch.tensor([[[0.0, math.log(3)], [math.inf, math.nan]]], requires_grad=True)
+    t = torch.tensor([[[math.log(3), 0.0], [math.nan, math.inf]]])
     labels, mask = torch.tensor([[1, 0]]), torch.tensor([[True, False]])
     out = kd_loss(s, t, labels, mask, kd_coef=0.4)
     nll = math.log(4 / 3)

@@ -38,11 +38,15 @@ def kd_loss(
         NLL    = aggregate(-log softmax(s)[label], mask)
         distil = aggregate(distill_cross_entropy(s, t), mask)
 
-    (default aggregation: the token mean of this micro-batch). The teacher gets no gradient. Metrics:
+    (default aggregation: the token mean of this micro-batch). The teacher gets no gradient; masked
+    positions may hold anything (inf, NaN) and get none either. Metrics:
     ``gpt_loss`` (NLL), ``distil_loss`` and ``kl`` (the token mean of KL(T || S) = distil - H(T)), each the
     plain mean over this micro-batch's masked tokens.
     """
-    teacher_logits = teacher_logits.detach()
+    keep = mask.bool()[..., None]
+    # masked positions may hold anything (inf, NaN): zero them so that they get no NaN gradient either
+    student_logits = torch.where(keep, student_logits, torch.zeros((), dtype=student_logits.dtype))
+    teacher_logits = torch.where(keep, teacher_logits.detach(), torch.zeros((), dtype=teacher_logits.dtype))
     nll_tok = -logprobs_from_logits(student_logits, labels)
     distil_tok = distill_cross_entropy(student_logits, teacher_logits)
     loss = (1 - kd_coef) * aggregate(nll_tok, mask, aggregation) + kd_coef * aggregate(distil_tok, mask, aggregation)

@@ -132,11 +132,14 @@ def test_a_prm_reward_starts_no_reward_model_workers(tmp_path):
             "--n_samples_per_prompt", "4", "--init_kl_coef", "0"]
     cfg, _ = parse_config("ppo", args)
     assert "reward" in assemble("ppo", cfg, gpus=False).roles  # a plain model: reward-model workers
+    with pytest.raises(RunConfigError, match="--reward.prm_aggregation and --reward.prm_step_separator apply to"):
+        assemble("ppo", parse_config("ppo", args + ["--reward.prm_aggregation", "mean"])[0], gpus=False)
     with pytest.raises(RunConfigError, match="--reward.source prm: .* is not a PRM trained by rlhf train prm"):
         assemble("ppo", parse_config("ppo", args + ["--reward.source", "prm"])[0], gpus=False)
     config = AutoConfig.from_pretrained(prm)
     config.prm_placeholder_token, config.prm_reward_tokens = "w50", ["w51", "w52"]
     config.save_pretrained(prm)
     assert "reward" not in assemble("ppo", cfg, gpus=False).roles  # the PRM scores in the rollout actors
-    with pytest.raises(RunConfigError, match="--reward.prm_aggregation 'max'"):
-        assemble("ppo", parse_config("ppo", args + ["--reward.prm_aggregation", "max"])[0], gpus=False)
+    with pytest.raises(RunConfigError, match="--reward.prm_aggregation 'max'(.|\n)*--reward.normalize_enable"):
+        bad = ["--reward.prm_aggregation", "max", "--reward.normalize_enable"]
+        assemble("ppo", parse_config("ppo", args + bad)[0], gpus=False)

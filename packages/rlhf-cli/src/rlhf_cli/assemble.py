@@ -13,6 +13,7 @@ from typing import Any
 
 from rlhf_cli.placement import strategy_name
 from rlhf_core import plugins
+from rlhf_core.config import RewardConfig
 from rlhf_core.config_parser import config_to_yaml
 from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, is_prm_model, preflight
 from rlhf_core.types import PlacementPlan, RoleDemand
@@ -136,17 +137,28 @@ def _check_rl_options(cfg, estimator) -> None:
 def _check_prm_reward(cfg) -> bool:
     """Whether the reward is a process reward model (it then scores in the rollout actors, so no reward-model
     workers start); its settings are checked here, before anything starts."""
-    path, source = cfg.reward.model_name_or_path, cfg.reward.source
-    if cfg.reward.remote_url or source not in (None, "prm"):
+    r = cfg.reward
+    prm = bool(r.model_name_or_path) and r.source in (None, "prm") and is_prm_model(r.model_name_or_path)
+    defaults = RewardConfig()
+    if not prm:
+        if r.source == "prm":
+            raise RunConfigError(f"--reward.source prm: --reward.model_name_or_path {r.model_name_or_path} is not a "
+                                 "PRM trained by rlhf train prm (its config.json has no prm_placeholder_token)")
+        if (r.prm_aggregation, r.prm_step_separator) != (defaults.prm_aggregation, defaults.prm_step_separator):
+            raise RunConfigError("--reward.prm_aggregation and --reward.prm_step_separator apply to a process reward "
+                                 "model (--reward.model_name_or_path trained by rlhf train prm) only")
         return False
-    if not is_prm_model(path):
-        if source == "prm":
-            raise RunConfigError(f"--reward.source prm: --reward.model_name_or_path {path} is not a PRM trained by "
-                                 "rlhf train prm (its config.json has no prm_placeholder_token)")
-        return False
-    if cfg.reward.prm_aggregation not in PRM_AGGREGATIONS:
-        raise RunConfigError(f"--reward.prm_aggregation {cfg.reward.prm_aggregation!r}: choose one of "
-                             f"{', '.join(PRM_AGGREGATIONS)}")
+    problems = []
+    if r.prm_aggregation not in PRM_AGGREGATIONS:
+        problems.append(f"--reward.prm_aggregation {r.prm_aggregation!r}: choose one of {', '.join(PRM_AGGREGATIONS)}")
+    if r.normalize_enable:
+        problems.append("--reward.normalize_enable: a PRM's step scores are probabilities, with no stored mean/std "
+                        "to normalise by")
+    if r.offload:
+        problems.append("--reward.offload: a PRM scores in the rollout actors, which hold no ZeRO-3 weights to offload")
+    if problems:
+        raise RunConfigError(f"--reward.model_name_or_path {r.model_name_or_path} is a PRM:\n  - "
+                             + "\n  - ".join(problems))
     return True
 
 

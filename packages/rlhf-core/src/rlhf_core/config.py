@@ -231,7 +231,7 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per forward/backward on each rank."""
     max_epochs: int = 1
-    """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO)."""
+    """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO/PRM/KD)."""
     num_episodes: int = 1
     """Passes over the prompt dataset (RL)."""
     max_steps: int = -1
@@ -398,7 +398,7 @@ class DataConfig:
     prompt_split: str = "train"
     """Split of the prompt datasets."""
     dataset: list[str] | None = None
-    """SFT/RM/DPO/KTO datasets (same formats)."""
+    """SFT/RM/DPO/KTO/PRM/KD datasets (same formats)."""
     dataset_probs: list[float] | None = None
     """Mixing probabilities of ``dataset``."""
     dataset_split: str = "train"

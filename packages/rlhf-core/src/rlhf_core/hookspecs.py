@@ -142,7 +142,7 @@ def rlhf_register_train_backends(register: Register) -> None:
     """Register training backends, picked by ``--train.backend``.
 
     Each object satisfies :class:`rlhf_core.types.TrainBackend`: it starts groups of training workers
-    (policy, critic, reference, reward model) on Ray placement groups, and runs the SFT/RM/DPO/KTO
+    (policy, critic, reference, reward model) on Ray placement groups, and runs the SFT/RM/DPO/KTO/PRM/KD
     trainers.
 
     Built-in name: ``deepspeed`` (rlhf-train-deepspeed).

@@ -116,6 +116,25 @@ def test_bad_input_stops_the_run_before_any_worker(tmp_path):
         run_supervised("kd", kd, NoWorkers())
 
 
+def test_flags_that_cannot_apply_are_refused(tmp_path):
+    from rlhf_core.supervised import preflight
+
+    model = make_tiny_llama(tmp_path / "m", num_words=60)
+    cfg = PRMConfig()
+    cfg.model.model_name_or_path, cfg.prm.placeholder_token = model, "w50"
+    cfg.data.apply_chat_template = True
+    with pytest.raises(SetupError, match="--data.apply_chat_template cannot apply"):
+        preflight("prm", cfg)
+    cfg.data.apply_chat_template, cfg.ds.ring_attn_size = False, 2
+    with pytest.raises(SetupError, match="--ds.ring_attn_size 2: rlhf train prm does not support"):
+        preflight("prm", cfg)
+    kd = KDConfig()
+    kd.model.model_name_or_path = kd.teacher.model_name_or_path = model
+    kd.teacher.kd_coef = 1.5
+    with pytest.raises(SetupError, match="--teacher.kd_coef 1.5"):
+        preflight("kd", kd)
+
+
 def test_teacher_must_share_the_vocabulary(tmp_path):
     cfg = KDConfig()
     cfg.model.model_name_or_path = make_tiny_llama(tmp_path / "s", num_words=60)

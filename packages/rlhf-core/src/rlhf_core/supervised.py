@@ -105,14 +105,26 @@ def check_teacher(cfg: Any) -> None:
 
 def preflight(mode: str, cfg: Any) -> PRMTokens | None:
     """The mode's checks (``prm``, ``kd``; nothing for the others). Returns the PRM's tokens for ``prm``."""
-    if mode == "kd":
-        check_teacher(cfg)
+    if mode not in ("prm", "kd"):
         return None
-    if mode != "prm":
+    if cfg.ds.ring_attn_size > 1:
+        raise SetupError(f"--ds.ring_attn_size {cfg.ds.ring_attn_size}: rlhf train {mode} does not support ring "
+                         "attention yet")
+    if mode == "kd":
+        if not 0.0 <= cfg.teacher.kd_coef <= 1.0:
+            raise SetupError(f"--teacher.kd_coef {cfg.teacher.kd_coef}: the distillation weight must be in [0, 1]")
+        check_teacher(cfg)
         return None
     from transformers import AutoTokenizer
 
     if not cfg.model.model_name_or_path:
         raise SetupError("rlhf train prm needs --model.model_name_or_path (OpenRLHF: --pretrain)")
+    d = cfg.data
+    unused = [flag for flag, on in (("--data.apply_chat_template", d.apply_chat_template),
+                                    ("--data.input_template", d.input_template), ("--data.multiturn", d.multiturn),
+                                    ("--data.output_key", d.output_key)) if on]
+    if unused:
+        raise SetupError(f"rlhf train prm reads each --data.input_key text as it is, so {', '.join(unused)} "
+                         "cannot apply: put the template into the texts")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer)
     return prm_tokens(tokenizer, cfg.prm.placeholder_token, cfg.prm.reward_tokens)

@@ -131,10 +131,6 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         raise ConfigError("--model.model_name_or_path is required")
     if cfg.model.aux_loss_coef:
         raise ConfigError("--model.aux_loss_coef (MoE router loss) is not supported by the deepspeed trainers yet")
-    if mode in ("prm", "kd") and cfg.ds.ring_attn_size > 1:
-        raise ConfigError(f"--ds.ring_attn_size: rlhf train {mode} does not support ring attention yet")
-    if mode == "kd" and not 0.0 <= cfg.teacher.kd_coef <= 1.0:
-        raise ConfigError(f"--teacher.kd_coef {cfg.teacher.kd_coef}: the distillation weight must be in [0, 1]")
     try:
         prm = preflight(mode, cfg)
     except SetupError as exc:

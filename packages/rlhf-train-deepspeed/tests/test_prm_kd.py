@@ -87,6 +87,8 @@ def test_prm_ranks_held_out_right_steps_above_wrong_ones(factory, tmp_path):
     wrong = [s for r, ss in zip(held_out_rows, scores) for s, lab in zip(ss, r["label"]) if lab == BAD]
     assert len(right) + len(wrong) == 3 * len(held_out_rows)
     pairs = sum(r > w for r in right for w in wrong) / (len(right) * len(wrong))  # ROC AUC
+    print(f"PRM held-out: eval/acc {result['eval']['eval/acc']:.3f}, AUC {pairs:.3f}, mean score right "
+          f"{sum(right) / len(right):.3f} / wrong {sum(wrong) / len(wrong):.3f}")
     assert pairs > 0.9, pairs
     assert sum(right) / len(right) > 0.7 > 0.3 > sum(wrong) / len(wrong)
 
@@ -168,6 +170,7 @@ def test_kd_student_moves_close_to_its_teacher(factory, tmp_path):
     before = kl_to_teacher(student, teacher, held_out_rows)
     result = run_supervised("kd", cfg, factory)
     after = kl_to_teacher(result["output_dir"], teacher, held_out_rows)
+    print(f"KD held-out KL(teacher || student): untrained {before:.4f}, distilled {after:.4f}")
     assert after < 0.3 * before, (before, after)
     # The trainer's held-out KL (teacher forward on the workers, packed) is the same number.
     assert result["eval"]["eval/kl"] == pytest.approx(after, rel=1e-4, abs=1e-5)

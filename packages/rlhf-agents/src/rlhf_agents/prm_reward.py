@@ -14,6 +14,7 @@ The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``),
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from typing import Any
@@ -133,7 +134,8 @@ class PRMRewardSource(RewardSource):
             q[len(p):] if q.startswith(p) else q for q, p in zip(request.queries, request.prompts)
         ]
         try:
-            steps = self.prm.step_scores(list(request.prompts), list(responses))
+            # in a thread: the forward must not block the rollout's event loop
+            steps = await asyncio.to_thread(self.prm.step_scores, list(request.prompts), list(responses))
         except Exception as exc:
             message = f"{self.description} failed: {type(exc).__name__}: {exc}"
             log_failure_once(logger, self.description, message, exc)

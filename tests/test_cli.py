@@ -92,3 +92,54 @@ def test_example_plugin_appears_through_its_entry_point_and_can_be_disabled():
     assert "rlhf-example-plugin" not in {d["distribution"] for d in hidden}
     only = json.loads(rlhf("plugins", "--json", env={"RLHF_LOAD_PLUGINS": "rlhf-example-plugin"}).stdout)
     assert {d["distribution"] for d in only} == {"rlhf-example-plugin"}
+
+
+def test_prm_and_kd_dry_runs_check_their_tokens_and_teacher(tmp_path, capsys):
+    from rlhf_cli.main import main
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    def run(*args):
+        code = main(list(args))
+        return code, capsys.readouterr()
+
+    model = make_tiny_llama(tmp_path / "m", num_words=60)
+    prm = ["train", "prm", "--dry-run", "--pretrain", model, "--dataset", "d.jsonl", "--label_key", "value"]
+    code, out = run(*prm, "--placeholder_token", "w50", "--reward_tokens", "w51", "w52")
+    assert code == 0, out.err
+    assert "placeholder_token: w50" in out.out and "reward_tokens: [w51, w52]" in out.out
+    code, out = run(*prm, "--placeholder_token", "w50", "--reward_tokens", "w51 w52", "w53")
+    assert code == 2 and "--prm.reward_tokens 'w51 w52' is 2 tokens" in out.err
+    code, out = run(*prm)
+    assert code == 2 and "needs --prm.placeholder_token" in out.err
+
+    kd = ["train", "kd", "--dry-run", "--pretrain", model, "--dataset", "d.jsonl"]
+    code, out = run(*kd)
+    assert code == 2 and "needs a teacher: --teacher.model_name_or_path" in out.err
+    code, out = run(*kd, "--teacher_model", model, "--kd_coef", "0.5", "--teacher_offload")
+    assert code == 0, out.err
+    assert "kd_coef: 0.5" in out.out and "offload: true" in out.out
+    code, out = run("train", "sft", "--dry-run", "--pretrain", model, "--teacher_model", model)
+    assert code == 2 and "unknown option --teacher.model_name_or_path" in out.err
+
+
+def test_a_prm_reward_starts_no_reward_model_workers(tmp_path):
+    from transformers import AutoConfig
+
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    prm = make_tiny_llama(tmp_path / "prm", num_words=60)
+    args = ["--pretrain", prm, "--reward_pretrain", prm, "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", "4", "--init_kl_coef", "0"]
+    cfg, _ = parse_config("ppo", args)
+    assert "reward" in assemble("ppo", cfg, gpus=False).roles  # a plain model: reward-model workers
+    with pytest.raises(RunConfigError, match="--reward.prm_aggregation and --reward.prm_step_separator apply to"):
+        assemble("ppo", parse_config("ppo", args + ["--reward.prm_aggregation", "mean"])[0], gpus=False)
+    with pytest.raises(RunConfigError, match="--reward.source prm: .* is not a PRM trained by rlhf train prm"):
+        assemble("ppo", parse_config("ppo", args + ["--reward.source", "prm"])[0], gpus=False)
+    config = AutoConfig.from_pretrained(prm)
+    config.prm_placeholder_token, config.prm_reward_tokens = "w50", ["w51", "w52"]
+    config.save_pretrained(prm)
+    assert "reward" not in assemble("ppo", cfg, gpus=False).roles  # the PRM scores in the rollout actors
+    with pytest.raises(RunConfigError, match="--reward.prm_aggregation 'max'(.|\n)*--reward.normalize_enable"):
+        bad = ["--reward.prm_aggregation", "max", "--reward.normalize_enable"]
+        assemble("ppo", parse_config("ppo", args + bad)[0], gpus=False)

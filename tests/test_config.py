@@ -158,3 +158,25 @@ def test_defaults_follow_openrlhf():
     assert cfg.actor.eps_clip == 0.2 and cfg.critic.value_clip == 0.5
     assert cfg.actor.adam.lr == 1e-6 and cfg.critic.adam.lr == 9e-6
     assert cfg.reward.clip_range == (-10.0, 10.0)
+
+
+def test_openrlhf_prm_and_kd_script_flags_parse():
+    """The flags of OpenRLHF's removed train_prm_mistral.sh and train_knowledge_distillation.sh."""
+    prm, notes = parse_config("prm", [
+        "--pretrain", "mistralai/Mistral-7B-v0.1", "--dataset", "zhuzilin/Math-Shepherd", "--input_key", "input",
+        "--label_key", "value", "--placeholder_token", "ки", "--reward_tokens", "+", "-", "--max_len", "8192",
+        "--zero_stage", "3", "--train_batch_size", "256", "--micro_train_batch_size", "8", "--learning_rate",
+        "1e-6", "--save_steps", "500", "--eval_steps", "100", "--packing_samples", "--load_checkpoint", "--bf16",
+        "--save_path", "./checkpoint/mistal-7b-prm"])
+    assert (prm.prm.placeholder_token, prm.prm.reward_tokens, prm.data.label_key) == ("ки", ["+", "-"], "value")
+    assert prm.ds.packing_samples and prm.ckpt.load_enable and prm.model.adam.lr == 1e-6 and not notes
+    kd, _ = parse_config("kd", [
+        "--pretrain", "meta-llama/Meta-Llama-3-8B-Instruct", "--teacher_model", "meta-llama/Meta-Llama-3-70B-Instruct",
+        "--teacher_offload", "--kd_coef", "0.4", "--dataset", "Open-Orca/OpenOrca", "--input_key", "question",
+        "--output_key", "response", "--max_samples", "500000", "--train_batch_size", "256",
+        "--micro_train_batch_size", "2", "--zero_stage", "3", "--learning_rate", "5e-6", "--bf16"])
+    assert kd.teacher.model_name_or_path == "meta-llama/Meta-Llama-3-70B-Instruct"
+    assert kd.teacher.offload and kd.teacher.kd_coef == 0.4 and kd.data.output_key == "response"
+    dotted, _ = parse_config("kd", ["--teacher.model_name_or_path", "t", "--teacher.kd_coef", "0.4",
+                                    "--teacher.offload"])
+    assert dotted.teacher == kd.teacher.__class__("t", True, 0.4)

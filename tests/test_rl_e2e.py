@@ -189,6 +189,28 @@ def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray
     assert any(k.startswith("critic/") for k in rows[-1])
 
 
+def test_ppo_with_a_process_reward_model_scoring_each_step(assets, ray_session, tmp_path):
+    import shutil
+
+    from transformers import AutoConfig
+
+    prm = tmp_path / "prm"  # an (untrained) PRM as rlhf train prm saves one; each response word is a step
+    shutil.copytree(assets["model"], prm)
+    config = AutoConfig.from_pretrained(prm)
+    config.prm_placeholder_token, config.prm_reward_tokens = "w97", ["w98", "w99"]
+    config.save_pretrained(prm)
+    out = tmp_path / "ppo"
+    args = without(base_args(assets, out, steps=1), "--reward.remote_url") + [
+        "--algo.advantage.estimator", "group_norm", "--reward.model_name_or_path", str(prm),
+        "--reward.prm_step_separator", " ", "--reward.prm_aggregation", "mean"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert len(rows) == 1 and rows[0]["policy/grad_norm"] > 0
+    for r in rows:
+        assert 0.0 < r["reward/mean"] < 1.0  # a mean of probabilities
+        assert 1.0 <= r["prm/steps"] <= 4.0 and 0.0 < r["prm/min_step"] <= r["prm/mean_step"]
+
+
 def _export_weights(out) -> dict:
     return load_file(str(Path(out) / "model" / "model.safetensors"))
 

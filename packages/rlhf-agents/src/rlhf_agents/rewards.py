@@ -25,6 +25,7 @@ from rlhf_agents.checks import check_reward_value, describe, log_failure_once, t
 from rlhf_agents.executors import call_user
 from rlhf_agents.loading import UserCodeError, load_symbol
 from rlhf_core.plugins import PluginError, collect, get_plugin_manager, resolve
+from rlhf_core.supervised import is_prm_model
 from rlhf_core.types import RewardRequest, RewardResult, RewardSource
 
 logger = logging.getLogger(__name__)
@@ -451,7 +452,8 @@ class RewardModelFactory:
     """``--reward.model_name_or_path``: the RL trainer's reward-model workers, or the model in-process."""
 
     def accepts(self, cfg: Any) -> bool:
-        return bool(cfg.reward.model_name_or_path) and not remote_entries(cfg.reward)
+        path = cfg.reward.model_name_or_path
+        return bool(path) and not remote_entries(cfg.reward) and not is_prm_model(path)  # a PRM has its own source
 
     def create(self, cfg: Any, reward_model_handle: Any = None) -> RewardSource:
         handle = reward_model_handle

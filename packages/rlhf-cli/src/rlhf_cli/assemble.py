@@ -13,7 +13,9 @@ from typing import Any
 
 from rlhf_cli.placement import strategy_name
 from rlhf_core import plugins
+from rlhf_core.config import RewardConfig
 from rlhf_core.config_parser import config_to_yaml
+from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, is_prm_model, preflight
 from rlhf_core.types import PlacementPlan, RoleDemand
 
 
@@ -132,6 +134,34 @@ def _check_rl_options(cfg, estimator) -> None:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
 
+def _check_prm_reward(cfg) -> bool:
+    """Whether the reward is a process reward model (it then scores in the rollout actors, so no reward-model
+    workers start); its settings are checked here, before anything starts."""
+    r = cfg.reward
+    prm = bool(r.model_name_or_path) and r.source in (None, "prm") and is_prm_model(r.model_name_or_path)
+    defaults = RewardConfig()
+    if not prm:
+        if r.source == "prm":
+            raise RunConfigError(f"--reward.source prm: --reward.model_name_or_path {r.model_name_or_path} is not a "
+                                 "PRM trained by rlhf train prm (its config.json has no prm_placeholder_token)")
+        if (r.prm_aggregation, r.prm_step_separator) != (defaults.prm_aggregation, defaults.prm_step_separator):
+            raise RunConfigError("--reward.prm_aggregation and --reward.prm_step_separator apply to a process reward "
+                                 "model (--reward.model_name_or_path trained by rlhf train prm) only")
+        return False
+    problems = []
+    if r.prm_aggregation not in PRM_AGGREGATIONS:
+        problems.append(f"--reward.prm_aggregation {r.prm_aggregation!r}: choose one of {', '.join(PRM_AGGREGATIONS)}")
+    if r.normalize_enable:
+        problems.append("--reward.normalize_enable: a PRM's step scores are probabilities, with no stored mean/std "
+                        "to normalise by")
+    if r.offload:
+        problems.append("--reward.offload: a PRM scores in the rollout actors, which hold no ZeRO-3 weights to offload")
+    if problems:
+        raise RunConfigError(f"--reward.model_name_or_path {r.model_name_or_path} is a PRM:\n  - "
+                             + "\n  - ".join(problems))
+    return True
+
+
 def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     """Resolve the plugins a run needs, check its options and plan its placement."""
     pm = pm or plugins.get_plugin_manager()
@@ -139,6 +169,10 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     asm = Assembly(mode, cfg)
     _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
     if mode != "ppo":
+        try:
+            preflight(mode, cfg)
+        except SetupError as exc:
+            raise RunConfigError(str(exc)) from None
         ranks = cfg.model.num_nodes * cfg.model.num_gpus_per_node
         asm.roles = {"actor": RoleDemand(ranks)}
         return asm
@@ -157,13 +191,14 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
     _check_rl_options(cfg, estimator)
+    prm_reward = _check_prm_reward(cfg)
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:
         roles["ref"] = RoleDemand(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
     if estimator.needs_critic:
         roles["critic"] = RoleDemand(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
-    if cfg.reward.model_name_or_path:
+    if cfg.reward.model_name_or_path and not prm_reward:  # a PRM scores in the rollout actors
         roles["reward"] = RoleDemand(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
     roles["rollout"] = RoleDemand(cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1)
     asm.roles = roles

@@ -1,6 +1,6 @@
 """The ``rlhf`` command.
 
-    rlhf train {ppo,sft,rm,dpo,kto} [--config run.yaml] [flags] [--dry-run]
+    rlhf train {ppo,sft,rm,dpo,kto,prm,kd} [--config run.yaml] [flags] [--dry-run]
     rlhf plugins [--json]
     rlhf serve-rm [flags]
     rlhf lora-merge [flags]

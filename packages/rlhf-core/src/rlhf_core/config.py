@@ -160,6 +160,11 @@ class RewardConfig:
     """Weights of several reward sources (comma-separated ``remote_url``s), one each."""
     request_batch_size: int = 64
     """Most samples per HTTP reward request; a step's batch is split over the URLs in requests this big."""
+    prm_step_separator: str = "\\n"
+    """A process reward model (``--reward.model_name_or_path`` trained by ``rlhf train prm``) splits each
+    response into steps at this string and scores each step; escapes such as ``\\n`` are decoded."""
+    prm_aggregation: str = "min"
+    """How a PRM's step scores become the sample's reward: ``min``, ``last``, ``mean`` or ``prod``."""
 
 
 # --- rollout -----------------------------------------------------------------------------------------------
@@ -226,7 +231,7 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per forward/backward on each rank."""
     max_epochs: int = 1
-    """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO)."""
+    """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO/PRM/KD)."""
     num_episodes: int = 1
     """Passes over the prompt dataset (RL)."""
     max_steps: int = -1
@@ -393,7 +398,7 @@ class DataConfig:
     prompt_split: str = "train"
     """Split of the prompt datasets."""
     dataset: list[str] | None = None
-    """SFT/RM/DPO/KTO datasets (same formats)."""
+    """SFT/RM/DPO/KTO/PRM/KD datasets (same formats)."""
     dataset_probs: list[float] | None = None
     """Mixing probabilities of ``dataset``."""
     dataset_split: str = "train"
@@ -403,7 +408,8 @@ class DataConfig:
     output_key: str | None = None
     """SFT: column holding the response."""
     label_key: str | None = None
-    """RL: column passed to reward functions as the label."""
+    """RL: column passed to reward functions as the label. PRM: column of the per-step labels (default
+    ``label``)."""
     prompt_key: str | None = None
     """RM/DPO: column holding the shared prompt of chosen and rejected."""
     chosen_key: str = "chosen"
@@ -596,12 +602,48 @@ class PreferenceConfig(SupervisedConfig):
     ref: RefConfig = field(default_factory=RefConfig)
 
 
+@dataclass
+class PRMFields:
+    placeholder_token: str | None = None
+    """The step marker the dataset puts after every step (e.g. ``ки``); it must be one token. The loss sits
+    on the model's prediction of the token after each marker."""
+    reward_tokens: list[str] | None = None
+    """The tokens a step label may be, each one token, positive first (e.g. ``+ -``): the loss compares
+    only these. Soft (float) labels need exactly two. None: hard labels over the whole vocabulary."""
+
+
+@dataclass
+class PRMConfig(SupervisedConfig):
+    """``rlhf train prm``: a process reward model, a causal LM that emits a reward token after each step."""
+
+    prm: PRMFields = field(default_factory=PRMFields)
+
+
+@dataclass
+class TeacherConfig:
+    model_name_or_path: str | None = None
+    """The frozen teacher; it must share the student's tokenizer (logits are compared word by word)."""
+    offload: bool = False
+    """Keep the teacher's weights in CPU memory between uses (ZeRO-3 offload)."""
+    kd_coef: float = 0.4
+    """Weight of the distillation term: ``loss = (1 - kd_coef) * NLL + kd_coef * distil``."""
+
+
+@dataclass
+class KDConfig(SupervisedConfig):
+    """``rlhf train kd``: knowledge distillation from a teacher into ``--model.model_name_or_path``."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+
+
 MODES: dict[str, type] = {
     "ppo": RLConfig,
     "sft": SupervisedConfig,
     "rm": SupervisedConfig,
     "dpo": PreferenceConfig,
     "kto": PreferenceConfig,
+    "prm": PRMConfig,
+    "kd": KDConfig,
 }
 
 

@@ -203,6 +203,13 @@ SUPERVISED: dict[str, str | tuple[str, ...]] = {
     "nll_loss_coef": "model.nll_loss_coef",
     "ref_pretrain": "ref.model_name_or_path",
     "ref_offload": "ref.offload",
+    # prm
+    "placeholder_token": "prm.placeholder_token",
+    "reward_tokens": "prm.reward_tokens",
+    # kd
+    "teacher_model": "teacher.model_name_or_path",
+    "teacher_offload": "teacher.offload",
+    "kd_coef": "teacher.kd_coef",
 }
 
 # flag -> (dotted, value) pairs it sets; the flag takes no value

@@ -103,7 +103,8 @@ def rlhf_register_reward_sources(register: Register) -> None:
     it, and ``create(cfg) -> RewardSource`` builds one whose async ``score(RewardRequest)`` returns a
     :class:`rlhf_core.types.RewardResult`. ``--reward.source NAME`` picks one explicitly.
 
-    Built-in names: ``python_file``, ``http``, ``reward_model``.
+    Built-in names: ``python_file``, ``http``, ``reward_model``, ``prm`` (a process reward model trained by
+    ``rlhf train prm``; it also fills ``RewardResult.step_scores``).
     """
 
 
@@ -141,7 +142,7 @@ def rlhf_register_train_backends(register: Register) -> None:
     """Register training backends, picked by ``--train.backend``.
 
     Each object satisfies :class:`rlhf_core.types.TrainBackend`: it starts groups of training workers
-    (policy, critic, reference, reward model) on Ray placement groups, and runs the SFT/RM/DPO/KTO
+    (policy, critic, reference, reward model) on Ray placement groups, and runs the SFT/RM/DPO/KTO/PRM/KD
     trainers.
 
     Built-in name: ``deepspeed`` (rlhf-train-deepspeed).

@@ -188,6 +188,8 @@ class RewardResult:
     scores: list[float | None]
     extra_logs: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str | None] = field(default_factory=list)
+    step_scores: list[list[float]] | None = None
+    """Process reward models: each sample's per-step scores (empty when it has no step); None otherwise."""
 
 
 class RewardSource(ABC):

@@ -1,4 +1,5 @@
-"""The SFT, RM, DPO and KTO trainers: a loop in the driver process over a Ray group of DeepSpeed ranks.
+"""The SFT, RM, DPO, KTO, PRM and KD trainers: a loop in the driver process over a Ray group of DeepSpeed
+ranks.
 
 The driver reads and tokenizes the data, cuts each global batch into micro-batches (rank ``r`` gets the
 ``r``-th contiguous share), calls one training step on the group, logs, evaluates and checkpoints. The
@@ -23,13 +24,14 @@ import numpy as np
 import torch
 
 from rlhf_core.data import DataError, DataStats, load_rows
+from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
 from rlhf_train_deepspeed.checkpoint import CheckpointManager, fault_point
 from rlhf_train_deepspeed.strategy import ConfigError
 from rlhf_train_deepspeed.supervised_data import batch_tokens, build_examples, collate, step_counts
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 
-MODES = ("sft", "rm", "dpo", "kto")
+MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
 
 
 def init_ray(cfg) -> None:
@@ -63,7 +65,8 @@ class BatchPlan:
         return cls(world, mb, gb // (mb * world), gb)
 
 
-def loss_settings(mode: str, model) -> SupervisedConfigLite:
+def loss_settings(mode: str, cfg, reward_token_ids: list[int] | None = None) -> SupervisedConfigLite:
+    model = cfg.model
     return SupervisedConfigLite(
         mode=mode,
         beta=model.beta,
@@ -74,6 +77,8 @@ def loss_settings(mode: str, model) -> SupervisedConfigLite:
         margin_loss=model.margin_loss_enable,
         desirable_weight=model.desirable_weight,
         undesirable_weight=model.undesirable_weight,
+        reward_token_ids=reward_token_ids,
+        kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
     )
 
 
@@ -126,6 +131,10 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         raise ConfigError("--model.model_name_or_path is required")
     if cfg.model.aux_loss_coef:
         raise ConfigError("--model.aux_loss_coef (MoE router loss) is not supported by the deepspeed trainers yet")
+    try:
+        prm = preflight(mode, cfg)
+    except SetupError as exc:
+        raise ConfigError(str(exc)) from None
     plan = BatchPlan.from_config(cfg)
     if cfg.logger.wandb.key:
         print("note: --logger.wandb.* is not supported by the deepspeed trainers; logging to TensorBoard", flush=True)
@@ -143,11 +152,11 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     rows = load_rows(
         cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split, cfg.train.seed, cfg.data.max_samples
     )
-    examples = build_examples(mode, rows, tokenizer, cfg, stats)
+    examples = build_examples(mode, rows, tokenizer, cfg, stats, prm)
     eval_examples = []
     if cfg.eval.dataset:
         eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.eval.max_samples)
-        eval_examples = build_examples(mode, eval_rows, tokenizer, cfg, DataStats())
+        eval_examples = build_examples(mode, eval_rows, tokenizer, cfg, DataStats(), prm)
     print(f"{mode}: {len(rows)} rows -> {len(examples)} examples ({', '.join(f'{k}={int(v)}' for k, v in stats.counts.items()) or 'none skipped'}); "
           f"{len(eval_examples)} eval examples", flush=True)
     steps_per_epoch = len(examples) // plan.global_batch
@@ -169,8 +178,9 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         total_steps=total_steps,
         grad_ckpt=cfg.model.gradient_checkpointing_enable,
         grad_ckpt_reentrant=cfg.model.gradient_checkpointing_reentrant,
-        ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto") else None,
-        ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else False,
+        ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto")
+        else cfg.teacher.model_name_or_path if mode == "kd" else None,
+        ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else cfg.teacher.offload if mode == "kd" else False,
     )
     own_group = group_factory is None
     if own_group:
@@ -182,7 +192,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
 
     group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
-    losses = loss_settings(mode, cfg.model)
+    losses = loss_settings(mode, cfg, prm.reward_ids if prm else None)
 
     ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     start_step = 0
@@ -282,6 +292,8 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             rewards = group.eval_supervised(mbs, losses)[1]
         r = torch.tensor(rewards, dtype=torch.float64)
         config_updates = {"mean": float(r.mean()), "std": max(float(r.std()) if len(r) > 1 else 1.0, 1e-8)}
+    if mode == "prm":  # what the PRM reward source needs to score steps with this model
+        config_updates = {PLACEHOLDER_KEY: prm.placeholder, REWARD_TOKENS_KEY: prm.reward_tokens}
     group.export_hf(str(output_dir), config_updates)
     log.close()
     if own_group:

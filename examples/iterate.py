@@ -36,9 +36,10 @@ POST_PROCESSOR = {"rs": "rs", "iter_dpo": "iter_dpo", "csft": "csft"}
 def stage_commands(args, k: int, policy: str) -> list[tuple[str, list[str]]]:
     """The two commands of iteration ``k`` starting from ``policy``."""
     it = Path(args.workdir) / f"iter{k}"
+    reward_flag = "--reward_pretrain" if Path(args.reward).is_dir() else "--remote_rm_url"
     generate = ["rlhf", "generate", "--pretrain", policy, "--dataset", args.prompts, "--iter", str(k),
                 "--rollout_batch_size", str(args.prompts_per_iter), "--best_of_n", str(args.best_of_n),
-                "--remote_rm_url", args.reward, "--post_processor", POST_PROCESSOR[args.mode],
+                reward_flag, args.reward, "--post_processor", POST_PROCESSOR[args.mode],
                 "--output_path", str(it / "data.jsonl"), *shlex.split(args.generate_flags)]
     if args.mode == "iter_dpo":
         train = ["rlhf", "train", "dpo", "--pretrain", policy, "--ref_pretrain", args.policy,
@@ -56,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", choices=sorted(POST_PROCESSOR), help="rs, iter_dpo or csft")
     ap.add_argument("--policy", required=True, help="the initial policy (and the DPO reference)")
     ap.add_argument("--prompts", required=True, help="the prompt dataset (iteration k uses rows [k R, (k+1) R))")
-    ap.add_argument("--reward", required=True, help="a reward .py file or reward server URL (--remote_rm_url)")
+    ap.add_argument("--reward", required=True,
+                    help="a reward model directory (--reward_pretrain), or a reward .py file or server URL "
+                         "(--remote_rm_url)")
     ap.add_argument("--workdir", required=True, help="where each iteration's data and model go")
     ap.add_argument("--iterations", type=int, default=1)
     ap.add_argument("--prompts-per-iter", type=int, default=1024, help="R, prompts per iteration")

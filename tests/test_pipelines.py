@@ -2,9 +2,14 @@
 
 A random tiny Llama learns a task it starts out failing: reply with the digit that follows the last digit
 of the prompt ("3 8 4" -> "5"), rewarded 1 by a rule. The policy's reward is measured exactly, as the
-mean probability of the right first token over 200 held-out prompts (the expected reward of sampling),
-so no sampling noise enters the comparisons. Each pipeline runs the real commands (rlhf generate on
-Ray with the HF engine, then rlhf train sft/dpo with DeepSpeed on CPU).
+mean probability of a right first token over 200 other prompts (the expected reward of sampling), so no
+sampling noise enters the comparisons. Each pipeline runs the real commands (rlhf generate on Ray with
+the HF engine, then rlhf train sft/dpo with DeepSpeed on CPU).
+
+Conditional SFT is rewarded for replying with an even digit instead: its model must learn to act on the
+condition written after the prompt, and on the successor task (the answer read from a token three places
+back) it had not learned that after 512 SFT steps (expected reward 0.095 asked for 1.00, 0.073 for 0.00),
+while the even-digit condition is learned in a few dozen.
 """
 
 import json
@@ -25,6 +30,12 @@ REWARD = '''
 def reward_func(queries, prompts, labels, responses):
     """1.0 when the reply's first word is the digit after the prompt's last digit."""
     return [float(r.split()[:1] == [label]) for r, label in zip(responses, labels)]
+'''
+EVEN = ["0", "2", "4", "6", "8"]
+REWARD_EVEN = f'''
+def reward_func(queries, prompts, labels, responses):
+    """1.0 when the reply's first word is an even digit."""
+    return [float(r.split()[:1] in [[d] for d in {EVEN}]) for r in responses]
 '''
 GENERATE = "--label_key label --max_new_tokens 2 --param_dtype fp32 --micro_batch_size 64"
 TRAIN = ("--max_len 10 --train_batch_size {batch} --micro_train_batch_size {batch} --max_epochs {epochs} "
@@ -54,12 +65,14 @@ def task(tmp_path_factory):
 
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(512)))
     (root / "reward.py").write_text(REWARD)
+    (root / "reward_even.py").write_text(REWARD_EVEN)
     return {"root": root, "policy": str(root / "policy"), "prompts": str(root / "prompts.jsonl"),
-            "reward": str(root / "reward.py"), "eval": rows(200)}
+            "reward": str(root / "reward.py"), "reward_even": str(root / "reward_even.py"), "eval": rows(200)}
 
 
-def expected_reward(model_dir, rows, suffix=""):
-    """Mean over ``rows`` of P(first reply token = label | prompt + suffix): the policy's expected reward."""
+def expected_reward(model_dir, rows, suffix="", right=None):
+    """Mean over ``rows`` of P(first reply token is right | prompt + suffix), right = the row's label, or any
+    of ``right`` when given: the policy's expected reward."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -67,13 +80,15 @@ def expected_reward(model_dir, rows, suffix=""):
     ids = torch.tensor([tok(r["input"] + suffix, add_special_tokens=False)["input_ids"] for r in rows])
     with torch.no_grad():
         probs = model(ids).logits[:, -1].float().softmax(-1)
+    if right is not None:
+        return probs[:, tok.convert_tokens_to_ids(right)].sum(-1).mean().item()
     target = torch.tensor([tok.convert_tokens_to_ids(r["label"]) for r in rows])
     return probs.gather(1, target[:, None]).mean().item()
 
 
-def iterate(task, mode, workdir, iterations, prompts_per_iter, train, env=None):
+def iterate(task, mode, workdir, iterations, prompts_per_iter, train, env=None, reward="reward"):
     cmd = [sys.executable, str(REPO / "examples" / "iterate.py"), mode, "--policy", task["policy"], "--prompts",
-           task["prompts"], "--reward", task["reward"], "--workdir", str(workdir), "--iterations", str(iterations),
+           task["prompts"], "--reward", task[reward], "--workdir", str(workdir), "--iterations", str(iterations),
            "--prompts-per-iter", str(prompts_per_iter), "--best-of-n", "8", "--generate-flags", GENERATE,
            "--train-flags", train]
     return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
@@ -124,11 +139,12 @@ def test_iterative_dpo_raises_the_reward_each_iteration_and_resumes(task, tmp_pa
 
 
 def test_conditional_sft_output_follows_the_condition(task, tmp_path):
-    done = iterate(task, "csft", tmp_path, 1, 128, TRAIN.format(batch=32, epochs=4, lr=3e-3))
+    done = iterate(task, "csft", tmp_path, 1, 128, TRAIN.format(batch=32, epochs=2, lr=3e-3), reward="reward_even")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "iter0" / "data.jsonl").read_text().splitlines()]
     assert len(rows) == 128 * 8 and {r["input"].split("<rm_score>: ")[1] for r in rows} == {"0.00 ", "1.00 "}
     model = tmp_path / "iter0" / "model"
-    good = expected_reward(model, task["eval"], " <rm_score>: 1.00")
-    bad = expected_reward(model, task["eval"], " <rm_score>: 0.00")
-    assert good > bad + 0.1, (good, bad)
+    before = expected_reward(task["policy"], task["eval"], right=EVEN)
+    good = expected_reward(model, task["eval"], " <rm_score>: 1.00", right=EVEN)
+    bad = expected_reward(model, task["eval"], " <rm_score>: 0.00", right=EVEN)
+    assert good > before + 0.2 and bad < before - 0.1, (before, good, bad)

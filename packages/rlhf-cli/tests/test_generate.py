@@ -34,6 +34,7 @@ def assets(tmp_path_factory):
             for i in range(16)]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "reward.py").write_text(REWARD)
+    (root / "no_reward_func.py").write_text("def score(texts):\n    return [0.0] * len(texts)\n")
     return {"root": root, "model": model, "prompts": str(root / "prompts.jsonl"), "reward": str(root / "reward.py")}
 
 
@@ -66,14 +67,19 @@ def test_openrlhf_flat_flags_set_the_generate_config():
     (("--post_processor", "csft", "--reward_template", "{input} scored"), (), "must contain {reward}"),
     (("--post_processor", "rs"), ("--remote_rm_url",), "--generate.post_processor rs works on rewards: give a"),
     (("--remote_rm_url", "nowhere.py"), (), "the reward source cannot score: --reward.remote_url nowhere.py"),
+    (("--remote_rm_url", "{root}/no_reward_func.py"), (), "no_reward_func.py: the file defines no 'reward_func'"),
+    (("--reward_pretrain", "{root}"), ("--remote_rm_url",), "--reward.model_name_or_path {root}: no model there"),
     (("--iter", "1", "--rollout_batch_size", "16"), (), "--generate.iter 1 with --rollout.batch_size 16 starts at "
                                                         "row 16, but the data has only 16 rows"),
     (("--input_key", "question"), (), "prompts.jsonl row 0: missing key 'question' (set by --data.input_key)"),
     (("--rollout.engine", "vllm"), (), "--rollout.engine vllm cannot run here"),
+    (("--reward.clip_range", "-1", "1"), (), "--reward.clip_range: reward clipping is RL shaping"),
 ])
 def test_bad_settings_are_refused_before_any_worker(assets, tmp_path, capsys, extra, drop, message):
+    extra = [x.replace("{root}", str(assets["root"])) for x in extra]
     assert generate.main(gen_flags(assets, tmp_path, *extra, drop=drop)) == 2
     err = capsys.readouterr().err
+    message = message.replace("{root}", str(assets["root"]))
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "out.jsonl.samples.jsonl").exists()
 
@@ -137,6 +143,37 @@ def test_resume_cuts_a_partial_line_and_the_samples_of_unfinished_prompts(assets
     cfg.rollout.n_samples_per_prompt = 3  # other settings: the samples are not this run's
     with pytest.raises(generate.GenerateError, match="written by a run with other settings"):
         generate.recover_samples(generate.plan(cfg))
+
+
+def test_a_registered_reward_source_scores_without_change(assets, tmp_path, register_plugin):
+    from rlhf_core.types import RewardResult, RewardSource
+
+    class WordCount(RewardSource):
+        async def score(self, request):
+            counts = [float(len(r.split())) for r in request.responses]
+            return RewardResult(rewards=counts, scores=counts)
+
+    class Factory:
+        def accepts(self, cfg):
+            return False  # only by name
+
+        def create(self, cfg):
+            return WordCount()
+
+    class Plugin:
+        @staticmethod
+        @hookimpl
+        def rlhf_register_reward_sources(register):
+            register("word_count", Factory())
+
+    register_plugin(Plugin, name="word-count-plugin")
+    cfg, _ = parse_config("generate", gen_flags(assets, tmp_path, "--reward.source", "word_count", "--best_of_n", "2",
+                                                drop=("--remote_rm_url",)))
+    the_plan = generate.plan(cfg)
+    assert the_plan.reward == "WordCount"
+    records = generate.GenerationWorker(cfg, the_plan.engine, 0, 1).run(the_plan.prompts[:3])
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(p, j) for p in range(3) for j in range(2)]
+    assert [r["reward"] for r in records] == [float(len(r["output"].split())) for r in records]
 
 
 def test_a_third_party_post_processor_filters_the_output(assets, tmp_path, register_plugin):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core import data, plugins
-from rlhf_core.config import GenerateConfig, as_rl_config
+from rlhf_core.config import GenerateConfig, RewardConfig, as_rl_config
 from rlhf_core.types import (
     GenerationRequest,
     PostProcessInput,
@@ -44,6 +44,19 @@ from rlhf_core.types import (
 )
 
 TASKS = ("generate", "generate_vllm", "rm")
+_RAW = "rlhf generate writes the reward sources' raw rewards"
+# Fields of the shared reward section that only RL acts on: refused here rather than parsed and ignored.
+RL_ONLY_REWARD_FIELDS = {
+    "clip_range": f"reward clipping is RL shaping; {_RAW}",
+    "overlong_buffer_len": f"the overlong penalty is RL shaping; {_RAW}",
+    "overlong_penalty_factor": f"the overlong penalty is RL shaping; {_RAW}",
+    "stop_properly_penalty_coef": f"the truncation penalty is RL shaping; {_RAW}",
+    "max_failure_fraction": "rlhf generate counts unscorable samples and stops only when a whole micro-batch "
+                            "is unscorable",
+    "num_nodes": "each generation worker loads its own reward model",
+    "num_gpus_per_node": "each generation worker loads its own reward model",
+    "offload": "each generation worker loads its own reward model",
+}
 
 
 class GenerateError(ValueError):
@@ -221,6 +234,10 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
         problems.append(f"--generate.iter {g.iter}: must be 0 or more")
     if r.temperature < 0:
         problems.append(f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more")
+    defaults = RewardConfig()
+    for name, why in RL_ONLY_REWARD_FIELDS.items():
+        if getattr(cfg.reward, name) != getattr(defaults, name):
+            problems.append(f"--reward.{name}: {why}")
     if problems:
         raise GenerateError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -273,7 +290,7 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
     note on what was repaired. A partial last line is cut and the samples of unfinished prompts are
     dropped (file rewritten through a temporary file), so the file holds only finished prompts."""
     path, meta_path = plan.samples_path, plan.samples_path.with_suffix(".meta.json")
-    fingerprint = plan.fingerprint()
+    fingerprint = json.loads(json.dumps(plan.fingerprint()))  # as it reads back (tuples become lists)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(meta_path, json.dumps(fingerprint, indent=1) + "\n")

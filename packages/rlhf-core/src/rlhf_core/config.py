@@ -668,28 +668,6 @@ class GenerateRolloutConfig:
 
 
 @dataclass
-class GenerateRewardConfig:
-    model_name_or_path: str | None = None
-    """A reward model (value head ``--ds.value_head_prefix``), loaded by each generation worker."""
-    remote_url: str | None = None
-    """A Python reward file (``reward.py`` exporting ``reward_func``) or HTTP reward server URL(s)."""
-    source: str | None = None
-    """Pick a registered reward source by name instead of inferring it from the fields above."""
-    normalize_enable: bool = False
-    """Normalise reward-model outputs with the mean/std stored at RM training time."""
-    weights: list[float] | None = None
-    """Weights of several reward sources (comma-separated ``remote_url``s), one each."""
-    timeout: float = 180.0
-    """Seconds one HTTP reward request (or one call of a reward function) may take."""
-    max_retries: int = 5
-    """Attempts per HTTP reward request."""
-    max_concurrency: int = 32
-    """Concurrent HTTP requests to the reward servers."""
-    request_batch_size: int = 64
-    """Most samples per HTTP reward request."""
-
-
-@dataclass
 class GenerateDataConfig:
     dataset: list[str] | None = None
     """Prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories."""
@@ -754,7 +732,9 @@ class GenerateConfig:
     model: PolicyConfig = field(default_factory=PolicyConfig)
     generate: GenerateTaskConfig = field(default_factory=GenerateTaskConfig)
     rollout: GenerateRolloutConfig = field(default_factory=GenerateRolloutConfig)
-    reward: GenerateRewardConfig = field(default_factory=GenerateRewardConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The whole reward section of ``rlhf train ppo``, so that every reward source (a plugin's with fields of
+    its own too) is configured as in RL; the RL-only shaping fields are refused by ``rlhf generate``."""
     data: GenerateDataConfig = field(default_factory=GenerateDataConfig)
     ds: InferenceDSConfig = field(default_factory=InferenceDSConfig)
     vllm: InferenceVllmConfig = field(default_factory=InferenceVllmConfig)

@@ -88,7 +88,9 @@ class Plan:
         return {"task": c.generate.task, "model": c.model.model_name_or_path, "dataset": c.data.dataset,
                 "iter": c.generate.iter, "seed": c.generate.seed, "prompts": len(self.prompts), "n": self.n,
                 "sampling": dataclasses.asdict(c.rollout) | {"micro_batch_size": None, "engine": None},
-                "reward": dataclasses.asdict(c.reward), "enable_csft": c.generate.enable_csft,
+                "reward": {k: getattr(c.reward, k) for k in ("model_name_or_path", "remote_url", "source",
+                                                             "normalize_enable", "weights")},
+                "enable_csft": c.generate.enable_csft,
                 "csft_prompt": c.generate.csft_prompt if c.generate.enable_csft else None}
 
     def describe(self) -> str:

@@ -83,3 +83,11 @@ def test_algorithm_builtins_satisfy_their_protocols(seam):
              "kl_estimators": types.KLEstimator}[seam]
     for reg in collect(get_plugin_manager(), seam).values():
         assert isinstance(reg.obj, proto), f"{reg.name} from {reg.distribution}"
+
+
+def test_hook_rlhf_register_post_processors(register_plugin):
+    found = check_seam(register_plugin, "post_processors", "rlhf_register_post_processors",
+                       ["rs", "iter_dpo", "csft"], "rlhf-core")
+    from rlhf_core.types import PostProcessor
+
+    assert all(isinstance(found[name].obj, PostProcessor) for name in ("rs", "iter_dpo", "csft"))

@@ -2,9 +2,9 @@
 
 import torch
 
-from rlhf_core.testing import AdvantageEstimatorConformance, EnvironmentConformance
-from rlhf_core.types import AdvantageInput
-from rlhf_example_plugin import GroupMedianEstimator, GuessNumber
+from rlhf_core.testing import AdvantageEstimatorConformance, EnvironmentConformance, PostProcessorConformance
+from rlhf_core.types import AdvantageInput, PostProcessInput, ScoredSample
+from rlhf_example_plugin import AboveMean, GroupMedianEstimator, GuessNumber
 
 
 class TestGroupMedianConformance(AdvantageEstimatorConformance):
@@ -43,3 +43,14 @@ def test_guess_number_feedback_and_reward():
     assert (first["environment_feedback"], first["done"]) == (" higher", False)
     assert (second["environment_feedback"], second["done"]) == (" lower", False)
     assert third["done"] and third["rewards"] == 0.5 and third["scores"] == 1.0
+
+
+class TestAboveMeanConformance(PostProcessorConformance):
+    name = "above_mean"
+
+
+def test_above_mean_by_hand():
+    # prompt 0: rewards 1, 4, 1 -> mean 2 -> keeps the 4; prompt 1: 3, 3 -> nothing beats the mean
+    groups = [[ScoredSample("p0", f"a{j}", r, 0, j) for j, r in enumerate([1.0, 4.0, 1.0])],
+              [ScoredSample("p1", f"b{j}", 3.0, 1, j) for j in range(2)]]
+    assert AboveMean()(PostProcessInput(groups)) == [{"input": "p0", "output": "a1", "reward": 4.0}]

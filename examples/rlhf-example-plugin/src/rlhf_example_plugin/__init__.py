@@ -79,3 +79,26 @@ class GuessNumber(AgentInstanceBase):
 @hookimpl
 def rlhf_register_environments(register):
     register("guess_number", GuessNumber)
+
+
+class AboveMean:
+    """A post-processor for ``rlhf generate``: every sample that beats its prompt's mean reward, as SFT rows.
+
+    Rejection sampling that keeps more than one sample per prompt: of rewards r_1..r_n, sample j is kept
+    when r_j > mean(r). A prompt whose samples all score the same gives nothing.
+    """
+
+    def check(self, options):
+        pass  # no options
+
+    def __call__(self, batch):
+        rows = []
+        for group in batch.groups:
+            mean = sum(s.reward for s in group) / len(group)
+            rows += [{"input": s.input, "output": s.output, "reward": s.reward} for s in group if s.reward > mean]
+        return rows
+
+
+@hookimpl
+def rlhf_register_post_processors(register):
+    register("above_mean", AboveMean())

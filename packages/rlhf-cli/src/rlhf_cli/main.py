@@ -1,6 +1,8 @@
 """The ``rlhf`` command.
 
     rlhf train {ppo,sft,rm,dpo,kto,prm,kd} [--config run.yaml] [flags] [--dry-run]
+    rlhf generate [flags] [--dry-run]
+    rlhf chat [flags]
     rlhf plugins [--json]
     rlhf serve-rm [flags]
     rlhf lora-merge [flags]
@@ -87,6 +89,18 @@ def cmd_lora_merge(argv: list[str]) -> int:
     return lora_main(argv) or 0
 
 
+def cmd_generate(argv: list[str]) -> int:
+    from rlhf_cli.generate import main as generate_main
+
+    return generate_main(argv)
+
+
+def cmd_chat(argv: list[str]) -> int:
+    from rlhf_cli.chat import main as chat_main
+
+    return chat_main(argv)
+
+
 def cmd_demo(argv: list[str]) -> int:
     from rlhf_cli.demo import main as demo_main
 
@@ -101,6 +115,8 @@ def cmd_doctor(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": cmd_train,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
     "plugins": cmd_plugins,
     "serve-rm": cmd_serve_rm,
     "lora-merge": cmd_lora_merge,

@@ -647,6 +647,211 @@ MODES: dict[str, type] = {
 }
 
 
+# --- rlhf generate and rlhf chat ------------------------------------------------------------------------
+# Their sections hold only the fields these commands honour; the engine and reward-source plugins get an
+# RLConfig built from them (:func:`as_rl_config`), the contract those plugins are written against.
+
+
+@dataclass
+class PolicyConfig:
+    model_name_or_path: str | None = None
+    """The policy: a local HF model directory (``--pretrain``)."""
+
+
+@dataclass
+class GenerateTaskConfig:
+    task: str = "generate"
+    """``generate``: sample responses to the prompts of ``--data.dataset`` with the policy (scored when a
+    reward source is given); ``generate_vllm``: the same on the vllm engine; ``rm``: score the rows'
+    own ``--data.input_key`` / ``--data.output_key`` texts, no policy (OpenRLHF's ``--eval_task``)."""
+    output_path: str | None = None
+    """The result, JSON lines, written whole at the end. Samples stream into
+    ``<output_path>.samples.jsonl`` as they are made: a rerun of the same command resumes from it."""
+    post_processor: str | None = None
+    """A registered post-processor run over the scored samples: ``rs`` (best of n), ``iter_dpo`` (best
+    and worst as a pair), ``csft`` (reward condition in the prompt), or a plugin's."""
+    reward_template: str | None = None
+    """``csft``: how the condition is written, with ``{input}`` and ``{reward}`` (default
+    ``"{input} <rm_score>: {reward} "``)."""
+    normalize_reward: bool = False
+    """``csft``: z-score the rewards over the whole output before writing them into the prompts."""
+    enable_csft: bool = False
+    """Append ``--generate.csft_prompt`` to every prompt (generating from a conditional-SFT policy)."""
+    csft_prompt: str = "<rm_score>: 5.00"
+    """The condition appended with ``--generate.enable_csft`` (stripped, then one space after it)."""
+    iter: int | None = None
+    """Use the prompts ``[iter * R, (iter + 1) * R)`` with R = ``--rollout.batch_size``, so that each
+    iteration of a pipeline gets fresh prompts; None: the first ``--data.max_samples`` rows."""
+    seed: int = 1234
+    """Seed of sampling: sample j of prompt i draws from ``derive_seed(seed, iter, i, j)``, so a resumed
+    run draws what the uninterrupted one would have."""
+
+
+@dataclass
+class GenerateRolloutConfig:
+    engine: str = "auto"
+    """Rollout engine: ``hf``, ``vllm``, or ``auto`` (vllm when it can run here, else hf)."""
+    n_samples_per_prompt: int = 1
+    """Samples per prompt (``--best_of_n``)."""
+    max_new_tokens: int = 1024
+    """Most tokens generated per sample."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy (``--greedy_sampling``)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+    repetition_penalty: float = 1.0
+    """Must stay 1.0: the rollout engines sample without a repetition penalty (other values are refused)."""
+    batch_size: int = 2048
+    """Prompts per pipeline iteration, with ``--generate.iter`` (``--rollout_batch_size``)."""
+    micro_batch_size: int = 16
+    """Prompts per engine call, and sequences per reward-model forward; the unit of progress and resume."""
+
+
+@dataclass
+class GenerateDataConfig:
+    dataset: list[str] | None = None
+    """Prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories."""
+    dataset_probs: list[float] | None = None
+    """Mixing probabilities of ``dataset``."""
+    dataset_split: str = "train"
+    """Split of ``dataset``."""
+    input_key: str = "input"
+    """Column holding the prompt (or the conversation, with ``apply_chat_template``)."""
+    output_key: str = "output"
+    """``--generate.task rm``: column holding the response to score."""
+    label_key: str | None = None
+    """Column passed to reward functions as the label (and kept in the output)."""
+    input_template: str | None = None
+    """Format string with ``{}`` for the prompt, used when no chat template is applied."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    tokenizer_chat_template: str | None = None
+    """Override the tokenizer's chat template."""
+    max_len: int = 2048
+    """``--generate.task rm`` and reward models: most tokens of prompt + response."""
+    prompt_max_len: int = 1024
+    """Most prompt tokens."""
+    overlong_prompt_policy: str = "error"
+    """A prompt longer than its budget: ``error`` (names file and row), ``skip`` or ``truncate_left``."""
+    skip_bad_rows: bool = False
+    """Skip and count rows with a missing or mistyped key instead of failing on the first."""
+    max_samples: int = 100_000_000
+    """Use at most this many rows (without ``--generate.iter``)."""
+    disable_fast_tokenizer: bool = False
+    """Load the slow tokenizer."""
+
+
+@dataclass
+class InferenceDSConfig:
+    param_dtype: str = "bf16"
+    """Weights dtype of the policy and reward model: ``bf16`` or ``fp32``."""
+    attn_implementation: str = "sdpa"
+    """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
+    value_head_prefix: str = "score"
+    """Name of the reward model's value head."""
+
+
+@dataclass
+class InferenceVllmConfig:
+    num_engines: int = 1
+    """Generation workers, one rollout engine each; the prompts are shared out among them."""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine (``--tp_size``)."""
+    gpu_memory_utilization: float = 0.95
+    """Fraction of GPU memory vLLM may take."""
+    enable_prefix_caching: bool = False
+    """vLLM automatic prefix caching (worth it with several samples per prompt)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM."""
+
+
+@dataclass
+class GenerateConfig:
+    """``rlhf generate``: sample n responses per prompt on Ray workers, score them, post-process them."""
+
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    generate: GenerateTaskConfig = field(default_factory=GenerateTaskConfig)
+    rollout: GenerateRolloutConfig = field(default_factory=GenerateRolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The whole reward section of ``rlhf train ppo``, so that every reward source (a plugin's with fields of
+    its own too) is configured as in RL; the RL-only shaping fields are refused by ``rlhf generate``."""
+    data: GenerateDataConfig = field(default_factory=GenerateDataConfig)
+    ds: InferenceDSConfig = field(default_factory=InferenceDSConfig)
+    vllm: InferenceVllmConfig = field(default_factory=InferenceVllmConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass
+class ChatOptions:
+    max_len: int = 4096
+    """Most tokens of the whole conversation; older turns are dropped (with a note) to make room."""
+    max_new_tokens: int = 1024
+    """Most tokens of one reply."""
+    temperature: float = 0.2
+    """Sampling temperature; 0 is greedy (``--greedy_sampling``)."""
+    top_p: float = 0.9
+    """Nucleus sampling mass."""
+    repetition_penalty: float = 1.2
+    """Penalty on tokens already in the conversation (1.0: none)."""
+    ta_prompt: str | None = None
+    """A text file that starts every conversation: the system message with a chat template, else the
+    opening text of the history."""
+    enable_csft: bool = False
+    """Append ``--chat.csft_prompt`` to every user turn (talking to a conditional-SFT policy)."""
+    csft_prompt: str = "<rm_score>: 5.00"
+    """The condition appended with ``--chat.enable_csft``."""
+    stream: str = "auto"
+    """Print reply tokens as they are made: ``auto`` (when stdout is a terminal), ``true``, ``false``."""
+    seed: int = 1234
+    """Seed of sampling."""
+
+
+@dataclass
+class ChatDataConfig:
+    input_template: str | None = "User: {}\nAssistant: "
+    """Format string with ``{}`` for each user turn, used when no chat template is applied."""
+    apply_chat_template: bool = False
+    """Format the conversation with the tokenizer's chat template."""
+    tokenizer_chat_template: str | None = None
+    """Override the tokenizer's chat template."""
+
+
+@dataclass
+class ChatConfig:
+    """``rlhf chat``: talk to a checkpoint, in a terminal or through stdin."""
+
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    data: ChatDataConfig = field(default_factory=ChatDataConfig)
+    ds: InferenceDSConfig = field(default_factory=lambda: InferenceDSConfig(param_dtype="fp32"))
+
+
+# Every command whose flags the config parser reads: the training modes, then the inference commands.
+COMMANDS: dict[str, type] = {**MODES, "generate": GenerateConfig, "chat": ChatConfig}
+
+
+def as_rl_config(cfg: GenerateConfig) -> RLConfig:
+    """An RLConfig carrying ``cfg``'s settings: what rollout-engine and reward-source factories read.
+
+    Each section of ``cfg`` is copied onto the RLConfig section of the same name, field by field; the
+    policy goes to ``actor`` and the sampling seed to ``train.seed``.
+    """
+    rl = RLConfig()
+    for f in dataclasses.fields(cfg):
+        target = getattr(rl, f.name, None)
+        if not dataclasses.is_dataclass(target):
+            continue
+        section = getattr(cfg, f.name)
+        names = {g.name for g in dataclasses.fields(target)}
+        setattr(rl, f.name, dataclasses.replace(
+            target, **{g.name: getattr(section, g.name) for g in dataclasses.fields(section) if g.name in names}))
+    rl.actor.model_name_or_path = cfg.model.model_name_or_path
+    rl.train.seed = cfg.generate.seed
+    return rl
+
+
 def to_dict(cfg: object) -> dict:
     """The config as nested plain data (tuples become lists), e.g. for YAML."""
 

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from rlhf_core import config_aliases as aliases
-from rlhf_core.config import MODES
+from rlhf_core.config import COMMANDS, MODES
 
 
 class ConfigError(ValueError):
@@ -107,10 +107,15 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def command_name(mode: str) -> str:
+    """How the user typed the command: ``rlhf train sft``, ``rlhf generate``."""
+    return f"rlhf train {mode}" if mode in MODES else f"rlhf {mode}"
+
+
 def build_argparser(mode: str, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one dotted flag per config field, grouped by section (for ``--help``)."""
-    root = MODES[mode]
-    parser = _Parser(prog=prog or f"rlhf train {mode}", allow_abbrev=False, add_help=False,
+    root = COMMANDS[mode]
+    parser = _Parser(prog=prog or command_name(mode), allow_abbrev=False, add_help=False,
                      description=inspect.getdoc(root))
     groups: dict[str, argparse._ArgumentGroup] = {}
     for leaf in leaves(root).values():
@@ -161,9 +166,11 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
             targets = renames[name]
             for target in (targets,) if isinstance(targets, str) else targets:
                 out += [f"--{target}", *values]
-        elif name in aliases.CONSTANTS:
-            for target, value in aliases.CONSTANTS[name]:
+        elif name in aliases.constants(mode):
+            for target, value in aliases.constants(mode)[name]:
                 out += [f"--{target}", value]
+        elif name in aliases.ignored(mode):
+            notes.append(f"--{name} is ignored: {aliases.ignored(mode)[name]}")
         elif name in aliases.DROPPED:
             notes.append(f"--{name} is ignored: OpenRLHF dropped it and rlhf has no equivalent")
         elif name in aliases.CLIP_PARTS and mode == "ppo":
@@ -180,7 +187,7 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
 
 
 def _known_flags(mode: str) -> list[str]:
-    return [f"--{p}" for p in leaves(MODES[mode])] + [f"--{a}" for a in aliases.table(mode)]
+    return [f"--{p}" for p in leaves(COMMANDS[mode])] + [f"--{a}" for a in aliases.table(mode)]
 
 
 def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
@@ -196,7 +203,7 @@ def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
         flag = "--" + _split_flag(tok)[0]
         close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        lines.append(f"unknown option {flag}{where} for 'rlhf train {mode}'{hint}")
+        lines.append(f"unknown option {flag}{where} for '{command_name(mode)}'{hint}")
     return ConfigError("\n".join(lines))
 
 
@@ -248,8 +255,8 @@ def _parse_tokens(mode: str, tokens: list[str], where: str) -> dict[str, Any]:
 
 def parse_config(mode: str, argv: list[str]) -> tuple[Any, list[str]]:
     """Parse ``argv`` (flags only, no subcommand) for ``mode``; returns the config and notes to print."""
-    if mode not in MODES:
-        raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+    if mode not in COMMANDS:
+        raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(COMMANDS)}")
     notes: list[str] = []
     files: list[str] = []
     cli: list[str] = []
@@ -274,7 +281,7 @@ def parse_config(mode: str, argv: list[str]) -> tuple[Any, list[str]]:
 
 def build_config(mode: str, values: dict[str, Any]) -> Any:
     """A config of ``mode`` with defaults, updated by ``{dotted path: value}``."""
-    root = MODES[mode]
+    root = COMMANDS[mode]
     cfg = root()
     table = leaves(root)
     for path, value in values.items():

@@ -108,6 +108,18 @@ def rlhf_register_reward_sources(register: Register) -> None:
     """
 
 
+@hookspec
+def rlhf_register_post_processors(register: Register) -> None:
+    """Register post-processors for ``rlhf generate``, picked by ``--generate.post_processor``.
+
+    Each object satisfies :class:`rlhf_core.types.PostProcessor`: ``check(options)`` refuses options that
+    cannot work (before any worker starts), and ``processor(batch: PostProcessInput) -> list[dict]``
+    turns the scored samples, grouped by prompt, into the output rows.
+
+    Built-in names: ``rs``, ``iter_dpo``, ``csft`` (rlhf-core).
+    """
+
+
 # --- system seams ---------------------------------------------------------------------------------
 
 

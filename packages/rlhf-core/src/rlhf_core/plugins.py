@@ -33,6 +33,7 @@ SEAMS: dict[str, str] = {
     "agent_executors": "rlhf_register_agent_executors",
     "environments": "rlhf_register_environments",
     "reward_sources": "rlhf_register_reward_sources",
+    "post_processors": "rlhf_register_post_processors",
     "placement_strategies": "rlhf_register_placement_strategies",
     "rollout_engines": "rlhf_register_rollout_engines",
     "train_backends": "rlhf_register_train_backends",
@@ -45,6 +46,7 @@ SINGULAR = {
     "agent_executors": "agent executor",
     "environments": "environment",
     "reward_sources": "reward source",
+    "post_processors": "post-processor",
     "placement_strategies": "placement strategy",
     "rollout_engines": "rollout engine",
     "train_backends": "train backend",
@@ -60,6 +62,7 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "agent_executors": dict.fromkeys(["single_turn", "multi_turn", "openai_server"], "rlhf-agents"),
     "environments": {},
     "reward_sources": dict.fromkeys(["python_file", "http", "reward_model"], "rlhf-agents"),
+    "post_processors": dict.fromkeys(["rs", "iter_dpo", "csft"], "rlhf-core"),
     "placement_strategies": dict.fromkeys(
         ["colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate"], "rlhf-cli"
     ),

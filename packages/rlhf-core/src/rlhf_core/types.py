@@ -212,6 +212,58 @@ class RewardSourceFactory(Protocol):
     def create(self, cfg: Any) -> RewardSource: ...
 
 
+# --- post-processing generated samples (rlhf generate) ---------------------------------------------------
+
+
+@dataclass
+class ScoredSample:
+    """One response to one prompt, with its reward."""
+
+    input: str
+    """The prompt text as the model saw it (templates applied)."""
+    output: str
+    """The response text, special tokens skipped."""
+    reward: float
+    prompt_index: int
+    """Which prompt of the run (its position in the selected rows); groups key on it."""
+    sample_index: int
+    """Which of the prompt's samples this is."""
+    label: Any = None
+    """The ``--data.label_key`` value of the prompt's row, when given."""
+
+
+@dataclass
+class PostProcessOptions:
+    """The ``--generate.*`` settings a post-processor may read."""
+
+    reward_template: str | None = None
+    """How a reward condition is written into a prompt (``{input}`` and ``{reward}``); None: the
+    processor's default."""
+    normalize_reward: bool = False
+    """Z-score the rewards over the whole output first."""
+
+
+@dataclass
+class PostProcessInput:
+    """Every scored sample of a run, grouped by prompt."""
+
+    groups: list[list[ScoredSample]]
+    """One list per prompt, in prompt order, its samples in sample order. Unscorable samples are left out
+    (and counted) before post-processing; a group is never empty."""
+    options: PostProcessOptions = field(default_factory=PostProcessOptions)
+
+
+@runtime_checkable
+class PostProcessor(Protocol):
+    """The object registered under ``rlhf_register_post_processors``."""
+
+    def check(self, options: PostProcessOptions) -> None:
+        """Raise ValueError naming the flag when ``options`` cannot work; called before any worker starts."""
+
+    def __call__(self, batch: PostProcessInput) -> list[dict]:
+        """The output rows: JSON-serialisable dicts, written one per line in the order returned."""
+
+
 # --- algorithms ----------------------------------------------------------------------------------------
 
 

@@ -210,14 +210,27 @@ def get_field(row: Row, key: str, types: type | tuple[type, ...] = str, flag: st
     return value
 
 
-def check_messages(messages: Any, row: Row, key: str) -> list[dict]:
-    """A conversation: a list of ``{"role": str, "content": str}``; DataError naming the row otherwise."""
+def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> list[dict]:
+    """A conversation: a list of ``{"role": str, "content": str}``; DataError naming the row otherwise.
+
+    With ``parts`` (prompts with images) a content may also be a list of ``{"type": "text", "text": str}``
+    and ``{"type": "image"}`` items, as vision-language chat templates take them."""
+
+    def content_ok(c: Any) -> bool:
+        if isinstance(c, str):
+            return True
+        return parts and isinstance(c, list) and all(
+            isinstance(x, dict) and (x.get("type") == "image" or (x.get("type") == "text" and isinstance(x.get("text"), str)))
+            for x in c
+        )
+
     ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) and content_ok(m.get("content")) for m in messages
     )
     if not ok or not messages:
-        raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages")
+        kind = "a str or a list of {'type': 'text'|'image'} items" if parts else "a str"
+        raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages, each "
+                        f"content {kind}")
     return messages
 
 

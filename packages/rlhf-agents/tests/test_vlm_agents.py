@@ -55,12 +55,15 @@ def check_tokens(vlm, traj) -> None:
 
 
 def test_single_turn_samples_share_their_prompts_images(vlm, cfg_factory, tmp_path):
-    (tmp_path / "reward.py").write_text("def reward_func(queries, prompts, labels, **kw):\n    return [0.5] * len(queries)\n")
+    # a reward file sees a query's images as the prompt text has them: one placeholder each
+    (tmp_path / "reward.py").write_text("def reward_func(queries, prompts, labels, **kw):\n"
+                                        "    return [float(q.count('<|image_pad|>') == p.count('<|image_pad|>') == 1)\n"
+                                        "            for q, p in zip(queries, prompts)]\n")
     worker = worker_for(vlm, cfg_factory(reward={"remote_url": str(tmp_path / "reward.py")}, data={"max_len": 32}))
     rows = [prompt_row(vlm, 0), prompt_row(vlm, 1, (0, 0, 200))]
     trajs = worker.rollout(rows, SamplingParams(n=3, max_new_tokens=4), step=0)
     worker.close()
-    assert len(trajs) == 6
+    assert len(trajs) == 6 and [t.reward for t in trajs] == [1.0] * 6
     for k, t in enumerate(trajs):
         assert t.images == rows[k // 3]["images"] and t.images[0] is rows[k // 3]["images"][0]  # the same object
         check_tokens(vlm, t)

@@ -19,6 +19,7 @@ from rlhf_agents.checks import describe
 from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
 from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
+from rlhf_core.vision import collapse_image_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +202,16 @@ class RolloutWorker:
                 f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path"
             )
         decode = self.tokenizer.decode
+        images = self.executor.image_processing
+
+        def query(t: Trajectory) -> str:
+            ids = t.prompt_ids + t.response_ids
+            if images is not None:  # one placeholder per image, as in the prompt text
+                ids = collapse_image_tokens(ids, images.image_token_id)
+            return decode(ids, skip_special_tokens=False)
+
         request = RewardRequest(
-            queries=[decode(t.prompt_ids + t.response_ids, skip_special_tokens=False) for t in pending],
+            queries=[query(t) for t in pending],
             prompts=[t.prompt_text for t in pending],
             labels=[t.label for t in pending],
             prompt_ids=[list(t.prompt_ids) for t in pending],

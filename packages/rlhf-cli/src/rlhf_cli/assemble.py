@@ -34,6 +34,8 @@ class Assembly:
     roles: dict[str, RoleDemand] = field(default_factory=dict)
     plan: PlacementPlan | None = None
     notes: list[str] = field(default_factory=list)
+    vision: list[str] = field(default_factory=list)
+    """How a vision-language run uses images (empty for a text run)."""
 
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
@@ -42,6 +44,9 @@ class Assembly:
         if self.plan is not None:
             lines.append("placement plan:")
             lines += ["  " + line for line in self.plan.describe().splitlines()]
+        if self.vision:
+            lines.append("vision-language model:")
+            lines += ["  " + line for line in self.vision]
         return "\n".join(lines)
 
 
@@ -134,6 +139,59 @@ def _check_rl_options(cfg, estimator) -> None:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
 
+def _check_vision(cfg, estimator, engine: str) -> list[str]:
+    """The checks of a run with images (``--data.image_key``, or an actor that is a vision-language model);
+    returns how it uses them, for ``--dry-run``. A model given by hub id (not a local directory) is judged
+    by the flags alone."""
+    from rlhf_core import vision
+
+    c = cfg
+    path = c.actor.model_name_or_path
+    config = None
+    if path and (Path(path) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    is_vlm = config is not None and vision.is_vision_language(config)
+    vlm_flags = [f for f, on in (("--data.image_key", c.data.image_key), ("--actor.freeze_visual_encoder",
+                 c.actor.freeze_visual_encoder), ("--data.max_images_per_prompt", c.data.max_images_per_prompt)) if on]
+    if not (is_vlm or vlm_flags):
+        return []
+    problems = []
+    if config is not None and not is_vlm:
+        problems.append(f"{', '.join(vlm_flags)}: {path} is not a vision-language model (its config.json has no "
+                        "vision_config)")
+    if is_vlm and config.model_type not in vision.SUPPORTED_MODEL_TYPES:
+        problems.append(f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains images with "
+                        f"{', '.join(vision.SUPPORTED_MODEL_TYPES)} models only")
+    if estimator.needs_critic:
+        problems.append(f"--algo.advantage.estimator {c.algo.advantage.estimator} needs a critic, and a critic for a "
+                        "vision-language model is not supported (as in OpenRLHF): use group_norm, rloo, "
+                        "reinforce_baseline, reinforce or dr_grpo")
+    if c.ds.packing_samples:
+        problems.append("--ds.packing_samples: images go with each sequence, so a vision-language run is not packed")
+    if c.ds.lora.rank > 0:
+        problems.append("--ds.lora.rank: LoRA on a vision-language model is not supported yet")
+    if c.reward.model_name_or_path:
+        problems.append("--reward.model_name_or_path: a reward model would score the text without the images; "
+                        "use a reward function (--reward.remote_url file.py) or an agent")
+    if c.train.agent_executor == "openai_server":
+        problems.append("--train.agent_executor openai_server sends text messages and cannot carry images")
+    if problems:
+        raise RunConfigError("this vision-language run cannot start:\n  - " + "\n  - ".join(problems))
+    limit = c.data.max_images_per_prompt or "any number of"
+    trained = "the language model (the vision encoder is frozen)" if c.actor.freeze_visual_encoder else \
+        "the vision encoder and the language model"
+    return [
+        f"model: {path}" + (f" ({config.model_type})" if config is not None else " (not a local directory: not read)"),
+        (f"images: from --data.image_key {c.data.image_key}, {limit} per prompt" if c.data.image_key
+         else "images: none in the prompts (an agent's environment may return some)"),
+        f"trained: {trained}; synced to the {engine} engines: " + (
+            "the language model" if c.actor.freeze_visual_encoder else "every weight"),
+        "no critic, no packing; log-probs over the text response only",
+    ]
+
+
 def _check_prm_reward(cfg) -> bool:
     """Whether the reward is a process reward model (it then scores in the rollout actors, so no reward-model
     workers start); its settings are checked here, before anything starts."""
@@ -191,6 +249,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
     _check_rl_options(cfg, estimator)
+    asm.vision = _check_vision(cfg, estimator, engine)
     prm_reward = _check_prm_reward(cfg)
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}

@@ -11,7 +11,33 @@ import sys
 from packaging.version import Version
 
 PACKAGES = ["rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-rollout-vllm", "rlhf-cli",
-            "torch", "transformers", "deepspeed", "ray", "vllm", "flash-attn", "ring-flash-attn", "peft"]
+            "torch", "transformers", "deepspeed", "ray", "vllm", "flash-attn", "ring-flash-attn", "peft",
+            "pillow", "torchvision"]
+
+
+def image_support(versions: dict[str, str | None]) -> list[str]:
+    """What a vision-language run can use here, one line each. Image processors come in two
+    implementations in transformers: PIL ones (need pillow) and faster torchvision ones; without
+    torchvision (or with one built for another torch) transformers loads the PIL ones."""
+    lines = []
+    if versions.get("pillow"):
+        lines.append(f"reading images (pillow {versions['pillow']}): yes")
+    else:
+        lines.append("reading images: no, pillow is not installed (pip install pillow); --data.image_key cannot work")
+    if not versions.get("torchvision"):
+        tv = "not installed"
+    else:
+        try:
+            import torchvision  # noqa: F401
+
+            tv = f"{versions['torchvision']}, imports"
+        except Exception as exc:  # a wheel built for another torch fails at import with many error types
+            tv = f"{versions['torchvision']} installed but does not import ({type(exc).__name__}: {str(exc)[:80]})"
+    usable = "imports" in tv
+    lines.append(f"torchvision: {tv}")
+    kind = "the torchvision (fast) ones" if usable else "the PIL (slow) ones"
+    lines.append(f"image processors transformers will load: {kind if versions.get('pillow') else 'none'}")
+    return lines
 
 
 def version_of(dist: str) -> str | None:
@@ -102,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
         except Exception as exc:
             print(f"\nRay cluster {os.environ['RAY_ADDRESS']}: cannot connect: {exc}")
+
+    print("\nimages (vision-language models):")
+    for line in image_support(versions):
+        print(f"  {line}")
 
     problems = known_problems(versions, cuda)
     print("\nwarnings:" if problems else "\nno known problems")

@@ -89,7 +89,8 @@ class ActorConfig(OptimizerFields):
     entropy_coef: float = 0.0
     """Entropy bonus weight; 0 only logs the entropy."""
     freeze_visual_encoder: bool = False
-    """Keep a VLM's vision tower frozen."""
+    """Vision-language models: train the language model only; the vision tower keeps its weights (and is not
+    sent to the engines, which already have them)."""
 
 
 @dataclass
@@ -438,9 +439,11 @@ class DataConfig:
     max_samples: int = 100_000_000
     """Use at most this many rows."""
     image_key: str | None = None
-    """VLM: column holding images."""
+    """Vision-language models: the column holding each prompt's images (a path, ``file://`` URL, data URI or
+    bytes, or a list of them; see ``rlhf_core.vision``)."""
     max_images_per_prompt: int = 0
-    """VLM: most images per prompt."""
+    """Vision-language models: most images in a prompt, and in a multi-turn episode with the images its
+    environment returns (those past it are dropped); 0: no limit. A row over it is a data error."""
     disable_fast_tokenizer: bool = False
     """Load the slow tokenizer."""
     dataloader_num_workers: int = 0

@@ -209,6 +209,12 @@ class ImageProcessing:
         return out
 
 
+def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
+    """``ids`` with each run of image tokens back to one placeholder: the text as the chat template wrote it
+    (what reward functions see as the prompt, and what vLLM expects with its images)."""
+    return [t for k, t in enumerate(ids) if t != image_token_id or k == 0 or ids[k - 1] != image_token_id]
+
+
 def count_image_tokens(ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int) -> str | None:
     """Why ``ids`` and ``images`` do not fit together (None when the image tokens are the images')."""
     found = sum(1 for t in ids if t == image_token_id)

@@ -26,7 +26,7 @@ def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = No
         return ModelSpec(
             actor_path, "causal", True, cfg.actor, micro, grad_accum, steps,
             cfg.actor.gradient_checkpointing_enable, cfg.actor.gradient_checkpointing_reentrant,
-            ema_beta=ema_beta,
+            ema_beta=ema_beta, freeze_vision=cfg.actor.freeze_visual_encoder,
         )
     if role == "critic":
         path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or actor_path

@@ -73,6 +73,8 @@ class ModelSpec:
     ema_beta: float | None = None
     """Trained models: keep an EMA of the weights with this decay (``--train.enable_ema``,
     ``--train.ema_beta``) and export it instead of the trained weights; None: no EMA."""
+    freeze_vision: bool = False
+    """A trained vision-language model keeps its vision tower frozen (``--actor.freeze_visual_encoder``)."""
 
 
 @dataclass
@@ -223,6 +225,12 @@ class TrainWorker:
         else:
             raise ValueError(f"unknown model kind {spec.kind!r}")
         self.hf_config = model.config
+        if spec.freeze_vision:
+            from rlhf_core.vision import is_vision_language, vision_tower
+
+            if not is_vision_language(model.config):
+                raise ValueError(f"--actor.freeze_visual_encoder: {spec.path} is not a vision-language model")
+            vision_tower(model).requires_grad_(False)
         if spec.trainable:
             if spec.kind == "causal":
                 model = apply_lora(model, ds.lora, "CAUSAL_LM")
@@ -567,10 +575,13 @@ class TrainWorker:
     def _is_peft(self) -> bool:
         return hasattr(self._module(), "peft_config")
 
-    def named_weights(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(
+        self, bucket_bytes: int = WEIGHT_BUCKET_BYTES, trainable_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` pairs, ZeRO-3 parameters gathered bucket by bucket
         (``deepspeed.zero.GatheredParameters``). Collective: every rank must exhaust the iterator. With LoRA
-        the adapters are merged into the base weights (names without peft's prefixes)."""
+        the adapters are merged into the base weights (names without peft's prefixes). ``trainable_only``
+        leaves out frozen parameters (a frozen vision tower: the engines loaded the same weights)."""
         import deepspeed
 
         module = self._module()
@@ -587,7 +598,7 @@ class TrainWorker:
                 finally:
                     module.unmerge_adapter()
             return
-        params = list(module.named_parameters())
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
         bucket: list[tuple[str, torch.nn.Parameter]] = []
         size = 0
 
@@ -607,9 +618,9 @@ class TrainWorker:
             yield from flush()
 
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor] | None:
-        """Every weight as a CPU tensor on rank 0 (None on the others), for the object-store sync path."""
+        """Every trained weight as a CPU tensor on rank 0 (None on the others), for the object-store sync path."""
         out = {}
-        for name, t in self.named_weights():
+        for name, t in self.named_weights(trainable_only=True):
             if self.rank == 0:
                 out[name] = t.cpu()
         return out if self.rank == 0 else None
@@ -627,7 +638,7 @@ class TrainWorker:
             self._sync_group = weight_sync.init_sync_group(
                 master_addr, master_port, 0, world_size, backend, timeout_s
             )
-        weights = self.named_weights()
+        weights = self.named_weights(trainable_only=True)
         if self.rank == 0:
             return self._sync_group.send(weights)["tensors"]
         for _ in weights:

@@ -69,8 +69,9 @@ def _get(refs, what: str):
 
 class RLController:
     def __init__(self, cfg, groups: Groups, stream: PromptStream, pad_token_id: int, checkpoints=None,
-                 logger=None, eval_prompts: list[Prompt] | None = None):
+                 logger=None, eval_prompts: list[Prompt] | None = None, image_processing=None):
         self.cfg = cfg
+        self.image_processing = image_processing  # a VLM's: turns the prompts' images into model inputs
         self.groups = groups
         self.stream = stream
         self.pad = pad_token_id
@@ -103,7 +104,8 @@ class RLController:
     def generate(self, prompts: list[Prompt], step: int, eval_mode: bool = False) -> tuple[list[Trajectory], dict]:
         """Spread ``prompts`` over the rollout actors (whole prompts, so groups stay together)."""
         actors = self.groups.rollout
-        rows = [{"prompt_ids": p.ids, "prompt_text": p.text, "label": p.label, "prompt_uid": p.uid} for p in prompts]
+        rows = [{"prompt_ids": p.ids, "prompt_text": p.text, "label": p.label, "prompt_uid": p.uid,
+                 "images": p.image_inputs(self.image_processing)} for p in prompts]
         per = math.ceil(len(rows) / len(actors))
         sampling = self.sampling(eval_mode)
         seed_step = f"eval{step}" if eval_mode else step
@@ -163,6 +165,7 @@ class RLController:
                 [seq[:pl] for seq, pl in zip(rows.sequences, rows.prompt_lens)],
                 [seq[pl:] for seq, pl in zip(rows.sequences, rows.prompt_lens)],
                 self.pad, [m[: len(seq) - pl].tolist() for m, seq, pl in zip(masks, rows.sequences, rows.prompt_lens)],
+                rows.images,
             ))
         return out
 

@@ -38,6 +38,7 @@ class RolloutActor:
 
         from rlhf_agents.worker import RolloutWorker
         from rlhf_core.plugins import get_plugin_manager, resolve
+        from rlhf_core.vision import ImageProcessing
 
         pm = get_plugin_manager()
         factory = resolve(pm, "rollout_engines", engine_name, "--rollout.engine")
@@ -56,7 +57,9 @@ class RolloutActor:
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
         engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
-        self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
+        images = ImageProcessing.for_model(cfg.actor.model_name_or_path)  # an environment's images, if a VLM
+        self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model,
+                                                image_processing=images)
         # With partial rollout the actor runs calls concurrently, so the first receive_weights can start
         # while init_weight_sync is still joining the group.
         self.sync_ready = threading.Event()

@@ -15,6 +15,7 @@ from rlhf_cli.rl.controller import Groups, RLController, RLRunError
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
 from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.vision import ImageProcessing
 
 
 def _optimizer_steps(cfg, num_prompts: int) -> int:
@@ -87,11 +88,12 @@ def run_rl(asm: Assembly) -> int:
     from rlhf_train_deepspeed.checkpoint import CheckpointManager
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
-    prompts = load_prompts(cfg, tokenizer)
+    images = ImageProcessing.for_model(cfg.actor.model_name_or_path)
+    prompts = load_prompts(cfg, tokenizer, images=images)
     eval_prompts = []
     if cfg.eval.dataset:
         eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
-                                    max_samples=cfg.eval.max_samples)
+                                    max_samples=cfg.eval.max_samples, images=images)
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
 
@@ -104,7 +106,7 @@ def run_rl(asm: Assembly) -> int:
     try:
         groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)), tokenizer.pad_token_id or 0)
         controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
-                                  eval_prompts=eval_prompts)
+                                  eval_prompts=eval_prompts, image_processing=images)
         if cfg.ckpt.load_enable:
             latest = checkpoints.latest()
             if latest is not None:

@@ -53,7 +53,8 @@ class FakeLLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.calls: list = []
-        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(get_vocab_size=lambda: 1000))
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
+            get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)))
         FakeLLM.instances.append(self)
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True):
@@ -160,6 +161,31 @@ def test_n_samples_become_single_prompts_with_derived_seeds(fake_vllm):
     assert results[0][0].token_ids == [12, 13, 14] and results[0][0].logprobs == [-0.25, -0.5, -0.75]
     assert results[0][0].finish_reason == "stop"
     assert results[1][0].token_ids == [51, 52] and results[1][0].finish_reason == "length"
+
+
+def test_images_go_in_as_vllms_multimodal_data_with_one_placeholder_each(fake_vllm):
+    """vLLM's documented multimodal input: ``{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}``,
+    the ids holding one placeholder per image (vLLM repeats it itself). Untested with a real vLLM here."""
+    from PIL import Image
+
+    from rlhf_core.types import ImageInput
+
+    red, blue = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (56, 84), (0, 0, 255))
+    images = [ImageInput(torch.zeros(16, 8), torch.tensor([1, 4, 4]), 4, red),
+              ImageInput(torch.zeros(24, 8), torch.tensor([1, 6, 4]), 6, blue)]
+    engine = VLLMEngine("/models/vlm")
+    ids = [5, 998] + [999] * 4 + [997, 7, 998] + [999] * 6 + [997, 8]
+    engine.generate([GenerationRequest(ids, SamplingParams(n=2, max_new_tokens=2, seed=1), images),
+                     GenerationRequest([5, 6], SamplingParams(max_new_tokens=2, seed=2))])
+    (_, prompts, _), = FakeLLM.instances[-1].calls
+    with_images = {"prompt_token_ids": [5, 998, 999, 997, 7, 998, 999, 997, 8], "multi_modal_data": {"image": [red, blue]}}
+    assert prompts == [with_images, with_images, {"prompt_token_ids": [5, 6]}]
+    cfg = RLConfig()
+    cfg.actor.model_name_or_path, cfg.data.max_images_per_prompt = "/models/vlm", 3
+    factory = resolve(get_plugin_manager(), "rollout_engines", "vllm")
+    assert factory.engine_kwargs(cfg)["limit_mm_per_prompt"] == {"image": 3}
+    cfg.data.max_images_per_prompt = 0
+    assert "limit_mm_per_prompt" not in factory.engine_kwargs(cfg)
 
 
 def test_requests_are_checked_before_vllm_sees_them(fake_vllm):

@@ -15,6 +15,10 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
 - weights arrive through :class:`rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension`, reached
   with ``llm.collective_rpc``: it joins the weight-sync group in each worker and loads tensors with
   ``model_runner.model.load_weights``.
+- a vision-language model's request goes in as vLLM's multimodal input: the token ids with one image
+  placeholder per image (vLLM repeats it for the image itself) and ``multi_modal_data={"image": [...]}``
+  holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them. Untested
+  here: vLLM is not installed on the CI machine (a fake ``vllm`` checks what is passed).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from rlhf_core.rollout.sampling import check_requests, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine, SamplingParams
+from rlhf_core.vision import collapse_image_tokens
 
 INSTALL_HINT = "pip install rlhf-rollout-vllm[vllm]"
 WORKER_EXTENSION = "rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension"
@@ -141,8 +146,9 @@ class VLLMEngine(RolloutEngine):
         check_requests(requests, self.vocab_size)
         prompts, params, owners = [], [], []
         for i, req in enumerate(requests):
+            prompt = self._prompt(req)
             for seed in sample_seeds(req.params):
-                prompts.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids)))
+                prompts.append(prompt)
                 params.append(to_vllm_sampling_params(self._vllm, req.params, seed))
                 owners.append(i)
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
@@ -150,6 +156,16 @@ class VLLMEngine(RolloutEngine):
         for i, out in zip(owners, outputs, strict=True):
             results[i].append(to_generation_output(out.outputs[0]))
         return results
+
+    def _prompt(self, req: GenerationRequest) -> Any:
+        """vLLM's input for ``req``: token ids, and for a request with images its multimodal data."""
+        if not req.images:
+            return self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids))
+        image_token_id = self.llm.llm_engine.model_config.hf_config.image_token_id
+        return self._vllm.inputs.TokensPrompt(
+            prompt_token_ids=collapse_image_tokens(req.prompt_ids, image_token_id),
+            multi_modal_data={"image": [im.image for im in req.images]},
+        )
 
     # --- weights --------------------------------------------------------------------------------
 

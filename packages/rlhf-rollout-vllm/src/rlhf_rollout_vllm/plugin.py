@@ -42,7 +42,7 @@ class VLLMEngineFactory:
         if not cfg.actor.model_name_or_path:
             raise ValueError("the vllm rollout engine needs --actor.model_name_or_path")
         v = cfg.vllm
-        return {
+        kwargs = {
             "model_name_or_path": cfg.actor.model_name_or_path,
             "dtype": cfg.ds.param_dtype,
             "tensor_parallel_size": v.tensor_parallel_size,
@@ -52,6 +52,9 @@ class VLLMEngineFactory:
             "enable_sleep": v.enable_sleep,
             "seed": cfg.train.seed + index,
         }
+        if cfg.data.max_images_per_prompt:  # vLLM sizes its multimodal budget by it
+            kwargs["limit_mm_per_prompt"] = {"image": cfg.data.max_images_per_prompt}
+        return kwargs
 
     def create(self, cfg: Any, index: int = 0, **overrides: Any) -> Any:
         reason = self.available()

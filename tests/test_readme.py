@@ -80,6 +80,18 @@ def test_rlhf_doctor_runs():
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "rlhf-core" in out.stdout and "rollout engine hf: available" in out.stdout
+    # this machine: pillow, and no torchvision that imports beside the pinned torch
+    assert "images (vision-language models):\n  reading images (pillow " in out.stdout
+    assert "image processors transformers will load: the PIL (slow) ones" in out.stdout
+
+
+def test_doctor_tells_which_image_processing_exists():
+    from rlhf_cli.doctor import image_support
+
+    assert image_support({"pillow": "11.0", "torchvision": None}) == [
+        "reading images (pillow 11.0): yes", "torchvision: not installed",
+        "image processors transformers will load: the PIL (slow) ones"]
+    assert image_support({"pillow": None, "torchvision": None})[0].startswith("reading images: no, pillow is not")
 
 
 def test_images_in_the_readme_exist():

@@ -200,3 +200,35 @@ def test_images_past_the_limit_or_the_room_are_dropped_with_their_tokens(vlm, cf
     # 4 screenshots offered, room for 2 next to the prompt's: the other 2 and their placeholders are gone
     assert len(t.images) == 3 and t.extra_logs["images_dropped"] == 2.0
     check_tokens(vlm, t)
+
+
+RESETTING = '''
+from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+class AgentInstance(AgentInstanceBase):
+    async def reset(self, states, **kwargs):
+        text = states["observation"]
+        return {"observation": text.replace("<|image_pad|>", "") if "w1" == states["label"] else text + "w9 "}
+
+    async def step(self, states, **kwargs):
+        return {"rewards": 1.0, "environment_feedback": "", "done": True}
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+def test_a_reset_observation_keeps_the_prompts_images_or_ends_the_episode(vlm, cfg_factory, tmp_path):
+    path = tmp_path / "agent.py"
+    path.write_text(RESETTING)
+    cfg = cfg_factory(train={"agent_func_path": str(path)}, data={"max_len": 64}, reward={"max_failure_fraction": 1.0})
+    worker = worker_for(vlm, cfg)
+    kept, dropped = worker.rollout([prompt_row(vlm, 0, label="w2"), prompt_row(vlm, 1, label="w1")],
+                                   SamplingParams(max_new_tokens=2), step=0)
+    worker.close()
+    assert kept.error is None and kept.reward == 1.0
+    assert kept.prompt_ids[-1] == vlm["tok"].convert_tokens_to_ids("w9")  # the new observation, images expanded
+    check_tokens(vlm, kept)
+    assert dropped.reward is None and "returned an observation that does not fit the prompt's images: the text has " \
+        "0 image placeholders for 1 images" in dropped.error

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import math
 
 import pytest
 import torch

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
-from rlhf_core.types import GenerationOutput, GenerationRequest, ImageInput, SamplingParams, Trajectory, derive_seed
+from rlhf_core.types import (
+    GenerationOutput,
+    GenerationRequest,
+    ImageInput,
+    SamplingParams,
+    Trajectory,
+    derive_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +345,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 try:
                     trace.prompt_ids = self.image_processing.expand(trace.prompt_ids, state["images"])
                 except ValueError as exc:
-                    raise self._invalid("reset", f"returned an observation that does not fit the prompt's images: {exc}")
+                    raise self._invalid("reset", f"returned an observation that does not fit the prompt's images: "
+                                        f"{exc}") from None
         if len(trace) >= max_length:
             state["truncated"], state["finish"] = True, "length"
             raise _EpisodeFailure(

@@ -172,18 +172,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto") else None,
         ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else False,
     )
-    own_group = group_factory is None
-    if own_group:
-        from rlhf_train_deepspeed.group import create_worker_group
-
-        init_ray(cfg)
-
-        def group_factory(role, spec, ds, n, seed):
-            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
-
-    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
-    losses = loss_settings(mode, cfg.model)
-
+    # checkpoint checks (damage, a run of other settings) before any worker starts
     ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     start_step = 0
     # What must not change between a run and its resume (the data position is a step number).
@@ -205,6 +194,20 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
                 )
         if not state.get("has_ds_state", True):
             raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
+
+    own_group = group_factory is None
+    if own_group:
+        from rlhf_train_deepspeed.group import create_worker_group
+
+        init_ray(cfg)
+
+        def group_factory(role, spec, ds, n, seed):
+            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
+
+    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
+    losses = loss_settings(mode, cfg.model)
+
+    if latest is not None:
         group.load_checkpoint(str(latest))
         start_step = state["step"]
         random.setstate(state["rng"]["python"])

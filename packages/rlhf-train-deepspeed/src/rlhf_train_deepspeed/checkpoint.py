@@ -9,8 +9,8 @@ Layout under the checkpoint root (``--ckpt.path``, default ``<output_dir>/checkp
 
 A crash at any point leaves ``latest`` naming a complete checkpoint (or nothing, before the first one).
 Damage done later (a deleted or truncated file, garbage written over one, a pointer to a step that is gone)
-is found before anything is loaded: :meth:`CheckpointManager.latest` skips a damaged checkpoint with a
-warning naming the file and why, and resumes from the newest intact one.
+is found before anything is loaded: :func:`resume_point` (``CheckpointManager.latest``) skips a damaged
+checkpoint with a warning naming the file and why, and resumes from the newest intact one.
 Old checkpoints are deleted only after the new one is committed, keeping at most ``max_num`` (and under
 ``max_mem`` GB). The manager knows nothing about models: the caller's ``save_fn(dir)`` writes the model
 state (e.g. every DeepSpeed rank) and ``client_state`` holds everything else the trainer needs to
@@ -127,6 +127,45 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def committed(root: Path) -> list[Path]:
+    """The committed checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def resume_point(root: Path) -> Path | None:
+    """The checkpoint under ``root`` to resume from: the one ``latest`` points to or, when that one is missing
+    or damaged (:func:`damage`), the newest older one that is intact, with a warning naming what was skipped
+    and why. None when nothing was saved yet; :class:`CheckpointError` when checkpoints exist and none is
+    intact. Reads only (``--dry-run`` uses it too)."""
+    pointer = root / POINTER
+    newest_first = committed(root)[::-1]
+    if not pointer.exists():
+        if not newest_first:
+            return None
+        _warn(f"{pointer} is missing although {len(newest_first)} checkpoint(s) exist")
+        candidates = newest_first
+    else:
+        name = pointer.read_text().strip()
+        # step names are zero-padded: older ones sort first; a garbled pointer leaves every one a candidate
+        candidates = [root / name] + [p for p in newest_first if p.name < name or not _NAME.match(name)]
+    skipped = []
+    for path in candidates:
+        reason = damage(path)
+        if reason is None:
+            if skipped:
+                _warn(f"resuming from {path.name}, the newest intact checkpoint; skipped "
+                      + "; ".join(skipped) + ". A later save of the same step replaces a damaged one.")
+            return path
+        skipped.append(f"{path.name} ({reason})")
+    raise CheckpointError(
+        f"no intact checkpoint under {root}: " + "; ".join(skipped) + ". Restore the damaged files, "
+        "or start from scratch without --ckpt.load_enable (or with another --ckpt.path)."
+    )
+
+
 class CheckpointManager:
     def __init__(self, root: str | Path, max_num: int = 3, max_mem_gb: float | None = None):
         if max_num < 1:
@@ -140,38 +179,11 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Committed checkpoints, oldest first."""
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
-        return [p for _, p in sorted(found)]
+        return committed(self.root)
 
     def latest(self) -> Path | None:
-        """The checkpoint to resume from: the one ``latest`` points to or, when that one is missing or damaged
-        (:func:`damage`), the newest older one that is intact, with a warning naming what was skipped and
-        why. None when nothing was saved yet; :class:`CheckpointError` when checkpoints exist and none is
-        intact."""
-        pointer = self.root / POINTER
-        newest_first = self.checkpoints()[::-1]
-        if not pointer.exists():
-            if not newest_first:
-                return None
-            _warn(f"{pointer} is missing although {len(newest_first)} checkpoint(s) exist")
-            candidates = newest_first
-        else:
-            name = pointer.read_text().strip()
-            # step names are zero-padded: older ones sort first; a garbled pointer leaves every one a candidate
-            candidates = [self.root / name] + [p for p in newest_first if p.name < name or not _NAME.match(name)]
-        skipped = []
-        for path in candidates:
-            reason = damage(path)
-            if reason is None:
-                if skipped:
-                    _warn(f"resuming from {path.name}, the newest intact checkpoint; skipped "
-                          + "; ".join(skipped) + ". A later save of the same step replaces a damaged one.")
-                return path
-            skipped.append(f"{path.name} ({reason})")
-        raise CheckpointError(
-            f"no intact checkpoint under {self.root}: " + "; ".join(skipped) + ". Restore the damaged files, "
-            "or start from scratch without --ckpt.load_enable (or with another --ckpt.path)."
-        )
+        """The checkpoint to resume from: see :func:`resume_point`."""
+        return resume_point(self.root)
 
     def save(self, step: int, save_fn: Callable[[Path], None], client_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step``: ``save_fn(tmp_dir)`` then ``client_state``; commit; prune old ones."""

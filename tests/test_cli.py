@@ -30,6 +30,27 @@ def test_dry_run_prints_config_plugins_and_plan(tmp_path):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+def test_dry_run_says_which_checkpoint_a_resume_would_use(tmp_path):
+    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+
+    args = ["train", "sft", "--dry-run", "--pretrain", "/m", "--dataset", "d.jsonl", "--ckpt.output_dir",
+            str(tmp_path), "--ckpt.load_enable"]
+    assert "no checkpoint under" in rlhf(*args).stdout
+    mgr = CheckpointManager(tmp_path / "checkpoints")
+    for step in (2, 4):
+        mgr.save(step, lambda d: (d / "model_states.pt").write_bytes(b"never loaded"), {"step": step})
+    out = rlhf(*args)  # model_states.pt is not a torch file: both are damaged
+    assert out.returncode == 1
+    assert f"no intact checkpoint under {mgr.root}: step_00000004 ({mgr.root / 'step_00000004'}" in out.stderr
+    (mgr.root / "step_00000002" / "model_states.pt").unlink()
+    mgr.save(2, lambda d: None, {"step": 2})  # an intact step 2 again; latest names it now
+    (mgr.root / "latest").write_text("step_00000004\n")
+    out = rlhf(*args)
+    assert out.returncode == 0, out.stderr
+    assert f"# --ckpt.load_enable: resumes from {mgr.root / 'step_00000002'}" in out.stdout
+    assert "skipped step_00000004" in out.stderr
+
+
 def test_help_shows_field_documentation():
     out = rlhf("train", "ppo", "--help")
     assert out.returncode == 0

@@ -348,3 +348,21 @@ def test_consecutive_nonfinite_losses_stop_the_run_keeping_the_last_good_checkpo
     assert any(not torch.equal(s1[k], s2[k]) for k in s2)  # a real step changes the state...
     for k in s2:
         assert torch.equal(s2[k], s4[k]), k  # ...the skipped ones change nothing
+
+
+def test_a_damaged_checkpoint_stops_the_run_before_any_worker_starts(assets, tmp_path, capsys):
+    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+
+    out = tmp_path / "run"
+    model_states = out / "checkpoints" / "step_00000002" / "actor" / "engine" / "mp_rank_00_model_states.pt"
+
+    def write(tmp):
+        (tmp / "actor" / "engine").mkdir(parents=True)
+        torch.save({}, tmp / "actor" / "engine" / model_states.name)
+
+    CheckpointManager(out / "checkpoints").save(2, write, {"step": 2})
+    model_states.unlink()
+    assert train(base_args(assets, out) + ["--ckpt.load_enable"]) == 1
+    err = capsys.readouterr().err
+    assert f"no intact checkpoint under {out / 'checkpoints'}: step_00000002 ({model_states} is missing)" in err
+    assert "workers up" not in err

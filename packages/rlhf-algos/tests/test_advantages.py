@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rlhf_algos.advantages import (
     ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_NAMES,
     GROUP_ESTIMATORS,
     check_n_samples_per_prompt,
     compute_advantages,
@@ -65,6 +66,17 @@ def test_group_shaping_with_invalid_samples():
     # mean 3, deviations -2, 0, 2, unbiased var 8/2 = 4, std 2
     torch.testing.assert_close(group_shaped_rewards(r, 4, "group_norm", valid), t([-1, 0, 0, 1]))
     torch.testing.assert_close(group_shaped_rewards(r, 4, "reinforce", valid), t([1, 0, 3, 5]))
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_NAMES)
+@pytest.mark.parametrize("bad", [NAN, float("inf"), -float("inf")])
+def test_a_non_finite_reward_is_invalid_without_a_valid_mask(name, bad):
+    """With ``valid`` None a NaN or Inf reward is left out exactly as an invalid sample is."""
+    r = t([1.0, bad, 3.0, 5.0, 0.0, 1.0, 1.0, 2.0])
+    want = group_shaped_rewards(r, 4, name, b([True, False, True, True] + [True] * 4))
+    got = group_shaped_rewards(r, 4, name)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", GROUP_ESTIMATORS)

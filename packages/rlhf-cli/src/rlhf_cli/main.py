@@ -47,6 +47,8 @@ def cmd_train(argv: list[str]) -> int:
         print(f"# rlhf train {mode} --dry-run: resolved configuration (nothing was started)")
         print(config_to_yaml(cfg), end="")
         print("# " + asm.describe().replace("\n", "\n# "))
+        if cfg.ckpt.load_enable:
+            return dry_run_resume(mode, cfg)
         return 0
     write_run_dir(asm)
     if mode == "ppo":
@@ -55,6 +57,23 @@ def cmd_train(argv: list[str]) -> int:
         return run_rl(asm)
     backend = plugins.resolve(plugins.get_plugin_manager(), "train_backends", cfg.train.backend)
     backend.run_trainer(mode, cfg)
+    return 0
+
+
+def dry_run_resume(mode: str, cfg) -> int:
+    """Say which checkpoint ``--ckpt.load_enable`` would resume from, or why none can be (exit 1)."""
+    from pathlib import Path
+
+    from rlhf_train_deepspeed.checkpoint import CheckpointError, resume_point
+
+    root = Path(cfg.ckpt.path or Path(cfg.ckpt.output_dir) / "checkpoints")
+    try:
+        resume = resume_point(root)
+    except CheckpointError as exc:
+        print(f"rlhf train {mode}: {exc}", file=sys.stderr)
+        return 1
+    print(f"# --ckpt.load_enable: resumes from {resume}" if resume else
+          f"# --ckpt.load_enable: no checkpoint under {root}; starts from scratch")
     return 0
 
 

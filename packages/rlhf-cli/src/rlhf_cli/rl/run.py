@@ -84,7 +84,7 @@ def run_rl(asm: Assembly) -> int:
     out = Path(cfg.ckpt.output_dir)
     from transformers import AutoTokenizer
 
-    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+    from rlhf_train_deepspeed.checkpoint import CheckpointError, CheckpointManager
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
     prompts = load_prompts(cfg, tokenizer)
@@ -94,6 +94,17 @@ def run_rl(asm: Assembly) -> int:
                                     max_samples=cfg.eval.max_samples)
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
+    resume, resume_state = None, None
+    if cfg.ckpt.load_enable:  # damaged checkpoints are found here, before any worker starts
+        try:
+            resume = checkpoints.latest()
+            resume_state = checkpoints.load_client_state(resume) if resume is not None else None
+        except CheckpointError as exc:
+            print(f"rlhf train ppo: {exc}", file=sys.stderr)
+            return 1
+        if resume is None:
+            print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
+                  file=sys.stderr)
 
     started = time.perf_counter()
     own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
@@ -105,18 +116,13 @@ def run_rl(asm: Assembly) -> int:
         groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)), tokenizer.pad_token_id or 0)
         controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
                                   eval_prompts=eval_prompts)
-        if cfg.ckpt.load_enable:
-            latest = checkpoints.latest()
-            if latest is not None:
-                groups.actor.load_checkpoint(str(latest / "actor"))
-                if groups.critic is not None:
-                    groups.critic.load_checkpoint(str(latest / "critic"))
-                controller.load_client_state(checkpoints.load_client_state(latest))
-                controller.sync_weights()
-                print(f"resumed from {latest} at step {controller.step}", file=sys.stderr)
-            else:
-                print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
-                      file=sys.stderr)
+        if resume is not None:
+            groups.actor.load_checkpoint(str(resume / "actor"))
+            if groups.critic is not None:
+                groups.critic.load_checkpoint(str(resume / "critic"))
+            controller.load_client_state(resume_state)
+            controller.sync_weights()
+            print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
         logger = MetricsLogger(cfg, controller.total_steps(), controller.step)
         print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; workers up in "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr)

@@ -187,12 +187,15 @@ class PythonFileRewardSource(RewardSource):
             self._fail(result, indices, f"{self.description} took longer than --reward.timeout {self.timeout:g} s")
             return
         except Exception as exc:
-            if len(indices) > 1:  # find the samples that raise; the rest still get scored
-                half = len(indices) // 2
-                await self._score_part(request, indices[:half], result)
-                await self._score_part(request, indices[half:], result)
+            if len(indices) == 1:
+                self._fail(result, indices, f"{self.description} raised {type(exc).__name__}: {exc}", exc)
                 return
-            self._fail(result, indices, f"{self.description} raised {type(exc).__name__}: {exc}", exc)
+            parsed = None
+        if parsed is None:  # find the samples that raise, the rest still get scored. Outside the except block,
+            # so that the exception of one sample is not chained to those of the batch and of every half above it
+            half = len(indices) // 2
+            await self._score_part(request, indices[:half], result)
+            await self._score_part(request, indices[half:], result)
             return
         fill_result(result, indices, parsed, self.description)
 

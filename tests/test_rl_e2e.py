@@ -189,6 +189,26 @@ def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray
     assert any(k.startswith("critic/") for k in rows[-1])
 
 
+def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(assets, ray_session, tmp_path, capfd):
+    """The rollout worker's RolloutFailureError reaches the user as its message, not as Ray's traceback chain;
+    the traceback goes to the run's log file."""
+    reward = tmp_path / "judge_reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    raise ValueError('the judge is down')\n")
+    out = tmp_path / "run"
+    args = base_args(assets, out)
+    args[args.index(assets["reward"])] = str(reward)
+    assert train(args + ["--algo.advantage.estimator", "group_norm"]) == 1
+    err = capfd.readouterr().err
+    assert ("rlhf train ppo: step 1: 16 of 16 samples could not be scored, more than "
+            f"--reward.max_failure_fraction 0.1 (reward source: reward_func in {reward})") in err
+    assert "raised ValueError: the judge is down" in err
+    assert "RayTaskError" not in err and "ray::" not in err
+    # the reward function's own traceback may be logged once by the worker; no chain, no driver traceback
+    assert err.count("Traceback (most recent call last)") <= 1, err
+    log = (out / "train.log").read_text()
+    assert "RolloutFailureError" in log and "Traceback (most recent call last)" in log
+
+
 def _export_weights(out) -> dict:
     return load_file(str(Path(out) / "model" / "model.safetensors"))
 

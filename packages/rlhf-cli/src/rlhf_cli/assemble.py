@@ -14,10 +14,11 @@ from typing import Any
 from rlhf_cli.placement import strategy_name
 from rlhf_core import plugins
 from rlhf_core.config_parser import config_to_yaml
+from rlhf_core.errors import UserError
 from rlhf_core.types import PlacementPlan, RoleDemand
 
 
-class RunConfigError(ValueError):
+class RunConfigError(UserError, ValueError):
     """Options that cannot work together, or a plugin that is missing; the message says why."""
 
 

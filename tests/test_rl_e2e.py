@@ -209,6 +209,37 @@ def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(ass
     assert "RolloutFailureError" in log and "Traceback (most recent call last)" in log
 
 
+BROKEN_AGENT = """
+import os
+
+from rlhf_agents import SingleTurnAgentExecutor
+
+
+class AgentExecutor(SingleTurnAgentExecutor):
+    def __init__(self):
+        super().__init__()
+        if "AGENT_API_KEY" not in os.environ:  # the driver imports this file but does not build the executor
+            raise RuntimeError("AGENT_API_KEY is not set")
+"""
+
+
+@pytest.mark.xdist_group("ray2")  # a subprocess with its own Ray, to see exactly what the terminal shows
+def test_an_agent_that_fails_in_its_worker_is_reported_by_its_message(assets, tmp_path):
+    agent = tmp_path / "agent.py"
+    agent.write_text(BROKEN_AGENT)
+    out = tmp_path / "run"
+    args = base_args(assets, out) + ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path", str(agent)]
+    env = {k: v for k, v in os.environ.items() if k != "AGENT_API_KEY"}
+    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args],
+                          env={**env, "RLHF_NO_PROGRESS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    assert (f"rlhf train ppo: --train.agent_func_path {agent}: AgentExecutor() raised RuntimeError: "
+            "AGENT_API_KEY is not set") in done.stderr
+    assert "Traceback" not in done.stderr and "ray::" not in done.stderr, done.stderr[-3000:]
+    log = (out / "train.log").read_text()
+    assert "Traceback (most recent call last)" in log and "AGENT_API_KEY is not set" in log
+
+
 def _export_weights(out) -> dict:
     return load_file(str(Path(out) / "model" / "model.safetensors"))
 

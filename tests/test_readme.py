@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_cli.assemble import assemble
+from rlhf_cli.assemble import HUB_OFFLINE_VARS, assemble
 from rlhf_core.config_parser import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +43,8 @@ def test_ci_runs_the_readme_test_command():
 @pytest.mark.parametrize("cmd", [c for c in TRAIN if "--dry-run" in c])
 def test_readme_dry_runs_parse_and_plan(cmd, monkeypatch):
     monkeypatch.chdir(ROOT)  # the commands name files under examples/
+    for var in HUB_OFFLINE_VARS:  # the commands name hub models, which a user with hub access can use
+        monkeypatch.delenv(var, raising=False)
     argv = shlex.split(cmd[cmd.index("rlhf train"):])
     mode, flags = argv[2], [a for a in argv[3:] if a != "--dry-run"]
     cfg, _ = parse_config(mode, flags)

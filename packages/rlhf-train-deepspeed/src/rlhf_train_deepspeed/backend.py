@@ -67,10 +67,6 @@ class DeepSpeedBackend:
     def run_trainer(self, mode: str, cfg) -> dict:
         """Run ``sft``, ``rm``, ``dpo``, ``kto``, ``prm`` or ``kd`` with a ``SupervisedConfig`` /
         ``PreferenceConfig`` / ``PRMConfig`` / ``KDConfig``."""
-        from rlhf_train_deepspeed.checkpoint import CheckpointError
         from rlhf_train_deepspeed.trainers import run_supervised
 
-        try:
-            return run_supervised(mode, cfg)
-        except CheckpointError as exc:  # the user's choice to make, spelled out: no traceback
-            raise SystemExit(f"rlhf train {mode}: {exc}") from None
+        return run_supervised(mode, cfg)

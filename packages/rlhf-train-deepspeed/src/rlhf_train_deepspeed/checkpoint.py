@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from rlhf_core.errors import UserError
+
 POINTER = "latest"
 CLIENT_STATE = "client_state.pt"
 MANIFEST = "manifest.json"
@@ -81,7 +83,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """No checkpoint can be resumed from: the message names each damaged file and the way out."""
 
 

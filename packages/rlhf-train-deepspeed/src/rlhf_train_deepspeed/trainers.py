@@ -141,9 +141,12 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     output_dir = Path(cfg.ckpt.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer
+        )
+    except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
+        raise ConfigError(f"--model.model_name_or_path {cfg.model.model_name_or_path}: {exc}") from exc
     if cfg.data.tokenizer_chat_template:
         tokenizer.chat_template = cfg.data.tokenizer_chat_template
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import ray
 
-from rlhf_cli.assemble import Assembly, choose_engine
+from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_options
-from rlhf_cli.rl.controller import Groups, RLController, RLRunError
+from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
 from rlhf_core.plugins import get_plugin_manager, resolve
@@ -86,7 +86,10 @@ def run_rl(asm: Assembly) -> int:
 
     from rlhf_train_deepspeed.checkpoint import CheckpointError, CheckpointManager
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+    except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
+        raise RunConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: {exc}") from exc
     prompts = load_prompts(cfg, tokenizer)
     eval_prompts = []
     if cfg.eval.dataset:
@@ -131,9 +134,6 @@ def run_rl(asm: Assembly) -> int:
         groups.actor.export_hf(str(out / "model"))
         if groups.critic is not None and cfg.critic.save_value_network:
             groups.critic.export_hf(str(out / "critic"))
-    except RLRunError as exc:
-        print(f"rlhf train ppo: {exc}", file=sys.stderr)
-        return 1
     finally:
         if logger is not None:
             logger.close()

@@ -30,10 +30,10 @@ def test_dry_run_prints_config_plugins_and_plan(tmp_path, tiny_model):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
-def test_dry_run_says_which_checkpoint_a_resume_would_use(tmp_path):
+def test_dry_run_says_which_checkpoint_a_resume_would_use(tmp_path, tiny_model):
     from rlhf_train_deepspeed.checkpoint import CheckpointManager
 
-    args = ["train", "sft", "--dry-run", "--pretrain", "/m", "--dataset", "d.jsonl", "--ckpt.output_dir",
+    args = ["train", "sft", "--dry-run", "--pretrain", tiny_model, "--dataset", "d.jsonl", "--ckpt.output_dir",
             str(tmp_path), "--ckpt.load_enable"]
     assert "no checkpoint under" in rlhf(*args).stdout
     mgr = CheckpointManager(tmp_path / "checkpoints")

@@ -212,3 +212,9 @@ def test_describe_reports_versions_and_seams():
     info = {d["distribution"]: d for d in plugins.describe(get_plugin_manager())}
     assert info["rlhf-core"]["version"] == "0.1.0"
     assert "rollout_engines" in info["rlhf-core"]["seams"]
+
+
+def test_every_seam_has_a_registration_check():
+    """A seam added without a protocol would fail every registration with a KeyError."""
+    assert set(plugins.SEAMS) == set(plugins.PROTOCOLS) | set(plugins.CLASS_MEMBERS)
+    assert set(plugins.SEAMS) == set(plugins.SINGULAR) == set(plugins.KNOWN_PROVIDERS)

@@ -63,7 +63,7 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "kl_estimators": dict.fromkeys(["k1", "k2", "k3"], "rlhf-algos"),
     "agent_executors": dict.fromkeys(["single_turn", "multi_turn", "openai_server"], "rlhf-agents"),
     "environments": {},
-    "reward_sources": dict.fromkeys(["python_file", "http", "reward_model"], "rlhf-agents"),
+    "reward_sources": dict.fromkeys(["python_file", "http", "reward_model", "prm"], "rlhf-agents"),
     "post_processors": dict.fromkeys(["rs", "iter_dpo", "csft"], "rlhf-core"),
     "placement_strategies": dict.fromkeys(
         ["colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate"], "rlhf-cli"
@@ -81,6 +81,7 @@ PROTOCOLS: dict[str, type] = {
     "policy_losses": types.PolicyLoss,
     "kl_estimators": types.KLEstimator,
     "reward_sources": types.RewardSourceFactory,
+    "post_processors": types.PostProcessor,
     "placement_strategies": types.PlacementStrategy,
     "rollout_engines": types.RolloutEngineFactory,
     "train_backends": types.TrainBackend,

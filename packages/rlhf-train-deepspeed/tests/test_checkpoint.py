@@ -154,11 +154,14 @@ def test_a_checkpoint_without_manifest_is_still_checked(tmp_path):
 
 
 def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(tiny_llama, tmp_path):
-    """`rlhf train sft --ckpt.load_enable` with no intact checkpoint: one clear line, exit 1, no Ray started."""
+    """`rlhf train sft --ckpt.load_enable` with no intact checkpoint: a CheckpointError (a UserError, which the
+    CLI prints as one line) naming the damage, before Ray starts."""
     import ray
 
     from rlhf_core.config import SupervisedConfig
+    from rlhf_core.errors import UserError
     from rlhf_train_deepspeed.backend import DeepSpeedBackend
+    from rlhf_train_deepspeed.checkpoint import CheckpointError
     from rlhf_train_deepspeed.testing import sft_rows, write_jsonl
 
     cfg = SupervisedConfig()
@@ -168,7 +171,8 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(ti
     mgr = _two_checkpoints(tmp_path / "out" / "checkpoints")
     for step in (2, 4):
         (mgr.root / f"step_0000000{step}" / OPTIM).unlink()
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(CheckpointError) as error:
         DeepSpeedBackend().run_trainer("sft", cfg)
-    assert str(exit_.value.code).startswith(f"rlhf train sft: no intact checkpoint under {mgr.root}: step_00000004 (")
+    assert isinstance(error.value, UserError)
+    assert str(error.value).startswith(f"no intact checkpoint under {mgr.root}: step_00000004 (")
     assert not ray.is_initialized()

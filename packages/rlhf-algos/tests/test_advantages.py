@@ -133,7 +133,10 @@ def test_group_baselines_sum_to_zero(n, groups, seed):
     valid = torch.rand(n * groups, generator=gen) > 0.25
     for name in GROUP_ESTIMATORS:
         shaped = group_shaped_rewards(torch.where(valid, r, NAN), n, name, valid).view(groups, n)
-        torch.testing.assert_close(shaped.sum(-1), torch.zeros(groups), atol=1e-5, rtol=0)
+        # a float32 sum of n terms is exact to about n roundings of its largest terms: two close rewards in a
+        # group make group_norm's terms large (divided by a small std), and the sum's error grows with them
+        bound = 4 * n * 2.0**-24 * shaped.abs().sum(-1) + 1e-7
+        assert (shaped.sum(-1).abs() <= bound).all(), (name, shaped.sum(-1), bound)
     # group_norm: each informative group has unbiased std 1 over its valid samples
     shaped = group_shaped_rewards(r, n, "group_norm").view(groups, n)
     torch.testing.assert_close(shaped.std(-1), torch.ones(groups), atol=1e-4, rtol=0)

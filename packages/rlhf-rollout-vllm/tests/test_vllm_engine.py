@@ -252,18 +252,22 @@ def test_registered_and_available_where_vllm_can_run_fake_vllm(fake_vllm, monkey
     assert factory.available().startswith("vllm is not installed (pip install rlhf-rollout-vllm[vllm]")
 
 
-def test_cpu_kv_cache_holds_a_rollout_within_a_quarter_of_memory(tmp_path):
-    # 2 (K, V) * 3 layers * 2 KV heads * 16 dims * 4 bytes = 768 bytes per token
-    assert cpu_kv_cache_bytes(3, 2, 16, 4, num_seqs=10, max_len=100, memory_bytes=1 << 30, num_engines=2) == 768_000
-    assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 100, memory_bytes=2_000_000, num_engines=2) == 250_000
-    assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 1000, memory_bytes=2_000_000, num_engines=2) == 768_000  # one sequence
+def test_cpu_kv_cache_holds_a_rollout_within_its_memory_share(tmp_path, monkeypatch):
+    # 2 (K, V) * 3 layers * 2 KV heads * 16 dims * 4 bytes = 768 bytes per token; 100 tokens take one
+    # 128-token block (98,304 bytes), 200 tokens two
+    assert cpu_kv_cache_bytes(3, 2, 16, 4, num_seqs=10, max_len=100, memory_bytes=1 << 30, memory_fraction=0.5,
+                              num_engines=2) == 983_040
+    assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 200, 1 << 30, 0.5, 2) == 1_966_080
+    assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 100, memory_bytes=2_000_000, memory_fraction=0.5, num_engines=2) == 500_000
+    assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 100, 2_000_000, 0.05, 2) == 98_304  # at least one sequence
     cfg = RLConfig()
     cfg.actor.model_name_or_path = make_tiny_llama(tmp_path, hidden_size=128, intermediate_size=256)
     cfg.ds.param_dtype, cfg.data.max_len = "fp32", 300
     cfg.rollout.batch_size, cfg.rollout.n_samples_per_prompt, cfg.vllm.num_engines = 8, 4, 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     kwargs = resolve(get_plugin_manager(), "rollout_engines", "vllm").engine_kwargs(cfg)
-    # 2 layers, 2 KV heads of 32 dims, fp32: 1024 bytes per token; 11 of the 32 sequences of 300 tokens
-    assert kwargs["kv_cache_memory_bytes"] == 1024 * 11 * 300 and kwargs["max_model_len"] == 300
+    # 2 layers, 2 KV heads of 32 dims, fp32: 1024 bytes per token; 11 of the 32 sequences, 3 blocks each
+    assert kwargs["kv_cache_memory_bytes"] == 1024 * 11 * 3 * 128 and kwargs["max_model_len"] == 300
 
 
 # --- the worker extension, for real over gloo, with a stand-in model --------------------------------------
@@ -396,8 +400,8 @@ def save_tiny_decoder(path, family: str, tied: bool) -> str:
     return str(path)
 
 
-def send_weights(port: int, named: list) -> None:
-    group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", 60.0)
+def send_weights(port: int, named: list, world_size: int = 2) -> None:
+    group = init_sync_group("127.0.0.1", port, 0, world_size, "gloo", 60.0)
     group.send(named)
     group.close()
 
@@ -443,6 +447,43 @@ def test_logprobs_equal_the_trainers_after_every_sync(tmp_path, family, tied):
                 sender = threading.Thread(target=send_weights, args=(port, named))
                 sender.start()
                 engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60.0)
+                engine.receive_weights()
+                sender.join()
+                engine.close_weight_sync()
+            else:
+                engine.update_weights(named)
+            engine.reset_prefix_cache()
+            gaps.append(logprob_gap(engine, trainer))
+        assert max(gaps) <= 1e-5, gaps
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("vllm")
+@pytest.mark.skipif(REAL_REASON is not None, reason=str(REAL_REASON))
+def test_tensor_parallel_2_shards_and_syncs(tmp_path):
+    """Two tensor-parallel workers (processes of vLLM's ``mp`` executor on CPU): generation and both sync paths
+    (object store: tensors cross to the workers as ``torch.save`` bytes; sync group: each worker takes a rank)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny_decoder(tmp_path, "llama", tied=True)
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = VLLMEngine(model_dir, dtype="float32", tensor_parallel_size=2, enforce_eager=True, max_model_len=256,
+                        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}))
+    try:
+        gaps = [logprob_gap(engine, trainer)]
+        gen = torch.Generator().manual_seed(2)
+        for step in range(2):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]
+            if step == 1:
+                port = free_port()
+                sender = threading.Thread(target=send_weights, args=(port, named, 3))
+                sender.start()
+                engine.init_weight_sync("127.0.0.1", port, 1, 3, "gloo", 60.0)
                 engine.receive_weights()
                 sender.join()
                 engine.close_weight_sync()

@@ -22,6 +22,7 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
 from __future__ import annotations
 
 import gc
+import io
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -123,6 +124,8 @@ class VLLMEngine(RolloutEngine):
             # the caller chose this process's torch threads (rlhf_cli.rl.run.cpu_threads); vLLM's default binds
             # every engine to all cores, and engines and trainer ranks then fight over them
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if tensor_parallel_size > 1:  # worker processes, which read their threads from the environment
+                os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // tensor_parallel_size))
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep = enable_sleep
@@ -130,7 +133,8 @@ class VLLMEngine(RolloutEngine):
             model=model_name_or_path,
             dtype=DTYPES.get(dtype, dtype),
             tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",
+            # tensor parallel: worker processes of this engine on CPU, Ray actors in the caller's placement group on GPU
+            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp" if self.on_cpu else "ray",
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
@@ -177,7 +181,12 @@ class VLLMEngine(RolloutEngine):
         """The object-store path: tensors (usually CPU) go to every worker's ``load_weights``."""
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
-        self.llm.collective_rpc("rlhf_load_weights", args=(list(named_tensors),))
+        named_tensors = list(named_tensors)
+        if not self._in_process:  # vLLM's RPC to worker processes turns tensors nested in lists into lists
+            buffer = io.BytesIO()
+            torch.save(named_tensors, buffer)
+            named_tensors = buffer.getvalue()
+        self.llm.collective_rpc("rlhf_load_weights", args=(named_tensors,))
         self._weights_discarded = False
 
     def init_weight_sync(

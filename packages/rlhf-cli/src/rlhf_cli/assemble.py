@@ -152,7 +152,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     _use(asm, pm, "kl_estimators", cfg.algo.kl.estimator, "--algo.kl.estimator")
     engine = choose_engine(cfg, pm)
     factory = _use(asm, pm, "rollout_engines", engine, "--rollout.engine")
-    reason = factory.available()
+    reason = factory.available() or getattr(factory, "config_problem", lambda cfg: None)(cfg)
     if reason:
         raise RunConfigError(f"--rollout.engine {engine} cannot run here: {reason}")
     if cfg.train.agent_executor:

@@ -66,6 +66,29 @@ class VLLMEngineFactory:
         return (f"{vllm_build()} is vLLM's CUDA build and there is no CUDA device: install its CPU build "
                 f"({CPU_INSTALL_HINT}) or use --rollout.engine hf")
 
+    def config_problem(self, cfg: Any) -> str | None:
+        """What vLLM's CPU build cannot run in this configuration, found in the driver (and ``--dry-run``) before
+        any worker starts; None on GPU or when nothing is wrong. A hub id (no local config) is not checked."""
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        if cfg.vllm.enable_sleep:
+            return "vLLM's CPU build has no sleep mode (drop --vllm.enable_sleep)"
+        config_file = os.path.join(cfg.actor.model_name_or_path or "", "config.json")
+        if not os.path.isfile(config_file):
+            return None
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(cfg.actor.model_name_or_path)
+        model = getattr(model, "text_config", model)
+        head = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+        if head < 32:
+            return (f"the model's attention heads have {head} dimensions ({config_file}: hidden_size "
+                    f"{model.hidden_size} / num_attention_heads {model.num_attention_heads}); vLLM's CPU attention "
+                    "kernel needs at least 32 (use --rollout.engine hf)")
+        return None
+
     def engine_class(self) -> type:
         from rlhf_rollout_vllm.engine import VLLMEngine
 

@@ -6,7 +6,9 @@ cache sized for the batch, ``VLLM_CPU_OMP_THREADS_BIND=nobind``) and ``HFEngine`
 prompts, a fixed number of new tokens (``min_new_tokens = max_new_tokens``), T=1 sampling, one seed per
 sequence. Each contender runs in a fresh process with ``--threads`` torch threads, contenders alternating
 (A B A B); inside a process one warm-up call per batch size, then ``--reps`` timed calls (median kept).
-Start-up (import, load, KV-cache set-up) is timed separately.
+Start-up (import, load, KV-cache set-up) is timed separately. Besides wall time, the process's CPU time per
+call is kept (both engines run in the measuring process): tokens per CPU-second is the figure that other
+jobs on a shared machine disturb least.
 
     .venv/bin/python bench/engine_vllm_cpu.py                    # 2 sizes x fp32/bf16 x batch 32/64, 2 rounds
     .venv/bin/python bench/engine_vllm_cpu.py --sizes S --dtypes fp32 --rounds 1   # quick look
@@ -80,14 +82,16 @@ def worker(args) -> dict:
     out = {"contender": args.worker, "size": args.size, "dtype": args.dtype, "startup_s": startup, "batches": {}}
     for batch in batches:
         run(batch, 8)  # warm-up
-        times = []
+        times, cpu = [], []
         for _ in range(args.reps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             results = run(batch, args.new_tokens)
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
             assert all(len(o[0].token_ids) == args.new_tokens for o in results), "every sequence has the fixed length"
         seconds = statistics.median(times)
-        out["batches"][batch] = {"seconds": seconds, "times": times, "tokens_per_s": batch * args.new_tokens / seconds}
+        out["batches"][batch] = {"seconds": seconds, "times": times, "tokens_per_s": batch * args.new_tokens / seconds,
+                                 "tokens_per_cpu_s": batch * args.new_tokens / statistics.median(cpu)}
     return out
 
 
@@ -131,14 +135,16 @@ def main() -> None:
                             sys.exit(f"{contender} {size} {dtype} failed:\n{proc.stderr[-3000:]}")
                         res = json.loads(lines[-1][len("RESULT "):])
                         runs.append(res)
-                        speeds = ", ".join(f"batch {b}: {x['tokens_per_s']:.0f} tok/s" for b, x in res["batches"].items())
+                        speeds = ", ".join(f"batch {b}: {x['tokens_per_s']:.0f} tok/s ({x['tokens_per_cpu_s']:.0f} per CPU-s)"
+                                           for b, x in res["batches"].items())
                         print(f"[{size} {dtype} round {r + 1}/{args.rounds}] {contender:<9} start {res['startup_s']:5.1f} s; "
                               f"{speeds}", file=sys.stderr, flush=True)
 
     print(f"\nprompt {args.prompt_len}, {args.new_tokens} new tokens, {args.threads} threads, {args.rounds} rounds x "
           f"{args.reps} reps (median of per-process medians; fastest call in brackets)\n")
-    print("| model | dtype | batch | HF engine tok/s | vLLM-CPU tok/s | vLLM / HF | start-up s (HF, vLLM) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | dtype | batch | HF engine tok/s | vLLM-CPU tok/s | vLLM / HF (wall) | tok per CPU-s (HF, vLLM) | "
+          "vLLM / HF (CPU) | start-up s (HF, vLLM) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         for dtype in args.dtypes.split(","):
             mine = {c: [x for x in runs if x["size"] == size and x["dtype"] == dtype and x["contender"] == c]
@@ -146,12 +152,15 @@ def main() -> None:
             start = {c: statistics.median(x["startup_s"] for x in mine[c]) for c in CONTENDERS}
             for batch in args.batches.split(","):
                 tps = {c: statistics.median(x["batches"][batch]["tokens_per_s"] for x in mine[c]) for c in CONTENDERS}
+                per_cpu = {c: statistics.median(x["batches"][batch]["tokens_per_cpu_s"] for x in mine[c])
+                           for c in CONTENDERS}
                 best = {c: max(args.new_tokens * int(batch) / min(x["batches"][batch]["times"]) for x in mine[c])
                         for c in CONTENDERS}
                 name = f"{size} ({SIZES[size]['hidden_size']}h x {SIZES[size]['num_hidden_layers']}L)"
                 print(f"| {name} | {dtype} | {batch} | {tps['hf_engine']:.0f} [{best['hf_engine']:.0f}] | "
                       f"{tps['vllm_cpu']:.0f} [{best['vllm_cpu']:.0f}] | {tps['vllm_cpu'] / tps['hf_engine']:.2f}x | "
-                      f"{start['hf_engine']:.1f}, {start['vllm_cpu']:.1f} |")
+                      f"{per_cpu['hf_engine']:.0f}, {per_cpu['vllm_cpu']:.0f} | "
+                      f"{per_cpu['vllm_cpu'] / per_cpu['hf_engine']:.2f}x | {start['hf_engine']:.1f}, {start['vllm_cpu']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": runs}, f, indent=2)

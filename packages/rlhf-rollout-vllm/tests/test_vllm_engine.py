@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import types
@@ -364,6 +366,12 @@ def test_a_tied_head_is_repacked_after_every_load_fake_vllm(device):
 # --- the real engine: vLLM's CPU build here, a GPU build where CUDA exists --------------------------------
 
 REAL_REASON = None if factory_available() is None else f"needs a runnable vLLM: {factory_available()}"
+# An in-process vLLM engine leaves state behind that broke later tests of the same process (2-rank DeepSpeed
+# steps of rlhf-train-deepspeed's test_workers.py differed from plain torch afterwards, cause not found yet):
+# the real-engine tests run in their own pytest process, started by test_real_engine_tests_in_their_own_process.
+OWN_PROCESS = "RLHF_VLLM_REAL_TESTS"
+if REAL_REASON is None and not os.environ.get(OWN_PROCESS):
+    REAL_REASON = "run in their own process by test_real_engine_tests_in_their_own_process"
 
 
 @pytest.mark.slow
@@ -502,3 +510,18 @@ def test_tensor_parallel_2_shards_and_syncs(tmp_path):
         assert max(gaps) <= 1e-5, gaps
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("vllm")
+@pytest.mark.skipif(os.environ.get(OWN_PROCESS) is not None or factory_available() is not None,
+                    reason=f"needs a runnable vLLM: {factory_available()}")
+def test_real_engine_tests_in_their_own_process():
+    """The conformance suite, the sync-gap tests and tensor parallel 2 against the real engine, in a fresh
+    pytest process (see OWN_PROCESS); every one of them must run and pass, none skipped."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow", "-k",
+                          "Conformance or trainers_after_every_sync or tensor_parallel_2", __file__],
+                         env={**os.environ, OWN_PROCESS: "1"}, capture_output=True, text=True, timeout=1800)
+    summary = out.stdout.strip().splitlines()[-1]
+    assert out.returncode == 0, out.stdout[-5000:]
+    assert "skipped" not in summary and " passed" in summary, summary

@@ -109,7 +109,7 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         **llm_kwargs: Any,
     ):
-        set_num_threads = torch.set_num_threads
+        set_num_threads, environ = torch.set_num_threads, dict(os.environ)
         if tensor_parallel_size == 1:
             # engine core and worker in this process: collective_rpc passes tensors without serialising
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -144,16 +144,20 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             **llm_kwargs,
         )
-        # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process; the process's other
-        # torch work (and the next engine) keeps its own thread rule
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        # Building the engine changed process-wide state that the process's other work keeps using: vLLM's CPU
+        # worker made torch.set_num_threads a no-op, and vLLM left variables such as LOCAL_WORLD_SIZE=1 in the
+        # environment, which Ray workers started later from this process would inherit. Its workers have read
+        # them by now: put both back.
         torch.set_num_threads = set_num_threads
+        os.environ.clear()
+        os.environ.update(environ)
         try:
             self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
             self.vocab_size = None
         self._asleep = 0
         self._weights_discarded = False
-        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         IN_PROCESS_ENGINES[0] += self._in_process
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:

@@ -366,9 +366,9 @@ def test_a_tied_head_is_repacked_after_every_load_fake_vllm(device):
 # --- the real engine: vLLM's CPU build here, a GPU build where CUDA exists --------------------------------
 
 REAL_REASON = None if factory_available() is None else f"needs a runnable vLLM: {factory_available()}"
-# An in-process vLLM engine leaves state behind that broke later tests of the same process (2-rank DeepSpeed
-# steps of rlhf-train-deepspeed's test_workers.py differed from plain torch afterwards, cause not found yet):
-# the real-engine tests run in their own pytest process, started by test_real_engine_tests_in_their_own_process.
+# An in-process vLLM engine changes process-wide state (its parallel-state globals, the environment, NUMA memory
+# binding, torch.set_num_threads): the real-engine tests run in their own pytest process, started by
+# test_real_engine_tests_in_their_own_process, so none of it reaches the other tests of a make-test worker.
 OWN_PROCESS = "RLHF_VLLM_REAL_TESTS"
 if REAL_REASON is None and not os.environ.get(OWN_PROCESS):
     REAL_REASON = "run in their own process by test_real_engine_tests_in_their_own_process"

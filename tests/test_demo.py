@@ -66,3 +66,19 @@ def test_the_demo_is_bitwise_repeatable_on_one_machine(first_run, tmp_path):
     assert acc_a == acc_b
     assert rows_a == rows_b
     assert w_a == w_b
+
+
+def test_quick_demo_on_vllm(tmp_path):
+    """`rlhf demo --rollout.engine vllm`: the GRPO stage generates with vLLM's CPU build (make setup installs it)."""
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "demo", "--quick", "--rollout.engine", "vllm",
+                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "RLHF_NO_PROGRESS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--rollout.engine vllm" in out.stdout and "held-out accuracy" in out.stdout
+    run = json.loads((tmp_path / "rl" / "run.json").read_text())
+    assert run["plugins"]["rollout_engines"]["name"] == "vllm"
+    config = json.loads((tmp_path / "base_model" / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] == 32
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["policy/rollout_train_logprob_gap"] for r in rows) <= 1e-5  # fp32: engine and trainer agree

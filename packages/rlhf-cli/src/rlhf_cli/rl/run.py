@@ -67,7 +67,10 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     # partial rollout: weights may land while a generation is running (a second concurrent call)
     concurrency = 2 if cfg.train.partial_rollout_enable else 1
     width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
-    threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" else None
+    import torch
+
+    # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
+    threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() else None
     rollout = [
         actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
                           max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)

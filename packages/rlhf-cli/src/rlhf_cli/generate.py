@@ -33,6 +33,7 @@ from typing import Any
 
 from rlhf_core import data, plugins
 from rlhf_core.config import GenerateConfig, RewardConfig, as_rl_config
+from rlhf_core.errors import UserError
 from rlhf_core.types import (
     GenerationRequest,
     PostProcessInput,
@@ -59,7 +60,7 @@ RL_ONLY_REWARD_FIELDS = {
 }
 
 
-class GenerateError(ValueError):
+class GenerateError(UserError, ValueError):
     """A setting or input that cannot work; the message names the flag, file or row."""
 
 

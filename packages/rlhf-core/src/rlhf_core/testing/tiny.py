@@ -150,8 +150,8 @@ def make_tiny_vlm(path: str | Path, seed: int = 0, num_words: int = 200, kind: s
     text_config = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
-                       **(text or {}))
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    text_config.update(text or {})
     vision_config = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
                          temporal_patch_size=2, in_chans=3)
     if kind == "qwen2_vl":

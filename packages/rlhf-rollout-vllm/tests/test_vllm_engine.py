@@ -63,6 +63,7 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
+        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # what vLLM reads while it builds
         self.calls: list = []
         self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
             get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)))
@@ -144,7 +145,8 @@ def test_gpu_engine_options_reach_vllm_fake_vllm(fake_vllm):
         "logprobs_mode": "processed_logprobs",
         "max_model_len": 2048,
     }
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert FakeLLM.instances[-1].multiprocessing == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # put back once the engine is built
     VLLMEngine("/models/tiny", tensor_parallel_size=2)
     assert FakeLLM.instances[-1].kwargs["distributed_executor_backend"] == "ray"
     module, _, cls = WORKER_EXTENSION.rpartition(".")

@@ -257,7 +257,7 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
             factory = plugins.resolve(pm, "rollout_engines", engine, "--rollout.engine")
         except plugins.PluginError as exc:
             raise GenerateError(str(exc)) from None
-        reason = factory.available()
+        reason = factory.available() or getattr(factory, "config_problem", lambda cfg: None)(rl)
         if reason:
             raise GenerateError(f"--rollout.engine {engine} cannot run here: {reason}")
         if not (Path(cfg.model.model_name_or_path) / "config.json").is_file():

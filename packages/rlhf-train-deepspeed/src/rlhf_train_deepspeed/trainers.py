@@ -44,7 +44,8 @@ def init_ray(cfg) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
+        # "local": without it ray.init joins whatever cluster another program started on this machine
+        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
 
 
 @dataclass

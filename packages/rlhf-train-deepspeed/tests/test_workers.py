@@ -268,3 +268,22 @@ def test_weights_reach_an_engine_through_the_sync_group(groups, tiny_llama):
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     engine_side.close()
+
+
+def test_a_frozen_vision_tower_is_not_sent_to_the_engines_and_a_trained_one_is(groups, tmp_path):
+    """--actor.freeze_visual_encoder: the engines loaded the same vision weights, so only the language model
+    (and head) is synced; without it every weight trains and every weight is sent."""
+    from rlhf_core.testing.tiny import make_tiny_vlm
+
+    vlm = make_tiny_vlm(tmp_path / "vlm")
+    model = load_causal_lm(vlm, torch.float32)
+    names = {n for n, _ in model.named_parameters()}
+    visual = {n for n in names if n.startswith("model.visual.")}
+    assert visual and visual != names
+    group, ds = groups[1], DSConfig(zero_stage=3, param_dtype="fp32")
+    group.init_model(spec(vlm, 4, freeze_vision=True), ds)
+    frozen = group.get_state_dict_for_engines()
+    assert set(frozen) == names - visual
+    assert all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
+    group.init_model(spec(vlm, 4), ds)
+    assert set(group.get_state_dict_for_engines()) == names

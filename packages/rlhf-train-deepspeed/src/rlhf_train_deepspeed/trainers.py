@@ -43,8 +43,9 @@ def init_ray(cfg) -> None:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:
-        ray.init(include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
+    else:  # no idle workers ahead: the ranks ask for their own environment, so they would never be used
+        ray.init(include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1",
+                 _system_config={"prestart_worker_first_driver": False})
 
 
 @dataclass

@@ -25,6 +25,24 @@ def test_median_baseline_by_hand():
     torch.testing.assert_close(out.advantages, expected)
 
 
+def test_kl_penalty_and_reward_clip_by_hand():
+    # rewards 1, 5, 2 -> median 2 -> shaped -1, 3, 0; clip to [-2, 2] -> -1, 2, 0 on the last token;
+    # -0.5 * kl on every token; advantages are rewards-to-go
+    batch = AdvantageInput(
+        rewards=torch.tensor([1.0, 5.0, 2.0]),
+        action_mask=torch.ones(3, 2, dtype=torch.bool),
+        n_samples_per_prompt=3,
+        kl=torch.tensor([[0.1, 0.2], [0.0, 0.0], [0.3, 0.0]]),
+        kl_coef=0.5,
+        reward_clip=(-2.0, 2.0),
+    )
+    out = GroupMedianEstimator()(batch)
+    # row 0: token rewards -0.05, -1 - 0.1 -> to go: -1.15, -1.1; row 2: -0.15, 0 -> -0.15, 0
+    expected = torch.tensor([[-1.15, -1.1], [2.0, 2.0], [-0.15, 0.0]])
+    torch.testing.assert_close(out.advantages, expected)
+    torch.testing.assert_close(out.returns, expected)
+
+
 class TestGuessNumberConformance(EnvironmentConformance):
     name = "guess_number"
     label = "7"

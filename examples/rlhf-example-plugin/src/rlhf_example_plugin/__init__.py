@@ -10,16 +10,24 @@ from __future__ import annotations
 import torch
 
 from rlhf_agents import AgentInstanceBase
+from rlhf_algos.advantages import gae_advantages, token_level_rewards
 from rlhf_core import hookimpl
 from rlhf_core.types import AdvantageInput, AdvantageOutput
 
 
 class GroupMedianEstimator:
-    """Advantage = reward - median reward of the prompt's group, on every action token.
+    """Advantage = reward - median reward of the prompt's group, plus the in-reward KL penalty.
 
     The median is a baseline that one outlier sample cannot drag. Rewards ``[B]`` in groups of ``n``
-    consecutive rows; output ``[B, T]``. Unscorable samples (``valid`` False) are left out of the median and
-    get zero advantage.
+    consecutive rows; output ``[B, T]``. Per row, with ``r`` the median-shaped reward::
+
+        R_t = -kl_coef * kl_t + (t == last action token ? clamp(r, *reward_clip) : 0)
+        A_t = returns_t = sum_{t' >= t} R_t'             over action tokens
+
+    Every estimator owns the KL penalty and ``reward_clip`` of its input (``--algo.kl.init_coef`` without
+    ``--algo.kl.use_loss``, ``--reward.clip_range``); rlhf-algos' helpers apply them as its built-ins do.
+    Unscorable samples (``valid`` False, or a non-finite reward) are left out of the median and get zero
+    advantage.
     """
 
     needs_critic = False
@@ -27,13 +35,16 @@ class GroupMedianEstimator:
 
     def __call__(self, batch: AdvantageInput) -> AdvantageOutput:
         n = batch.n_samples_per_prompt
-        valid = batch.valid if batch.valid is not None else torch.ones_like(batch.rewards, dtype=torch.bool)
-        rewards = torch.where(valid, batch.rewards, torch.nan).view(-1, n)
+        valid = torch.isfinite(batch.rewards)
+        if batch.valid is not None:
+            valid &= batch.valid.bool()
+        rewards = torch.where(valid, batch.rewards.float(), torch.nan).view(-1, n)
         baseline = rewards.nanmedian(dim=1, keepdim=True).values
         shaped = torch.nan_to_num(rewards - baseline, nan=0.0).view(-1)
-        mask = batch.action_mask.to(shaped.dtype)
-        advantages = shaped[:, None] * mask
-        return AdvantageOutput(advantages=advantages, returns=advantages.clone())
+        live = batch.action_mask.bool() & valid[:, None]
+        token_rewards = token_level_rewards(shaped, live, batch.kl, batch.kl_coef, batch.reward_clip)
+        advantages, returns = gae_advantages(token_rewards, live)  # no critic, gamma 1: reward-to-go
+        return AdvantageOutput(advantages=advantages, returns=returns)
 
 
 @hookimpl

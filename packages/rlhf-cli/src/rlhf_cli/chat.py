@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlhf_core.config import ChatConfig
+from rlhf_core.errors import UserError
 
 COMMANDS_RESET = ("/reset", "clear")
 COMMANDS_EXIT = ("/exit", "exit")
 
 
-class ChatError(ValueError):
+class ChatError(UserError, ValueError):
     """A setting that cannot work; the message names the flag or file."""
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from rlhf_core import data, plugins
 from rlhf_core.config import GenerateConfig, RewardConfig, as_rl_config
+from rlhf_core.errors import UserError
 from rlhf_core.types import (
     GenerationRequest,
     PostProcessInput,
@@ -59,7 +60,7 @@ RL_ONLY_REWARD_FIELDS = {
 }
 
 
-class GenerateError(ValueError):
+class GenerateError(UserError, ValueError):
     """A setting or input that cannot work; the message names the flag, file or row."""
 
 
@@ -256,7 +257,7 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
             factory = plugins.resolve(pm, "rollout_engines", engine, "--rollout.engine")
         except plugins.PluginError as exc:
             raise GenerateError(str(exc)) from None
-        reason = factory.available()
+        reason = factory.available() or getattr(factory, "config_problem", lambda cfg: None)(rl)
         if reason:
             raise GenerateError(f"--rollout.engine {engine} cannot run here: {reason}")
         if not (Path(cfg.model.model_name_or_path) / "config.json").is_file():

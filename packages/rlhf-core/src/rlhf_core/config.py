@@ -210,11 +210,11 @@ class VllmConfig:
     enable_prefix_caching: bool = False
     """vLLM automatic prefix caching (worth it with n > 1)."""
     enforce_eager: bool = False
-    """Disable CUDA graphs in vLLM."""
+    """Disable CUDA graphs in vLLM (on vLLM's CPU build: its torch.compile of the model, minutes at start-up)."""
     enable_sleep: bool = False
-    """Let engines release memory between rollouts (needs ``--train.colocate_all``)."""
+    """Let engines release memory between rollouts (needs ``--train.colocate_all``; GPU only, refused on CPU)."""
     gpu_memory_utilization: float = 0.95
-    """Fraction of GPU memory vLLM may take."""
+    """Fraction of GPU memory vLLM may take (on CPU: of host memory the engines' KV caches may take)."""
     sync_timeout: float = 600.0
     """Seconds a weight sync may take before it raises instead of hanging."""
 

@@ -24,9 +24,10 @@ import yaml
 
 from rlhf_core import config_aliases as aliases
 from rlhf_core.config import COMMANDS, MODES
+from rlhf_core.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A flag or YAML key is unknown, malformed, or has a value of the wrong type."""
 
 

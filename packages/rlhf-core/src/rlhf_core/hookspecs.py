@@ -101,7 +101,9 @@ def rlhf_register_reward_sources(register: Register) -> None:
     Each object satisfies :class:`rlhf_core.types.RewardSourceFactory`: ``accepts(cfg) -> bool`` says
     whether the reward configuration (``--reward.remote_url``, ``--reward.model_name_or_path``) is for
     it, and ``create(cfg) -> RewardSource`` builds one whose async ``score(RewardRequest)`` returns a
-    :class:`rlhf_core.types.RewardResult`. ``--reward.source NAME`` picks one explicitly.
+    :class:`rlhf_core.types.RewardResult`. ``--reward.source NAME`` picks one explicitly. An optional
+    ``check(cfg)`` runs in the driver before any worker starts (and in ``--dry-run``): cheap, it starts
+    nothing and raises, naming the flag or file, when the configuration cannot work.
 
     Built-in names: ``python_file``, ``http``, ``reward_model``, ``prm`` (a process reward model trained by
     ``rlhf train prm``; it also fills ``RewardResult.step_scores``).

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_core.errors import UserError
+
 PLACEHOLDER_KEY = "prm_placeholder_token"
 REWARD_TOKENS_KEY = "prm_reward_tokens"
 """Keys of a PRM's ``config.json`` (written by ``rlhf train prm``): its step marker and reward tokens."""
@@ -17,7 +19,7 @@ PRM_AGGREGATIONS = ("min", "last", "mean", "prod")
 """How the PRM reward source turns step scores into a reward (``--reward.prm_aggregation``)."""
 
 
-class SetupError(ValueError):
+class SetupError(UserError, ValueError):
     """A flag, model or tokenizer that cannot work for the mode; the message names the flag."""
 
 

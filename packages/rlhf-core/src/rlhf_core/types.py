@@ -280,15 +280,17 @@ class AdvantageInput:
     """``[B]`` bool; False marks unscorable samples: excluded from group baselines and statistics,
     and given zero advantage. None means all valid."""
     kl: torch.Tensor | None = None
-    """``[B, T]`` per-token KL(policy || ref) folded into the reward as ``-kl_coef * kl``; None when KL
-    is a loss term or there is no reference model."""
+    """``[B, T]`` per-token KL(policy || ref), which the estimator must fold into the reward as
+    ``-kl_coef * kl`` on the action tokens (nothing else applies it); None when KL is a loss term or there
+    is no reference model."""
     kl_coef: float = 0.0
     values: torch.Tensor | None = None
     """``[B, T]`` critic values (estimators with ``needs_critic``)."""
     gamma: float = 1.0
     lambd: float = 1.0
     reward_clip: tuple[float, float] | None = None
-    """Clamp the (group-shaped) sequence reward into this range before it goes on the last token."""
+    """The estimator must clamp the (group-shaped) sequence reward into this range before it goes on the
+    last token (``--reward.clip_range``; nothing else applies it)."""
     no_std_norm: bool = False
     """Subtract the mean but do not divide by the std in the estimator's normalisation step."""
 

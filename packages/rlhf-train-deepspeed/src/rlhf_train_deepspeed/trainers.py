@@ -43,8 +43,10 @@ def init_ray(cfg) -> None:
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:  # no idle workers ahead: the ranks ask for their own environment, so they would never be used
-        ray.init(include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1",
+    else:
+        # "local": without it ray.init joins whatever cluster another program started on this machine;
+        # no idle workers ahead: the ranks ask for their own environment, so they would never be used
+        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1",
                  _system_config={"prestart_worker_first_driver": False})
 
 
@@ -142,9 +144,12 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     output_dir = Path(cfg.ckpt.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer
+        )
+    except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
+        raise ConfigError(f"--model.model_name_or_path {cfg.model.model_name_or_path}: {exc}") from exc
     if cfg.data.tokenizer_chat_template:
         tokenizer.chat_template = cfg.data.tokenizer_chat_template
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -183,18 +188,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         else cfg.teacher.model_name_or_path if mode == "kd" else None,
         ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else cfg.teacher.offload if mode == "kd" else False,
     )
-    own_group = group_factory is None
-    if own_group:
-        from rlhf_train_deepspeed.group import create_worker_group
-
-        init_ray(cfg)
-
-        def group_factory(role, spec, ds, n, seed):
-            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
-
-    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
-    losses = loss_settings(mode, cfg, prm.reward_ids if prm else None)
-
+    # checkpoint checks (damage, a run of other settings) before any worker starts
     ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     start_step = 0
     # What must not change between a run and its resume (the data position is a step number).
@@ -216,6 +210,20 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
                 )
         if not state.get("has_ds_state", True):
             raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
+
+    own_group = group_factory is None
+    if own_group:
+        from rlhf_train_deepspeed.group import create_worker_group
+
+        init_ray(cfg)
+
+        def group_factory(role, spec, ds, n, seed):
+            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
+
+    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
+    losses = loss_settings(mode, cfg, prm.reward_ids if prm else None)
+
+    if latest is not None:
         group.load_checkpoint(str(latest))
         start_step = state["step"]
         random.setstate(state["rng"]["python"])

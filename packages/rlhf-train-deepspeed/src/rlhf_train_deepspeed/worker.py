@@ -29,6 +29,7 @@ from rlhf_train_deepspeed.batches import (
     concat_batches,
     to_device,
 )
+from rlhf_train_deepspeed.checkpoint import CheckpointError
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
     load_value_model,
@@ -500,14 +501,21 @@ class TrainWorker:
             torch.save([e.cpu() for e in self.ema], Path(path) / f"ema_rank{self.rank}.pt")
 
     def load_checkpoint(self, path: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(
-            path, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        # CheckpointManager.latest() checked the files in the driver; this names the checkpoint when damage it
+        # cannot see (garbage of the right size and structure) makes DeepSpeed fail
+        try:
+            load_path, _ = self.engine.load_checkpoint(
+                path, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        except Exception as exc:
+            raise CheckpointError(f"{path}/{ENGINE_TAG}: DeepSpeed could not load rank {self.rank}'s state: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed state under {path}/{ENGINE_TAG}")
         rng_file = Path(path) / f"rng_rank{self.rank}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        if not rng_file.exists():  # without it the resumed run would not sample what the uninterrupted one did
+            raise CheckpointError(f"{rng_file} is missing: rank {self.rank}'s RNG state cannot be restored")
+        set_rng_state(torch.load(rng_file, weights_only=False))
         if self.ema is not None:
             self._load_ema(Path(path) / f"ema_rank{self.rank}.pt")
 

@@ -674,7 +674,9 @@ so the small-batch goal (1.5x) is not met either; it was not profiled further he
 Rounds run under load (the machine's other jobs at 8-25 load, 1.3-1.8 busy cores) are not in the table
 above: there TRL's two OpenMP threads spin-wait against other jobs and its step went from 0.19 s to 24 s,
 while rlhf's one-thread ranks went from 0.25 s to 0.37 s, so ratios from those rounds say nothing about
-either program. Rerun on a quiet machine: `DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size
+either program. The counts held there (two more rounds of both rlhf variants at load 11-18): rlhf-hybrid
+27.1-28.5 CPU-seconds to the first step and 1429-1445 MiB peak PSS, rlhf-dp2 before 45.9-48.4 and
+2056-2076 MiB. Rerun on a quiet machine: `DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size
 S --runs rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 5` (likewise `--size M`, `--size L`).
 """
 

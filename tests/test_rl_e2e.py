@@ -95,14 +95,20 @@ def metrics(out) -> list[dict]:
     ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: a reference group runs
     ("reinforce_baseline", ["--vllm.sync_with_ray"]),  # weights through the object store, not a group
     ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
-    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28"]),
-    # hybrid engine: every role and the engine on the same bundles, taking turns (sleep/wake)
+    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28", "--vllm.num_engines", "2"]),  # 2 engine processes
+    # hybrid engine: every role and the engines on the same bundles, taking turns (sleep/wake); on CPU the
+    # reference model and each engine live in the policy ranks' processes (engines get their weights by an
+    # in-process copy)
     ("dr_grpo", ["--actor.loss_agg_mode", "seq_mean_token_sum_norm", "--train.colocate_all",
-                 "--vllm.enable_sleep", "--ds.enable_sleep"]),
+                 "--vllm.enable_sleep", "--ds.enable_sleep", "--vllm.num_engines", "2",
+                 "--algo.kl.init_coef", "0.05", "--algo.kl.use_loss"]),
 ])
-def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, estimator, extra):
+def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, capsys, estimator, extra):
     out = tmp_path / estimator
     assert train(base_args(assets, out) + ["--algo.advantage.estimator", estimator, *extra]) == 0
+    # 2 policy ranks, +1 reference (KL in the reward), +1 critic (gae), +1 or 2 engines unless hosted
+    processes = {"gae": 4, "reinforce": 4, "rloo": 4, "group_norm": 4, "dr_grpo": 2}.get(estimator, 3)
+    assert f"; {processes} worker processes up in" in capsys.readouterr().err
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

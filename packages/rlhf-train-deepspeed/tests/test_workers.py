@@ -287,3 +287,50 @@ def test_a_frozen_vision_tower_is_not_sent_to_the_engines_and_a_trained_one_is(g
     assert all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
     group.init_model(spec(vlm, 4), ds)
     assert set(group.get_state_dict_for_engines()) == names
+
+
+def test_an_engine_hosted_in_each_rank_gets_its_weights_in_process(groups, tiny_llama):
+    """``host`` builds an HF engine inside each rank's process; after a training step, ``push_weights_to_hosted``
+    copies the rank's (ZeRO-3 gathered) weights into it, so the engine's log-probs of its own samples are the
+    trainer's to fp32 rounding. Before the push they are the old weights' (the step moved them by > 1e-3)."""
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_core.types import GenerationRequest, SamplingParams
+
+    group = groups[2]
+    group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="fp32"))
+    engines = group.host("engine", HFEngine, [(tiny_llama,), (tiny_llama,)])
+    mbs = global_batch()
+    group.train_supervised_step(mbs, SFT, counts(mbs))
+    prompt = [5, 9, 13, 7]
+    request = GenerationRequest(prompt, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
+
+    def gaps() -> list[float]:
+        import ray
+
+        outs = [o for out in ray.get([e.generate.remote([request]) for e in engines]) for o in out[0]]
+        batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
+        (trainer,) = group.compute_logprobs([batch])
+        return [float((trainer[i, : len(o.logprobs)] - torch.tensor(o.logprobs)).abs().max())
+                for i, o in enumerate(outs)]
+
+    assert min(gaps()) > 1e-3  # the engines still hold the weights they loaded
+    group.push_weights_to_hosted("engine")
+    assert max(gaps()) < 1e-5
+
+
+def test_a_reference_model_hosted_in_the_policy_ranks_stays_frozen(groups, tiny_llama):
+    """With ``ref_path`` the policy's ranks also hold the reference model (ZeRO-3 over the same ranks, as a
+    colocated reference runs on CPU); ``hosted_ref()`` computes its log-probs, which after a policy step are
+    still the initial model's while the policy's have moved."""
+    group = groups[2]
+    group.init_model(spec(tiny_llama, 2, ref_path=tiny_llama), DSConfig(zero_stage=3, param_dtype="fp32"))
+    mbs = global_batch()
+    group.train_supervised_step(mbs, SFT, counts(mbs))
+    seqs = mbs[:3]  # 3 micro-batches over 2 ranks: one rank gets a padding copy
+    ref, policy = group.hosted_ref().compute_logprobs(seqs, 0.8), group.compute_logprobs(seqs, 0.8)
+    model = load_causal_lm(tiny_llama, torch.float32).eval()
+    for b, got, moved in zip(seqs, ref, policy, strict=True):
+        with torch.no_grad():
+            want = response_logprobs(model, b, 0.8)[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert float((moved - want).abs().max()) > 1e-3

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_cli.placement import strategy_name
+from rlhf_cli.placement import roles_in_actor, strategy_name
 from rlhf_core import plugins
 from rlhf_core.config import RewardConfig
 from rlhf_core.config_parser import config_to_yaml
@@ -40,6 +40,8 @@ class Assembly:
     notes: list[str] = field(default_factory=list)
     vision: list[str] = field(default_factory=list)
     """How a vision-language run uses images (empty for a text run)."""
+    in_actor: set[str] = field(default_factory=set)
+    """Roles whose workers run inside the actor ranks' processes (``rlhf_cli.placement.roles_in_actor``)."""
 
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
@@ -48,6 +50,10 @@ class Assembly:
         if self.plan is not None:
             lines.append("placement plan:")
             lines += ["  " + line for line in self.plan.describe().splitlines()]
+            if "ref" in self.in_actor:
+                lines.append("  the reference model runs inside the actor ranks' processes (none of its own)")
+            if "rollout" in self.in_actor:
+                lines.append("  rollout engine i runs inside the process of actor rank i (none of its own)")
         if self.vision:
             lines.append("vision-language model:")
             lines += ["  " + line for line in self.vision]
@@ -345,6 +351,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         asm.plan = strategy.plan(roles, cfg, gpus)
     except ValueError as exc:
         raise RunConfigError(str(exc)) from None
+    asm.in_actor = roles_in_actor(asm.plan, engine, cfg, gpus)
     return asm
 
 

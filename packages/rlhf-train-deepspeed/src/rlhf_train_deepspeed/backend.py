@@ -53,12 +53,16 @@ class DeepSpeedBackend:
         (``actor``, ``critic``, ``ref``, ``reward``) of an ``RLConfig``.
 
         ``pool``: a Ray placement group or None. Keyword options: ``total_steps`` (optimizer steps of the
-        run, for the LR schedule), ``bundle_indices``, ``num_gpus_per_worker``, ``num_cpus_per_worker``,
-        ``num_threads`` (see :func:`rlhf_train_deepspeed.group.create_worker_group`).
+        run, for the LR schedule), ``with_ref`` (the actor's ranks also host the reference model, reached
+        through ``group.hosted_ref()``), ``bundle_indices``, ``num_gpus_per_worker``, ``num_cpus_per_worker``,
+        ``num_threads``, ``wait`` (see :func:`rlhf_train_deepspeed.group.create_worker_group`).
         """
         from rlhf_train_deepspeed.group import create_worker_group
 
         spec = spec_for_role(role, cfg, num_workers, kwargs.pop("total_steps", None))
+        if kwargs.pop("with_ref", False):
+            spec.ref_path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
+            spec.ref_offload = cfg.ref.offload
         return create_worker_group(
             role, spec, cfg.ds, num_workers, seed=cfg.train.seed,
             full_determinism=cfg.train.full_determinism_enable, pool=pool, **kwargs,

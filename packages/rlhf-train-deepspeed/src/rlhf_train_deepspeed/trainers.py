@@ -44,8 +44,10 @@ def init_ray(cfg) -> None:
     if address:
         ray.init(address=address)
     else:
-        # "local": without it ray.init joins whatever cluster another program started on this machine
-        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
+        # "local": without it ray.init joins whatever cluster another program started on this machine;
+        # no idle workers ahead: the ranks ask for their own environment, so they would never be used
+        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1",
+                 _system_config={"prestart_worker_first_driver": False})
 
 
 @dataclass

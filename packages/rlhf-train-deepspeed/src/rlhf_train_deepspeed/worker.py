@@ -189,6 +189,8 @@ class TrainWorker:
         self.spec: ModelSpec | None = None
         self._sync_group = None
         self._plugins = None
+        self._hosted: dict[str, Any] = {}
+        """Objects of other roles living in this rank's process (:meth:`host`), by name."""
         self.ema: list[torch.Tensor] | None = None
         """fp32 EMA of this rank's local shards of the trainable parameters (``ModelSpec.ema_beta``)."""
 
@@ -200,9 +202,10 @@ class TrainWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def init_distributed(self, master_addr: str, master_port: int) -> None:
-        os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port)
+    def init_distributed(self, address: tuple[str, int]) -> None:
+        """Join the group whose rank 0 is at ``address`` (:meth:`master_address` of rank 0)."""
+        os.environ["MASTER_ADDR"] = address[0]
+        os.environ["MASTER_PORT"] = str(address[1])
         Strategy.init_distributed()
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> dict:
@@ -279,13 +282,15 @@ class TrainWorker:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False
+        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False, ref: bool = False
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU."""
-        self.engine.eval()
+        """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU; with ``ref``,
+        those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``)."""
+        engine = self.ref_engine if ref else self.engine
+        engine.eval()
         out = []
         for b in batches:
-            lp, ent, _ = response_logprobs(self.engine, self._dev(b), temperature, self.packing, with_entropy, ring=self.ring)
+            lp, ent, _ = response_logprobs(engine, self._dev(b), temperature, self.packing, with_entropy, ring=self.ring)
             out.append((lp.cpu(), ent.cpu()) if with_entropy else lp.cpu())
         return out
 
@@ -722,3 +727,24 @@ class TrainWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    # --- other roles in this process ---
+
+    def host(self, name: str, cls: type, *args, **kwargs) -> None:
+        """Build ``cls(*args, **kwargs)`` in this rank's process under ``name`` (a rollout engine colocated with
+        this rank on CPU), instead of in a process of its own; :meth:`call_hosted` reaches it."""
+        self._hosted[name] = cls(*args, **kwargs)
+
+    def call_hosted(self, name: str, method: str, *args, **kwargs) -> Any:
+        return getattr(self._hosted[name], method)(*args, **kwargs)
+
+    def push_weights_to_hosted(self, name: str) -> int:
+        """Load this rank's weights into the object hosted under ``name`` (its ``update_weights``), in process:
+        no broadcast, no object store. Collective under ZeRO-3 like :meth:`named_weights`: every rank calls
+        it, and ranks that host nothing only take part in the gathers. Returns the number of tensors loaded."""
+        weights = dict(self.named_weights())
+        target = self._hosted.get(name)
+        if target is None:
+            return 0
+        target.update_weights(weights)
+        return len(weights)

@@ -47,6 +47,8 @@ class Groups:
     ref: Any = None
     critic: Any = None
     reward: Any = None
+    rollout_in_actor: bool = False
+    """Engine ``i`` lives in actor rank ``i``'s process (``rlhf_cli.placement.roles_in_actor``)."""
 
 
 @dataclass
@@ -345,8 +347,15 @@ class RLController:
         group that the engines join themselves (gloo on CPU, NCCL on GPU; one rank per tensor-parallel
         worker; ZeRO-3 parameters gathered bucket by bucket), or through Ray's object store with
         ``--vllm.sync_with_ray`` or an engine that cannot join a group. A stalled sync raises after
-        ``--vllm.sync_timeout``."""
+        ``--vllm.sync_timeout``. Engines that live in the actor ranks' processes get an in-process copy."""
         engines = self.groups.rollout
+        if self.groups.rollout_in_actor:  # each rank copies its weights into the engine in its process
+            try:
+                self.groups.actor.push_weights_to_hosted("rollout")
+            except ray.exceptions.RayActorError as exc:
+                raise RLRunError(f"a policy worker died during the weight sync: {exc}") from exc
+            self.policy_version += 1
+            return
         if self._sync_ranks is None:
             self._sync_ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray else _get(
                 [a.weight_sync_ranks.remote() for a in engines], "rollout")

@@ -17,13 +17,16 @@ from rlhf_core.types import SamplingParams, Trajectory
 
 class OneThreadEngine(AsyncEngine):
     """An ``AsyncEngine`` whose batched ``generate`` calls all run on ``thread`` (one worker), the thread
-    that also built the engine and loads its weights."""
+    that also built the engine and loads its weights; with ``thread`` None, on the event loop's own thread
+    (blocking the loop while it decodes)."""
 
-    def __init__(self, engine: Any, thread: ThreadPoolExecutor):
+    def __init__(self, engine: Any, thread: ThreadPoolExecutor | None):
         super().__init__(engine)
         self.thread = thread
 
     async def _call(self, requests):
+        if self.thread is None:
+            return self.engine.generate(requests)
         return await asyncio.get_running_loop().run_in_executor(self.thread, self.engine.generate, requests)
 
 
@@ -34,7 +37,10 @@ class RolloutActor:
     plugin manager or a model.
     """
 
-    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None):
+    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None,
+                 hosted: bool = False):
+        """``hosted``: built inside a training rank's process (``TrainWorker.host``), whose thread runs every
+        call in turn; the engine then decodes on that thread with the rank's torch threads."""
         from transformers import AutoTokenizer
 
         from rlhf_agents.worker import RolloutWorker
@@ -47,8 +53,9 @@ class RolloutActor:
         # OpenMP backend every thread that runs parallel ops gets its own worker team, and two teams on the
         # same cores make libgomp throttle its spin-waits; CPU decoding ran ~1.7x slower (bench/grpo_vs_trl.md).
         # Partial rollout keeps the Ray threads: its weights must be able to land while a generation runs.
+        # Hosted, that one thread is the rank's own.
         self.engine_thread = None
-        if engine_name == "hf" and not cfg.train.partial_rollout_enable:
+        if engine_name == "hf" and not cfg.train.partial_rollout_enable and not hosted:
             self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-engine")
         if num_threads:  # per thread with OpenMP: Ray's and the engine's
             torch.set_num_threads(num_threads)
@@ -56,7 +63,9 @@ class RolloutActor:
         if not torch.cuda.is_available():  # a CPU engine frees and reallocates its KV cache every batch
             keep_freed_memory()
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
-        engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
+        engine = self.engine
+        if self.engine_thread is not None or hosted:
+            engine = OneThreadEngine(self.engine, self.engine_thread)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
         # The driver checked the agent and reward files, but here they are imported again and the executor is
         # built (on another machine, perhaps). Ray turns an error in __init__ into text holding the worker's
@@ -83,6 +92,7 @@ class RolloutActor:
         return trajs, dict(self.worker.last_metrics)
 
     def update_weights(self, state_dict: dict) -> int:
+        """Load HF-named weights (from the object store, or from the rank hosting this actor)."""
         self._on_engine_thread(self.engine.update_weights, state_dict.items())
         self.engine.reset_prefix_cache()
         return len(state_dict)

@@ -40,46 +40,67 @@ def cpu_threads(cfg, processes: int) -> int:
 
 
 def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> Groups:
-    """Start every worker group the plan names, each pinned to its pool's bundles."""
+    """Start every worker group the plan names, each pinned to its pool's bundles, all side by side (a rank
+    spends seconds importing torch, transformers and DeepSpeed and loading its model)."""
     cfg = asm.cfg
     backend = resolve(get_plugin_manager(), "train_backends", cfg.train.backend)
     made: dict = {}
-    # the training groups' forward passes run side by side in make_experience
-    trainer_threads = cpu_threads(cfg, sum(g.num_workers for g in asm.plan.groups if g.role != "rollout"))
+    # the training groups' forward passes run side by side in make_experience (a hosted ref's in its rank, in turn)
+    trainer_threads = cpu_threads(cfg, sum(g.num_workers for g in asm.plan.groups
+                                           if g.role != "rollout" and g.role not in asm.in_actor))
     for spec in asm.plan.groups:
-        if spec.role == "rollout":
+        if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
         pool = pools[spec.pool]
         made[spec.role] = backend.create_group(
             spec.role, cfg, pool.group, spec.num_workers, total_steps=total_steps,
             bundle_indices=[r % pool.num_bundles for r in range(spec.num_workers)],
             num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
-            num_threads=trainer_threads,
+            num_threads=trainer_threads, wait=False, **({"with_ref": True} if spec.role == "actor"
+                                                        and "ref" in asm.in_actor else {}),
         )
+    if "ref" in asm.in_actor:
+        made["ref"] = made["actor"].hosted_ref()
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
     from rlhf_cli.rl.rollout_actor import RewardModelWorkers, RolloutActor
 
     reward_model = None
     if "reward" in made:
+        made["reward"].wait_ready()  # its handle goes to the rollout actors
         reward_model = RewardModelWorkers(made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
 
     engine = choose_engine(cfg, get_plugin_manager())
-    actor_cls = ray.remote(RolloutActor)
-    # partial rollout: weights may land while a generation is running (a second concurrent call)
-    concurrency = 2 if cfg.train.partial_rollout_enable else 1
-    width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
-    import torch
+    if "rollout" in asm.in_actor:
+        rollout = made["actor"].host("rollout", RolloutActor, [(cfg, engine, i, reward_model, None, True)
+                                                               for i in range(rollout_spec.num_workers)])
+    else:
+        actor_cls = ray.remote(RolloutActor)
+        # partial rollout: weights may land while a generation is running (a second concurrent call)
+        concurrency = 2 if cfg.train.partial_rollout_enable else 1
+        width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
+        import torch
 
-    # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
-    threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() else None
-    rollout = [
-        actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
-                          max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
-        for i in range(rollout_spec.num_workers)
-    ]
+        # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
+        threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() \
+            else None
+        rollout = [
+            actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
+                              max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
+            for i in range(rollout_spec.num_workers)
+        ]
+    for role, group in made.items():
+        if role not in asm.in_actor:
+            group.wait_ready()
     ray.get([a.ping.remote() for a in rollout])
     return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
-                  reward=made.get("reward"))
+                  reward=made.get("reward"), rollout_in_actor="rollout" in asm.in_actor)
+
+
+def worker_processes(groups: Groups) -> int:
+    """Ray worker processes of the run: one per training rank (a reference model hosted in the policy's ranks
+    has none of its own), and one per engine not hosted in a rank."""
+    ranks = {a for g in (groups.actor, groups.ref, groups.critic, groups.reward) if g is not None for a in g.actors}
+    return len(ranks) + (0 if groups.rollout_in_actor else len(groups.rollout))
 
 
 def run_rl(asm: Assembly) -> int:
@@ -132,8 +153,8 @@ def run_rl(asm: Assembly) -> int:
             controller.sync_weights()
             print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
         logger = MetricsLogger(cfg, controller.total_steps(), controller.step)
-        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; workers up in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; {worker_processes(groups)} worker "
+              f"processes up in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         controller.logger = logger
         controller.fit()
         groups.actor.export_hf(str(out / "model"))
@@ -146,8 +167,9 @@ def run_rl(asm: Assembly) -> int:
             for g in (groups.actor, groups.ref, groups.critic, groups.reward):
                 if g is not None:
                     g.shutdown()
-            for a in groups.rollout:
-                ray.kill(a)
+            if not groups.rollout_in_actor:  # else they end with the actor's ranks
+                for a in groups.rollout:
+                    ray.kill(a)
         remove_pools(pools)
         if own_ray:
             ray.shutdown()

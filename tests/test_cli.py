@@ -92,3 +92,15 @@ def test_example_plugin_appears_through_its_entry_point_and_can_be_disabled():
     assert "rlhf-example-plugin" not in {d["distribution"] for d in hidden}
     only = json.loads(rlhf("plugins", "--json", env={"RLHF_LOAD_PLUGINS": "rlhf-example-plugin"}).stdout)
     assert {d["distribution"] for d in only} == {"rlhf-example-plugin"}
+
+
+
+def test_over_generation_needs_async_and_at_least_a_batch():
+    base = ["--pretrain", "/m", "--remote_rm_url", "http://127.0.0.1:9/x", "--rollout_batch_size", "8",
+            "--train_batch_size", "8", "--micro_train_batch_size", "1"]
+    with pytest.raises(RunConfigError, match="only the async pipeline does: add --train.async_enable"):
+        assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "16"])[0], gpus=False)
+    with pytest.raises(RunConfigError, match="vllm_generate_batch_size 4 is below --rollout.batch_size"):
+        assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "4", "--async_train"])[0],
+                 gpus=False)
+    assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "16", "--async_train"])[0], gpus=False)

@@ -324,3 +324,27 @@ def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
     before = [json.loads(x) for x in (tmp_path / "metrics.1.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in now] == [(1, 2.0), (2, 2.0)]
     assert [(r["step"], r["reward/mean"]) for r in before] == [(1, 1.0), (2, 1.0)]
+
+
+def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_skipping():
+    """--rollout.vllm_generate_batch_size 7 with batches of 3: one round of 7 prompts feeds steps 1 and 2,
+    step 3 takes the last group and starts the next round. A checkpoint of step 1 resumes after step 1's
+    prompts: the 4 prompts still waiting are generated again, none is skipped."""
+    cfg = config(vllm_generate_batch_size=7)
+    cfg.algo.dynamic_filtering_enable = False
+    ctl = controller(cfg, num_prompts=20)
+    ctl.generate, calls = fake_generate(pass_uids=set())
+    order = [p.uid for p in PromptStream(ctl.stream.prompts, seed=0).take(20)]
+    b1 = ctl.collect(step=1)
+    ctl.policy_version = 1
+    b2 = ctl.collect(step=2)
+    assert calls == [order[:7]]  # one round so far
+    b3 = ctl.collect(step=3)
+    assert calls == [order[:7], order[7:14]]
+    uids = [sorted({t.prompt_uid for t in b.trajectories}, key=order.index) for b in (b1, b2, b3)]
+    assert uids == [order[:3], order[3:6], order[6:9]]
+    assert [b.prompts_used for b in (b1, b2, b3)] == [7, 0, 7]
+    assert b3.policy_version == 0  # its oldest group came from the first round
+    resumed = controller(cfg, num_prompts=20)
+    resumed.stream.load_state_dict(b1.stream_state)
+    assert [p.uid for p in resumed.stream.take(4)] == order[3:7]

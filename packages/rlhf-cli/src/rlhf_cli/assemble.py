@@ -95,6 +95,13 @@ def _check_rl_options(cfg, estimator) -> None:
     if c.train.async_enable and (c.vllm.enable_sleep or c.ds.enable_sleep):
         problems.append("--train.async_enable keeps engines and trainers busy at once, so they cannot sleep: "
                         "drop --vllm.enable_sleep / --ds.enable_sleep")
+    generate = c.rollout.vllm_generate_batch_size
+    if generate is not None and generate < c.rollout.batch_size:
+        problems.append(f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
+                        f"({c.rollout.batch_size}): every step would train on fewer prompts than a batch")
+    if generate is not None and generate > c.rollout.batch_size and not c.train.async_enable:
+        problems.append("--rollout.vllm_generate_batch_size above --rollout.batch_size generates ahead for later "
+                        "steps, which only the async pipeline does: add --train.async_enable")
     if (c.vllm.enable_sleep or c.ds.enable_sleep) and not c.train.colocate_all:
         problems.append("--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
                         "--train.colocate_all")
@@ -179,7 +186,7 @@ def write_run_dir(asm: Assembly) -> Path:
     """Create the run directory with the resolved config and the plugin versions used."""
     out = Path(asm.cfg.ckpt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg))
+    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg, asm.mode))
     meta = {"mode": asm.mode, "plugins": {s: {"name": n, "from": asm.provenance[s]} for s, n in asm.chosen.items()},
             "pid": os.getpid()}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")

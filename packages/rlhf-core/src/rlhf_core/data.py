@@ -245,6 +245,17 @@ def render_prompt(
     return prompt
 
 
+def load_tokenizer(path: str, data: Any) -> Any:
+    """The tokenizer of the model at ``path``, its chat template replaced by ``--data.tokenizer_chat_template``
+    when ``data`` sets one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if data.tokenizer_chat_template:
+        tokenizer.chat_template = data.tokenizer_chat_template
+    return tokenizer
+
+
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens added (templates carry their own)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -34,9 +34,8 @@ class RolloutActor:
     """
 
     def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None):
-        from transformers import AutoTokenizer
-
         from rlhf_agents.worker import RolloutWorker
+        from rlhf_core.data import load_tokenizer
         from rlhf_core.plugins import get_plugin_manager, resolve
 
         pm = get_plugin_manager()
@@ -55,7 +54,7 @@ class RolloutActor:
             keep_freed_memory()
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
         engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
         self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
         # With partial rollout the actor runs calls concurrently, so the first receive_weights can start
         # while init_weight_sync is still joining the group.

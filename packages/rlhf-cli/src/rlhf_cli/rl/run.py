@@ -82,11 +82,10 @@ def run_rl(asm: Assembly) -> int:
     """Run the RL job; returns the process exit code."""
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
-    from transformers import AutoTokenizer
-
+    from rlhf_core.data import load_tokenizer
     from rlhf_train_deepspeed.checkpoint import CheckpointManager
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
     prompts = load_prompts(cfg, tokenizer)
     eval_prompts = []
     if cfg.eval.dataset:
@@ -94,6 +93,11 @@ def run_rl(asm: Assembly) -> int:
                                     max_samples=cfg.eval.max_samples)
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
+    latest = checkpoints.latest() if cfg.ckpt.load_enable else None
+    if latest is not None and not checkpoints.load_client_state(latest).get("has_ds_state", True):
+        print(f"rlhf train ppo: cannot resume from {latest}: it was saved with --ckpt.disable_ds (HF weights "
+              "only, no optimizer state)", file=sys.stderr)
+        return 2
 
     started = time.perf_counter()
     own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
@@ -106,7 +110,6 @@ def run_rl(asm: Assembly) -> int:
         controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
                                   eval_prompts=eval_prompts)
         if cfg.ckpt.load_enable:
-            latest = checkpoints.latest()
             if latest is not None:
                 groups.actor.load_checkpoint(str(latest / "actor"))
                 if groups.critic is not None:

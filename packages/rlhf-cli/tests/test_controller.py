@@ -348,3 +348,39 @@ def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_s
     resumed = controller(cfg, num_prompts=20)
     resumed.stream.load_state_dict(b1.stream_state)
     assert [p.uid for p in resumed.stream.take(4)] == order[3:7]
+
+
+def test_async_trainers_sleep_while_they_wait_for_a_batch():
+    """--train.async_enable --train.colocate_all --ds.enable_sleep: the trainers sleep only while the queue is
+    empty, and every sleep is followed by a wake-up before training."""
+    import threading
+
+    cfg = config()
+    cfg.train.async_enable = cfg.train.colocate_all = cfg.ds.enable_sleep = True
+    events = []
+    asleep = threading.Event()
+
+    class Trainer:
+        def sleep(self):
+            events.append("sleep")
+            asleep.set()
+
+        def wake_up(self):
+            events.append("wake")
+
+    ctl = RLController(cfg, Groups(actor=Trainer(), rollout=[], ref=Trainer()), PromptStream([], seed=0), 0)
+    ctl.total_steps = lambda: 2
+
+    def collect(step):
+        if step == 1:
+            assert asleep.wait(timeout=60)  # the first batch comes once the trainers wait for it
+        return SimpleNamespace(step=step, rollout_metrics={})
+
+    ctl.collect = collect
+    for batch in ctl._async_batches():
+        events.append(f"train {batch.step}")
+    assert events[:5] == ["sleep", "sleep", "wake", "wake", "train 1"]  # actor and reference
+    assert events.count("sleep") == events.count("wake") and "train 2" in events
+    for i, e in enumerate(events):
+        if e.startswith("train"):
+            assert events[:i].count("sleep") == events[:i].count("wake")  # awake whenever it trains

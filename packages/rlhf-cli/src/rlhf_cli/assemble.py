@@ -92,9 +92,9 @@ def _check_rl_options(cfg, estimator) -> None:
     if c.algo.dynamic_filtering_enable and n < 2:
         problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "
                         "--rollout.n_samples_per_prompt >= 2")
-    if c.train.async_enable and (c.vllm.enable_sleep or c.ds.enable_sleep):
-        problems.append("--train.async_enable keeps engines and trainers busy at once, so they cannot sleep: "
-                        "drop --vllm.enable_sleep / --ds.enable_sleep")
+    if c.train.async_enable and c.vllm.enable_sleep:
+        problems.append("--train.async_enable keeps the engines generating while the trainers work, so they "
+                        "cannot sleep: drop --vllm.enable_sleep (--ds.enable_sleep may stay)")
     generate = c.rollout.vllm_generate_batch_size
     if generate is not None and generate < c.rollout.batch_size:
         problems.append(f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
@@ -127,8 +127,6 @@ def _check_rl_options(cfg, estimator) -> None:
     if c.train.batch_size % (c.train.micro_batch_size * ranks):
         problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
                         f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
-    if c.algo.kl.use_loss and c.algo.kl.init_coef <= 0:
-        problems.append("--algo.kl.use_loss needs --algo.kl.init_coef > 0 (0 loads no reference model)")
     if c.train.agent_func_path and not Path(c.train.agent_func_path).is_file():
         problems.append(f"--train.agent_func_path {c.train.agent_func_path}: no such file")
     url = c.reward.remote_url or ""
@@ -164,6 +162,9 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
     _check_rl_options(cfg, estimator)
+    if cfg.algo.kl.use_loss and cfg.algo.kl.init_coef <= 0:
+        asm.notes.append("--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero (no reference "
+                         "model is loaded); set --algo.kl.init_coef > 0 to regularise towards the reference")
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:

@@ -482,7 +482,9 @@ class RLController:
             yield batch
 
     def _async_batches(self):
-        """Generate in a thread, at most ``train.async_queue_size`` batches ahead of training."""
+        """Generate in a thread, at most ``train.async_queue_size`` batches ahead of training. With
+        ``--train.colocate_all --ds.enable_sleep`` the trainers sleep whenever they wait for a batch."""
+        hybrid_sleep = self.cfg.train.colocate_all and self.cfg.ds.enable_sleep
         q: queue.Queue = queue.Queue(maxsize=self.cfg.train.async_queue_size)
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -514,7 +516,14 @@ class RLController:
         try:
             while True:
                 self.max_queue_size_seen = max(self.max_queue_size_seen, q.qsize())
+                asleep = hybrid_sleep and q.empty()  # a waiting batch is trained on at once: no sleep
+                if asleep:
+                    for g in self.trainers():
+                        g.sleep()
                 batch = q.get()
+                if asleep:
+                    for g in self.trainers():
+                        g.wake_up()
                 if batch is None:
                     break
                 yield batch

@@ -413,13 +413,14 @@ class DSConfig:
 @dataclass
 class DataConfig:
     prompt_dataset: list[str] | None = option(None, modes=RL_MODES)
-    """RL prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories."""
+    """RL prompt datasets: json/jsonl/parquet/csv/arrow files, local dataset directories, or Hugging Face hub
+    dataset names (``name`` or ``name@data_dir``, loaded with ``datasets.load_dataset``)."""
     prompt_probs: list[float] | None = option(None, modes=RL_MODES)
     """Mixing probabilities of the prompt datasets."""
     prompt_split: str = option("train", modes=RL_MODES)
     """Split of the prompt datasets."""
     dataset: list[str] | None = option(None, modes=SUPERVISED_MODES)
-    """SFT/RM/DPO/KTO datasets (same formats)."""
+    """SFT/RM/DPO/KTO datasets (same forms as ``prompt_dataset``)."""
     dataset_probs: list[float] | None = option(None, modes=SUPERVISED_MODES)
     """Mixing probabilities of ``dataset``."""
     dataset_split: str = option("train", modes=SUPERVISED_MODES)

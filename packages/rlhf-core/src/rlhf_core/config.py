@@ -420,7 +420,7 @@ class DataConfig:
     prompt_split: str = option("train", modes=RL_MODES)
     """Split of the prompt datasets."""
     dataset: list[str] | None = option(None, modes=SUPERVISED_MODES)
-    """SFT/RM/DPO/KTO datasets (same forms as ``prompt_dataset``)."""
+    """SFT/RM/DPO/KTO datasets: data files, local dataset directories or hub dataset names (``name@data_dir``)."""
     dataset_probs: list[float] | None = option(None, modes=SUPERVISED_MODES)
     """Mixing probabilities of ``dataset``."""
     dataset_split: str = option("train", modes=SUPERVISED_MODES)

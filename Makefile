@@ -24,6 +24,7 @@ demo: setup
 bench: setup
 	$(PY) bench/sft_vs_trl.py --reps 6 --steps 10 --threads 1
 	$(PY) bench/engine_decode.py
+	$(PY) bench/engine_vllm_cpu.py
 	$(PY) bench/grpo_vs_trl.py
 
 lint: setup

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from seed_commands import SEEDS, seed_commands
 
-from rlhf_cli.assemble import RunConfigError, assemble
+from rlhf_cli.assemble import HUB_OFFLINE_VARS, RunConfigError, assemble, is_hub_id
 from rlhf_core.config import RLConfig, to_dict
 from rlhf_core.config_parser import ConfigError, config_to_yaml, load_config_yaml, parse_config
 
@@ -20,14 +20,24 @@ def _seed_ids():
     return [c.source for c in seed_commands()] if SEEDS.is_dir() else []
 
 
-def _with_real_files(argv: list[str], tmp_path: Path) -> list[str]:
-    """Point the commands' reward/agent file paths at a file that exists, as on the user's machine."""
+STAND_INS = {  # what the driver checks in a user's file: it imports, and defines what the flag needs
+    "reward": "def reward_func(queries, prompts, labels, **kwargs):\n    return [0.0] * len(queries)\n",
+    "agent": "from rlhf_agents import SingleTurnAgentExecutor\n\n\nclass AgentExecutor(SingleTurnAgentExecutor):\n"
+             "    pass\n",
+}
+
+
+def _with_real_files(argv: list[str], tmp_path: Path, model: str) -> list[str]:
+    """Point the commands' reward/agent files and local model paths at ones that exist, as on the user's
+    machine (hub ids stay: the driver accepts them where the hub is reachable)."""
     out = []
-    for tok in argv:
+    for flag, tok in zip([""] + argv, argv):
         if tok.endswith(".py") and not tok.startswith("--"):
             real = tmp_path / Path(tok).name
-            real.write_text("# stand-in for the user's file\n")
+            real.write_text(STAND_INS["agent" if "agent" in flag else "reward"])
             tok = str(real)
+        elif ("pretrain" in flag or "model_name_or_path" in flag) and not is_hub_id(tok):
+            tok = model
         out.append(tok)
     return out
 
@@ -53,14 +63,18 @@ INVALID_SEEDS = {
     # fragments that show a few flags (placement, resume) and leave the reward out
     **dict.fromkeys(["001_1e91fc2fda3d697a.txt:379", "001_1e91fc2fda3d697a.txt:875",
                      "001_1e91fc2fda3d697a.txt:947"], "no reward: give --reward.remote_url"),
+    # a fragment that elides the model with "..."
+    "003_544c3f1a9d6a8d2f.txt:645": "--actor.model_name_or_path is required",
 }
 
 
 @needs_seeds
 @pytest.mark.parametrize("source", _seed_ids())
-def test_every_seed_command_parses_and_plans(source, tmp_path, wandb_installed):
+def test_every_seed_command_parses_and_plans(source, tmp_path, tiny_model, monkeypatch, wandb_installed):
+    for var in HUB_OFFLINE_VARS:  # the commands name hub models, which a user with hub access can use
+        monkeypatch.delenv(var, raising=False)
     (cmd,) = [c for c in seed_commands() if c.source == source]
-    cfg, _ = parse_config(cmd.mode, _with_real_files(cmd.argv, tmp_path))
+    cfg, _ = parse_config(cmd.mode, _with_real_files(cmd.argv, tmp_path, tiny_model))
     if source in INVALID_SEEDS:
         with pytest.raises(RunConfigError, match=re.escape(INVALID_SEEDS[source])):
             assemble(cmd.mode, cfg, gpus=True)
@@ -167,3 +181,25 @@ def test_defaults_follow_openrlhf():
     assert cfg.actor.eps_clip == 0.2 and cfg.critic.value_clip == 0.5
     assert cfg.actor.adam.lr == 1e-6 and cfg.critic.adam.lr == 9e-6
     assert cfg.reward.clip_range == (-10.0, 10.0)
+
+
+def test_openrlhf_prm_and_kd_script_flags_parse():
+    """The flags of OpenRLHF's removed train_prm_mistral.sh and train_knowledge_distillation.sh."""
+    prm, notes = parse_config("prm", [
+        "--pretrain", "mistralai/Mistral-7B-v0.1", "--dataset", "zhuzilin/Math-Shepherd", "--input_key", "input",
+        "--label_key", "value", "--placeholder_token", "ки", "--reward_tokens", "+", "-", "--max_len", "8192",
+        "--zero_stage", "3", "--train_batch_size", "256", "--micro_train_batch_size", "8", "--learning_rate",
+        "1e-6", "--save_steps", "500", "--eval_steps", "100", "--packing_samples", "--load_checkpoint", "--bf16",
+        "--save_path", "./checkpoint/mistal-7b-prm"])
+    assert (prm.prm.placeholder_token, prm.prm.reward_tokens, prm.data.label_key) == ("ки", ["+", "-"], "value")
+    assert prm.ds.packing_samples and prm.ckpt.load_enable and prm.model.adam.lr == 1e-6 and not notes
+    kd, _ = parse_config("kd", [
+        "--pretrain", "meta-llama/Meta-Llama-3-8B-Instruct", "--teacher_model", "meta-llama/Meta-Llama-3-70B-Instruct",
+        "--teacher_offload", "--kd_coef", "0.4", "--dataset", "Open-Orca/OpenOrca", "--input_key", "question",
+        "--output_key", "response", "--max_samples", "500000", "--train_batch_size", "256",
+        "--micro_train_batch_size", "2", "--zero_stage", "3", "--learning_rate", "5e-6", "--bf16"])
+    assert kd.teacher.model_name_or_path == "meta-llama/Meta-Llama-3-70B-Instruct"
+    assert kd.teacher.offload and kd.teacher.kd_coef == 0.4 and kd.data.output_key == "response"
+    dotted, _ = parse_config("kd", ["--teacher.model_name_or_path", "t", "--teacher.kd_coef", "0.4",
+                                    "--teacher.offload"])
+    assert dotted.teacher == kd.teacher.__class__("t", True, 0.4)

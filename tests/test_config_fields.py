@@ -42,6 +42,9 @@ SUPERVISED_CODE = ("rlhf_train_deepspeed.trainers", "rlhf_cli.main")
 MODE_ENTRIES = {
     "ppo": ("rlhf_cli.rl.run", "rlhf_cli.assemble", "rlhf_cli.main", *PLUGINS),
     **dict.fromkeys(config.SUPERVISED_MODES, SUPERVISED_CODE),
+    # the plugins get an RLConfig copied from generate's sections (as_rl_config): their reads count here too
+    "generate": ("rlhf_cli.generate", *PLUGINS),
+    "chat": ("rlhf_cli.chat",),
 }
 
 
@@ -86,7 +89,7 @@ def _sections() -> dict[str, set[type]]:
                 out.setdefault(name, set()).add(tp)
                 walk(tp)
 
-    for root in config.MODES.values():
+    for root in config.COMMANDS.values():
         walk(root)
     return out
 
@@ -163,7 +166,7 @@ def reads(module: str) -> frozenset[str]:
 
 
 def _field_owner(mode: str, path: str) -> str:
-    cls = config.MODES[mode]
+    cls = config.COMMANDS[mode]
     *parents, name = path.split(".")
     for p in parents:
         cls = typing.get_type_hints(cls)[p]
@@ -171,7 +174,7 @@ def _field_owner(mode: str, path: str) -> str:
 
 
 def test_every_mode_has_its_code_named():
-    assert set(MODE_ENTRIES) == set(config.MODES), "name the entry modules of every mode in MODE_ENTRIES"
+    assert set(MODE_ENTRIES) == set(config.COMMANDS), "name the entry modules of every command in MODE_ENTRIES"
     assert {"rlhf_algos.plugin", "rlhf_agents.plugin"} <= set(PLUGINS)
 
 
@@ -185,7 +188,7 @@ def test_the_scan_sees_reads_through_sections_aliases_and_shared_classes():
     assert "rlhf_cli.rl.controller" not in mode_code("sft")
 
 
-@pytest.mark.parametrize("mode", sorted(config.MODES))
+@pytest.mark.parametrize("mode", sorted(config.COMMANDS))
 def test_every_field_is_read_by_the_code_of_each_mode_that_accepts_it(mode):
     code = mode_code(mode)
     read = set().union(*(reads(m) for m in code))
@@ -215,7 +218,7 @@ def _other_value(leaf):
     return ["other"]
 
 
-MARKED = sorted((mode, path) for mode in config.MODES for path, leaf in leaves(mode).items()
+MARKED = sorted((mode, path) for mode in config.COMMANDS for path, leaf in leaves(mode).items()
                 if leaf.refused or leaf.noted)
 
 

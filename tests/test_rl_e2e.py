@@ -211,6 +211,79 @@ def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray
     assert any(k.startswith("critic/") for k in rows[-1])
 
 
+def test_ppo_with_a_process_reward_model_scoring_each_step(assets, ray_session, tmp_path):
+    import shutil
+
+    from transformers import AutoConfig
+
+    prm = tmp_path / "prm"  # an (untrained) PRM as rlhf train prm saves one; each response word is a step
+    shutil.copytree(assets["model"], prm)
+    config = AutoConfig.from_pretrained(prm)
+    config.prm_placeholder_token, config.prm_reward_tokens = "w97", ["w98", "w99"]
+    config.save_pretrained(prm)
+    out = tmp_path / "ppo"
+    args = without(base_args(assets, out, steps=1), "--reward.remote_url") + [
+        "--algo.advantage.estimator", "group_norm", "--reward.model_name_or_path", str(prm),
+        "--reward.prm_step_separator", " ", "--reward.prm_aggregation", "mean"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert len(rows) == 1 and rows[0]["policy/grad_norm"] > 0
+    for r in rows:
+        assert 0.0 < r["reward/mean"] < 1.0  # a mean of probabilities
+        assert 1.0 <= r["prm/steps"] <= 4.0 and 0.0 < r["prm/min_step"] <= r["prm/mean_step"]
+
+
+def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(assets, ray_session, tmp_path, capfd):
+    """The rollout worker's RolloutFailureError reaches the user as its message, not as Ray's traceback chain;
+    the traceback goes to the run's log file."""
+    reward = tmp_path / "judge_reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    raise ValueError('the judge is down')\n")
+    out = tmp_path / "run"
+    args = base_args(assets, out)
+    args[args.index(assets["reward"])] = str(reward)
+    assert train(args + ["--algo.advantage.estimator", "group_norm"]) == 1
+    err = capfd.readouterr().err
+    assert ("rlhf train ppo: step 1: 16 of 16 samples could not be scored, more than "
+            f"--reward.max_failure_fraction 0.1 (reward source: reward_func in {reward})") in err
+    assert "raised ValueError: the judge is down" in err
+    assert "RayTaskError" not in err and "ray::" not in err
+    # the reward function's own traceback may be logged once by the worker; no chain, no driver traceback
+    assert err.count("Traceback (most recent call last)") <= 1, err
+    log = (out / "train.log").read_text()
+    assert "RolloutFailureError" in log and "Traceback (most recent call last)" in log
+
+
+BROKEN_AGENT = """
+import os
+
+from rlhf_agents import SingleTurnAgentExecutor
+
+
+class AgentExecutor(SingleTurnAgentExecutor):
+    def __init__(self):
+        super().__init__()
+        if "AGENT_API_KEY" not in os.environ:  # the driver imports this file but does not build the executor
+            raise RuntimeError("AGENT_API_KEY is not set")
+"""
+
+
+@pytest.mark.xdist_group("ray2")  # a subprocess with its own Ray, to see exactly what the terminal shows
+def test_an_agent_that_fails_in_its_worker_is_reported_by_its_message(assets, tmp_path):
+    agent = tmp_path / "agent.py"
+    agent.write_text(BROKEN_AGENT)
+    out = tmp_path / "run"
+    args = base_args(assets, out) + ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path", str(agent)]
+    env = {k: v for k, v in os.environ.items() if k != "AGENT_API_KEY"}
+    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args],
+                          env={**env, "RLHF_NO_PROGRESS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    assert (f"rlhf train ppo: --train.agent_func_path {agent}: AgentExecutor() raised RuntimeError: "
+            "AGENT_API_KEY is not set") in done.stderr
+    assert "Traceback" not in done.stderr and "ray::" not in done.stderr, done.stderr[-3000:]
+    log = (out / "train.log").read_text()
+    assert "Traceback (most recent call last)" in log and "AGENT_API_KEY is not set" in log
+
+
 def _export_weights(out) -> dict:
     return load_file(str(Path(out) / "model" / "model.safetensors"))
 
@@ -348,3 +421,21 @@ def test_consecutive_nonfinite_losses_stop_the_run_keeping_the_last_good_checkpo
     assert any(not torch.equal(s1[k], s2[k]) for k in s2)  # a real step changes the state...
     for k in s2:
         assert torch.equal(s2[k], s4[k]), k  # ...the skipped ones change nothing
+
+
+def test_a_damaged_checkpoint_stops_the_run_before_any_worker_starts(assets, tmp_path, capsys):
+    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+
+    out = tmp_path / "run"
+    model_states = out / "checkpoints" / "step_00000002" / "actor" / "engine" / "mp_rank_00_model_states.pt"
+
+    def write(tmp):
+        (tmp / "actor" / "engine").mkdir(parents=True)
+        torch.save({}, tmp / "actor" / "engine" / model_states.name)
+
+    CheckpointManager(out / "checkpoints").save(2, write, {"step": 2})
+    model_states.unlink()
+    assert train(base_args(assets, out) + ["--ckpt.load_enable"]) == 1
+    err = capsys.readouterr().err
+    assert f"no intact checkpoint under {out / 'checkpoints'}: step_00000002 ({model_states} is missing)" in err
+    assert "workers up" not in err

@@ -2,9 +2,9 @@
 
 import torch
 
-from rlhf_core.testing import AdvantageEstimatorConformance, EnvironmentConformance
-from rlhf_core.types import AdvantageInput
-from rlhf_example_plugin import GroupMedianEstimator, GuessNumber
+from rlhf_core.testing import AdvantageEstimatorConformance, EnvironmentConformance, PostProcessorConformance
+from rlhf_core.types import AdvantageInput, PostProcessInput, ScoredSample
+from rlhf_example_plugin import AboveMean, GroupMedianEstimator, GuessNumber
 
 
 class TestGroupMedianConformance(AdvantageEstimatorConformance):
@@ -25,6 +25,24 @@ def test_median_baseline_by_hand():
     torch.testing.assert_close(out.advantages, expected)
 
 
+def test_kl_penalty_and_reward_clip_by_hand():
+    # rewards 1, 5, 2 -> median 2 -> shaped -1, 3, 0; clip to [-2, 2] -> -1, 2, 0 on the last token;
+    # -0.5 * kl on every token; advantages are rewards-to-go
+    batch = AdvantageInput(
+        rewards=torch.tensor([1.0, 5.0, 2.0]),
+        action_mask=torch.ones(3, 2, dtype=torch.bool),
+        n_samples_per_prompt=3,
+        kl=torch.tensor([[0.1, 0.2], [0.0, 0.0], [0.3, 0.0]]),
+        kl_coef=0.5,
+        reward_clip=(-2.0, 2.0),
+    )
+    out = GroupMedianEstimator()(batch)
+    # row 0: token rewards -0.05, -1 - 0.1 -> to go: -1.15, -1.1; row 2: -0.15, 0 -> -0.15, 0
+    expected = torch.tensor([[-1.15, -1.1], [2.0, 2.0], [-0.15, 0.0]])
+    torch.testing.assert_close(out.advantages, expected)
+    torch.testing.assert_close(out.returns, expected)
+
+
 class TestGuessNumberConformance(EnvironmentConformance):
     name = "guess_number"
     label = "7"
@@ -43,3 +61,14 @@ def test_guess_number_feedback_and_reward():
     assert (first["environment_feedback"], first["done"]) == (" higher", False)
     assert (second["environment_feedback"], second["done"]) == (" lower", False)
     assert third["done"] and third["rewards"] == 0.5 and third["scores"] == 1.0
+
+
+class TestAboveMeanConformance(PostProcessorConformance):
+    name = "above_mean"
+
+
+def test_above_mean_by_hand():
+    # prompt 0: rewards 1, 4, 1 -> mean 2 -> keeps the 4; prompt 1: 3, 3 -> nothing beats the mean
+    groups = [[ScoredSample("p0", f"a{j}", r, 0, j) for j, r in enumerate([1.0, 4.0, 1.0])],
+              [ScoredSample("p1", f"b{j}", 3.0, 1, j) for j in range(2)]]
+    assert AboveMean()(PostProcessInput(groups)) == [{"input": "p0", "output": "a1", "reward": 4.0}]

@@ -57,8 +57,9 @@ def reward_func(queries, prompts, labels):
 """
 
 
-def test_one_raising_sample_in_64_is_unscorable_and_the_rest_are_scored(tmp_path, caplog):
-    path = reward_file(tmp_path, RAISES_ON_BOOM)
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_one_raising_sample_in_64_is_unscorable_and_the_rest_are_scored(tmp_path, caplog, kind):
+    path = reward_file(tmp_path, RAISES_ON_BOOM.replace("def reward_func", f"{kind} reward_func"))
     labels = [str(i) for i in range(64)]
     labels[37] = "boom"
     with caplog.at_level(logging.ERROR):
@@ -69,7 +70,11 @@ def test_one_raising_sample_in_64_is_unscorable_and_the_rest_are_scored(tmp_path
     assert result.scores[0] == 0.0 and result.scores[5] == 5.0  # scores default to the rewards
     calls = load_module(path, "test").CALLS
     assert calls[0] == 64 and len(calls) <= 1 + 2 * 6  # batched first, then halved down to the culprit
-    assert sum("Traceback" in r.getMessage() for r in caplog.records) == 1
+    (logged,) = [r.getMessage() for r in caplog.records if "Traceback" in r.getMessage()]
+    # one traceback, the sample's own: not chained to those of the batch and of each half that held it
+    assert logged.count("Traceback (most recent call last)") == 1, logged
+    assert "During handling of the above exception" not in logged
+    assert logged.rstrip().endswith("ValueError: cannot score boom")
 
 
 def test_raising_sample_through_the_worker_is_counted_and_the_run_continues(tmp_path, async_engine, tokenizer, cfg_factory):

@@ -77,12 +77,17 @@ class Server:
 
 
 def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """Status and JSON answer; an answer that is not JSON (a bare 500) comes back as ``{"text": ...}``."""
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
+            status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw or b"{}")
+    except ValueError:
+        return status, {"text": raw.decode(errors="replace")}
 
 
 def listening_address(port: int) -> str:
@@ -104,7 +109,7 @@ def server(rm_dir):
             "--ds.param_dtype", "fp32",
             "--batch_size", "2",
             "--max_len", "64",
-            "--max_body_bytes", "4096",
+            "--max_body_bytes", "262144",
             "--max_batch", "8",
         ],
         env={"RLHF_RM_API_KEY": API_KEY},
@@ -144,14 +149,60 @@ def test_rejects_missing_key_big_bodies_bad_json_and_big_batches(server):
     ok_body = json.dumps({"query": ["w1"]}).encode()
     assert post(url, ok_body)[0] == 401
     assert post(url, ok_body, {"Authorization": "Bearer wrong"})[0] == 401
-    status, answer = post(url, json.dumps({"query": ["w1 " * 2000]}).encode(), auth)
-    assert status == 413 and "4096" in answer["detail"]
+    status, answer = post(url, json.dumps({"query": ["w1 " * 100_000]}).encode(), auth)
+    assert status == 413 and "262144" in answer["detail"]
     status, answer = post(url, b'{"query": ["w1",', auth)
     assert status == 400 and "not valid JSON" in answer["detail"]
     assert post(url, json.dumps({"query": "w1"}).encode(), auth)[0] == 400
     assert post(url, json.dumps({"query": [""]}).encode(), auth)[0] == 400
     status, answer = post(url, json.dumps({"query": ["w1"] * 9}).encode(), auth)
     assert status == 422 and "limit is 8" in answer["detail"]
+
+
+HOSTILE = [  # (body, the reason the 400 must give)
+    (json.dumps({"query": ["w1 \ud800 w2"]}).encode(), "lone surrogate \\ud800 at character 3"),
+    (json.dumps({"query": ["w1", "\udfff"]}).encode(), "query[1] is not valid Unicode"),
+    (b"[" * 100_000, "nests JSON arrays or objects too deeply"),
+    (b'{"query": ["w1"], "labels": ' + b'{"a":' * 20_000, "too deeply"),
+    (b'{"query": ["w1 \xff"]}', "not UTF-8 text: byte 0xff at offset 15"),
+    (b'{"query": ["\xed\xa0\x80"]}', "not UTF-8"),  # a surrogate encoded as UTF-8 bytes (CESU-8)
+    (b"\xff\xfe{\x00}\x00", "not UTF-8"),  # UTF-16 with a byte-order mark
+    (b'{"query": ["w1"], "labels": [' + b"9" * 5000 + b"]}", "number that cannot be read"),
+    (b"", "not valid JSON"),
+    (b'{"query": ["w1"]', "not valid JSON"),
+    (b'"w1"', "must be a JSON object"),
+    (b'[{"query": ["w1"]}]', "must be a JSON object"),
+    (b'{"query": NaN}', "'query' must be a list"),
+    (b'{"query": [NaN]}', "query[0] must be a non-empty string"),
+    (b'{"query": [1e999999]}', "query[0] must be a non-empty string"),
+    (b'{"query": null}', "'query' must be a list"),
+    (b'{"query": {"0": "w1"}}', "'query' must be a list"),
+    (b'{"query": ["w1", 7]}', "query[1] must be a non-empty string"),
+    (b'{"query": [["w1"]]}', "query[0] must be a non-empty string"),
+    (b'{"query": ["w1"], "prompts": "w1"}', "'prompts' must be a list as long as 'query'"),
+    (b'{"query": ["w1"], "labels": [1, 2]}', "'labels' must be a list as long as 'query'"),
+]
+
+
+@pytest.mark.slow
+def test_every_unreadable_body_is_a_400_with_its_reason_and_the_server_stays_up(server):
+    _, base = server
+    url, auth = f"{base}/get_reward", {"Authorization": f"Bearer {API_KEY}"}
+    good = json.dumps({"query": QUERIES}).encode()
+    status, before = post(url, good, auth)
+    assert status == 200
+    for body, reason in HOSTILE:
+        status, answer = post(url, body, auth)
+        assert (status, reason in answer.get("detail", "")) == (400, True), (body[:60], status, answer)
+    # bodies it can read, whatever is in the fields it does not use: NaN, huge floats, deep-ish nesting
+    for body in (b'{"query": ["w1"], "labels": [NaN], "prompts": [Infinity]}',
+                 b'{"query": ["w1"], "labels": [1e999999]}',
+                 b'{"query": ["w1"], "labels": [' + b"[" * 200 + b"]" * 200 + b"]}"):
+        status, answer = post(url, body, auth)
+        assert status == 200 and len(answer["rewards"]) == 1, (body[:60], status, answer)
+    with urllib.request.urlopen(f"{base}/health", timeout=10) as resp:
+        assert json.loads(resp.read()) == {"status": "ok"}
+    assert post(url, good, auth) == (200, before)
 
 
 @pytest.mark.slow

@@ -23,6 +23,6 @@ def ray_cluster():
     """Local Ray with more logical CPUs than cores, so that a driver subprocess can start its own group."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

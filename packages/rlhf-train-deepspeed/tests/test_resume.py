@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_core.config import SupervisedConfig
+from rlhf_train_deepspeed.checkpoint import CheckpointError, damage
 from rlhf_train_deepspeed.testing import ReusedGroup, sft_rows, write_jsonl
 from rlhf_train_deepspeed.trainers import run_supervised
 
@@ -106,5 +108,19 @@ def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster,
         full_losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
         resumed = [json.loads(x)["loss"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
         assert resumed == pytest.approx(full_losses, abs=1e-6)
+
+        # 3. DeepSpeed's real files, damaged: the driver names the file before any worker is asked for
+        root = tmp_path / "killed" / "checkpoints"
+        newest = root / (root / "latest").read_text().strip()  # the only one (max_num 1)
+        assert damage(newest) is None
+        model_states = sorted(newest.rglob("*model_states.pt"))[0]
+        model_states.unlink()
+
+        def no_workers(*args):
+            raise AssertionError("a worker group was started for a damaged checkpoint")
+
+        cfg = to_cfg({**killed, "ckpt.load_enable": True})
+        with pytest.raises(CheckpointError, match=re.escape(f"{model_states} is missing")):
+            run_supervised("sft", cfg, no_workers)
     finally:
         factory.shutdown()

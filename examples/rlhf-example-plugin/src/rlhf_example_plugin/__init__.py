@@ -10,16 +10,24 @@ from __future__ import annotations
 import torch
 
 from rlhf_agents import AgentInstanceBase
+from rlhf_algos.advantages import gae_advantages, token_level_rewards
 from rlhf_core import hookimpl
 from rlhf_core.types import AdvantageInput, AdvantageOutput
 
 
 class GroupMedianEstimator:
-    """Advantage = reward - median reward of the prompt's group, on every action token.
+    """Advantage = reward - median reward of the prompt's group, plus the in-reward KL penalty.
 
     The median is a baseline that one outlier sample cannot drag. Rewards ``[B]`` in groups of ``n``
-    consecutive rows; output ``[B, T]``. Unscorable samples (``valid`` False) are left out of the median and
-    get zero advantage.
+    consecutive rows; output ``[B, T]``. Per row, with ``r`` the median-shaped reward::
+
+        R_t = -kl_coef * kl_t + (t == last action token ? clamp(r, *reward_clip) : 0)
+        A_t = returns_t = sum_{t' >= t} R_t'             over action tokens
+
+    Every estimator owns the KL penalty and ``reward_clip`` of its input (``--algo.kl.init_coef`` without
+    ``--algo.kl.use_loss``, ``--reward.clip_range``); rlhf-algos' helpers apply them as its built-ins do.
+    Unscorable samples (``valid`` False, or a non-finite reward) are left out of the median and get zero
+    advantage.
     """
 
     needs_critic = False
@@ -27,13 +35,16 @@ class GroupMedianEstimator:
 
     def __call__(self, batch: AdvantageInput) -> AdvantageOutput:
         n = batch.n_samples_per_prompt
-        valid = batch.valid if batch.valid is not None else torch.ones_like(batch.rewards, dtype=torch.bool)
-        rewards = torch.where(valid, batch.rewards, torch.nan).view(-1, n)
+        valid = torch.isfinite(batch.rewards)
+        if batch.valid is not None:
+            valid &= batch.valid.bool()
+        rewards = torch.where(valid, batch.rewards.float(), torch.nan).view(-1, n)
         baseline = rewards.nanmedian(dim=1, keepdim=True).values
         shaped = torch.nan_to_num(rewards - baseline, nan=0.0).view(-1)
-        mask = batch.action_mask.to(shaped.dtype)
-        advantages = shaped[:, None] * mask
-        return AdvantageOutput(advantages=advantages, returns=advantages.clone())
+        live = batch.action_mask.bool() & valid[:, None]
+        token_rewards = token_level_rewards(shaped, live, batch.kl, batch.kl_coef, batch.reward_clip)
+        advantages, returns = gae_advantages(token_rewards, live)  # no critic, gamma 1: reward-to-go
+        return AdvantageOutput(advantages=advantages, returns=returns)
 
 
 @hookimpl
@@ -79,3 +90,26 @@ class GuessNumber(AgentInstanceBase):
 @hookimpl
 def rlhf_register_environments(register):
     register("guess_number", GuessNumber)
+
+
+class AboveMean:
+    """A post-processor for ``rlhf generate``: every sample that beats its prompt's mean reward, as SFT rows.
+
+    Rejection sampling that keeps more than one sample per prompt: of rewards r_1..r_n, sample j is kept
+    when r_j > mean(r). A prompt whose samples all score the same gives nothing.
+    """
+
+    def check(self, options):
+        pass  # no options
+
+    def __call__(self, batch):
+        rows = []
+        for group in batch.groups:
+            mean = sum(s.reward for s in group) / len(group)
+            rows += [{"input": s.input, "output": s.output, "reward": s.reward} for s in group if s.reward > mean]
+        return rows
+
+
+@hookimpl
+def rlhf_register_post_processors(register):
+    register("above_mean", AboveMean())

@@ -408,15 +408,18 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return done, feedback, new_params
 
 
-def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
-    """The executor the config asks for.
+def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
+    """The executor class the config asks for and the arguments it is built with, checked without building it
+    (the driver calls this before any worker starts, and ``--dry-run`` too).
 
-    - ``--train.agent_func_path file.py``: the file's ``AgentExecutor`` class, built with no arguments.
-    - ``--train.env NAME``: the registered environment, driven by ``--train.agent_executor`` (default
-      ``multi_turn``).
-    - otherwise ``--train.agent_executor NAME`` (default ``single_turn``).
+    - ``--train.agent_func_path file.py``: the file's ``AgentExecutor`` class (the file is imported), no arguments.
+    - ``--train.env NAME``: ``--train.agent_executor`` (default ``multi_turn``) with the registered environment.
+    - otherwise ``--train.agent_executor NAME`` (default ``single_turn``), no arguments.
+
+    Raises a UserError naming the flag or file when the class is missing, abstract, or cannot take the arguments.
     """
     from rlhf_agents.loading import UserCodeError, load_symbol
+    from rlhf_core.config_parser import ConfigError
     from rlhf_core.plugins import get_plugin_manager, resolve
 
     train = cfg.train
@@ -429,23 +432,34 @@ def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
                 f"--train.agent_func_path {path}: AgentExecutor is a {describe(cls)}; expected a subclass of "
                 f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)"
             )
-        try:
-            executor = cls()
-        except TypeError as exc:
-            raise UserCodeError(f"--train.agent_func_path {path}: AgentExecutor() failed: {exc}") from exc
-    elif train.env:
-        env_cls = resolve(pm, "environments", train.env, flag="--train.env")
-        name = train.agent_executor or "multi_turn"
-        executor = resolve(pm, "agent_executors", name, flag="--train.agent_executor")(env_cls)
+        where, args, error = f"--train.agent_func_path {path}: AgentExecutor", (), UserCodeError
     else:
-        name = train.agent_executor or "single_turn"
-        executor_cls = resolve(pm, "agent_executors", name, flag="--train.agent_executor")
-        try:
-            executor = executor_cls()
-        except TypeError as exc:
-            raise ValueError(
-                f"--train.agent_executor {name} cannot be built from the flags alone ({exc}): multi_turn needs "
-                f"--train.env NAME, and openai_server a subclass in --train.agent_func_path"
-            ) from exc
-    executor.env_step_timeout = train.env_step_timeout
+        name = train.agent_executor or ("multi_turn" if train.env else "single_turn")
+        cls = resolve(pm, "agent_executors", name, flag="--train.agent_executor")
+        args = (resolve(pm, "environments", train.env, flag="--train.env"),) if train.env else ()
+        where, error = f"--train.agent_executor {name}", ConfigError
+    if inspect.isabstract(cls):
+        raise error(f"{where} leaves {', '.join(sorted(cls.__abstractmethods__))} unimplemented")
+    try:
+        inspect.signature(cls).bind(*args)
+    except TypeError as exc:
+        hint = ("" if train.agent_func_path else
+                ": multi_turn needs --train.env NAME, and openai_server a subclass in --train.agent_func_path")
+        raise error(f"{where} cannot be built from the flags ({exc}){hint}") from None
+    return cls, args
+
+
+def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
+    """The executor of :func:`executor_class`, built."""
+    from rlhf_agents.loading import UserCodeError
+
+    cls, args = executor_class(cfg, pm)
+    path = cfg.train.agent_func_path
+    try:
+        executor = cls(*args)
+    except Exception as exc:
+        if not path:
+            raise
+        raise UserCodeError(f"--train.agent_func_path {path}: AgentExecutor() raised {type(exc).__name__}: {exc}") from exc
+    executor.env_step_timeout = cfg.train.env_step_timeout
     return executor

@@ -13,8 +13,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from rlhf_core.errors import UserError
 
-class UserCodeError(RuntimeError):
+
+class UserCodeError(UserError, RuntimeError):
     """A user file is missing, fails to import, lacks a symbol, or returned something unusable."""
 
 

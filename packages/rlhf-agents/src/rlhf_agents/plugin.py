@@ -12,6 +12,7 @@ A third-party package adds an environment the same way (``[project.entry-points.
 
 from rlhf_agents.executors import MultiTurnAgentExecutor, SingleTurnAgentExecutor
 from rlhf_agents.openai_server import OpenAIServerAgentExecutor
+from rlhf_agents.prm_reward import PRMRewardFactory
 from rlhf_agents.rewards import HttpRewardFactory, PythonFileRewardFactory, RewardModelFactory
 from rlhf_core import hookimpl
 
@@ -28,3 +29,4 @@ def rlhf_register_reward_sources(register):
     register("python_file", PythonFileRewardFactory())
     register("http", HttpRewardFactory())
     register("reward_model", RewardModelFactory())
+    register("prm", PRMRewardFactory())

@@ -24,8 +24,9 @@ from urllib.parse import urlparse
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
 from rlhf_agents.executors import call_user
 from rlhf_agents.loading import UserCodeError, load_symbol
-from rlhf_core.config_parser import redact_text
+from rlhf_core.config_parser import ConfigError, redact_text
 from rlhf_core.plugins import PluginError, collect, get_plugin_manager, resolve
+from rlhf_core.supervised import is_prm_model
 from rlhf_core.types import RewardRequest, RewardResult, RewardSource
 
 logger = logging.getLogger(__name__)
@@ -188,12 +189,15 @@ class PythonFileRewardSource(RewardSource):
             self._fail(result, indices, f"{self.description} took longer than --reward.timeout {self.timeout:g} s")
             return
         except Exception as exc:
-            if len(indices) > 1:  # find the samples that raise; the rest still get scored
-                half = len(indices) // 2
-                await self._score_part(request, indices[:half], result)
-                await self._score_part(request, indices[half:], result)
+            if len(indices) == 1:
+                self._fail(result, indices, f"{self.description} raised {type(exc).__name__}: {exc}", exc)
                 return
-            self._fail(result, indices, f"{self.description} raised {type(exc).__name__}: {exc}", exc)
+            parsed = None
+        if parsed is None:  # find the samples that raise, the rest still get scored. Outside the except block,
+            # so that the exception of one sample is not chained to those of the batch and of every half above it
+            half = len(indices) // 2
+            await self._score_part(request, indices[:half], result)
+            await self._score_part(request, indices[half:], result)
             return
         fill_result(result, indices, parsed, self.description)
 
@@ -430,6 +434,9 @@ class PythonFileRewardFactory:
     def create(self, cfg: Any) -> RewardSource:
         return PythonFileRewardSource(remote_entries(cfg.reward)[0], timeout=cfg.reward.timeout)
 
+    def check(self, cfg: Any) -> None:
+        self.create(cfg)  # imports the file and checks reward_func's signature: cheap, starts nothing
+
 
 class HttpRewardFactory:
     """``--reward.remote_url http://host:port/get_reward[,http://...]``: one server's replicas, load-balanced."""
@@ -448,12 +455,16 @@ class HttpRewardFactory:
             request_batch_size=r.request_batch_size,
         )
 
+    def check(self, cfg: Any) -> None:
+        self.create(cfg)  # checks the URLs; no connection is made before the first request
+
 
 class RewardModelFactory:
     """``--reward.model_name_or_path``: the RL trainer's reward-model workers, or the model in-process."""
 
     def accepts(self, cfg: Any) -> bool:
-        return bool(cfg.reward.model_name_or_path) and not remote_entries(cfg.reward)
+        path = cfg.reward.model_name_or_path
+        return bool(path) and not remote_entries(cfg.reward) and not is_prm_model(path)  # a PRM has its own source
 
     def create(self, cfg: Any, reward_model_handle: Any = None) -> RewardSource:
         handle = reward_model_handle
@@ -498,20 +509,20 @@ def _entry_name(entry: str | None, taken: set[str]) -> str:
     return name
 
 
-def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = None) -> RewardSource | None:
-    """The reward source the config asks for, or None when it names none (e.g. agents that reward themselves).
+def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None, Any, Any]]:
+    """The reward sources the config names, as ``(name, weight, factory, cfg for it)``; empty when it names none
+    (e.g. agents that reward themselves). Raises, naming the flag at fault, when they cannot be told apart.
 
     - ``--reward.source NAME``: that registered source.
     - ``--reward.remote_url``: a ``.py`` reward file, or http(s) URLs of one reward server (load-balanced).
-    - ``--reward.model_name_or_path``: a reward model (``reward_model_handle`` from the trainer, else local).
+    - ``--reward.model_name_or_path``: a reward model.
     - ``--reward.weights w1,w2,...``: each remote_url entry (then the reward model, when set) is its own
-      source, combined as a weighted sum.
+      source, combined as a weighted sum; name and weight are None for a single unweighted source.
     """
     pm = pm if pm is not None else get_plugin_manager()
     reward = cfg.reward
     if reward.source:
-        factory = resolve(pm, "reward_sources", reward.source, flag="--reward.source")
-        return _create(factory, cfg, reward_model_handle)
+        return [(None, None, resolve(pm, "reward_sources", reward.source, flag="--reward.source"), cfg)]
     entries: list[str | None] = list(remote_entries(reward))
     if reward.model_name_or_path:
         if entries and reward.weights is None:
@@ -522,23 +533,23 @@ def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = Non
         else:
             entries.append(None)  # the reward model
     if not entries:
-        return None
+        return []
     factories = collect(pm, "reward_sources")
     if reward.weights is None:
         if len(entries) > 1 and not all(e is not None and is_http(e) for e in entries):
-            raise ValueError(
+            raise ConfigError(
                 f"--reward.remote_url {redact_text(reward.remote_url)} lists {len(entries)} reward sources: give "
                 f"--reward.weights with one weight each to combine them (several http URLs of one reward "
                 f"server are load-balanced and need no weights)"
             )
-        return _create(_pick(factories, cfg), cfg, reward_model_handle)
+        return [(None, None, _pick(factories, cfg), cfg)]
     weights = list(reward.weights)
     if len(weights) != len(entries):
-        raise ValueError(
+        raise ConfigError(
             f"--reward.weights has {len(weights)} weights for {len(entries)} reward sources "
             f"({', '.join(e or '--reward.model_name_or_path' for e in entries)})"
         )
-    parts, taken = [], set()
+    plan, taken = [], set()
     for entry, weight in zip(entries, weights):
         sub = copy.copy(cfg)
         sub.reward = dataclasses.replace(
@@ -547,6 +558,29 @@ def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = Non
             model_name_or_path=reward.model_name_or_path if entry is None else None,
             weights=None,
         )
-        source = _create(_pick(factories, sub), sub, reward_model_handle)
-        parts.append((_entry_name(entry, taken), float(weight), source))
-    return WeightedRewardSource(parts)
+        plan.append((_entry_name(entry, taken), float(weight), _pick(factories, sub), sub))
+    return plan
+
+
+def check_reward_config(cfg: Any, pm: Any = None) -> None:
+    """Check in the driver, before any worker starts (and in ``--dry-run``), that the reward sources the config
+    names exist and can be built: each factory's optional ``check(cfg)`` (the reward file is imported and
+    ``reward_func``'s signature read; URLs are parsed). Raises a UserError naming the flag or file at fault."""
+    for _, _, factory, sub in reward_plan(cfg, pm):
+        check = getattr(factory, "check", None)
+        if check is not None:
+            check(sub)
+
+
+def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = None) -> RewardSource | None:
+    """The reward source of :func:`reward_plan`, or None when the config names none; a reward model uses
+    ``reward_model_handle`` (the trainer's reward-model workers) when given, else loads in this process."""
+    plan = reward_plan(cfg, pm)
+    if not plan:
+        return None
+    if len(plan) == 1 and plan[0][1] is None:
+        _, _, factory, sub = plan[0]
+        return _create(factory, sub, reward_model_handle)
+    return WeightedRewardSource(
+        [(name, weight, _create(factory, sub, reward_model_handle)) for name, weight, factory, sub in plan]
+    )

@@ -7,8 +7,11 @@
 
 Safe by default: it listens on 127.0.0.1; it refuses another interface unless an API key is set
 (``--api_key`` or ``$RLHF_RM_API_KEY``; clients send ``Authorization: Bearer KEY``) or ``--insecure`` is
-given. Bodies over ``--max_body_bytes`` get 413, batches over ``--max_batch`` queries 422, malformed
-JSON or fields 400. Query text is never logged.
+given. Bodies over ``--max_body_bytes`` get 413, batches over ``--max_batch`` queries 422; a body that is
+not UTF-8, not JSON (or nested too deeply, or holding an integer of over 4300 digits), not an object with
+a list of non-empty strings as ``query``, or a query with a lone surrogate (``"\\ud800"``) gets 400 with
+the reason. Each answer is a JSON ``{"detail": reason}``, and the server keeps serving. Query text is never
+logged.
 
 OpenRLHF's serve_rm flags are accepted, dotted or flat: ``--reward.model_name_or_path`` (``--reward_pretrain``),
 ``--reward.normalize_enable`` (``--normalize_reward``), ``--ds.value_head_prefix``, ``--data.max_len``
@@ -161,9 +164,17 @@ def create_app(
             if len(body) > max_body_bytes:
                 return fail(413, f"the body is over the limit of {max_body_bytes} bytes (--max_body_bytes)")
         try:
-            data = json.loads(body)
-        except ValueError as exc:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return fail(400, f"the body is not UTF-8 text: byte {body[exc.start]:#04x} at offset {exc.start}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
             return fail(400, f"the body is not valid JSON: {exc}")
+        except RecursionError:  # json gives up past Python's recursion limit (about 1000 levels)
+            return fail(400, "the body nests JSON arrays or objects too deeply; send {\"query\": [text, ...]}")
+        except ValueError as exc:  # e.g. an integer of more than 4300 digits
+            return fail(400, f"the body holds a number that cannot be read ({exc})")
         if not isinstance(data, dict):
             return fail(400, "the body must be a JSON object with a 'query' list")
         queries = data.get("query")
@@ -171,9 +182,14 @@ def create_app(
             return fail(400, "'query' must be a list of strings")
         if len(queries) > max_batch:
             return fail(422, f"{len(queries)} queries in one request; the limit is {max_batch} (--max_batch)")
-        bad = next((i for i, q in enumerate(queries) if not isinstance(q, str) or not q.strip()), None)
-        if bad is not None:
-            return fail(400, f"query[{bad}] must be a non-empty string")
+        for i, query in enumerate(queries):
+            if not isinstance(query, str) or not query.strip():
+                return fail(400, f"query[{i}] must be a non-empty string")
+            try:  # JSON escapes can spell a lone surrogate ("\ud800"), which no tokenizer can encode
+                query.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return fail(400, f"query[{i}] is not valid Unicode: a lone surrogate "
+                                 f"\\u{ord(query[exc.start]):04x} at character {exc.start}")
         for key in ("prompts", "labels"):
             extra = data.get(key)
             if extra is not None and (not isinstance(extra, list) or len(extra) != len(queries)):

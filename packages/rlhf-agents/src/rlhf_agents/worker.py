@@ -18,12 +18,13 @@ from typing import Any
 from rlhf_agents.checks import describe
 from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
+from rlhf_core.errors import UserError
 from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
 
 logger = logging.getLogger(__name__)
 
 
-class RolloutFailureError(RuntimeError):
+class RolloutFailureError(UserError, RuntimeError):
     """Too many samples of one step could not be scored (``--reward.max_failure_fraction``)."""
 
 

@@ -2,7 +2,8 @@
 
 Modules: ``advantages`` (estimators), ``kl`` (estimators, loss term, controllers), ``policy_loss`` (PPO,
 GSPO, IS correction, entropy term), ``value_loss``, ``aggregation``, ``shaping`` (length penalties,
-normalisation, dynamic filtering), ``preference`` (DPO/IPO/cDPO, KTO, RM), ``sft``, ``logits``.
+normalisation, dynamic filtering), ``preference`` (DPO/IPO/cDPO, KTO, RM), ``sft``, ``prm`` (process reward
+model), ``distill`` (knowledge distillation), ``logits``.
 The estimators, policy losses and KL estimators are also registered by name through ``rlhf_algos.plugin``.
 """
 
@@ -17,6 +18,7 @@ from rlhf_algos.advantages import (
     token_level_rewards,
 )
 from rlhf_algos.aggregation import AGGREGATION_MODES, aggregate
+from rlhf_algos.distill import distill_cross_entropy, kd_loss
 from rlhf_algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -37,6 +39,7 @@ from rlhf_algos.policy_loss import (
     rollout_correction_weights,
 )
 from rlhf_algos.preference import dpo_loss, kto_loss, nll_loss, rm_loss
+from rlhf_algos.prm import prm_loss, step_scores
 from rlhf_algos.sft import sft_loss
 from rlhf_algos.shaping import (
     RunningMeanStd,
@@ -61,6 +64,7 @@ __all__ = [
     "aggregate",
     "check_n_samples_per_prompt",
     "compute_advantages",
+    "distill_cross_entropy",
     "dpo_loss",
     "dynamic_filter",
     "entropy_from_logits",
@@ -71,6 +75,7 @@ __all__ = [
     "k1",
     "k2",
     "k3",
+    "kd_loss",
     "kl_loss",
     "kto_loss",
     "logprobs_and_entropy",
@@ -80,9 +85,11 @@ __all__ = [
     "normalize_advantages",
     "overlong_penalty",
     "ppo_loss",
+    "prm_loss",
     "rm_loss",
     "rollout_correction_weights",
     "sft_loss",
+    "step_scores",
     "stop_properly_penalty",
     "token_level_rewards",
     "value_loss",

@@ -57,8 +57,9 @@ def group_shaped_rewards(
         group_norm:         (r_i - mean(r)) / (std(r) + 1e-9)           std unbiased, as torch.std
         gae, reinforce:     r_i                                         unchanged
 
-    Invalid samples are left out of ``k``, the sums and the std, and get 0 (their reward may be NaN). A
-    group with fewer than two valid samples has nothing to compare against and gets 0 for every sample.
+    Invalid samples are left out of ``k``, the sums and the std, and get 0. A sample whose reward is NaN or
+    Inf is invalid whatever ``valid`` says (None included), so it cannot poison its group. A group with
+    fewer than two valid samples has nothing to compare against and gets 0 for every sample.
     A group whose valid rewards are all equal gets exactly 0: float rounding makes ``r - mean(r)`` about
     1e-8 there, which ``group_norm``'s ``1e-9`` epsilon would blow up to values near 1.
     """
@@ -66,9 +67,8 @@ def group_shaped_rewards(
         raise ValueError(
             f"unknown advantage estimator {estimator!r}; built-ins: {', '.join(ESTIMATOR_NAMES)}"
         )
-    if valid is None:
-        valid = torch.ones_like(rewards, dtype=torch.bool)
-    valid = valid.bool()
+    finite = torch.isfinite(rewards)
+    valid = finite if valid is None else finite & valid.bool()
     r = torch.where(valid, rewards.float(), 0.0)
     if estimator not in GROUP_ESTIMATORS:
         return r

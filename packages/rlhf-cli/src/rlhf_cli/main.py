@@ -1,6 +1,8 @@
 """The ``rlhf`` command.
 
-    rlhf train {ppo,sft,rm,dpo,kto} [--config run.yaml] [flags] [--dry-run]
+    rlhf train {ppo,sft,rm,dpo,kto,prm,kd} [--config run.yaml] [flags] [--dry-run] [--debug]
+    rlhf generate [flags] [--dry-run]
+    rlhf chat [flags]
     rlhf plugins [--json]
     rlhf serve-rm [flags]
     rlhf lora-merge [flags]
@@ -10,49 +12,125 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
 
-from rlhf_cli.assemble import RunConfigError, assemble, write_run_dir
+from rlhf_cli.assemble import assemble, write_run_dir
 from rlhf_core import plugins
 from rlhf_core.config import MODES
-from rlhf_core.config_parser import ConfigError, build_argparser, config_to_yaml, parse_config
+from rlhf_core.config_parser import build_argparser, config_to_yaml, parse_config
+from rlhf_core.errors import UserError, find_user_error
 
 USAGE = __doc__.split("\n", 2)[2]
+RUN_LOG = "train.log"
+
+
+@contextlib.contextmanager
+def run_log(out: Path) -> Iterator[Path]:
+    """``out/train.log`` receives this process's log records (INFO and up) while the run lasts, and the
+    traceback of an error that ends it; the terminal still shows warnings and errors, as before."""
+    root = logging.getLogger()
+    handlers = [logging.FileHandler(out / RUN_LOG)]
+    handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if not root.handlers:  # what logging's last-resort handler did: warnings and errors on stderr
+        handlers.append(logging.StreamHandler(sys.stderr))
+        handlers[1].setLevel(logging.WARNING)
+    level = root.level
+    root.setLevel(logging.INFO)
+    for h in handlers:
+        root.addHandler(h)
+    try:
+        yield out / RUN_LOG
+    finally:
+        root.setLevel(level)
+        for h in handlers:
+            root.removeHandler(h)
+            h.close()
+
+
+def log_traceback(log: Path, title: str, exc: BaseException) -> None:
+    """Append ``exc``'s traceback to the run's log file only (not through logging, which also reaches the
+    terminal)."""
+    with log.open("a") as f:
+        f.write(f"{title}\n{''.join(traceback.format_exception(exc))}")
+
+
+def fail(mode: str, exc: Exception, debug: bool, code: int, log: Path | None = None) -> int:
+    """Print the message of the user error behind ``exc`` alone (the traceback goes to the run's log, and to
+    the terminal on ``--debug``); returns ``code``."""
+    message = find_user_error(exc) or exc
+    if log is not None:
+        log_traceback(log, f"rlhf train {mode} stopped: {message}", exc)
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"rlhf train {mode}: {message}", file=sys.stderr)
+    if log is not None and not debug:
+        print(f"(the traceback is in {log}; --debug prints it)", file=sys.stderr)
+    return code
 
 
 def cmd_train(argv: list[str]) -> int:
     if not argv or argv[0] not in MODES:
-        print(f"usage: rlhf train {{{','.join(MODES)}}} [flags] [--dry-run]", file=sys.stderr)
+        print(f"usage: rlhf train {{{','.join(MODES)}}} [flags] [--dry-run] [--debug]", file=sys.stderr)
         return 2
     mode, rest = argv[0], argv[1:]
     if "-h" in rest or "--help" in rest:
         build_argparser(mode).print_help()
         print("\n  --config FILE        YAML file with any of the options above (repeatable)"
-              "\n  --dry-run            print the resolved config and placement plan, start nothing")
+              "\n  --dry-run            print the resolved config and placement plan, start nothing"
+              "\n  --debug              print the traceback of an error, not only its message")
         return 0
-    dry_run = "--dry-run" in rest
-    rest = [a for a in rest if a != "--dry-run"]
+    dry_run, debug = "--dry-run" in rest, "--debug" in rest
+    rest = [a for a in rest if a not in ("--dry-run", "--debug")]
     try:
         cfg, notes = parse_config(mode, rest)
         asm = assemble(mode, cfg)
-    except (ConfigError, RunConfigError, plugins.PluginError) as exc:
-        print(f"rlhf train {mode}: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail(mode, exc, debug, 2)
     for note in notes + asm.notes:
         print(f"note: {note}", file=sys.stderr)
     if dry_run:
         print(f"# rlhf train {mode} --dry-run: resolved configuration (nothing was started)")
         print(config_to_yaml(cfg, mode), end="")
         print("# " + asm.describe().replace("\n", "\n# "))
+        if cfg.ckpt.load_enable:
+            return dry_run_resume(mode, cfg)
         return 0
-    write_run_dir(asm)
-    if mode == "ppo":
-        from rlhf_cli.rl.run import run_rl
+    with run_log(write_run_dir(asm)) as log:
+        try:
+            if mode == "ppo":
+                from rlhf_cli.rl.run import run_rl
 
-        return run_rl(asm)
-    backend = plugins.resolve(plugins.get_plugin_manager(), "train_backends", cfg.train.backend)
-    backend.run_trainer(mode, cfg)
+                return run_rl(asm)
+            backend = plugins.resolve(plugins.get_plugin_manager(), "train_backends", cfg.train.backend)
+            backend.run_trainer(mode, cfg)
+            return 0
+        except Exception as exc:
+            if find_user_error(exc) is None:  # a bug, not a user mistake: the whole traceback is what a report needs
+                log_traceback(log, f"rlhf train {mode} crashed", exc)
+                raise
+            return fail(mode, exc, debug, 1, log)  # also when a Ray worker raised it
+
+
+def dry_run_resume(mode: str, cfg) -> int:
+    """Say which checkpoint ``--ckpt.load_enable`` would resume from, or why none can be (exit 1)."""
+    from pathlib import Path
+
+    from rlhf_train_deepspeed.checkpoint import CheckpointError, resume_point
+
+    root = Path(cfg.ckpt.path or Path(cfg.ckpt.output_dir) / "checkpoints")
+    try:
+        resume = resume_point(root)
+    except CheckpointError as exc:
+        print(f"rlhf train {mode}: {exc}", file=sys.stderr)
+        return 1
+    print(f"# --ckpt.load_enable: resumes from {resume}" if resume else
+          f"# --ckpt.load_enable: no checkpoint under {root}; starts from scratch")
     return 0
 
 
@@ -87,6 +165,18 @@ def cmd_lora_merge(argv: list[str]) -> int:
     return lora_main(argv) or 0
 
 
+def cmd_generate(argv: list[str]) -> int:
+    from rlhf_cli.generate import main as generate_main
+
+    return generate_main(argv)
+
+
+def cmd_chat(argv: list[str]) -> int:
+    from rlhf_cli.chat import main as chat_main
+
+    return chat_main(argv)
+
+
 def cmd_demo(argv: list[str]) -> int:
     from rlhf_cli.demo import main as demo_main
 
@@ -101,6 +191,8 @@ def cmd_doctor(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": cmd_train,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
     "plugins": cmd_plugins,
     "serve-rm": cmd_serve_rm,
     "lora-merge": cmd_lora_merge,

@@ -38,7 +38,9 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     needed = 0.0
     if plan is not None:
         needed = sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
+    # "local": without it ray.init joins whatever cluster another program started on this machine
     ray.init(
+        address="local",
         num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1, min_cpus),
         include_dashboard=cfg.ray.dashboard,
         dashboard_host="127.0.0.1",

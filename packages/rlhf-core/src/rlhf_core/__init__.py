@@ -5,8 +5,9 @@ A plugin needs one import::
     from rlhf_core import hookimpl
 """
 
+from rlhf_core.errors import UserError
 from rlhf_core.hookspecs import hookimpl
 from rlhf_core.plugins import PluginError, collect, describe, get_plugin_manager, resolve
 
 __version__ = "0.1.0"
-__all__ = ["PluginError", "collect", "describe", "get_plugin_manager", "hookimpl", "resolve"]
+__all__ = ["PluginError", "UserError", "collect", "describe", "get_plugin_manager", "hookimpl", "resolve"]

@@ -40,3 +40,11 @@ class HFEngineFactory:
 @hookimpl
 def rlhf_register_rollout_engines(register):
     register("hf", HFEngineFactory())
+
+
+@hookimpl
+def rlhf_register_post_processors(register):
+    from rlhf_core.postprocess import BUILTIN
+
+    for name, processor in BUILTIN.items():
+        register(name, processor)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import MISSING, dataclass, field
 
 RL_MODES = ("ppo",)
-SUPERVISED_MODES = ("sft", "rm", "dpo", "kto")
+SUPERVISED_MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
 VLM_REFUSED = "VLM training is not supported yet (images are neither read nor trained on)"
 
 
@@ -155,21 +155,23 @@ class RewardConfig:
     comma-separated."""
     source: str | None = None
     """Pick a registered reward source by name instead of inferring it from the fields above."""
-    num_nodes: int = 1
+    # rlhf generate: each generation worker loads its own reward model
+    num_nodes: int = option(1, modes=RL_MODES)
     """Nodes for the reward model."""
-    num_gpus_per_node: int = 1
+    num_gpus_per_node: int = option(1, modes=RL_MODES)
     """Reward-model ranks per node."""
-    offload: bool = False
+    offload: bool = option(False, modes=RL_MODES)
     """Keep the reward-model weights in CPU memory between uses."""
     normalize_enable: bool = False
     """Normalise reward-model outputs with the mean/std stored at RM training time."""
-    clip_range: tuple[float, float] = (-10.0, 10.0)
+    # RL shaping of the rewards: rlhf generate writes the reward sources' raw rewards
+    clip_range: tuple[float, float] = option((-10.0, 10.0), modes=RL_MODES)
     """Clamp each sequence reward into this range."""
-    overlong_buffer_len: int | None = None
+    overlong_buffer_len: int | None = option(None, modes=RL_MODES)
     """DAPO overlong penalty: the last this-many tokens before ``max_new_tokens`` are penalised."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = option(1.0, modes=RL_MODES)
     """DAPO overlong penalty at the full buffer."""
-    stop_properly_penalty_coef: float | None = None
+    stop_properly_penalty_coef: float | None = option(None, modes=RL_MODES)
     """Samples cut at ``max_new_tokens``: reward *= coef when coef >= 0, reward = coef when negative."""
     timeout: float = 180.0
     """Seconds one HTTP reward request (or one call of a reward function) may take."""
@@ -177,12 +179,17 @@ class RewardConfig:
     """Attempts per HTTP reward request (4xx answers are not retried)."""
     max_concurrency: int = 32
     """Concurrent HTTP requests to the reward servers."""
-    max_failure_fraction: float = 0.1
+    max_failure_fraction: float = option(0.1, modes=RL_MODES)
     """Stop the run when more than this fraction of a step's samples cannot be scored."""
     weights: list[float] | None = None
     """Weights of several reward sources (comma-separated ``remote_url``s), one each."""
     request_batch_size: int = 64
     """Most samples per HTTP reward request; a step's batch is split over the URLs in requests this big."""
+    prm_step_separator: str = "\\n"
+    """A process reward model (``--reward.model_name_or_path`` trained by ``rlhf train prm``) splits each
+    response into steps at this string and scores each step; escapes such as ``\\n`` are decoded."""
+    prm_aggregation: str = "min"
+    """How a PRM's step scores become the sample's reward: ``min``, ``last``, ``mean`` or ``prod``."""
 
 
 # --- rollout -----------------------------------------------------------------------------------------------
@@ -229,11 +236,11 @@ class VllmConfig:
     enable_prefix_caching: bool = False
     """vLLM automatic prefix caching (worth it with n > 1)."""
     enforce_eager: bool = False
-    """Disable CUDA graphs in vLLM."""
+    """Disable CUDA graphs in vLLM (on vLLM's CPU build: its torch.compile of the model, minutes at start-up)."""
     enable_sleep: bool = False
-    """Let engines release memory between rollouts (needs ``--train.colocate_all``)."""
+    """Let engines release memory between rollouts (needs ``--train.colocate_all``; GPU only, refused on CPU)."""
     gpu_memory_utilization: float = 0.95
-    """Fraction of GPU memory vLLM may take."""
+    """Fraction of GPU memory vLLM may take (on CPU: of host memory the engines' KV caches may take)."""
     sync_timeout: float = 600.0
     """Seconds a weight sync may take before it raises instead of hanging."""
 
@@ -250,7 +257,7 @@ class TrainConfig:
     micro_batch_size: int = 1
     """Sequences per forward/backward on each rank."""
     max_epochs: int = 1
-    """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO)."""
+    """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO/PRM/KD)."""
     num_episodes: int = option(1, modes=RL_MODES)
     """Passes over the prompt dataset (RL)."""
     max_steps: int = -1
@@ -420,17 +427,19 @@ class DataConfig:
     prompt_split: str = option("train", modes=RL_MODES)
     """Split of the prompt datasets."""
     dataset: list[str] | None = option(None, modes=SUPERVISED_MODES)
-    """SFT/RM/DPO/KTO datasets: data files, local dataset directories or hub dataset names (``name@data_dir``)."""
+    """SFT/RM/DPO/KTO/PRM/KD datasets: data files, local dataset directories or hub dataset names
+    (``name@data_dir``)."""
     dataset_probs: list[float] | None = option(None, modes=SUPERVISED_MODES)
     """Mixing probabilities of ``dataset``."""
     dataset_split: str = option("train", modes=SUPERVISED_MODES)
     """Split of ``dataset``."""
     input_key: str = "input"
     """Column holding the prompt (or the conversation, with ``apply_chat_template``)."""
-    output_key: str | None = option(None, modes=("sft", "kto"))
-    """SFT: column holding the response (KTO: the completion)."""
-    label_key: str | None = option(None, modes=RL_MODES)
-    """RL: column passed to reward functions as the label."""
+    output_key: str | None = option(None, modes=("sft", "kto", "prm", "kd"))
+    """SFT/KD: column holding the response (KTO: the completion; PRM refuses it)."""
+    label_key: str | None = option(None, modes=(*RL_MODES, "prm"))
+    """RL: column passed to reward functions as the label. PRM: column of the per-step labels (default
+    ``label``)."""
     prompt_key: str | None = option(None, modes=("rm", "dpo"))
     """RM/DPO: column holding the shared prompt of chosen and rejected."""
     chosen_key: str = option("chosen", modes=("rm", "dpo"))
@@ -445,7 +454,7 @@ class DataConfig:
     """Format prompts with the tokenizer's chat template."""
     tokenizer_chat_template: str | None = None
     """Replace the tokenizer's chat template (a Jinja template string) wherever prompts are rendered."""
-    multiturn: bool = option(False, modes=("sft",))
+    multiturn: bool = option(False, modes=("sft", "kd", "prm"))
     """SFT: the input is a conversation; train on every assistant turn."""
     max_len: int = 2048
     """Most tokens per sequence (prompt + response) in training."""
@@ -559,7 +568,7 @@ class ModelConfig(OptimizerFields):
     """Use the reentrant checkpointing implementation."""
     aux_loss_coef: float = option(0.0, refused="the MoE router auxiliary loss is not implemented")
     """Weight of the MoE router auxiliary loss (not implemented: refused unless 0)."""
-    pretrain_mode_enable: bool = option(False, modes=("sft",))
+    pretrain_mode_enable: bool = option(False, modes=("sft", "kd"))
     """SFT: train on the whole text, not just the response."""
     compute_fp32_loss_enable: bool = option(False, modes=("rm",), noted=(
         "rlhf always computes the reward-model loss in fp32"))
@@ -627,13 +636,254 @@ class PreferenceConfig(SupervisedConfig):
     ref: RefConfig = field(default_factory=RefConfig)
 
 
+@dataclass
+class PRMFields:
+    placeholder_token: str | None = None
+    """The step marker the dataset puts after every step (e.g. ``ки``); it must be one token. The loss sits
+    on the model's prediction of the token after each marker."""
+    reward_tokens: list[str] | None = None
+    """The tokens a step label may be, each one token, positive first (e.g. ``+ -``): the loss compares
+    only these. Soft (float) labels need exactly two. None: hard labels over the whole vocabulary."""
+
+
+@dataclass
+class PRMConfig(SupervisedConfig):
+    """``rlhf train prm``: a process reward model, a causal LM that emits a reward token after each step."""
+
+    prm: PRMFields = field(default_factory=PRMFields)
+
+
+@dataclass
+class TeacherConfig:
+    model_name_or_path: str | None = None
+    """The frozen teacher; it must share the student's tokenizer (logits are compared word by word)."""
+    offload: bool = False
+    """Keep the teacher's weights in CPU memory between uses (ZeRO-3 offload)."""
+    kd_coef: float = 0.4
+    """Weight of the distillation term: ``loss = (1 - kd_coef) * NLL + kd_coef * distil``."""
+
+
+@dataclass
+class KDConfig(SupervisedConfig):
+    """``rlhf train kd``: knowledge distillation from a teacher into ``--model.model_name_or_path``."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+
+
 MODES: dict[str, type] = {
     "ppo": RLConfig,
     "sft": SupervisedConfig,
     "rm": SupervisedConfig,
     "dpo": PreferenceConfig,
     "kto": PreferenceConfig,
+    "prm": PRMConfig,
+    "kd": KDConfig,
 }
+
+
+# --- rlhf generate and rlhf chat ------------------------------------------------------------------------
+# Their sections hold only the fields these commands honour; the engine and reward-source plugins get an
+# RLConfig built from them (:func:`as_rl_config`), the contract those plugins are written against.
+
+
+@dataclass
+class PolicyConfig:
+    model_name_or_path: str | None = None
+    """The policy: a local HF model directory (``--pretrain``)."""
+
+
+@dataclass
+class GenerateTaskConfig:
+    task: str = "generate"
+    """``generate``: sample responses to the prompts of ``--data.dataset`` with the policy (scored when a
+    reward source is given); ``generate_vllm``: the same on the vllm engine; ``rm``: score the rows'
+    own ``--data.input_key`` / ``--data.output_key`` texts, no policy (OpenRLHF's ``--eval_task``)."""
+    output_path: str | None = None
+    """The result, JSON lines, written whole at the end. Samples stream into
+    ``<output_path>.samples.jsonl`` as they are made: a rerun of the same command resumes from it."""
+    post_processor: str | None = None
+    """A registered post-processor run over the scored samples: ``rs`` (best of n), ``iter_dpo`` (best
+    and worst as a pair), ``csft`` (reward condition in the prompt), or a plugin's."""
+    reward_template: str | None = None
+    """``csft``: how the condition is written, with ``{input}`` and ``{reward}`` (default
+    ``"{input} <rm_score>: {reward} "``)."""
+    normalize_reward: bool = False
+    """``csft``: z-score the rewards over the whole output before writing them into the prompts."""
+    enable_csft: bool = False
+    """Append ``--generate.csft_prompt`` to every prompt (generating from a conditional-SFT policy)."""
+    csft_prompt: str = "<rm_score>: 5.00"
+    """The condition appended with ``--generate.enable_csft`` (stripped, then one space after it)."""
+    iter: int | None = None
+    """Use the prompts ``[iter * R, (iter + 1) * R)`` with R = ``--rollout.batch_size``, so that each
+    iteration of a pipeline gets fresh prompts; None: the first ``--data.max_samples`` rows."""
+    seed: int = 1234
+    """Seed of sampling: sample j of prompt i draws from ``derive_seed(seed, iter, i, j)``, so a resumed
+    run draws what the uninterrupted one would have."""
+
+
+@dataclass
+class GenerateRolloutConfig:
+    engine: str = "auto"
+    """Rollout engine: ``hf``, ``vllm``, or ``auto`` (vllm when it can run here, else hf)."""
+    n_samples_per_prompt: int = 1
+    """Samples per prompt (``--best_of_n``)."""
+    max_new_tokens: int = 1024
+    """Most tokens generated per sample."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy (``--greedy_sampling``)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables it."""
+    repetition_penalty: float = 1.0
+    """Must stay 1.0: the rollout engines sample without a repetition penalty (other values are refused)."""
+    batch_size: int = 2048
+    """Prompts per pipeline iteration, with ``--generate.iter`` (``--rollout_batch_size``)."""
+    micro_batch_size: int = 16
+    """Prompts per engine call, and sequences per reward-model forward; the unit of progress and resume."""
+
+
+@dataclass
+class GenerateDataConfig:
+    dataset: list[str] | None = None
+    """Prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories."""
+    dataset_probs: list[float] | None = None
+    """Mixing probabilities of ``dataset``."""
+    dataset_split: str = "train"
+    """Split of ``dataset``."""
+    input_key: str = "input"
+    """Column holding the prompt (or the conversation, with ``apply_chat_template``)."""
+    output_key: str = "output"
+    """``--generate.task rm``: column holding the response to score."""
+    label_key: str | None = None
+    """Column passed to reward functions as the label (and kept in the output)."""
+    input_template: str | None = None
+    """Format string with ``{}`` for the prompt, used when no chat template is applied."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    tokenizer_chat_template: str | None = None
+    """Override the tokenizer's chat template."""
+    max_len: int = 2048
+    """``--generate.task rm`` and reward models: most tokens of prompt + response."""
+    prompt_max_len: int = 1024
+    """Most prompt tokens."""
+    overlong_prompt_policy: str = "error"
+    """A prompt longer than its budget: ``error`` (names file and row), ``skip`` or ``truncate_left``."""
+    skip_bad_rows: bool = False
+    """Skip and count rows with a missing or mistyped key instead of failing on the first."""
+    max_samples: int = 100_000_000
+    """Use at most this many rows (without ``--generate.iter``)."""
+    disable_fast_tokenizer: bool = False
+    """Load the slow tokenizer."""
+
+
+@dataclass
+class InferenceDSConfig:
+    param_dtype: str = "bf16"
+    """Weights dtype of the policy and reward model: ``bf16`` or ``fp32``."""
+    attn_implementation: str = "sdpa"
+    """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
+    value_head_prefix: str = option("score", modes=("generate",))
+    """Name of the reward model's value head."""
+
+
+@dataclass
+class InferenceVllmConfig:
+    num_engines: int = 1
+    """Generation workers, one rollout engine each; the prompts are shared out among them."""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine (``--tp_size``)."""
+    gpu_memory_utilization: float = 0.95
+    """Fraction of GPU memory vLLM may take."""
+    enable_prefix_caching: bool = False
+    """vLLM automatic prefix caching (worth it with several samples per prompt)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM."""
+
+
+@dataclass
+class GenerateConfig:
+    """``rlhf generate``: sample n responses per prompt on Ray workers, score them, post-process them."""
+
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    generate: GenerateTaskConfig = field(default_factory=GenerateTaskConfig)
+    rollout: GenerateRolloutConfig = field(default_factory=GenerateRolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The whole reward section of ``rlhf train ppo``, so that every reward source (a plugin's with fields of
+    its own too) is configured as in RL; the RL-only shaping fields are refused by ``rlhf generate``."""
+    data: GenerateDataConfig = field(default_factory=GenerateDataConfig)
+    ds: InferenceDSConfig = field(default_factory=InferenceDSConfig)
+    vllm: InferenceVllmConfig = field(default_factory=InferenceVllmConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass
+class ChatOptions:
+    max_len: int = 4096
+    """Most tokens of the whole conversation; older turns are dropped (with a note) to make room."""
+    max_new_tokens: int = 1024
+    """Most tokens of one reply."""
+    temperature: float = 0.2
+    """Sampling temperature; 0 is greedy (``--greedy_sampling``)."""
+    top_p: float = 0.9
+    """Nucleus sampling mass."""
+    repetition_penalty: float = 1.2
+    """Penalty on tokens already in the conversation (1.0: none)."""
+    ta_prompt: str | None = None
+    """A text file that starts every conversation: the system message with a chat template, else the
+    opening text of the history."""
+    enable_csft: bool = False
+    """Append ``--chat.csft_prompt`` to every user turn (talking to a conditional-SFT policy)."""
+    csft_prompt: str = "<rm_score>: 5.00"
+    """The condition appended with ``--chat.enable_csft``."""
+    stream: str = "auto"
+    """Print reply tokens as they are made: ``auto`` (when stdout is a terminal), ``true``, ``false``."""
+    seed: int = 1234
+    """Seed of sampling."""
+
+
+@dataclass
+class ChatDataConfig:
+    input_template: str | None = "User: {}\nAssistant: "
+    """Format string with ``{}`` for each user turn, used when no chat template is applied."""
+    apply_chat_template: bool = False
+    """Format the conversation with the tokenizer's chat template."""
+    tokenizer_chat_template: str | None = None
+    """Override the tokenizer's chat template."""
+
+
+@dataclass
+class ChatConfig:
+    """``rlhf chat``: talk to a checkpoint, in a terminal or through stdin."""
+
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    data: ChatDataConfig = field(default_factory=ChatDataConfig)
+    ds: InferenceDSConfig = field(default_factory=lambda: InferenceDSConfig(param_dtype="fp32"))
+
+
+# Every command whose flags the config parser reads: the training modes, then the inference commands.
+COMMANDS: dict[str, type] = {**MODES, "generate": GenerateConfig, "chat": ChatConfig}
+
+
+def as_rl_config(cfg: GenerateConfig) -> RLConfig:
+    """An RLConfig carrying ``cfg``'s settings: what rollout-engine and reward-source factories read.
+
+    Each section of ``cfg`` is copied onto the RLConfig section of the same name, field by field; the
+    policy goes to ``actor`` and the sampling seed to ``train.seed``.
+    """
+    rl = RLConfig()
+    for f in dataclasses.fields(cfg):
+        target = getattr(rl, f.name, None)
+        if not dataclasses.is_dataclass(target):
+            continue
+        section = getattr(cfg, f.name)
+        names = {g.name for g in dataclasses.fields(target)}
+        setattr(rl, f.name, dataclasses.replace(
+            target, **{g.name: getattr(section, g.name) for g in dataclasses.fields(section) if g.name in names}))
+    rl.actor.model_name_or_path = cfg.model.model_name_or_path
+    rl.train.seed = cfg.generate.seed
+    return rl
 
 
 def to_dict(cfg: object) -> dict:

@@ -203,6 +203,13 @@ SUPERVISED: dict[str, str | tuple[str, ...]] = {
     "nll_loss_coef": "model.nll_loss_coef",
     "ref_pretrain": "ref.model_name_or_path",
     "ref_offload": "ref.offload",
+    # prm
+    "placeholder_token": "prm.placeholder_token",
+    "reward_tokens": "prm.reward_tokens",
+    # kd
+    "teacher_model": "teacher.model_name_or_path",
+    "teacher_offload": "teacher.offload",
+    "kd_coef": "teacher.kd_coef",
 }
 
 # flag -> (dotted, value) pairs it sets; the flag takes no value
@@ -221,5 +228,82 @@ DROPPED: dict[str, int] = {"actor_init_on_gpu": 0, "ptx_coef": 1, "perf": 0, "lo
 CLIP_PARTS = {"clip_eps_low": 0, "clip_eps_high": 1}
 
 
+# ``rlhf generate``: OpenRLHF's batch_inference flags (its ``--pretrain`` is the policy; the reward model
+# comes with ``--reward_pretrain`` or ``--remote_rm_url``, as in train_ppo).
+GENERATE: dict[str, str | tuple[str, ...]] = {
+    **{k: v for k, v in COMMON.items() if v.startswith("data.") and v.removeprefix("data.") in (
+        "dataset", "dataset_probs", "dataset_split", "input_key", "output_key", "label_key", "input_template",
+        "apply_chat_template", "tokenizer_chat_template", "max_len", "prompt_max_len", "max_samples",
+        "disable_fast_tokenizer")},
+    "pretrain": "model.model_name_or_path",
+    "reward_pretrain": "reward.model_name_or_path",
+    "remote_rm_url": "reward.remote_url",
+    "eval_task": "generate.task",
+    "output_path": "generate.output_path",
+    "post_processor": "generate.post_processor",
+    "reward_template": "generate.reward_template",
+    "normalize_reward": "generate.normalize_reward",
+    "enable_csft": "generate.enable_csft",
+    "csft_prompt": "generate.csft_prompt",
+    "iter": "generate.iter",
+    "seed": "generate.seed",
+    "best_of_n": "rollout.n_samples_per_prompt",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "repetition_penalty": "rollout.repetition_penalty",
+    "rollout_batch_size": "rollout.batch_size",
+    "micro_batch_size": "rollout.micro_batch_size",
+    "tp_size": "vllm.tensor_parallel_size",
+    "enable_prefix_caching": "vllm.enable_prefix_caching",
+    "param_dtype": "ds.param_dtype",
+    "attn_implementation": "ds.attn_implementation",
+    "value_head_prefix": "ds.value_head_prefix",
+}
+
+# ``rlhf chat``: OpenRLHF's interactive_chat flags.
+CHAT: dict[str, str | tuple[str, ...]] = {
+    "pretrain": "model.model_name_or_path",
+    "max_len": "chat.max_len",
+    "max_new_tokens": "chat.max_new_tokens",
+    "temperature": "chat.temperature",
+    "top_p": "chat.top_p",
+    "repetition_penalty": "chat.repetition_penalty",
+    "ta_prompt": "chat.ta_prompt",
+    "enable_csft": "chat.enable_csft",
+    "csft_prompt": "chat.csft_prompt",
+    "input_template": "data.input_template",
+    "apply_chat_template": "data.apply_chat_template",
+    "tokenizer_chat_template": "data.tokenizer_chat_template",
+    "param_dtype": "ds.param_dtype",
+    "attn_implementation": "ds.attn_implementation",
+}
+
+# Flag-only spellings of the inference commands: flag -> (dotted, value) pairs it sets.
+INFERENCE_CONSTANTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
+    "generate": {"greedy_sampling": (("rollout.temperature", "0"),), "bf16": (("ds.param_dtype", "bf16"),),
+                 "flash_attn": (("ds.attn_implementation", "flash_attention_2"),)},
+    "chat": {"greedy_sampling": (("chat.temperature", "0"),), "bf16": (("ds.param_dtype", "bf16"),),
+             "flash_attn": (("ds.attn_implementation", "flash_attention_2"),)},
+}
+
+# OpenRLHF flags of the inference commands that have nothing to act on here: flag -> why (printed as a note).
+INFERENCE_IGNORED: dict[str, dict[str, str]] = {
+    "generate": {
+        "zero_stage": "generation runs the policy in rollout engines, not under DeepSpeed",
+        "max_num_seqs": "the engines size their own batches (--rollout.micro_batch_size prompts per call)",
+    },
+    "chat": {"load_in_4bit": "rlhf chat loads the model in --ds.param_dtype"},
+}
+
+
 def table(mode: str) -> dict[str, str | tuple[str, ...]]:
-    return RL if mode == "ppo" else SUPERVISED
+    return {"ppo": RL, "generate": GENERATE, "chat": CHAT}.get(mode, SUPERVISED)
+
+
+def constants(mode: str) -> dict[str, tuple[tuple[str, str], ...]]:
+    return INFERENCE_CONSTANTS.get(mode, CONSTANTS)
+
+
+def ignored(mode: str) -> dict[str, str]:
+    return INFERENCE_IGNORED.get(mode, {})

@@ -29,12 +29,13 @@ from typing import Any
 import yaml
 
 from rlhf_core import config_aliases as aliases
-from rlhf_core.config import MODES
+from rlhf_core.config import COMMANDS, MODES
+from rlhf_core.errors import UserError
 
 REDACTED = "***"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A flag or YAML key is unknown, malformed, or has a value of the wrong type."""
 
 
@@ -112,8 +113,8 @@ def all_leaves(root: type) -> dict[str, Leaf]:
 
 @functools.cache
 def leaves(mode: str) -> dict[str, Leaf]:
-    """The fields ``rlhf train <mode>`` accepts, keyed by dotted path."""
-    return {p: leaf for p, leaf in all_leaves(MODES[mode]).items() if leaf.modes is None or mode in leaf.modes}
+    """The fields ``rlhf train <mode>`` (or ``rlhf generate`` / ``rlhf chat``) accepts, keyed by dotted path."""
+    return {p: leaf for p, leaf in all_leaves(COMMANDS[mode]).items() if leaf.modes is None or mode in leaf.modes}
 
 
 def _parse_bool(text: str) -> bool:
@@ -130,10 +131,15 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def command_name(mode: str) -> str:
+    """How the user typed the command: ``rlhf train sft``, ``rlhf generate``."""
+    return f"rlhf train {mode}" if mode in MODES else f"rlhf {mode}"
+
+
 def build_argparser(mode: str, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one dotted flag per config field, grouped by section (for ``--help``)."""
-    root = MODES[mode]
-    parser = _Parser(prog=prog or f"rlhf train {mode}", allow_abbrev=False, add_help=False,
+    root = COMMANDS[mode]
+    parser = _Parser(prog=prog or command_name(mode), allow_abbrev=False, add_help=False,
                      description=inspect.getdoc(root))
     groups: dict[str, argparse._ArgumentGroup] = {}
     for leaf in leaves(mode).values():
@@ -184,9 +190,11 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
             targets = renames[name]
             for target in (targets,) if isinstance(targets, str) else targets:
                 out += [f"--{target}", *values]
-        elif name in aliases.CONSTANTS:
-            for target, value in aliases.CONSTANTS[name]:
+        elif name in aliases.constants(mode):
+            for target, value in aliases.constants(mode)[name]:
                 out += [f"--{target}", value]
+        elif name in aliases.ignored(mode):
+            notes.append(f"--{name} is ignored: {aliases.ignored(mode)[name]}")
         elif name in aliases.DROPPED:
             notes.append(f"--{name} is ignored: OpenRLHF dropped it and rlhf has no equivalent")
         elif name in aliases.CLIP_PARTS and mode == "ppo":
@@ -220,11 +228,11 @@ def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
         other = [m for m in MODES if flag[2:] in leaves(m) or flag[2:] in aliases.table(m)]
         if other:
             lines.append(f"{flag}{where} is an option of 'rlhf train {'|'.join(other)}' only: "
-                         f"the code of 'rlhf train {mode}' does not use it")
+                         f"the code of '{command_name(mode)}' does not use it")
             continue
         close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        lines.append(f"unknown option {flag}{where} for 'rlhf train {mode}'{hint}")
+        lines.append(f"unknown option {flag}{where} for '{command_name(mode)}'{hint}")
     return ConfigError("\n".join(lines))
 
 
@@ -280,8 +288,8 @@ def _parse_tokens(mode: str, tokens: list[str], where: str) -> dict[str, Any]:
 
 def parse_config(mode: str, argv: list[str]) -> tuple[Any, list[str]]:
     """Parse ``argv`` (flags only, no subcommand) for ``mode``; returns the config and notes to print."""
-    if mode not in MODES:
-        raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
+    if mode not in COMMANDS:
+        raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(COMMANDS)}")
     notes: list[str] = []
     files: list[str] = []
     cli: list[str] = []
@@ -332,7 +340,7 @@ def _get(cfg: Any, path: str) -> Any:
 
 def build_config(mode: str, values: dict[str, Any]) -> Any:
     """A config of ``mode`` with defaults, updated by ``{dotted path: value}``."""
-    cfg = MODES[mode]()
+    cfg = COMMANDS[mode]()
     table = leaves(mode)
     for path, value in values.items():
         leaf = table[path]

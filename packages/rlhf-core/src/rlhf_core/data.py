@@ -26,12 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from rlhf_core.errors import UserError
+
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
 SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
 OVERLONG_POLICIES = ("error", "skip", "truncate_left")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset problem; the message names the file, row, key or flag at fault."""
 
 

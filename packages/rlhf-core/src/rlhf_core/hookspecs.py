@@ -101,9 +101,24 @@ def rlhf_register_reward_sources(register: Register) -> None:
     Each object satisfies :class:`rlhf_core.types.RewardSourceFactory`: ``accepts(cfg) -> bool`` says
     whether the reward configuration (``--reward.remote_url``, ``--reward.model_name_or_path``) is for
     it, and ``create(cfg) -> RewardSource`` builds one whose async ``score(RewardRequest)`` returns a
-    :class:`rlhf_core.types.RewardResult`. ``--reward.source NAME`` picks one explicitly.
+    :class:`rlhf_core.types.RewardResult`. ``--reward.source NAME`` picks one explicitly. An optional
+    ``check(cfg)`` runs in the driver before any worker starts (and in ``--dry-run``): cheap, it starts
+    nothing and raises, naming the flag or file, when the configuration cannot work.
 
-    Built-in names: ``python_file``, ``http``, ``reward_model``.
+    Built-in names: ``python_file``, ``http``, ``reward_model``, ``prm`` (a process reward model trained by
+    ``rlhf train prm``; it also fills ``RewardResult.step_scores``).
+    """
+
+
+@hookspec
+def rlhf_register_post_processors(register: Register) -> None:
+    """Register post-processors for ``rlhf generate``, picked by ``--generate.post_processor``.
+
+    Each object satisfies :class:`rlhf_core.types.PostProcessor`: ``check(options)`` refuses options that
+    cannot work (before any worker starts), and ``processor(batch: PostProcessInput) -> list[dict]``
+    turns the scored samples, grouped by prompt, into the output rows.
+
+    Built-in names: ``rs``, ``iter_dpo``, ``csft`` (rlhf-core).
     """
 
 
@@ -141,7 +156,7 @@ def rlhf_register_train_backends(register: Register) -> None:
     """Register training backends, picked by ``--train.backend``.
 
     Each object satisfies :class:`rlhf_core.types.TrainBackend`: it starts groups of training workers
-    (policy, critic, reference, reward model) on Ray placement groups, and runs the SFT/RM/DPO/KTO
+    (policy, critic, reference, reward model) on Ray placement groups, and runs the SFT/RM/DPO/KTO/PRM/KD
     trainers.
 
     Built-in name: ``deepspeed`` (rlhf-train-deepspeed).

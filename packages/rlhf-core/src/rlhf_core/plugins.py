@@ -13,6 +13,7 @@ Environment variables:
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 import os
 import sys
@@ -21,7 +22,8 @@ from typing import Any
 
 import pluggy
 
-from rlhf_core import hookspecs
+from rlhf_core import hookspecs, types
+from rlhf_core.errors import UserError
 
 ENTRY_POINT_GROUP = hookspecs.PROJECT
 
@@ -33,6 +35,7 @@ SEAMS: dict[str, str] = {
     "agent_executors": "rlhf_register_agent_executors",
     "environments": "rlhf_register_environments",
     "reward_sources": "rlhf_register_reward_sources",
+    "post_processors": "rlhf_register_post_processors",
     "placement_strategies": "rlhf_register_placement_strategies",
     "rollout_engines": "rlhf_register_rollout_engines",
     "train_backends": "rlhf_register_train_backends",
@@ -45,6 +48,7 @@ SINGULAR = {
     "agent_executors": "agent executor",
     "environments": "environment",
     "reward_sources": "reward source",
+    "post_processors": "post-processor",
     "placement_strategies": "placement strategy",
     "rollout_engines": "rollout engine",
     "train_backends": "train backend",
@@ -59,7 +63,8 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "kl_estimators": dict.fromkeys(["k1", "k2", "k3"], "rlhf-algos"),
     "agent_executors": dict.fromkeys(["single_turn", "multi_turn", "openai_server"], "rlhf-agents"),
     "environments": {},
-    "reward_sources": dict.fromkeys(["python_file", "http", "reward_model"], "rlhf-agents"),
+    "reward_sources": dict.fromkeys(["python_file", "http", "reward_model", "prm"], "rlhf-agents"),
+    "post_processors": dict.fromkeys(["rs", "iter_dpo", "csft"], "rlhf-core"),
     "placement_strategies": dict.fromkeys(
         ["colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate"], "rlhf-cli"
     ),
@@ -68,11 +73,30 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
 }
 
 
+# What each seam's objects must provide, checked when they are registered: a plugin that registers the wrong
+# thing (a plain function as an estimator) is refused at start-up, naming itself, instead of failing later
+# with an AttributeError inside a worker. Executors and environments are registered as classes.
+PROTOCOLS: dict[str, type] = {
+    "advantage_estimators": types.AdvantageEstimator,
+    "policy_losses": types.PolicyLoss,
+    "kl_estimators": types.KLEstimator,
+    "reward_sources": types.RewardSourceFactory,
+    "post_processors": types.PostProcessor,
+    "placement_strategies": types.PlacementStrategy,
+    "rollout_engines": types.RolloutEngineFactory,
+    "train_backends": types.TrainBackend,
+}
+CLASS_MEMBERS: dict[str, tuple[str, ...]] = {
+    "agent_executors": ("execute",),  # a subclass of rlhf_agents.AgentExecutorBase
+    "environments": ("reset", "step"),  # a subclass of rlhf_agents.AgentInstanceBase
+}
+
+
 # Plugins registered for the duration of one test by the `register_plugin` fixture of rlhf_core.testing.
 _TEST_PLUGINS: list[tuple[str, object]] = []
 
 
-class PluginError(Exception):
+class PluginError(UserError):
     """A plugin could not be loaded, registered a duplicate, or a requested name is missing."""
 
 
@@ -125,7 +149,7 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
             except Exception as exc:  # a broken third-party plugin must say who it is
                 raise PluginError(
                     f"could not load rlhf plugin {ep.name!r} ({ep.value}) from distribution {dist!r}: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{type(exc).__name__}: {exc}. {_skip_hint(dist)}"
                 ) from exc
             pm.register(plugin, name=ep.name)
             pm.rlhf_distributions[ep.name] = (dist, ep.dist.version if ep.dist is not None else "")
@@ -141,6 +165,36 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     return pm
 
 
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+def _skip_hint(dist: str) -> str:
+    return f"Fix or uninstall {dist}, or run without it: RLHF_DISABLE_PLUGINS={dist}"
+
+
+def protocol_problem(seam: str, obj: Any) -> str | None:
+    """Why ``obj`` cannot be one of ``seam``'s objects, or None when it has what the seam calls."""
+    if seam in CLASS_MEMBERS:
+        if not isinstance(obj, type):
+            return f"it is {_a(type(obj).__name__)}, not a class"
+        members = CLASS_MEMBERS[seam]
+    else:
+        proto = PROTOCOLS[seam]
+        members = sorted(
+            set(getattr(proto, "__annotations__", {}))
+            | {n for n, v in vars(proto).items() if callable(v) and (n == "__call__" or not n.startswith("_"))}
+        )
+    missing = [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]
+    if not missing:
+        return None
+    attrs = [m for m in missing if m != "__call__"]
+    faults = (["is not callable"] if "__call__" in missing else []) + ([f"has no {', '.join(attrs)}"] if attrs else [])
+    label = getattr(obj, "__qualname__", None)
+    got = f"{type(obj).__name__} {label}" if label else type(obj).__name__
+    return f"it {' and '.join(faults)} (got {got})"
+
+
 def _distribution_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, str]:
     name = pm.get_name(plugin) or getattr(plugin, "__name__", repr(plugin))
     dists = getattr(pm, "rlhf_distributions", {})
@@ -154,19 +208,32 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
     if seam not in SEAMS:
         raise PluginError(f"unknown seam {seam!r}; seams are: {', '.join(SEAMS)}")
     out: dict[str, Registered] = {}
-    for impl in getattr(pm.hook, SEAMS[seam]).get_hookimpls():
+    hook = SEAMS[seam]
+    for impl in getattr(pm.hook, hook).get_hookimpls():
         dist, version = _distribution_of(pm, impl.plugin)
+        where = f"{dist} (entry point {pm.get_name(impl.plugin)!r}, hook {hook})"
 
-        def register(name: str, obj: Any, _dist: str = dist, _version: str = version) -> None:
+        def register(name: str, obj: Any, _dist: str = dist, _version: str = version, _where: str = where) -> None:
             if not isinstance(name, str) or not name:
-                raise PluginError(f"{_dist} registered a {seam} entry with an invalid name {name!r}")
+                raise PluginError(f"{_where} registered a {seam} entry with an invalid name {name!r}")
             if name in out:
                 raise PluginError(
                     f"{seam} name {name!r} is registered twice: by {out[name].distribution} and by {_dist}"
                 )
+            problem = protocol_problem(seam, obj)
+            if problem:
+                raise PluginError(
+                    f"{_where} registered {name!r} as {_a(SINGULAR[seam])}, but {problem}; "
+                    f"docs/plugin-hooks.md says what {_a(SINGULAR[seam])} provides. {_skip_hint(_dist)}"
+                )
             out[name] = Registered(seam, name, obj, _dist, _version)
 
-        impl.function(**{arg: register for arg in impl.argnames})
+        try:
+            impl.function(**{arg: register for arg in impl.argnames})
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"{where} raised {type(exc).__name__}: {exc}. {_skip_hint(dist)}") from exc
     return out
 
 
@@ -177,7 +244,11 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
         return found[name].obj
     what = f"{flag} {name}" if flag else repr(name)
     known = ", ".join(sorted(found)) or "none"
-    msg = f"no {SINGULAR[seam]} named {name!r} (asked for by {what}). Registered: {known}."
+    msg = f"no {SINGULAR[seam]} named {name!r} (asked for by {what})."
+    close = difflib.get_close_matches(str(name), list(found), n=1)
+    if close:
+        msg += f" Did you mean {close[0]!r}?"
+    msg += f" Registered: {known}."
     provider = KNOWN_PROVIDERS.get(seam, {}).get(name)
     if provider:
         msg += f" {name!r} is provided by {provider}: pip install {provider}"

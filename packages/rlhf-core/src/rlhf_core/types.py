@@ -188,6 +188,8 @@ class RewardResult:
     scores: list[float | None]
     extra_logs: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str | None] = field(default_factory=list)
+    step_scores: list[list[float]] | None = None
+    """Process reward models: each sample's per-step scores (empty when it has no step); None otherwise."""
 
 
 class RewardSource(ABC):
@@ -210,6 +212,58 @@ class RewardSourceFactory(Protocol):
     def create(self, cfg: Any) -> RewardSource: ...
 
 
+# --- post-processing generated samples (rlhf generate) ---------------------------------------------------
+
+
+@dataclass
+class ScoredSample:
+    """One response to one prompt, with its reward."""
+
+    input: str
+    """The prompt text as the model saw it (templates applied)."""
+    output: str
+    """The response text, special tokens skipped."""
+    reward: float
+    prompt_index: int
+    """Which prompt of the run (its position in the selected rows); groups key on it."""
+    sample_index: int
+    """Which of the prompt's samples this is."""
+    label: Any = None
+    """The ``--data.label_key`` value of the prompt's row, when given."""
+
+
+@dataclass
+class PostProcessOptions:
+    """The ``--generate.*`` settings a post-processor may read."""
+
+    reward_template: str | None = None
+    """How a reward condition is written into a prompt (``{input}`` and ``{reward}``); None: the
+    processor's default."""
+    normalize_reward: bool = False
+    """Z-score the rewards over the whole output first."""
+
+
+@dataclass
+class PostProcessInput:
+    """Every scored sample of a run, grouped by prompt."""
+
+    groups: list[list[ScoredSample]]
+    """One list per prompt, in prompt order, its samples in sample order. Unscorable samples are left out
+    (and counted) before post-processing; a group is never empty."""
+    options: PostProcessOptions = field(default_factory=PostProcessOptions)
+
+
+@runtime_checkable
+class PostProcessor(Protocol):
+    """The object registered under ``rlhf_register_post_processors``."""
+
+    def check(self, options: PostProcessOptions) -> None:
+        """Raise ValueError naming the flag when ``options`` cannot work; called before any worker starts."""
+
+    def __call__(self, batch: PostProcessInput) -> list[dict]:
+        """The output rows: JSON-serialisable dicts, written one per line in the order returned."""
+
+
 # --- algorithms ----------------------------------------------------------------------------------------
 
 
@@ -226,15 +280,17 @@ class AdvantageInput:
     """``[B]`` bool; False marks unscorable samples: excluded from group baselines and statistics,
     and given zero advantage. None means all valid."""
     kl: torch.Tensor | None = None
-    """``[B, T]`` per-token KL(policy || ref) folded into the reward as ``-kl_coef * kl``; None when KL
-    is a loss term or there is no reference model."""
+    """``[B, T]`` per-token KL(policy || ref), which the estimator must fold into the reward as
+    ``-kl_coef * kl`` on the action tokens (nothing else applies it); None when KL is a loss term or there
+    is no reference model."""
     kl_coef: float = 0.0
     values: torch.Tensor | None = None
     """``[B, T]`` critic values (estimators with ``needs_critic``)."""
     gamma: float = 1.0
     lambd: float = 1.0
     reward_clip: tuple[float, float] | None = None
-    """Clamp the (group-shaped) sequence reward into this range before it goes on the last token."""
+    """The estimator must clamp the (group-shaped) sequence reward into this range before it goes on the
+    last token (``--reward.clip_range``; nothing else applies it)."""
     no_std_norm: bool = False
     """Subtract the mean but do not divide by the std in the estimator's normalisation step."""
 

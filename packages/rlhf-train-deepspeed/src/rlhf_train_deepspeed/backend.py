@@ -42,7 +42,7 @@ def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = No
 
 
 class DeepSpeedBackend:
-    """``create_group`` starts Ray workers for a role of an RL run; ``run_trainer`` runs SFT/RM/DPO/KTO."""
+    """``create_group`` starts Ray workers for a role of an RL run; ``run_trainer`` runs SFT/RM/DPO/KTO/PRM/KD."""
 
     name = "deepspeed"
 
@@ -63,7 +63,8 @@ class DeepSpeedBackend:
         )
 
     def run_trainer(self, mode: str, cfg) -> dict:
-        """Run ``sft``, ``rm``, ``dpo`` or ``kto`` with a ``SupervisedConfig`` / ``PreferenceConfig``."""
+        """Run ``sft``, ``rm``, ``dpo``, ``kto``, ``prm`` or ``kd`` with a ``SupervisedConfig`` /
+        ``PreferenceConfig`` / ``PRMConfig`` / ``KDConfig``."""
         from rlhf_train_deepspeed.trainers import run_supervised
 
         return run_supervised(mode, cfg)

@@ -247,3 +247,19 @@ class KTOBatch:
     """``[B]`` bool."""
     kl_seq: SequenceBatch
     """Prompt ``i`` with the completion of row ``(i + 1) % B``: the reference point of KTO."""
+
+
+@dataclass
+class PRMBatch:
+    """Process-reward-model micro-batch: whole texts, and their ``N`` labelled step markers."""
+
+    seq: SequenceBatch
+    """The texts, each as one sequence (its first token the 'prompt', the rest the 'response')."""
+    rows: torch.Tensor
+    """``[N]`` long: the row of each step marker."""
+    cols: torch.Tensor
+    """``[N]`` long: its token position within the row."""
+    classes: torch.Tensor
+    """``[N]`` long: the labelled token, as an index into the reward tokens (or a vocabulary id)."""
+    soft_labels: torch.Tensor
+    """``[N]`` float: NaN for a hard label, else the probability of the positive reward token."""

@@ -4,9 +4,13 @@ Layout under the checkpoint root (``--ckpt.path``, default ``<output_dir>/checkp
 
     latest                   one line: the name of the newest complete checkpoint (replaced atomically)
     step_00000012/           a complete checkpoint: whatever the save function wrote + client_state.pt
+                             + manifest.json (every file's size)
     .tmp-step_00000016-*/    a save in progress (or one that crashed: removed at the next start)
 
 A crash at any point leaves ``latest`` naming a complete checkpoint (or nothing, before the first one).
+Damage done later (a deleted or truncated file, garbage written over one, a pointer to a step that is gone)
+is found before anything is loaded: :func:`resume_point` (``CheckpointManager.latest``) skips a damaged
+checkpoint with a warning naming the file and why, and resumes from the newest intact one.
 Old checkpoints are deleted only after the new one is committed, keeping at most ``max_num`` (and under
 ``max_mem`` GB). The manager knows nothing about models: the caller's ``save_fn(dir)`` writes the model
 state (e.g. every DeepSpeed rank) and ``client_state`` holds everything else the trainer needs to
@@ -16,18 +20,24 @@ lives in the per-rank files the save function writes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import sys
 import uuid
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlhf_core.errors import UserError
+
 POINTER = "latest"
 CLIENT_STATE = "client_state.pt"
+MANIFEST = "manifest.json"
 _NAME = re.compile(r"^step_(\d+)$")
 
 
@@ -73,6 +83,91 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+class CheckpointError(UserError):
+    """No checkpoint can be resumed from: the message names each damaged file and the way out."""
+
+
+def damage(path: Path) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed from, naming the file, or None when it looks intact.
+
+    Cheap: it compares each file with the size the manifest recorded at save time and reads the zip
+    directory of each ``.pt`` file (torch's format), loading nothing. A checkpoint written before manifests
+    existed gets the second check only.
+    """
+    if not path.is_dir():
+        return f"{path} is missing"
+    if not (path / CLIENT_STATE).is_file():
+        return f"{path / CLIENT_STATE} is missing"
+    manifest = path / MANIFEST
+    if manifest.exists():
+        try:
+            sizes = json.loads(manifest.read_text())["files"]
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"{manifest} cannot be read ({exc})"
+        for name, size in sizes.items():
+            f = path / name
+            if not f.is_file():
+                return f"{f} is missing"
+            if f.stat().st_size != size:
+                return f"{f} has {f.stat().st_size} bytes where the save wrote {size} (truncated or overwritten)"
+    for f in sorted(path.rglob("*.pt")):
+        if not _is_torch_file(f):
+            return f"{f} is not a readable torch file (overwritten or truncated)"
+    return None
+
+
+def _is_torch_file(f: Path) -> bool:
+    """torch.save writes a zip archive holding ``<name>/data.pkl``; its directory is at the end of the file."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            return any(n.endswith("/data.pkl") for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def committed(root: Path) -> list[Path]:
+    """The committed checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def resume_point(root: Path) -> Path | None:
+    """The checkpoint under ``root`` to resume from: the one ``latest`` points to or, when that one is missing
+    or damaged (:func:`damage`), the newest older one that is intact, with a warning naming what was skipped
+    and why. None when nothing was saved yet; :class:`CheckpointError` when checkpoints exist and none is
+    intact. Reads only (``--dry-run`` uses it too)."""
+    pointer = root / POINTER
+    newest_first = committed(root)[::-1]
+    if not pointer.exists():
+        if not newest_first:
+            return None
+        _warn(f"{pointer} is missing although {len(newest_first)} checkpoint(s) exist")
+        candidates = newest_first
+    else:
+        name = pointer.read_text().strip()
+        # step names are zero-padded: older ones sort first; a garbled pointer leaves every one a candidate
+        candidates = [root / name] + [p for p in newest_first if p.name < name or not _NAME.match(name)]
+    skipped = []
+    for path in candidates:
+        reason = damage(path)
+        if reason is None:
+            if skipped:
+                _warn(f"resuming from {path.name}, the newest intact checkpoint; skipped "
+                      + "; ".join(skipped) + ". A later save of the same step replaces a damaged one.")
+            return path
+        skipped.append(f"{path.name} ({reason})")
+    raise CheckpointError(
+        f"no intact checkpoint under {root}: " + "; ".join(skipped) + ". Restore the damaged files, "
+        "or start from scratch without --ckpt.load_enable (or with another --ckpt.path)."
+    )
+
+
 class CheckpointManager:
     def __init__(self, root: str | Path, max_num: int = 3, max_mem_gb: float | None = None):
         if max_num < 1:
@@ -86,18 +181,11 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Committed checkpoints, oldest first."""
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
-        return [p for _, p in sorted(found)]
+        return committed(self.root)
 
     def latest(self) -> Path | None:
-        """The checkpoint ``latest`` points to, or None when there is none yet."""
-        pointer = self.root / POINTER
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / CLIENT_STATE).exists():
-            raise FileNotFoundError(f"{pointer} names {path.name}, which is missing or incomplete")
-        return path
+        """The checkpoint to resume from: see :func:`resume_point`."""
+        return resume_point(self.root)
 
     def save(self, step: int, save_fn: Callable[[Path], None], client_state: dict[str, Any]) -> Path:
         """Write checkpoint ``step``: ``save_fn(tmp_dir)`` then ``client_state``; commit; prune old ones."""
@@ -107,6 +195,8 @@ class CheckpointManager:
         save_fn(tmp)
         fault_point("mid_save", step)
         torch.save(client_state, tmp / CLIENT_STATE)
+        sizes = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"files": sizes}, indent=1))
         fsync_tree(tmp)
         final = self.root / name
         if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
@@ -118,7 +208,10 @@ class CheckpointManager:
         return final
 
     def load_client_state(self, path: Path) -> dict[str, Any]:
-        return torch.load(path / CLIENT_STATE, weights_only=False)
+        try:
+            return torch.load(path / CLIENT_STATE, weights_only=False)
+        except Exception as exc:  # unpickling garbage raises anything
+            raise CheckpointError(f"{path / CLIENT_STATE} cannot be loaded: {type(exc).__name__}: {exc}") from exc
 
     def _prune(self, keep: Path) -> None:
         older = [p for p in self.checkpoints() if p != keep]

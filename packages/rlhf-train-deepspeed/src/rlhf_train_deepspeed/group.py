@@ -149,7 +149,7 @@ class WorkerGroup:
         return self._step("train_critic", micro_batches, value_clip, counts=counts)
 
     def train_supervised_step(self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]) -> dict[str, float]:
-        """One optimizer step of an SFT/RM/DPO/KTO loss (used by the trainers in this package)."""
+        """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss (used by the trainers in this package)."""
         return self._step("train_supervised", micro_batches, cfg, counts=counts)
 
     def eval_supervised(self, micro_batches: list, cfg: SupervisedConfigLite) -> tuple[dict[str, float], list[float]]:

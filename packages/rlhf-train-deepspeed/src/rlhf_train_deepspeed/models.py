@@ -24,7 +24,7 @@ from torch import nn
 
 from rlhf_algos.logits import logprobs_and_entropy, logprobs_from_logits
 from rlhf_train_deepspeed import ring_attn, shared_prefix
-from rlhf_train_deepspeed.batches import SequenceBatch
+from rlhf_train_deepspeed.batches import PRMBatch, SequenceBatch
 
 # --- forward passes ------------------------------------------------------------------------------------
 
@@ -106,6 +106,24 @@ def response_logprobs(
         return logprobs_from_logits(logits, targets) * mask, None, mask
     lp, ent = logprobs_and_entropy(logits, targets)
     return lp * mask, (ent if entropy_grad else ent.detach()) * mask, mask
+
+
+def response_logits(model: nn.Module, batch: SequenceBatch, packing: bool = False):
+    """The full logits that predict each response token, ``[B, T, V]`` (garbage where masked), the ``[B, T]``
+    response tokens and the ``[B, T]`` mask: what distillation compares with a teacher's."""
+    kwargs, offsets = model_inputs(batch, packing)
+    pos, mask = response_positions(batch, offsets)
+    logits = model(**kwargs, use_cache=False).logits
+    targets = kwargs["input_ids"].reshape(-1)[pos + 1]
+    return logits.reshape(-1, logits.shape[-1])[pos], targets, mask
+
+
+def step_logits(model: nn.Module, batch: PRMBatch, packing: bool = False) -> torch.Tensor:
+    """``[N, V]`` logits *at* the ``N`` step markers of a PRM micro-batch (each predicts the token after its
+    marker), padded or packed."""
+    kwargs, offsets = model_inputs(batch.seq, packing)
+    logits = model(**kwargs, use_cache=False).logits
+    return logits.reshape(-1, logits.shape[-1])[offsets[batch.rows] + batch.cols]
 
 
 def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring):

@@ -22,11 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_core.errors import UserError
+
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LR_SCHEDULERS = ("cosine_with_min_lr", "linear", "constant")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A flag value this backend cannot run with; the message names the flag."""
 
 

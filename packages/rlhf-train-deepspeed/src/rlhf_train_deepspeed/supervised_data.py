@@ -1,8 +1,9 @@
-"""Dataset rows -> token-id examples for SFT, RM, DPO and KTO, and examples -> micro-batches.
+"""Dataset rows -> token-id examples for SFT, RM, DPO, KTO, PRM and KD, and examples -> micro-batches.
 
 Rows are read and formatted by :mod:`rlhf_core.data` (readers, mixing, templates). Each example keeps
-its prompt and response ids apart, so the loss covers the response only (SFT: assistant turns only with
-``--data.multiturn``; everything with ``--model.pretrain_mode_enable``).
+its prompt and response ids apart, so the loss covers the response only (SFT and KD: assistant turns only
+with ``--data.multiturn``; everything with ``--model.pretrain_mode_enable``). A PRM example is a whole
+text with the positions of its step markers and their labels.
 
 Bad rows (a missing key, a wrong type) fail with the file, row and key named, or are skipped and counted
 as ``data/bad_rows_skipped`` with ``--data.skip_bad_rows``. A prompt over its budget follows
@@ -27,7 +28,8 @@ from rlhf_core.data import (
     get_field,
     render_prompt,
 )
-from rlhf_train_deepspeed.batches import KTOBatch, PairBatch, SequenceBatch, make_sequence_batch
+from rlhf_core.supervised import PRMTokens
+from rlhf_train_deepspeed.batches import KTOBatch, PairBatch, PRMBatch, SequenceBatch, make_sequence_batch
 
 
 @dataclass
@@ -51,6 +53,16 @@ class KTOExample:
     prompt: list[int]
     completion: list[int]
     desirable: bool
+
+
+@dataclass
+class PRMExample:
+    ids: list[int]
+    positions: list[int]
+    """Token index of each step marker."""
+    classes: list[int]
+    soft_labels: list[float]
+    """NaN for a hard label."""
 
 
 def _with_eos(ids: list[int], tokenizer) -> list[int]:
@@ -86,12 +98,19 @@ def _chat_response(tokenizer, messages: list[dict], answer: str, prompt_text: st
     return full[len(prompt_text) :]
 
 
-def build_examples(mode: str, rows: list[Row], tokenizer, cfg, stats: DataStats) -> list:
-    """Turn dataset rows into examples for ``mode`` (``sft``, ``rm``, ``dpo``, ``kto``)."""
+def build_examples(mode: str, rows: list[Row], tokenizer, cfg, stats: DataStats, prm: PRMTokens | None = None) -> list:
+    """Turn dataset rows into examples for ``mode`` (``sft``, ``rm``, ``dpo``, ``kto``, ``prm``, ``kd``);
+    ``prm`` holds the PRM's resolved tokens."""
     data, model = cfg.data, cfg.model
+    mode = "sft" if mode == "kd" else mode  # distillation reads SFT data
     out = []
     for row in rows:
         try:
+            if mode == "prm":
+                example = _prm_example(row, tokenizer, data, prm, stats)
+                if example is not None:
+                    out.append(example)
+                continue
             fields = _read_fields(mode, row, data, model)
         except DataError:
             if not data.skip_bad_rows:
@@ -102,6 +121,67 @@ def build_examples(mode: str, rows: list[Row], tokenizer, cfg, stats: DataStats)
         if example is not None:
             out.append(example)
     return out
+
+
+def _prm_example(row: Row, tokenizer, data, prm: PRMTokens, stats: DataStats) -> PRMExample | None:
+    """A text with ``prm.placeholder`` after every step, and one label per step (a reward token, or with
+    two reward tokens a probability of the positive one). Texts longer than ``--data.max_len`` tokens are
+    cut, with the labels of the markers cut off (counted as ``data/prm_steps_truncated``)."""
+    where = row.where()
+    label_key = data.label_key or "label"
+    text = get_field(row, data.input_key, str, "--data.input_key")
+    labels = get_field(row, label_key, list, "--data.label_key")
+    ids = encode(tokenizer, text)
+    positions = [i for i, t in enumerate(ids) if t == prm.placeholder_id]
+    # a marker glued to its neighbours tokenizes into other tokens and goes missing
+    merged = (
+        f"; {prm.placeholder!r} appears {text.count(prm.placeholder)} times in the text, so it merges with the "
+        "text around it: put a space on each side"
+        if text.count(prm.placeholder) > len(positions) else ""
+    )
+    if not positions:
+        raise DataError(
+            f"{where}: key {data.input_key!r} has no placeholder token {prm.placeholder!r} "
+            f"(--prm.placeholder_token), so none of its {len(labels)} labels has a step to go to{merged}"
+        )
+    if len(positions) != len(labels):
+        raise DataError(
+            f"{where}: {len(positions)} steps marked with {prm.placeholder!r} but {len(labels)} labels in "
+            f"key {label_key!r}: give one label per step{merged}"
+        )
+    classes, soft = [], []
+    for k, label in enumerate(labels):
+        c, p = _prm_label(label, prm, tokenizer, f"{where}: step {k} label {label!r} (key {label_key!r})")
+        classes.append(c)
+        soft.append(p)
+    kept = sum(1 for p in positions if p < data.max_len)
+    if kept < len(positions):
+        stats.add("prm_steps_truncated", len(positions) - kept)
+        if kept == 0:
+            stats.add("prm_rows_without_steps")
+            return None
+    return PRMExample(ids[: data.max_len], positions[:kept], classes[:kept], soft[:kept])
+
+
+def _prm_label(label, prm: PRMTokens, tokenizer, where: str) -> tuple[int, float]:
+    """``(class, soft label)`` of one step: the class indexes the reward tokens (or is a vocabulary id)."""
+    nan = float("nan")
+    if isinstance(label, str):
+        if prm.reward_tokens is None:
+            ids = encode(tokenizer, label)
+            if len(ids) != 1:
+                raise DataError(f"{where} is {len(ids)} tokens; a hard label must be one token")
+            return ids[0], nan
+        if label not in prm.reward_tokens:
+            raise DataError(f"{where} is not one of --prm.reward_tokens {prm.reward_tokens}")
+        return prm.reward_tokens.index(label), nan
+    if isinstance(label, (int, float)) and not isinstance(label, bool):
+        if prm.reward_ids is None or len(prm.reward_ids) != 2:
+            raise DataError(f"{where}: a soft (number) label needs exactly two --prm.reward_tokens, positive first")
+        if not 0.0 <= label <= 1.0:
+            raise DataError(f"{where}: a soft label is the probability of the positive token, in [0, 1]")
+        return (0 if label >= 0.5 else 1), float(label)
+    raise DataError(f"{where}: a label is a reward token (string) or a probability (number)")
 
 
 def _read_fields(mode: str, row: Row, data, model) -> dict:
@@ -192,7 +272,7 @@ def _tokenize(mode: str, f: dict, where: str, tokenizer, cfg, stats: DataStats):
 
 def collate(mode: str, examples: list, pad_token_id: int):
     """One micro-batch for ``mode`` from its examples."""
-    if mode == "sft":
+    if mode in ("sft", "kd"):
         masks = [e.response_mask if e.response_mask is not None else [1] * len(e.response) for e in examples]
         return make_sequence_batch([e.prompt for e in examples], [e.response for e in examples], pad_token_id, masks)
     if mode in ("rm", "dpo"):
@@ -201,6 +281,15 @@ def collate(mode: str, examples: list, pad_token_id: int):
             make_sequence_batch(prompts, [e.chosen for e in examples], pad_token_id),
             make_sequence_batch(prompts, [e.rejected for e in examples], pad_token_id),
             torch.tensor([e.margin for e in examples], dtype=torch.float32),
+        )
+    if mode == "prm":
+        rows = [i for i, e in enumerate(examples) for _ in e.positions]
+        return PRMBatch(
+            make_sequence_batch([e.ids[:1] for e in examples], [e.ids[1:] for e in examples], pad_token_id),
+            torch.tensor(rows, dtype=torch.long),
+            torch.tensor([p for e in examples for p in e.positions], dtype=torch.long),
+            torch.tensor([c for e in examples for c in e.classes], dtype=torch.long),
+            torch.tensor([p for e in examples for p in e.soft_labels], dtype=torch.float32),
         )
     if mode == "kto":
         prompts = [e.prompt for e in examples]
@@ -215,8 +304,12 @@ def collate(mode: str, examples: list, pad_token_id: int):
 
 
 def step_counts(mode: str, micro_batches: list) -> dict[str, float]:
-    """Global counts of one optimizer step: trained tokens (SFT) and sequences / pairs."""
-    if mode == "sft":
+    """Global counts of one optimizer step: trained tokens (SFT, KD) or labelled steps (PRM), and sequences /
+    pairs."""
+    if mode == "prm":
+        return {"num_tokens": float(sum(len(b.rows) for b in micro_batches)),
+                "num_sequences": float(sum(len(b.seq) for b in micro_batches))}
+    if mode in ("sft", "kd"):
         mb: list[SequenceBatch] = micro_batches
         return {"num_tokens": float(sum(b.response_mask().sum() for b in mb)), "num_sequences": float(sum(len(b) for b in mb))}
     n = sum(len(b.chosen) if isinstance(b, PairBatch) else len(b.seq) for b in micro_batches)
@@ -227,6 +320,11 @@ def batch_tokens(mode: str, micro_batches: list) -> int:
     """Non-pad tokens that go through the trained model in one step (for tokens/s)."""
     total = 0
     for b in micro_batches:
-        seqs = [b] if isinstance(b, SequenceBatch) else [b.chosen, b.rejected] if isinstance(b, PairBatch) else [b.seq, b.kl_seq]
+        if isinstance(b, SequenceBatch):
+            seqs = [b]
+        elif isinstance(b, PairBatch):
+            seqs = [b.chosen, b.rejected]
+        else:
+            seqs = [b.seq] if isinstance(b, PRMBatch) else [b.seq, b.kl_seq]
         total += sum(int(s.attention_mask.sum()) for s in seqs)
     return total

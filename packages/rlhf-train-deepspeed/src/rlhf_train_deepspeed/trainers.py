@@ -1,4 +1,5 @@
-"""The SFT, RM, DPO and KTO trainers: a loop in the driver process over a Ray group of DeepSpeed ranks.
+"""The SFT, RM, DPO, KTO, PRM and KD trainers: a loop in the driver process over a Ray group of DeepSpeed
+ranks.
 
 The driver reads and tokenizes the data, cuts each global batch into micro-batches (rank ``r`` gets the
 ``r``-th contiguous share), calls one training step on the group, logs, evaluates and checkpoints. The
@@ -24,13 +25,14 @@ import torch
 from rlhf_core.config_parser import shown_config
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
 from rlhf_core.rundir import MetricsWriter
+from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
 from rlhf_train_deepspeed.checkpoint import CheckpointManager, fault_point
 from rlhf_train_deepspeed.strategy import ConfigError
 from rlhf_train_deepspeed.supervised_data import batch_tokens, build_examples, collate, step_counts
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 
-MODES = ("sft", "rm", "dpo", "kto")
+MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
 
 
 def init_ray(cfg) -> None:
@@ -43,7 +45,8 @@ def init_ray(cfg) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
+        # "local": without it ray.init joins whatever cluster another program started on this machine
+        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
 
 
 @dataclass
@@ -64,7 +67,8 @@ class BatchPlan:
         return cls(world, mb, gb // (mb * world), gb)
 
 
-def loss_settings(mode: str, model) -> SupervisedConfigLite:
+def loss_settings(mode: str, cfg, reward_token_ids: list[int] | None = None) -> SupervisedConfigLite:
+    model = cfg.model
     return SupervisedConfigLite(
         mode=mode,
         beta=model.beta,
@@ -75,6 +79,8 @@ def loss_settings(mode: str, model) -> SupervisedConfigLite:
         margin_loss=model.margin_loss_enable,
         desirable_weight=model.desirable_weight,
         undesirable_weight=model.undesirable_weight,
+        reward_token_ids=reward_token_ids,
+        kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
     )
 
 
@@ -94,22 +100,29 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         raise ConfigError(f"unknown trainer mode {mode!r}; modes are {', '.join(MODES)}")
     if not cfg.model.model_name_or_path:
         raise ConfigError("--model.model_name_or_path is required")
+    try:
+        prm = preflight(mode, cfg)
+    except SetupError as exc:
+        raise ConfigError(str(exc)) from None
     plan = BatchPlan.from_config(cfg)
     output_dir = Path(cfg.ckpt.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data)
+    try:
+        tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data)
+    except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
+        raise ConfigError(f"--model.model_name_or_path {cfg.model.model_name_or_path}: {exc}") from exc
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     stats = DataStats()
     rows = load_rows(
         cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split, cfg.train.seed, cfg.data.max_samples
     )
-    examples = build_examples(mode, rows, tokenizer, cfg, stats)
+    examples = build_examples(mode, rows, tokenizer, cfg, stats, prm)
     eval_examples = []
     if cfg.eval.dataset:
         eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.eval.max_samples)
-        eval_examples = build_examples(mode, eval_rows, tokenizer, cfg, DataStats())
+        eval_examples = build_examples(mode, eval_rows, tokenizer, cfg, DataStats(), prm)
     print(f"{mode}: {len(rows)} rows -> {len(examples)} examples ({', '.join(f'{k}={int(v)}' for k, v in stats.counts.items()) or 'none skipped'}); "
           f"{len(eval_examples)} eval examples", flush=True)
     steps_per_epoch = len(examples) // plan.global_batch
@@ -131,21 +144,11 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         total_steps=total_steps,
         grad_ckpt=cfg.model.gradient_checkpointing_enable,
         grad_ckpt_reentrant=cfg.model.gradient_checkpointing_reentrant,
-        ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto") else None,
-        ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else False,
+        ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto")
+        else cfg.teacher.model_name_or_path if mode == "kd" else None,
+        ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else cfg.teacher.offload if mode == "kd" else False,
     )
-    own_group = group_factory is None
-    if own_group:
-        from rlhf_train_deepspeed.group import create_worker_group
-
-        init_ray(cfg)
-
-        def group_factory(role, spec, ds, n, seed):
-            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
-
-    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
-    losses = loss_settings(mode, cfg.model)
-
+    # checkpoint checks (damage, a run of other settings) before any worker starts
     ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     start_step = 0
     # What must not change between a run and its resume (the data position is a step number).
@@ -167,6 +170,20 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
                 )
         if not state.get("has_ds_state", True):
             raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
+
+    own_group = group_factory is None
+    if own_group:
+        from rlhf_train_deepspeed.group import create_worker_group
+
+        init_ray(cfg)
+
+        def group_factory(role, spec, ds, n, seed):
+            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
+
+    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
+    losses = loss_settings(mode, cfg, prm.reward_ids if prm else None)
+
+    if latest is not None:
         group.load_checkpoint(str(latest))
         start_step = state["step"]
         random.setstate(state["rng"]["python"])
@@ -245,6 +262,8 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             rewards = group.eval_supervised(mbs, losses)[1]
         r = torch.tensor(rewards, dtype=torch.float64)
         config_updates = {"mean": float(r.mean()), "std": max(float(r.std()) if len(r) > 1 else 1.0, 1e-8)}
+    if mode == "prm":  # what the PRM reward source needs to score steps with this model
+        config_updates = {PLACEHOLDER_KEY: prm.placeholder, REWARD_TOKENS_KEY: prm.reward_tokens}
     group.export_hf(str(output_dir), config_updates)
     log.close()
     if own_group:

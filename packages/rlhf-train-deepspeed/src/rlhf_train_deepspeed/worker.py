@@ -1,4 +1,5 @@
-"""One training rank: a model (plus, for DPO/KTO, its frozen reference) in DeepSpeed engines.
+"""One training rank: a model (plus, for DPO/KTO, its frozen reference; for KD, its teacher) in DeepSpeed
+engines.
 
 :class:`TrainWorker` is a plain class; :mod:`rlhf_train_deepspeed.group` runs N of them as Ray actors and
 fans calls out. Every method that touches a ZeRO-3 model is collective: all ranks must call it, with the
@@ -28,14 +29,17 @@ from rlhf_train_deepspeed.batches import (
     concat_batches,
     to_device,
 )
+from rlhf_train_deepspeed.checkpoint import CheckpointError
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
     load_value_model,
     normalize_rewards,
+    response_logits,
     response_logprobs,
     response_values,
     sequence_classification_architecture,
     sequence_rewards,
+    step_logits,
 )
 from rlhf_train_deepspeed.strategy import StepResult, Strategy, apply_lora, quantization_kwargs
 
@@ -64,7 +68,7 @@ class ModelSpec:
     normalize_reward: bool = False
     """Reward models: return ``(r - mean) / std`` with the statistics stored in the model's config."""
     ref_path: str | None = None
-    """DPO/KTO: a frozen reference model hosted in the same worker."""
+    """DPO/KTO: a frozen reference model hosted in the same worker; KD: the teacher."""
     ref_offload: bool = False
     init_value_head: bool = True
     ema_beta: float | None = None
@@ -95,7 +99,7 @@ class PolicyStepConfig:
 
 @dataclass
 class SupervisedConfigLite:
-    """The loss settings of the SFT/RM/DPO/KTO modes (``--model.*``)."""
+    """The loss settings of the SFT/RM/DPO/KTO/PRM/KD modes (``--model.*``, ``--prm.*``, ``--teacher.*``)."""
 
     mode: str
     beta: float = 0.1
@@ -106,6 +110,9 @@ class SupervisedConfigLite:
     margin_loss: bool = False
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
+    reward_token_ids: list[int] | None = None
+    """PRM: the ids the step logits are restricted to; None: the whole vocabulary."""
+    kd_coef: float = 0.4
 
 
 def causal_attn(path: str, ds, attn: str) -> str:
@@ -385,7 +392,7 @@ class TrainWorker:
     # --- supervised modes ---
 
     def _supervised_loss(self, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
-        """``(loss, metrics, weight)`` of one SFT/RM/DPO/KTO micro-batch. With ``counts`` (training) the loss
+        """``(loss, metrics, weight)`` of one SFT/RM/DPO/KTO/PRM/KD micro-batch. With ``counts`` (training) the loss
         is normalised by the step's global token / pair count and multiplied by the data-parallel size;
         without (evaluation) it is the mean over this micro-batch."""
         from rlhf_algos.preference import dpo_loss, kto_loss, nll_loss, rm_loss
@@ -401,6 +408,25 @@ class TrainWorker:
             loss = sft_loss(lp, mask, LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp))
             n = float(mask.sum())
             return loss, {"nll": float(-(lp.detach() * mask).sum()) / max(n, 1.0)}, n
+        if cfg.mode == "prm":
+            from rlhf_algos.prm import prm_loss
+
+            logits = step_logits(self.engine, mb, self.packing)  # [N, V]
+            if cfg.reward_token_ids is not None:
+                logits = logits[:, cfg.reward_token_ids]  # [N, K]
+            n = float(len(mb.rows))
+            agg = LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp)
+            out = prm_loss(logits, mb.classes, mb.soft_labels, agg)
+            return out.loss, dict(out.metrics), n
+        if cfg.mode == "kd":
+            from rlhf_algos.distill import kd_loss
+
+            student, labels, mask = response_logits(self.engine, mb, self.packing)
+            with torch.no_grad():
+                teacher, _, _ = response_logits(self.ref_engine, mb, self.packing)
+            agg = LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp)
+            out = kd_loss(student, teacher, labels, mask, cfg.kd_coef, agg)
+            return out.loss, dict(out.metrics), float(mask.sum())
         if cfg.mode == "rm":
             both = concat_batches([mb.chosen, mb.rejected], pad)
             rewards = sequence_rewards(self.engine, both, self.packing, self.ring)
@@ -445,7 +471,7 @@ class TrainWorker:
         raise ValueError(f"unknown supervised mode {cfg.mode!r}")
 
     def train_supervised(self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]) -> StepResult:
-        """One optimizer step of an SFT/RM/DPO/KTO loss over the micro-batches."""
+        """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss over the micro-batches."""
         return self.strategy.optimizer_step(
             self.engine, micro_batches, lambda mb: self._supervised_loss(mb, cfg, counts)
         )
@@ -472,14 +498,21 @@ class TrainWorker:
             torch.save([e.cpu() for e in self.ema], Path(path) / f"ema_rank{self.rank}.pt")
 
     def load_checkpoint(self, path: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(
-            path, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        # CheckpointManager.latest() checked the files in the driver; this names the checkpoint when damage it
+        # cannot see (garbage of the right size and structure) makes DeepSpeed fail
+        try:
+            load_path, _ = self.engine.load_checkpoint(
+                path, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        except Exception as exc:
+            raise CheckpointError(f"{path}/{ENGINE_TAG}: DeepSpeed could not load rank {self.rank}'s state: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed state under {path}/{ENGINE_TAG}")
         rng_file = Path(path) / f"rng_rank{self.rank}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        if not rng_file.exists():  # without it the resumed run would not sample what the uninterrupted one did
+            raise CheckpointError(f"{rng_file} is missing: rank {self.rank}'s RNG state cannot be restored")
+        set_rng_state(torch.load(rng_file, weights_only=False))
         if self.ema is not None:
             self._load_ema(Path(path) / f"ema_rank{self.rank}.pt")
 

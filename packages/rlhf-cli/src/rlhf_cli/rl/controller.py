@@ -22,6 +22,7 @@ from rlhf_algos.kl import make_kl_controller
 from rlhf_algos.shaping import dynamic_filter
 from rlhf_cli.rl.experience import Experience, advantage_input, build_experience
 from rlhf_cli.rl.prompts import Prompt, PromptStream
+from rlhf_core.errors import UserError
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import SamplingParams, Trajectory, derive_seed
 from rlhf_train_deepspeed.batches import (
@@ -33,7 +34,7 @@ from rlhf_train_deepspeed.batches import (
 from rlhf_train_deepspeed.worker import PolicyStepConfig
 
 
-class RLRunError(RuntimeError):
+class RLRunError(UserError, RuntimeError):
     """The run cannot go on; the message names the worker, file or setting at fault."""
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rlhf_core.errors import UserError
 from rlhf_core.memory import keep_freed_memory
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.types import SamplingParams, Trajectory
@@ -55,7 +56,14 @@ class RolloutActor:
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
         engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
         self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
-        self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
+        # The driver checked the agent and reward files, but here they are imported again and the executor is
+        # built (on another machine, perhaps). Ray turns an error in __init__ into text holding the worker's
+        # traceback; raised by ping() instead, it reaches the driver as itself, with its clear message.
+        self.init_error: UserError | None = None
+        try:
+            self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
+        except UserError as exc:
+            self.init_error = exc
         # With partial rollout the actor runs calls concurrently, so the first receive_weights can start
         # while init_weight_sync is still joining the group.
         self.sync_ready = threading.Event()
@@ -102,6 +110,9 @@ class RolloutActor:
         self.engine.wake_up()
 
     def ping(self) -> bool:
+        """True once the actor is up; raises the user error that its set-up met, if any."""
+        if self.init_error is not None:
+            raise self.init_error
         return True
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import ray
 
-from rlhf_cli.assemble import Assembly, choose_engine
+from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_options
-from rlhf_cli.rl.controller import Groups, RLController, RLRunError
+from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
 from rlhf_core.plugins import get_plugin_manager, resolve
@@ -67,7 +67,10 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     # partial rollout: weights may land while a generation is running (a second concurrent call)
     concurrency = 2 if cfg.train.partial_rollout_enable else 1
     width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
-    threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" else None
+    import torch
+
+    # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
+    threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() else None
     rollout = [
         actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
                           max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
@@ -83,9 +86,12 @@ def run_rl(asm: Assembly) -> int:
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
     from rlhf_core.data import load_tokenizer
-    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+    from rlhf_train_deepspeed.checkpoint import CheckpointError, CheckpointManager
 
-    tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
+    try:
+        tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
+    except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
+        raise RunConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: {exc}") from exc
     prompts = load_prompts(cfg, tokenizer)
     eval_prompts = []
     if cfg.eval.dataset:
@@ -93,11 +99,21 @@ def run_rl(asm: Assembly) -> int:
                                     max_samples=cfg.eval.max_samples)
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
-    latest = checkpoints.latest() if cfg.ckpt.load_enable else None
-    if latest is not None and not checkpoints.load_client_state(latest).get("has_ds_state", True):
-        print(f"rlhf train ppo: cannot resume from {latest}: it was saved with --ckpt.disable_ds (HF weights "
-              "only, no optimizer state)", file=sys.stderr)
-        return 2
+    resume, resume_state = None, None
+    if cfg.ckpt.load_enable:  # damaged checkpoints are found here, before any worker starts
+        try:
+            resume = checkpoints.latest()
+            resume_state = checkpoints.load_client_state(resume) if resume is not None else None
+        except CheckpointError as exc:
+            print(f"rlhf train ppo: {exc}", file=sys.stderr)
+            return 1
+        if resume is None:
+            print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
+                  file=sys.stderr)
+        elif not resume_state.get("has_ds_state", True):
+            print(f"rlhf train ppo: cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
+                  "only, no optimizer state)", file=sys.stderr)
+            return 2
 
     started = time.perf_counter()
     own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
@@ -109,17 +125,13 @@ def run_rl(asm: Assembly) -> int:
         groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)), tokenizer.pad_token_id or 0)
         controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
                                   eval_prompts=eval_prompts)
-        if cfg.ckpt.load_enable:
-            if latest is not None:
-                groups.actor.load_checkpoint(str(latest / "actor"))
-                if groups.critic is not None:
-                    groups.critic.load_checkpoint(str(latest / "critic"))
-                controller.load_client_state(checkpoints.load_client_state(latest))
-                controller.sync_weights()
-                print(f"resumed from {latest} at step {controller.step}", file=sys.stderr)
-            else:
-                print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
-                      file=sys.stderr)
+        if resume is not None:
+            groups.actor.load_checkpoint(str(resume / "actor"))
+            if groups.critic is not None:
+                groups.critic.load_checkpoint(str(resume / "critic"))
+            controller.load_client_state(resume_state)
+            controller.sync_weights()
+            print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
         logger = MetricsLogger(cfg, controller.total_steps(), controller.step)
         print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; workers up in "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
@@ -128,9 +140,6 @@ def run_rl(asm: Assembly) -> int:
         groups.actor.export_hf(str(out / "model"))
         if groups.critic is not None and cfg.critic.save_value_network:
             groups.critic.export_hf(str(out / "critic"))
-    except RLRunError as exc:
-        print(f"rlhf train ppo: {exc}", file=sys.stderr)
-        return 1
     finally:
         if logger is not None:
             logger.close()

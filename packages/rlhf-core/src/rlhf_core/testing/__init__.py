@@ -23,6 +23,7 @@ from rlhf_core.testing.fixtures import register_plugin, registered_plugin
 from rlhf_core.testing.seams import (
     EnvironmentConformance,
     PlacementStrategyConformance,
+    PostProcessorConformance,
     RewardSourceConformance,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "AdvantageEstimatorConformance",
     "EnvironmentConformance",
     "PlacementStrategyConformance",
+    "PostProcessorConformance",
     "RewardSourceConformance",
     "KLEstimatorConformance",
     "PolicyLossConformance",

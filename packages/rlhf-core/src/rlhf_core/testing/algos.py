@@ -6,6 +6,7 @@ manager, so the suite also proves the plugin is discoverable.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -69,6 +70,37 @@ class AdvantageEstimatorConformance:
         a = self.estimator()(self.make_batch(seed=2))
         b = self.estimator()(self.make_batch(seed=2))
         assert torch.equal(a.advantages, b.advantages) and torch.equal(a.returns, b.returns)
+
+    def test_applies_the_in_reward_kl_penalty(self):
+        """The estimator owns the in-reward KL: ``-kl_coef * kl`` on the action tokens (``--algo.kl.init_coef``
+        without ``--algo.kl.use_loss``). Rows 0 and 1 are made identical, then row 0 gets more KL on
+        every token: its advantage at its first token must fall below row 1's. Whatever the baseline or a
+        positive rescaling of the batch, identical rows stay tied unless the KL is applied."""
+        batch = self.make_batch(seed=5)
+        for field in ("rewards", "action_mask", "kl", "values"):
+            t = getattr(batch, field)
+            if t is not None:
+                t = t.clone()
+                t[1] = t[0]
+                setattr(batch, field, t)
+        batch.kl[0] += batch.action_mask[0]
+        out = self.estimator()(batch)
+        assert out.advantages[0, 0] < out.advantages[1, 0], "the KL penalty in AdvantageInput.kl was ignored"
+        # with kl_coef 0 the kl tensor must not matter
+        zero = self.estimator()(dataclasses.replace(batch, kl_coef=0.0))
+        none = self.estimator()(dataclasses.replace(batch, kl=None, kl_coef=0.0))
+        torch.testing.assert_close(zero.advantages, none.advantages)
+
+    def test_applies_reward_clip(self):
+        """``reward_clip`` (``--reward.clip_range``) bounds the group-shaped sequence reward: a range that
+        clips some of this batch's rewards changes the advantages, one wider than every reward does not."""
+        batch = dataclasses.replace(self.make_batch(seed=6), kl=None, kl_coef=0.0)
+        batch.rewards = batch.rewards * 100  # far outside the clip range, whatever the group shaping
+        plain = self.estimator()(batch)
+        wide = self.estimator()(dataclasses.replace(batch, reward_clip=(-1e30, 1e30)))
+        tight = self.estimator()(dataclasses.replace(batch, reward_clip=(-0.01, 0.01)))
+        torch.testing.assert_close(wide.advantages, plain.advantages)
+        assert not torch.allclose(tight.advantages, plain.advantages), "AdvantageInput.reward_clip was ignored"
 
     def test_invalid_samples_get_zero_advantage(self):
         batch = self.make_batch(seed=3)

@@ -7,12 +7,22 @@ against the plugin registered under that name, resolved through the installed en
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
+import json
 import math
 from typing import Any, ClassVar
 
 from rlhf_core.plugins import get_plugin_manager, resolve
-from rlhf_core.types import PlacementPlan, RewardRequest, RewardResult, RoleDemand
+from rlhf_core.types import (
+    PlacementPlan,
+    PostProcessInput,
+    PostProcessOptions,
+    RewardRequest,
+    RewardResult,
+    RoleDemand,
+    ScoredSample,
+)
 
 
 def _run(value):
@@ -120,3 +130,46 @@ class PlacementStrategyConformance:
                 share = g.num_gpus_per_worker if gpus else g.num_cpus_per_worker
                 assert 0 < share <= max(b.get(kind, 0) for b in pools[g.pool].bundles) * self.roles()[g.role].gpus_per_worker
             assert plan.describe()
+
+
+class PostProcessorConformance:
+    """A post-processor of ``rlhf generate`` must accept its default options, return JSON-serialisable
+    dict rows, leave its input alone, give the same rows for the same samples, and nothing for no samples.
+
+    Override ``options()`` when the processor needs settings, and ``batch()`` to feed it other samples.
+    """
+
+    name: ClassVar[str]
+
+    def options(self) -> PostProcessOptions:
+        return PostProcessOptions()
+
+    def batch(self) -> PostProcessInput:
+        rewards = [[0.5, -1.0, 2.0, 2.0], [1.0, 1.0], [0.25], [3.0, -3.0, 0.0]]
+        groups = [[ScoredSample(input=f"prompt {p}", output=f"answer {p}.{j}", reward=r, prompt_index=p,
+                                sample_index=j, label=str(p)) for j, r in enumerate(rs)]
+                  for p, rs in enumerate(rewards)]
+        return PostProcessInput(groups, self.options())
+
+    def processor(self) -> Any:
+        return resolve(get_plugin_manager(), "post_processors", self.name)
+
+    def test_accepts_its_options(self):
+        self.processor().check(self.options())
+
+    def test_rows_are_json_objects(self):
+        rows = self.processor()(self.batch())
+        assert isinstance(rows, list)
+        for row in rows:
+            assert isinstance(row, dict), f"a row is a {type(row).__name__}, not a dict"
+            assert json.loads(json.dumps(row)) == row, f"row {row!r} does not survive JSON"
+
+    def test_same_samples_same_rows_and_input_untouched(self):
+        batch = self.batch()
+        before = copy.deepcopy(batch)
+        first = self.processor()(batch)
+        assert batch == before, "the post-processor changed its input"
+        assert self.processor()(copy.deepcopy(before)) == first
+
+    def test_no_samples_no_rows(self):
+        assert self.processor()(PostProcessInput([], self.options())) == []

@@ -1,0 +1,563 @@
+"""``rlhf generate``: OpenRLHF's batch inference. n samples per prompt on Ray workers, scored, post-processed.
+
+Data flow::
+
+    --data.dataset rows --(driver: select, template, tokenize, check)--> prompts
+        --(Ray generation workers: rollout engine, reward source)--> <output_path>.samples.jsonl
+        --(driver: post-processor)--> <output_path>
+
+Everything that can be checked is checked in the driver before a worker starts (``--dry-run`` stops
+there). Each worker hosts one rollout engine (resolved by name from the engine plugins) and the reward
+source of ``--reward.*`` (resolved from the reward-source plugins), and answers micro-batches of
+``--rollout.micro_batch_size`` prompts with every sample scored.
+
+The driver appends each answered micro-batch to the samples file in one write and fsyncs it. A rerun
+of the same command resumes: it cuts a partial last line (a kill during a write), drops the samples of
+prompts that did not get all their samples, and generates only what is missing; sample j of prompt i
+draws from ``derive_seed(seed, iter, i, j)`` whoever generates it, so nothing is duplicated or
+resampled differently. The output is written whole (temporary file, then rename) once every prompt is
+done, so an existing output is a complete one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_core import data, plugins
+from rlhf_core.config import GenerateConfig, as_rl_config
+from rlhf_core.config_parser import redact_text
+from rlhf_core.errors import UserError
+from rlhf_core.types import (
+    GenerationRequest,
+    PostProcessInput,
+    PostProcessOptions,
+    RewardRequest,
+    SamplingParams,
+    ScoredSample,
+    derive_seed,
+)
+
+TASKS = ("generate", "generate_vllm", "rm")
+
+
+class GenerateError(UserError, ValueError):
+    """A setting or input that cannot work; the message names the flag, file or row."""
+
+
+@dataclass
+class Plan:
+    """What a run will do, all checked: the prompts, the engine, the reward source, the post-processor."""
+
+    cfg: GenerateConfig
+    prompts: list[dict]
+    """``{"index", "text", "ids", "label"}`` (+ ``"output"``, ``"output_ids"`` for ``--generate.task rm``)."""
+    engine: str | None
+    """Rollout engine name; None for ``--generate.task rm``."""
+    reward: str | None
+    """Description of the reward source; None without one."""
+    samples_path: Path
+    output_path: Path
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return 1 if self.engine is None else self.cfg.rollout.n_samples_per_prompt
+
+    def fingerprint(self) -> dict:
+        """What a resumed run must share with the run that wrote the samples."""
+        c = self.cfg
+        return {"task": c.generate.task, "model": c.model.model_name_or_path, "dataset": c.data.dataset,
+                "iter": c.generate.iter, "seed": c.generate.seed, "prompts": len(self.prompts), "n": self.n,
+                "sampling": dataclasses.asdict(c.rollout) | {"micro_batch_size": None, "engine": None},
+                "reward": {k: getattr(c.reward, k) for k in ("model_name_or_path", "source", "normalize_enable",
+                                                             "weights")}
+                | {"remote_url": c.reward.remote_url and redact_text(c.reward.remote_url)},  # saved: no credentials
+                "enable_csft": c.generate.enable_csft,
+                "csft_prompt": c.generate.csft_prompt if c.generate.enable_csft else None}
+
+    def describe(self) -> str:
+        c = self.cfg
+        lines = [f"prompts: {len(self.prompts)} from {', '.join(c.data.dataset or [])}"
+                 + (f" (iteration {c.generate.iter}: rows {c.generate.iter * c.rollout.batch_size}.."
+                    f"{(c.generate.iter + 1) * c.rollout.batch_size - 1})" if c.generate.iter is not None else "")]
+        if self.engine is None:
+            lines.append("task: score the rows' own responses (--data.output_key "
+                         f"{c.data.output_key}); no policy")
+        else:
+            lines.append(f"generation: {self.n} sample(s) per prompt with the {self.engine} engine on "
+                         f"{c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call")
+        lines.append(f"reward: {self.reward or 'none (samples are not scored)'}")
+        lines.append(f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}")
+        lines.append(f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}")
+        return "\n".join(lines)
+
+
+# --- planning (the driver, before any worker) ----------------------------------------------------------
+
+
+def load_tokenizer(cfg: GenerateConfig) -> Any:
+    """The policy's tokenizer, else the reward model's, else None (a reward file scoring text alone)."""
+    from transformers import AutoTokenizer
+
+    path = cfg.model.model_name_or_path or cfg.reward.model_name_or_path
+    if path is None:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(path, use_fast=not cfg.data.disable_fast_tokenizer)
+    if cfg.data.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.data.tokenizer_chat_template
+    return tokenizer
+
+
+def select_rows(cfg: GenerateConfig) -> list[data.Row]:
+    """The rows of this run: ``[iter * R, (iter + 1) * R)`` with ``--generate.iter``, else the first
+    ``--data.max_samples``."""
+    d, it = cfg.data, cfg.generate.iter
+    rows = data.load_rows(d.dataset or [], d.dataset_probs, d.dataset_split, cfg.generate.seed,
+                          None if it is not None else d.max_samples)
+    if it is None:
+        return rows
+    size = cfg.rollout.batch_size
+    picked = rows[it * size:(it + 1) * size]
+    if not picked:
+        raise GenerateError(f"--generate.iter {it} with --rollout.batch_size {size} starts at row {it * size}, but "
+                            f"the data has only {len(rows)} rows")
+    return picked
+
+
+def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) -> list[dict]:
+    d, rm_task = cfg.data, cfg.generate.task == "rm"
+    prompts = []
+    for row in select_rows(cfg):
+        try:
+            raw = data.get_field(row, d.input_key, (str, list), "--data.input_key")
+            if isinstance(raw, list):
+                data.check_messages(raw, row, d.input_key)
+            if (d.apply_chat_template or isinstance(raw, list)) and tokenizer is None:
+                raise GenerateError("--data.apply_chat_template needs a tokenizer: give --model.model_name_or_path "
+                                    "or --reward.model_name_or_path")
+            text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
+            output = data.get_field(row, d.output_key, str, "--data.output_key") if rm_task else None
+            label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None
+        except data.DataError:
+            if not d.skip_bad_rows:
+                raise
+            stats.add("bad_rows_skipped")
+            continue
+        if cfg.generate.enable_csft:
+            text += cfg.generate.csft_prompt.strip() + " "
+        ids = data.encode(tokenizer, text) if tokenizer is not None else []
+        if tokenizer is not None:
+            ids = data.fit_prompt(ids, d.prompt_max_len, d.overlong_prompt_policy, row.where(), stats)
+            if ids is None:
+                continue
+        prompt = {"index": len(prompts), "text": text, "ids": ids, "label": label}
+        if rm_task:
+            out_ids = data.encode(tokenizer, output) if tokenizer is not None else []
+            eos = getattr(tokenizer, "eos_token_id", None)
+            if eos is not None and (not out_ids or out_ids[-1] != eos):
+                out_ids.append(eos)  # a reward model reads the score at the EOS, as it was trained
+            prompt |= {"output": output, "output_ids": out_ids}
+        prompts.append(prompt)
+    if not prompts:
+        raise GenerateError(f"no usable prompts in {', '.join(d.dataset or [])}")
+    return prompts
+
+
+class _UnloadedRewardModel:
+    """Stands in for the reward model while the driver checks the reward configuration: the model itself
+    is loaded by each worker."""
+
+    def compute_rewards(self, sequences):
+        raise RuntimeError("the driver does not score")
+
+
+def check_reward(cfg: GenerateConfig, pm) -> str | None:
+    """Build the reward source of ``--reward.*`` once in the driver (loading a reward file, checking URLs,
+    resolving a named source) without loading a reward model; returns its description, or None."""
+    from rlhf_agents.loading import UserCodeError
+    from rlhf_agents.rewards import build_reward_source
+
+    path = cfg.reward.model_name_or_path
+    if path and not (Path(path) / "config.json").is_file():
+        raise GenerateError(f"--reward.model_name_or_path {path}: no model there (no config.json)")
+    try:
+        source = build_reward_source(as_rl_config(cfg), pm, reward_model_handle=_UnloadedRewardModel())
+    except (UserCodeError, plugins.PluginError, ValueError, TypeError) as exc:
+        raise GenerateError(f"the reward source cannot score: {exc}") from None
+    if source is None:
+        return None
+    description = getattr(source, "description", type(source).__name__)
+    asyncio.run(source.aclose())
+    return description
+
+
+def plan(cfg: GenerateConfig, pm=None) -> Plan:
+    """Check everything and read the prompts; raises GenerateError (or DataError) naming what is wrong."""
+    from rlhf_cli.assemble import choose_engine
+
+    pm = pm or plugins.get_plugin_manager()
+    g, r = cfg.generate, cfg.rollout
+    problems = []
+    if g.task not in TASKS:
+        problems.append(f"--generate.task {g.task}: choose one of {', '.join(TASKS)}")
+    if not g.output_path:
+        problems.append("--generate.output_path is required (the JSON-lines file to write)")
+    if not cfg.data.dataset:
+        problems.append("--data.dataset is required (the prompts)")
+    if g.task != "rm" and not cfg.model.model_name_or_path:
+        problems.append("--model.model_name_or_path (--pretrain) is required: the policy that generates")
+    if r.repetition_penalty != 1.0:
+        problems.append(f"--rollout.repetition_penalty {r.repetition_penalty}: the rollout engines sample "
+                        "without a repetition penalty; leave it at 1.0")
+    for flag, value in (("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
+                        ("--rollout.micro_batch_size", r.micro_batch_size), ("--rollout.batch_size", r.batch_size),
+                        ("--vllm.num_engines", cfg.vllm.num_engines)):
+        if value < 1:
+            problems.append(f"{flag} {value}: must be at least 1")
+    if g.iter is not None and g.iter < 0:
+        problems.append(f"--generate.iter {g.iter}: must be 0 or more")
+    if r.temperature < 0:
+        problems.append(f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more")
+    if problems:
+        raise GenerateError("this run cannot start:\n  - " + "\n  - ".join(problems))
+
+    engine = None
+    if g.task != "rm":
+        rl = as_rl_config(cfg)
+        if g.task == "generate_vllm":
+            if r.engine not in ("auto", "vllm"):
+                raise GenerateError(f"--generate.task generate_vllm asks for the vllm engine, but --rollout.engine "
+                                    f"is {r.engine}")
+            rl.rollout.engine = "vllm"
+        engine = choose_engine(rl, pm)
+        try:
+            factory = plugins.resolve(pm, "rollout_engines", engine, "--rollout.engine")
+        except plugins.PluginError as exc:
+            raise GenerateError(str(exc)) from None
+        reason = factory.available() or getattr(factory, "config_problem", lambda cfg: None)(rl)
+        if reason:
+            raise GenerateError(f"--rollout.engine {engine} cannot run here: {reason}")
+        if not (Path(cfg.model.model_name_or_path) / "config.json").is_file():
+            raise GenerateError(f"--model.model_name_or_path {cfg.model.model_name_or_path}: no model there "
+                                "(no config.json)")
+    reward = check_reward(cfg, pm)
+    if g.task == "rm" and reward is None:
+        raise GenerateError("--generate.task rm scores the dataset's responses: give a reward source "
+                            "(--reward.model_name_or_path, --reward.remote_url or --reward.source)")
+    if g.post_processor:
+        try:
+            processor = plugins.resolve(pm, "post_processors", g.post_processor, "--generate.post_processor")
+            processor.check(PostProcessOptions(g.reward_template, g.normalize_reward))
+        except (plugins.PluginError, ValueError) as exc:
+            raise GenerateError(str(exc)) from None
+        if reward is None:
+            raise GenerateError(f"--generate.post_processor {g.post_processor} works on rewards: give a reward "
+                                "source (--reward.model_name_or_path, --reward.remote_url or --reward.source)")
+    stats = data.DataStats()
+    prompts = build_prompts(cfg, load_tokenizer(cfg), stats)
+    notes = [f"{k}: {int(v)}" for k, v in stats.counts.items()]
+    if engine is not None and r.temperature == 0 and r.n_samples_per_prompt > 1:
+        notes.append("greedy sampling gives every sample of a prompt the same tokens")
+    out = Path(g.output_path)
+    return Plan(cfg, prompts, engine, reward, out.with_name(out.name + ".samples.jsonl"), out, notes)
+
+
+# --- the samples file: append, resume ---------------------------------------------------------------------
+
+
+def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
+    """Read the samples file of an earlier run of the same command; returns the prompts it finished and a
+    note on what was repaired. A partial last line is cut and the samples of unfinished prompts are
+    dropped (file rewritten through a temporary file), so the file holds only finished prompts."""
+    path, meta_path = plan.samples_path, plan.samples_path.with_suffix(".meta.json")
+    fingerprint = json.loads(json.dumps(plan.fingerprint()))  # as it reads back (tuples become lists)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(meta_path, json.dumps(fingerprint, indent=1) + "\n")
+        path.touch()
+        return set(), None
+    if meta_path.exists():
+        saved = json.loads(meta_path.read_text())
+        changed = [k for k in fingerprint if saved.get(k) != fingerprint[k]]
+        if changed:
+            raise GenerateError(
+                f"{path} was written by a run with other settings ({', '.join(changed)} differ: "
+                f"{ {k: saved.get(k) for k in changed} } there, { {k: fingerprint[k] for k in changed} } now); "
+                "delete it or choose another --generate.output_path")
+    else:
+        _atomic_write(meta_path, json.dumps(fingerprint, indent=1) + "\n")
+    blob = path.read_bytes()
+    complete = blob[: blob.rfind(b"\n") + 1]
+    repaired = []
+    if len(complete) != len(blob):
+        repaired.append("a partial last line")
+    counts: dict[int, int] = {}
+    records = []
+    for line in complete.decode("utf-8").splitlines():
+        rec = json.loads(line)
+        records.append((rec["prompt_index"], line))
+        counts[rec["prompt_index"]] = counts.get(rec["prompt_index"], 0) + 1
+    done = {i for i, c in counts.items() if c == plan.n}
+    unfinished = set(counts) - done
+    if unfinished:
+        repaired.append(f"the samples of {len(unfinished)} unfinished prompt(s)")
+    if repaired:
+        _atomic_write(path, "".join(line + "\n" for i, line in records if i in done))
+    note = f"resuming {path}: {len(done)} of {len(plan.prompts)} prompts done" + (
+        f"; dropped {' and '.join(repaired)}" if repaired else "")
+    return done, note
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def append_records(path: Path, records: list[dict], chunk_number: int) -> None:
+    """Append one micro-batch's samples in one write, then fsync: a kill leaves at most a partial tail."""
+    blob = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")
+    with path.open("ab") as f:
+        if os.environ.get("RLHF_FAULT") == f"generate_mid_write:{chunk_number}":  # crash tests
+            f.write(blob[: len(blob) // 2])
+            f.flush()
+            print(f"RLHF_FAULT: exiting in the write of micro-batch {chunk_number}", flush=True)
+            os._exit(137)
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- the Ray worker ------------------------------------------------------------------------------------------
+
+
+class GenerationWorker:
+    """One rollout engine and one reward source, in a Ray actor. Built from plain data (the config and the
+    engine's name); plugins are resolved in this process."""
+
+    def __init__(self, cfg: GenerateConfig, engine_name: str | None, index: int, num_threads: int):
+        import torch
+
+        from rlhf_agents.rewards import build_reward_source
+
+        torch.set_num_threads(num_threads)
+        pm = plugins.get_plugin_manager()
+        rl = as_rl_config(cfg)
+        self.cfg = cfg
+        self.engine = None
+        if engine_name is not None:
+            self.engine = plugins.resolve(pm, "rollout_engines", engine_name).create(rl, index=index)
+        self.tokenizer = load_tokenizer(cfg)
+        self.reward = build_reward_source(rl, pm)
+        self.loop = asyncio.new_event_loop()  # kept: HTTP sessions live on it
+
+    def run(self, prompts: list[dict]) -> list[dict]:
+        """Every sample of ``prompts`` (micro-batch), scored: one record per sample, prompt by prompt."""
+        c = self.cfg
+        if self.engine is None:
+            samples = [(p, 0, p["output_ids"], p["output"], "stop") for p in prompts]
+        else:
+            params = [SamplingParams(n=c.rollout.n_samples_per_prompt, temperature=c.rollout.temperature,
+                                     top_p=c.rollout.top_p, top_k=c.rollout.top_k,
+                                     max_new_tokens=c.rollout.max_new_tokens,
+                                     seed=derive_seed(c.generate.seed, c.generate.iter or 0, p["index"]))
+                      for p in prompts]
+            outs = self.engine.generate([GenerationRequest(p["ids"], sp) for p, sp in zip(prompts, params)])
+            samples = [(p, j, o.token_ids, self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+                        o.finish_reason) for p, group in zip(prompts, outs) for j, o in enumerate(group)]
+        rewards: list[float | None] = [None] * len(samples)
+        errors: list[str | None] = [None] * len(samples)
+        if self.reward is not None:
+            result = self.loop.run_until_complete(self.reward.score(self._request(samples)))
+            rewards = list(result.rewards)
+            errors = list(result.errors) or [None] * len(samples)
+        records = []
+        for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors):
+            rec = {"prompt_index": p["index"], "sample_index": j, "input": p["text"], "output": text,
+                   "reward": reward, "finish_reason": finish}
+            if p["label"] is not None:
+                rec["label"] = p["label"]
+            if self.reward is not None and reward is None:
+                rec["error"] = error or "unscorable"
+            records.append(rec)
+        return records
+
+    def _request(self, samples: list[tuple]) -> RewardRequest:
+        tok = self.tokenizer
+
+        def decode(ids: list[int], skip: bool) -> str:
+            return tok.decode(ids, skip_special_tokens=skip) if tok is not None else ""
+
+        return RewardRequest(
+            queries=[decode(p["ids"] + list(ids), False) if tok is not None else p["text"] + text
+                     for p, _, ids, text, _ in samples],
+            prompts=[p["text"] for p, *_ in samples],
+            labels=[p["label"] for p, *_ in samples],
+            prompt_ids=[list(p["ids"]) for p, *_ in samples],
+            response_ids=[list(ids) for _, _, ids, _, _ in samples],
+            finish_reasons=[finish for *_, finish in samples],
+            responses=[text for _, _, _, text, _ in samples],
+        )
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A line per answered micro-batch, at most every ``every_s`` seconds (and always the last one)."""
+
+    def __init__(self, total: int, done: int, every_s: float = 5.0):
+        self.total, self.done, self.start_done = total, done, done
+        self.samples, self.reward_sum, self.scored = 0, 0.0, 0
+        self.every_s, self.t0, self.last = every_s, time.perf_counter(), 0.0
+
+    def update(self, records: list[dict], prompts: int) -> None:
+        self.done += prompts
+        self.samples += len(records)
+        for rec in records:
+            if rec["reward"] is not None:
+                self.reward_sum += rec["reward"]
+                self.scored += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
+            reward = f", mean reward {self.reward_sum / self.scored:.4f}" if self.scored else ""
+            print(f"generate: {self.done}/{self.total} prompts ({self.done / self.total:.0%}), {self.samples} "
+                  f"samples this run, {rate:.2f} prompts/s{reward}", flush=True)
+
+
+def generate_samples(plan: Plan, todo: list[dict]) -> None:
+    """Share ``todo`` out to the Ray workers, a micro-batch at a time, appending answers as they come."""
+    import ray
+
+    from rlhf_cli.ray_launch import init_ray
+
+    cfg = plan.cfg
+    workers_n = min(cfg.vllm.num_engines, max(1, len(todo)))
+    init_ray(cfg, min_cpus=workers_n)
+    import torch
+
+    gpus = cfg.vllm.tensor_parallel_size if (plan.engine is not None and torch.cuda.is_available()) else 0
+    # the cores split between the workers, at most $OMP_NUM_THREADS each (oversubscribed OpenMP spins)
+    cores = os.cpu_count() or 1
+    threads = max(1, min(cores // workers_n, int(os.environ.get("OMP_NUM_THREADS") or cores)))
+    actor = ray.remote(GenerationWorker).options(num_cpus=1, num_gpus=gpus)
+    workers = [actor.remote(cfg, plan.engine, k, threads) for k in range(workers_n)]
+    size = cfg.rollout.micro_batch_size
+    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+    progress = Progress(len(plan.prompts), len(plan.prompts) - len(todo))
+    pending: dict[Any, tuple[int, list[dict]]] = {}  # object ref -> (worker, its micro-batch)
+    next_chunk, written = 0, 0
+    try:
+        while next_chunk < len(chunks) or pending:
+            busy = {k for k, _ in pending.values()}
+            for k, w in enumerate(workers):
+                if next_chunk < len(chunks) and k not in busy:
+                    pending[w.run.remote(chunks[next_chunk])] = (k, chunks[next_chunk])
+                    next_chunk += 1
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            _, chunk = pending.pop(ref)
+            records = ray.get(ref)
+            if plan.reward is not None and all(rec["reward"] is None for rec in records):
+                raise GenerateError(f"the reward source ({plan.reward}) could not score any sample of a micro-batch; "
+                                    f"first error: {records[0].get('error')}. The samples made so far are kept: fix "
+                                    "the reward source and run the same command again to resume")
+            written += 1
+            append_records(plan.samples_path, records, written)
+            progress.update(records, len(chunk))
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+def read_samples(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def finish(plan: Plan, pm=None) -> dict:
+    """Post-process the complete samples file into the output (written whole); returns a summary."""
+    cfg = plan.cfg
+    records = sorted(read_samples(plan.samples_path), key=lambda r: (r["prompt_index"], r["sample_index"]))
+    scored = [r for r in records if r["reward"] is not None]
+    unscorable = len(records) - len(scored) if plan.reward is not None else 0
+    if cfg.generate.post_processor:
+        pm = pm or plugins.get_plugin_manager()
+        processor = plugins.resolve(pm, "post_processors", cfg.generate.post_processor)
+        groups: dict[int, list[ScoredSample]] = {}
+        for r in scored:
+            groups.setdefault(r["prompt_index"], []).append(
+                ScoredSample(r["input"], r["output"], float(r["reward"]), r["prompt_index"], r["sample_index"],
+                             r.get("label")))
+        options = PostProcessOptions(cfg.generate.reward_template, cfg.generate.normalize_reward)
+        rows = processor(PostProcessInput([groups[k] for k in sorted(groups)], options))
+    else:
+        keys = ("input", "output", "reward", "label") if plan.reward is not None else ("input", "output", "label")
+        rows = [{k: r[k] for k in keys if k in r} for r in records]
+    _atomic_write(plan.output_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    summary = {"prompts": len(plan.prompts), "samples": len(records), "unscorable": unscorable,
+               "rows": len(rows), "output": str(plan.output_path)}
+    if scored:
+        rewards = [float(r["reward"]) for r in scored]
+        mean = sum(rewards) / len(rewards)
+        summary["reward_mean"] = mean
+        summary["reward_std"] = (sum((x - mean) ** 2 for x in rewards) / max(len(rewards) - 1, 1)) ** 0.5
+    return summary
+
+
+def run_generate(plan: Plan) -> dict:
+    """Generate what is missing from the samples file, then write the output; returns the summary."""
+    done, note = recover_samples(plan)
+    if note:
+        print(note, flush=True)
+    todo = [p for p in plan.prompts if p["index"] not in done]
+    if todo:
+        generate_samples(plan, todo)
+    summary = finish(plan)
+    reward = (f"; reward mean {summary['reward_mean']:.4f}, std {summary['reward_std']:.4f}"
+              if "reward_mean" in summary else "")
+    unscorable = f", {summary['unscorable']} unscorable" if summary["unscorable"] else ""
+    print(f"generate: {summary['samples']} samples of {summary['prompts']} prompts{unscorable}{reward}; "
+          f"wrote {summary['rows']} rows to {summary['output']}", flush=True)
+    return summary
+
+
+def main(argv: list[str]) -> int:
+    from rlhf_core.config_parser import ConfigError, build_argparser, config_to_yaml, parse_config
+
+    if "-h" in argv or "--help" in argv:
+        build_argparser("generate").print_help()
+        print("\n  --config FILE        YAML file with any of the options above (repeatable)"
+              "\n  --dry-run            check everything, print the resolved config and plan, start nothing")
+        return 0
+    dry_run = "--dry-run" in argv
+    try:
+        cfg, notes = parse_config("generate", [a for a in argv if a != "--dry-run"])
+        the_plan = plan(cfg)
+    except (ConfigError, GenerateError, data.DataError, plugins.PluginError) as exc:
+        print(f"rlhf generate: {exc}", file=sys.stderr)
+        return 2
+    for note in notes + the_plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if dry_run:
+        print("# rlhf generate --dry-run: resolved configuration (nothing was started)")
+        print(config_to_yaml(cfg, "generate"), end="")
+        print("# " + the_plan.describe().replace("\n", "\n# "))
+        return 0
+    try:
+        run_generate(the_plan)
+    except (GenerateError, data.DataError) as exc:
+        print(f"rlhf generate: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,32 @@
+"""The base class of errors whose message is the whole story for the user."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Something the user gave cannot work: a flag, a file, a dataset row, a model path, a plugin.
+
+    The message names what is at fault and why. ``rlhf`` prints it without a traceback (the traceback
+    goes to the run's log file, and to the terminal with ``--debug``), also when a Ray worker raised it.
+    Plugins may raise subclasses of it for their own users' mistakes.
+    """
+
+
+def find_user_error(exc: BaseException) -> UserError | None:
+    """The :class:`UserError` behind ``exc``, or None when ``exc`` is not one (a bug, not a user mistake).
+
+    Ray re-raises a worker's exception as a ``RayTaskError`` that subclasses the original's type and keeps
+    the original as ``.cause``; its own message is the worker's traceback, so the original is returned.
+    An exception raised ``from`` a UserError counts as that UserError.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError
+        if isinstance(cause, BaseException):
+            exc = cause
+        elif isinstance(exc, UserError):
+            return exc
+        else:
+            exc = exc.__cause__
+    return None

@@ -1,0 +1,94 @@
+"""The built-in post-processors of ``rlhf generate``: rejection sampling, iterative DPO pairs, conditional SFT.
+
+Each takes every scored sample of a run, grouped by prompt (:class:`rlhf_core.types.PostProcessInput`),
+and returns the rows to write. Ties are broken by sample order (the earlier sample wins), so the output
+does not depend on which worker finished first.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlhf_core.types import PostProcessInput, PostProcessOptions, ScoredSample
+
+DEFAULT_CSFT_TEMPLATE = "{input} <rm_score>: {reward} "
+
+
+def best_and_worst(group: list[ScoredSample]) -> tuple[ScoredSample, ScoredSample]:
+    """The samples of highest and lowest reward; among equals the first in sample order."""
+    best = max(group, key=lambda s: (s.reward, -s.sample_index))
+    worst = min(group, key=lambda s: (s.reward, s.sample_index))
+    return best, worst
+
+
+def z_scores(rewards: list[float]) -> list[float]:
+    """``(r - mean) / std`` over all rewards, float64, with the sample std (n - 1); all zeros when the
+    rewards do not vary (or there is one)."""
+    n = len(rewards)
+    mean = math.fsum(rewards) / n if n else 0.0
+    std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
+    return [(r - mean) / std if std > 0 else 0.0 for r in rewards]
+
+
+class RejectionSampling:
+    """``rs``: the best of each prompt's samples, as SFT data ``{"input", "output", "reward"}``."""
+
+    def check(self, options: PostProcessOptions) -> None:
+        pass
+
+    def __call__(self, batch: PostProcessInput) -> list[dict]:
+        rows = []
+        for group in batch.groups:
+            best, _ = best_and_worst(group)
+            rows.append({"input": best.input, "output": best.output, "reward": best.reward})
+        return rows
+
+
+class IterativeDPO:
+    """``iter_dpo``: each prompt's best and worst samples as a preference pair ``{"prompt", "chosen",
+    "chosen_reward", "rejected", "rejected_reward"}``. A prompt whose samples all have the same reward gives
+    no pair (OpenRLHF emitted chosen == rejected there, a pair with no preference in it)."""
+
+    def check(self, options: PostProcessOptions) -> None:
+        pass
+
+    def __call__(self, batch: PostProcessInput) -> list[dict]:
+        rows = []
+        for group in batch.groups:
+            best, worst = best_and_worst(group)
+            if best.reward == worst.reward:
+                continue
+            rows.append({"prompt": best.input, "chosen": best.output, "chosen_reward": best.reward,
+                         "rejected": worst.output, "rejected_reward": worst.reward})
+        return rows
+
+
+class ConditionalSFT:
+    """``csft``: every sample, its reward written into the prompt: ``input = template.format(input=...,
+    reward=f"{r:.2f}")`` with the template of ``--generate.reward_template`` (default
+    ``"{input} <rm_score>: {reward} "``); with ``--generate.normalize_reward`` r is the sample's z-score
+    over the whole output (:func:`z_scores`). Rows ``{"input", "output", "reward"}``, ``reward`` the value
+    written."""
+
+    def check(self, options: PostProcessOptions) -> None:
+        template = options.reward_template or DEFAULT_CSFT_TEMPLATE
+        missing = [f for f in ("{input}", "{reward}") if f not in template]
+        if missing:
+            raise ValueError(f"--generate.reward_template {template!r} must contain {' and '.join(missing)}")
+        try:
+            template.format(input="", reward="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"--generate.reward_template {template!r}: only {{input}} and {{reward}} may be "
+                             f"filled in ({type(exc).__name__}: {exc}); write a literal brace as {{{{ or }}}}") from None
+
+    def __call__(self, batch: PostProcessInput) -> list[dict]:
+        template = batch.options.reward_template or DEFAULT_CSFT_TEMPLATE
+        samples = [s for group in batch.groups for s in group]
+        rewards = [s.reward for s in samples]
+        if batch.options.normalize_reward:
+            rewards = z_scores(rewards)
+        return [{"input": template.format(input=s.input, reward=f"{r:.2f}"), "output": s.output, "reward": round(r, 2)}
+                for s, r in zip(samples, rewards)]
+
+
+BUILTIN = {"rs": RejectionSampling(), "iter_dpo": IterativeDPO(), "csft": ConditionalSFT()}

@@ -146,6 +146,24 @@ def test_resume_cuts_a_partial_line_and_the_samples_of_unfinished_prompts(assets
         generate.recover_samples(generate.plan(cfg))
 
 
+def test_url_credentials_are_neither_shown_nor_saved(assets, tmp_path, capsys):
+    """--dry-run and the samples' settings file (the resume fingerprint) hold the reward URL without its
+    password and token; the code keeps the real URL."""
+    url = "http://rm:hunter2pw@127.0.0.1:9/get_reward?token=tok-9876"
+    flags = gen_flags(assets, tmp_path, "--remote_rm_url", url)
+    assert generate.main([*flags, "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "rm:***@127.0.0.1:9/get_reward?token=***" in out.out
+    cfg, _ = parse_config("generate", flags)
+    the_plan = generate.plan(cfg)
+    generate.recover_samples(the_plan)
+    saved = the_plan.samples_path.with_suffix(".meta.json").read_text()
+    assert "rm:***@127.0.0.1:9" in saved
+    for text in (out.out + out.err, saved):
+        assert "hunter2pw" not in text and "tok-9876" not in text
+    assert cfg.reward.remote_url == url
+
+
 def test_a_registered_reward_source_scores_without_change(assets, tmp_path, register_plugin):
     from rlhf_core.types import RewardResult, RewardSource
 

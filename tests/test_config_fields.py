@@ -1,4 +1,4 @@
-"""Every configuration field does something in each mode that accepts it, or says why it does not.
+"""Every configuration field does something in each command that accepts it, or says why it does not.
 
 A field that is parsed and then read by no code is a flag that silently does nothing. The check is static,
 so it is fast and needs no run: it parses the source of each mode's code and collects the attribute reads
@@ -10,7 +10,8 @@ tests are not scanned: a field named there is not a field acted on.
 
 A mode's code is its entry modules and every module of the monorepo they import (at any depth, also inside
 functions), without entering another mode's entry modules: so ``--data.tokenizer_chat_template`` read only
-by the supervised trainer does not count for ``rlhf train ppo``.
+by the supervised trainer does not count for ``rlhf train ppo``. ``rlhf generate`` and ``rlhf chat`` are
+checked as modes of their own.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core import config
-from rlhf_core.config_parser import ConfigError, all_leaves, leaves, parse_config
+from rlhf_core.config_parser import ConfigError, all_leaves, command_name, leaves, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_CODE = {"rlhf_core.config", "rlhf_core.config_parser", "rlhf_core.config_aliases"}
@@ -198,11 +199,11 @@ def test_every_field_is_read_by_the_code_of_each_mode_that_accepts_it(mode):
         elsewhere = sorted(m for m in MODULES if m not in code and owner in reads(m))
         if leaf.refused or leaf.noted:
             if owner in read:
-                problems.append(f"--{path} is read by the code of 'rlhf train {mode}' but marked "
+                problems.append(f"--{path} is read by the code of '{command_name(mode)}' but marked "
                                 f"{'refused' if leaf.refused else 'noted'}: drop the mark")
         elif owner not in read:
             where = f"read only by {', '.join(elsewhere)}" if elsewhere else "read by no code"
-            problems.append(f"--{path}: {where}; make it work in 'rlhf train {mode}', or restrict it with "
+            problems.append(f"--{path}: {where}; make it work in '{command_name(mode)}', or restrict it with "
                             "option(modes=...), or mark it option(refused=...) / option(noted=...) with the reason")
     assert not problems, "\n".join(problems)
 

@@ -172,6 +172,28 @@ def test_async_pipeline_respects_its_queue_bound(assets, ray_session, tmp_path, 
     assert any(r["policy_version_lag"] >= 1 for r in rows[1:])  # generation really ran ahead of training
 
 
+def test_async_over_generation_with_sleeping_trainers_and_hf_only_checkpoints(assets, ray_session, tmp_path, capsys):
+    """OpenRLHF's async recipe shape: one round of 8 prompts feeds two steps of 4 (over-generation), the hybrid
+    trainers may sleep while they wait, and checkpoints hold an HF export only (--ckpt.disable_ds), which a
+    resume refuses by name before starting anything."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "overgen"
+    args = base_args(assets, out, steps=3) + [
+        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--rollout.vllm_generate_batch_size", "8",
+        "--train.colocate_all", "--ds.enable_sleep", "--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.disable_ds"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert [(r["step"], r["rollout/prompts_used"]) for r in rows] == [(1, 8), (2, 0), (3, 8)]
+    step3 = out / "checkpoints" / "step_00000003"
+    assert AutoModelForCausalLM.from_pretrained(step3 / "hf") is not None
+    assert not (step3 / "actor").exists()
+    capsys.readouterr()
+    assert train(args + ["--ckpt.load_enable"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume from {step3}: it was saved with --ckpt.disable_ds" in err
+
+
 def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray_session, tmp_path):
     from rlhf_cli.main import main
 

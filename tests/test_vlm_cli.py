@@ -14,12 +14,11 @@ from rlhf_core.config_parser import parse_config
 ROOT = Path(__file__).resolve().parents[1]
 
 # OpenRLHF's examples/scripts/train_vlm_math_hybrid_engine.sh (flat-flag release), with our reward file for
-# theirs; its --init_kl_coef 0 with --use_kl_loss is accepted with a note once issue 17 §8 lands (t17b),
-# so it plans here with a small coefficient instead.
+# theirs (its --init_kl_coef 0 with --use_kl_loss is accepted with a note that the KL term is zero).
 OPENRLHF_VLM_SCRIPT = [
     "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "4", "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "4",
     "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "1", "--colocate_all_models",
-    "--vllm_gpu_memory_utilization", "0.7", "--init_kl_coef", "1e-3", "--gamma", "1.0", "--use_kl_loss",
+    "--vllm_gpu_memory_utilization", "0.7", "--init_kl_coef", "0", "--gamma", "1.0", "--use_kl_loss",
     "--kl_estimator", "k2", "--advantage_estimator", "reinforce_baseline", "--pretrain", "Qwen/Qwen3.5-2B",
     "--remote_rm_url", "examples/reward_math.py", "--save_hf_ckpt", "--save_steps", "5", "--eval_steps", "-1",
     "--micro_train_batch_size", "1", "--micro_rollout_batch_size", "1", "--train_batch_size", "1024",

@@ -133,3 +133,18 @@ def test_a_missing_image_names_file_and_row_or_is_skipped_and_images_are_never_c
                                          "allowed, and a prompt with images cannot be cut"):
         load_prompts(make_cfg(f, image_key="images", apply_chat_template=True, max_len=16,
                               overlong_prompt_policy="truncate_left"), tok, images=images)
+
+
+def test_tokenizer_chat_template_shapes_the_rl_prompts(tmp_path):
+    """--data.tokenizer_chat_template replaces the model's template for the prompts the engines get."""
+    from rlhf_core.data import load_tokenizer
+
+    make_tiny_tokenizer(tmp_path / "tok")
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"input": "w1 w2", "label": "a"}) + "\n")
+    cfg = make_cfg(f, apply_chat_template=True, max_len=20)
+    (own,) = load_prompts(cfg, load_tokenizer(str(tmp_path / "tok"), cfg.data))
+    assert own.text == "<|user|> w1 w2 </s> <|assistant|> "  # the saved tokenizer's template
+    cfg.data.tokenizer_chat_template = "{% for m in messages %}w9 {{ m['content'] }} {% endfor %}w8"
+    (replaced,) = load_prompts(cfg, load_tokenizer(str(tmp_path / "tok"), cfg.data))
+    assert replaced.text == "w9 w1 w2 w8"

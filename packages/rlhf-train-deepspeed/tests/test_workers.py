@@ -334,3 +334,21 @@ def test_a_reference_model_hosted_in_the_policy_ranks_stays_frozen(groups, tiny_
             want = response_logprobs(model, b, 0.8)[0]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         assert float((moved - want).abs().max()) > 1e-3
+
+
+def test_experts_implementation_reaches_the_trained_and_reference_moe_models(groups, tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2))
+    moe.save_pretrained(tmp_path / "moe")
+    group = groups[1]
+    chosen = {}
+    for experts in (None, "batched_mm"):  # None: transformers' own choice (grouped_mm)
+        group.init_model(spec(str(tmp_path / "moe"), 4, ref_path=str(tmp_path / "moe")),
+                         DSConfig(zero_stage=0, param_dtype="fp32", experts_implementation=experts))
+        (chosen[experts],) = group.call("__ray_call__", lambda w: (w.hf_config._experts_implementation,
+                                        w.ref_engine.module.config._experts_implementation))
+    assert chosen == {None: ("grouped_mm", "grouped_mm"), "batched_mm": ("batched_mm", "batched_mm")}

@@ -171,9 +171,16 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if c.algo.dynamic_filtering_enable and n < 2:
         problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "
                         "--rollout.n_samples_per_prompt >= 2")
-    if c.train.async_enable and (c.vllm.enable_sleep or c.ds.enable_sleep):
-        problems.append("--train.async_enable keeps engines and trainers busy at once, so they cannot sleep: "
-                        "drop --vllm.enable_sleep / --ds.enable_sleep")
+    if c.train.async_enable and c.vllm.enable_sleep:
+        problems.append("--train.async_enable keeps the engines generating while the trainers work, so they "
+                        "cannot sleep: drop --vllm.enable_sleep (--ds.enable_sleep may stay)")
+    generate = c.rollout.vllm_generate_batch_size
+    if generate is not None and generate < c.rollout.batch_size:
+        problems.append(f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
+                        f"({c.rollout.batch_size}): every step would train on fewer prompts than a batch")
+    if generate is not None and generate > c.rollout.batch_size and not c.train.async_enable:
+        problems.append("--rollout.vllm_generate_batch_size above --rollout.batch_size generates ahead for later "
+                        "steps, which only the async pipeline does: add --train.async_enable")
     if (c.vllm.enable_sleep or c.ds.enable_sleep) and not c.train.colocate_all:
         problems.append("--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
                         "--train.colocate_all")
@@ -199,8 +206,6 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if c.train.batch_size % (c.train.micro_batch_size * ranks):
         problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
                         f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
-    if c.algo.kl.use_loss and c.algo.kl.init_coef <= 0:
-        problems.append("--algo.kl.use_loss needs --algo.kl.init_coef > 0 (0 loads no reference model)")
     if problems:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -336,6 +341,9 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     _check_rl_options(cfg, estimator, problems)
     asm.vision = _check_vision(cfg, estimator, engine)
     prm_reward = _check_prm_reward(cfg)
+    if cfg.algo.kl.use_loss and cfg.algo.kl.init_coef <= 0:
+        asm.notes.append("--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero (no reference "
+                         "model is loaded); set --algo.kl.init_coef > 0 to regularise towards the reference")
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:
@@ -359,7 +367,7 @@ def write_run_dir(asm: Assembly) -> Path:
     """Create the run directory with the resolved config and the plugin versions used."""
     out = Path(asm.cfg.ckpt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg))
+    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg, asm.mode))
     meta = {"mode": asm.mode, "plugins": {s: {"name": n, "from": asm.provenance[s]} for s, n in asm.chosen.items()},
             "pid": os.getpid()}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -18,8 +18,6 @@ def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = No
     if role == "actor":
         if not actor_path:
             raise ValueError("--actor.model_name_or_path is required")
-        if cfg.actor.aux_loss_coef:
-            raise ValueError("--actor.aux_loss_coef (MoE router loss) is not supported by the deepspeed backend yet")
         ema_beta = cfg.train.ema_beta if cfg.train.enable_ema else None
         if ema_beta is not None and not 0.0 <= ema_beta < 1.0:
             raise ValueError(f"--train.ema_beta must be in [0, 1), got {ema_beta}")

@@ -221,11 +221,13 @@ class TrainWorker:
 
             attn = attn_implementation(self.strategy.ring)
         zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
+        # None leaves the choice to transformers (a MoE model's grouped_mm where it can run, else eager)
+        experts = {"experts_implementation": ds.experts_implementation} if ds.experts_implementation else {}
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
         if spec.kind == "value":
-            model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant)
+            model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
         elif spec.kind == "causal":
-            model = load_causal_lm(spec.path, dtype, causal_attn(spec.path, ds, attn), **quant)
+            model = load_causal_lm(spec.path, dtype, causal_attn(spec.path, ds, attn), **quant, **experts)
         else:
             raise ValueError(f"unknown model kind {spec.kind!r}")
         self.hf_config = model.config
@@ -256,7 +258,7 @@ class TrainWorker:
         self.ref_engine = None
         if spec.ref_path:
             zero3 = self.strategy.zero3_init_context(False)  # noqa: F841
-            ref = load_causal_lm(spec.ref_path, dtype, causal_attn(spec.ref_path, ds, attn))
+            ref = load_causal_lm(spec.ref_path, dtype, causal_attn(spec.ref_path, ds, attn), **experts)
             self.ref_engine = self.strategy.prepare_eval(ref, spec.ref_offload)
         del zero3
         return {"rank": self.rank, "num_parameters": sum(p.numel() for p in model.parameters())}

@@ -41,9 +41,8 @@ class RolloutActor:
                  hosted: bool = False):
         """``hosted``: built inside a training rank's process (``TrainWorker.host``), whose thread runs every
         call in turn; the engine then decodes on that thread with the rank's torch threads."""
-        from transformers import AutoTokenizer
-
         from rlhf_agents.worker import RolloutWorker
+        from rlhf_core.data import load_tokenizer
         from rlhf_core.plugins import get_plugin_manager, resolve
         from rlhf_core.vision import ImageProcessing
 
@@ -66,7 +65,7 @@ class RolloutActor:
         engine = self.engine
         if self.engine_thread is not None or hosted:
             engine = OneThreadEngine(self.engine, self.engine_thread)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
         # The driver checked the agent and reward files, but here they are imported again and the executor is
         # built (on another machine, perhaps). Ray turns an error in __init__ into text holding the worker's
         # traceback; raised by ping() instead, it reaches the driver as itself, with its clear message.

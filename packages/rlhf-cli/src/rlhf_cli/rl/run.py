@@ -107,12 +107,11 @@ def run_rl(asm: Assembly) -> int:
     """Run the RL job; returns the process exit code."""
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
-    from transformers import AutoTokenizer
-
+    from rlhf_core.data import load_tokenizer
     from rlhf_train_deepspeed.checkpoint import CheckpointError, CheckpointManager
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
     except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
         raise RunConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: {exc}") from exc
     images = ImageProcessing.for_model(cfg.actor.model_name_or_path)
@@ -134,6 +133,10 @@ def run_rl(asm: Assembly) -> int:
         if resume is None:
             print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
                   file=sys.stderr)
+        elif not resume_state.get("has_ds_state", True):
+            print(f"rlhf train ppo: cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
+                  "only, no optimizer state)", file=sys.stderr)
+            return 2
 
     started = time.perf_counter()
     own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running

@@ -8,6 +8,7 @@ paths, the reward file (imported, ``reward_func`` and its signature found), the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -190,6 +191,8 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
                         f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
     if c.algo.kl.use_loss and c.algo.kl.init_coef <= 0:
         problems.append("--algo.kl.use_loss needs --algo.kl.init_coef > 0 (0 loads no reference model)")
+    if c.logger.wandb.key and importlib.util.find_spec("wandb") is None:
+        problems.append("--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')")
     if problems:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
 

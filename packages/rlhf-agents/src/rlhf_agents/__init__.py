@@ -17,6 +17,8 @@ An OpenRLHF agent file works after changing ``from openrlhf.utils.agent import .
 extract_boxed_answer, grade_answer`` to ``from rlhf_agents import extract_boxed_answer, grade_answer``.
 """
 
+import importlib.metadata
+
 from rlhf_agents.executors import (
     AgentExecutorBase,
     AgentInstanceBase,
@@ -37,7 +39,8 @@ from rlhf_agents.rewards import (
 )
 from rlhf_agents.worker import RolloutFailureError, RolloutWorker, retokenization_drift
 
-__version__ = "0.1.0"
+# The version lives in pyproject.toml only; an installed distribution reports it.
+__version__ = importlib.metadata.version("rlhf-agents")
 __all__ = [
     "AgentExecutorBase",
     "AgentInstanceBase",

@@ -8,6 +8,7 @@ paths, the reward file (imported, ``reward_func`` and its signature found), the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -206,6 +207,8 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if c.train.batch_size % (c.train.micro_batch_size * ranks):
         problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
                         f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
+    if c.logger.wandb.key and importlib.util.find_spec("wandb") is None:
+        problems.append("--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')")
     if problems:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
 

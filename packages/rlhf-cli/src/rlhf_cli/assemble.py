@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,6 +154,13 @@ def check_models(models: list[tuple[str, str | None]], required: str, asm: Assem
     return problems
 
 
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # imported already, as a module without a spec (a shim, or a test's stand-in)
+        return True
+
+
 def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     """Refuse up front the combinations that cannot work, with ``problems`` found before, saying why."""
     c = cfg
@@ -208,7 +214,7 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if c.train.batch_size % (c.train.micro_batch_size * ranks):
         problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
                         f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
-    if c.logger.wandb.key and "wandb" not in sys.modules and importlib.util.find_spec("wandb") is None:
+    if c.logger.wandb.key and not _importable("wandb"):
         problems.append("--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')")
     if problems:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))

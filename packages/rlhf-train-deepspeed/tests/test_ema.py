@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from rlhf_core.config import DSConfig, ModelConfig, RLConfig
 from rlhf_train_deepspeed.backend import spec_for_role
-from rlhf_train_deepspeed.batches import PolicyMicroBatch, make_sequence_batch
+from rlhf_core.batches import PolicyMicroBatch, make_sequence_batch
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
 from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, ema_update_
 

@@ -14,7 +14,7 @@ from rlhf_algos.sft import sft_loss
 from rlhf_core.config import DSConfig, ModelConfig
 from rlhf_core.types import LossAggregation
 from rlhf_train_deepspeed import ring_attn
-from rlhf_train_deepspeed.batches import CriticMicroBatch, PolicyMicroBatch, make_sequence_batch
+from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, make_sequence_batch
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
     load_value_model,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf_core.config import DSConfig, ModelConfig
-from rlhf_train_deepspeed.batches import PolicyMicroBatch, make_sequence_batch
+from rlhf_core.batches import PolicyMicroBatch, make_sequence_batch
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
 from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, SupervisedConfigLite
 
@@ -228,7 +228,7 @@ def test_bf16_on_cpu_trains_close_to_fp32(groups, tiny_llama):
 
 
 def test_critic_and_reward_groups(ray_cluster, tiny_llama):
-    from rlhf_train_deepspeed.batches import CriticMicroBatch
+    from rlhf_core.batches import CriticMicroBatch
     from rlhf_train_deepspeed.group import create_worker_group
     from rlhf_train_deepspeed.models import load_value_model, response_values, sequence_rewards
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlhf_train_deepspeed.batches import CriticMicroBatch, PolicyMicroBatch, SequenceBatch
+from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, SequenceBatch
 from rlhf_train_deepspeed.strategy import StepResult
 from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, SupervisedConfigLite, TrainWorker
 

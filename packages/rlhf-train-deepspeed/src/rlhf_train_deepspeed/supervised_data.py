@@ -29,7 +29,7 @@ from rlhf_core.data import (
     render_prompt,
 )
 from rlhf_core.supervised import PRMTokens
-from rlhf_train_deepspeed.batches import KTOBatch, PairBatch, PRMBatch, SequenceBatch, make_sequence_batch
+from rlhf_core.batches import KTOBatch, PairBatch, PRMBatch, SequenceBatch, make_sequence_batch
 
 
 @dataclass

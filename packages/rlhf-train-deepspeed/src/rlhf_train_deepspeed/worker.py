@@ -22,7 +22,7 @@ import torch
 
 from rlhf_core.memory import keep_freed_memory
 from rlhf_train_deepspeed import shared_prefix
-from rlhf_train_deepspeed.batches import (
+from rlhf_core.batches import (
     CriticMicroBatch,
     PolicyMicroBatch,
     SequenceBatch,

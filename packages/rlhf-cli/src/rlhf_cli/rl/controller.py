@@ -25,7 +25,7 @@ from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_core.errors import UserError
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import SamplingParams, Trajectory, derive_seed
-from rlhf_train_deepspeed.batches import (
+from rlhf_core.batches import (
     CriticMicroBatch,
     PolicyMicroBatch,
     make_sequence_batch,

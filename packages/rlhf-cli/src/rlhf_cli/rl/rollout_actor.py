@@ -126,7 +126,7 @@ class RewardModelWorkers:
         self.micro = micro_batch_size
 
     def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
-        from rlhf_train_deepspeed.batches import make_sequence_batch
+        from rlhf_core.batches import make_sequence_batch
 
         # the reward is read at the last token, so where the prompt ends does not matter
         chunks = [sequences[i:i + self.micro] for i in range(0, len(sequences), self.micro)]

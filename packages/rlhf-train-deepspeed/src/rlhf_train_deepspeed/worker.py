@@ -29,7 +29,7 @@ from rlhf_core.batches import (
     concat_batches,
     to_device,
 )
-from rlhf_train_deepspeed.checkpoint import CheckpointError
+from rlhf_core.checkpoint import CheckpointError
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
     load_value_model,

@@ -87,7 +87,7 @@ def run_rl(asm: Assembly) -> int:
     out = Path(cfg.ckpt.output_dir)
     from transformers import AutoTokenizer
 
-    from rlhf_train_deepspeed.checkpoint import CheckpointError, CheckpointManager
+    from rlhf_core.checkpoint import CheckpointError, CheckpointManager
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)

@@ -160,7 +160,7 @@ def cmd_serve_rm(argv: list[str]) -> int:
 
 
 def cmd_lora_merge(argv: list[str]) -> int:
-    from rlhf_train_deepspeed.cli_lora import main as lora_main
+    from rlhf_cli.lora_merge import main as lora_main
 
     return lora_main(argv) or 0
 

@@ -56,7 +56,7 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
             num_threads=trainer_threads,
         )
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
-    from rlhf_cli.rl.rollout_actor import RewardModelWorkers, RolloutActor
+    from rlhf_agents.rollout_actor import RewardModelWorkers, RolloutActor
 
     reward_model = None
     if "reward" in made:

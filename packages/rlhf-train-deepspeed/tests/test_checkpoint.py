@@ -158,10 +158,10 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(ti
     CLI prints as one line) naming the damage, before Ray starts."""
     import ray
 
+    from rlhf_core.checkpoint import CheckpointError
     from rlhf_core.config import SupervisedConfig
     from rlhf_core.errors import UserError
     from rlhf_train_deepspeed.backend import DeepSpeedBackend
-    from rlhf_core.checkpoint import CheckpointError
     from rlhf_train_deepspeed.testing import sft_rows, write_jsonl
 
     cfg = SupervisedConfig()

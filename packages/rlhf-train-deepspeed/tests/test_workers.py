@@ -9,10 +9,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
-from rlhf_core.batches import PolicyMicroBatch, make_sequence_batch
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
-from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, SupervisedConfigLite
+from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from rlhf_algos.logits import logprobs_and_entropy, logprobs_from_logits
-from rlhf_train_deepspeed import ring_attn, shared_prefix
 from rlhf_core.batches import PRMBatch, SequenceBatch
+from rlhf_train_deepspeed import ring_attn, shared_prefix
 
 # --- forward passes ------------------------------------------------------------------------------------
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -109,6 +111,10 @@ class RolloutActor:
 
     def wake_up(self) -> None:
         self.engine.wake_up()
+
+    def where(self) -> str:
+        """The host and Python this actor runs on: an inference node runs its own environment."""
+        return f"{socket.gethostname()} ({sys.executable})"
 
     def ping(self) -> bool:
         """True once the actor is up; raises the user error that its set-up met, if any."""

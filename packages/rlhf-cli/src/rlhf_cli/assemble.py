@@ -286,7 +286,24 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         asm.plan = strategy.plan(roles, cfg, gpus)
     except ValueError as exc:
         raise RunConfigError(str(exc)) from None
+    if cfg.rollout.node_resource:
+        pin_rollout_pool(asm.plan, cfg.rollout.node_resource)
     return asm
+
+
+def pin_rollout_pool(plan: PlacementPlan, resource: str) -> None:
+    """``--rollout.node_resource``: every bundle of the engines' pool also asks for one unit of ``resource``,
+    so Ray places the pool on the nodes that offer it."""
+    (pool_name,) = [g.pool for g in plan.groups if g.role == "rollout"]
+    sharing = [g.role for g in plan.groups if g.pool == pool_name and g.role != "rollout"]
+    if sharing:
+        raise RunConfigError(
+            f"--rollout.node_resource {resource} puts the rollout engines on their own nodes, but the placement "
+            f"shares their devices with {', '.join(sharing)} (--train.placement / --train.colocate_all)"
+        )
+    for pool in plan.pools:
+        if pool.name == pool_name:
+            pool.bundles = [{**b, resource: 1.0} for b in pool.bundles]
 
 
 def write_run_dir(asm: Assembly) -> Path:

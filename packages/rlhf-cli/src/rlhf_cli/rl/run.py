@@ -77,6 +77,9 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         for i in range(rollout_spec.num_workers)
     ]
     ray.get([a.ping.remote() for a in rollout])
+    places = ray.get([a.where.remote() for a in rollout])
+    for place in sorted(set(places)):
+        print(f"rlhf: {places.count(place)} rollout engine(s) on {place}", file=sys.stderr)
     return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
                   reward=made.get("reward"))
 

@@ -11,6 +11,7 @@ rlhf-agents and rlhf-rollout-vllm only.
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,15 +61,15 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def start_node(python: Path, args: list[str], log: Path) -> subprocess.Popen:
+def start_node(python: Path, args: list[str], log: Path, temp_dir: Path) -> subprocess.Popen:
     """``ray start --block`` in a session of its own: its raylet dies with it (Ray's fate sharing), and the
-    whole session is ended by its id at the end."""
+    whole session is ended by its id at the end. ``temp_dir`` is short: Ray's socket paths must fit 107 bytes."""
     agent, grpc, runtime_env, metrics, manager, objects = free_ports(6)
     cmd = [str(python), "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address", "127.0.0.1",
            "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc),
            "--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics),
            "--node-manager-port", str(manager), "--object-manager-port", str(objects),
-           "--temp-dir", tempfile.mkdtemp(prefix="rn", dir="/tmp"), "--disable-usage-stats", *args]
+           "--temp-dir", str(temp_dir), "--disable-usage-stats", *args]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu"}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -142,15 +143,17 @@ def test_the_rollout_engine_runs_and_syncs_on_a_node_without_deepspeed(tmp_path)
             f.write(json.dumps({"input": f"w{i} w{i * 7 % 100}"}) + "\n")
     (tmp_path / "reward.py").write_text(REWARD)
 
+    temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
     port, client = free_ports(2)
     address = f"127.0.0.1:{port}"
     nodes = [start_node(Path(sys.executable), ["--head", "--port", str(port), "--ray-client-server-port",
                                                str(client), "--include-dashboard=false", "--num-cpus", "3"],
-                        tmp_path / "head.log")]
+                        tmp_path / "head.log", temp / "head")]
     try:
         time.sleep(3)  # the head's GCS first
         nodes.append(start_node(python, ["--address", address, "--num-cpus", "1",
-                                         "--resources", json.dumps({"rollout_node": 1})], tmp_path / "node.log"))
+                                         "--resources", json.dumps({"rollout_node": 1})], tmp_path / "node.log",
+                                temp / "node"))
         wait_for_nodes(address, 2, nodes)
         out_dir = tmp_path / "run"
         run = subprocess.run(
@@ -169,6 +172,7 @@ def test_the_rollout_engine_runs_and_syncs_on_a_node_without_deepspeed(tmp_path)
     finally:
         for proc in reversed(nodes):
             stop_node(proc)
+        shutil.rmtree(temp, ignore_errors=True)
     # the engine ran in the inference node's Python
     assert f"1 rollout engine(s) on {socket.gethostname()} ({python})" in run.stderr, run.stderr[-3000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

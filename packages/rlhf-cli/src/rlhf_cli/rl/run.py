@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_options
@@ -56,11 +57,14 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
             num_threads=trainer_threads,
         )
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
-    from rlhf_agents.rollout_actor import RewardModelWorkers, RolloutActor
+    from rlhf_agents.rollout_actor import RemoteRewardModel, RewardModelWorkers, RolloutActor
 
     reward_model = None
-    if "reward" in made:
-        reward_model = RewardModelWorkers(made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
+    if "reward" in made:  # on the driver's node, which has the train backend installed (inference nodes need not)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        server = ray.remote(RewardModelWorkers).options(num_cpus=0, scheduling_strategy=here).remote(
+            made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
+        reward_model = RemoteRewardModel(server)
 
     engine = choose_engine(cfg, get_plugin_manager())
     actor_cls = ray.remote(RolloutActor)

@@ -5,7 +5,7 @@ export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test test-fast demo bench lint
+.PHONY: setup test test-fast demo bench lint dist
 
 setup:
 	@scripts/bootstrap
@@ -29,3 +29,10 @@ bench: setup
 
 lint: setup
 	$(PY) -m ruff check packages tests examples bench
+
+# A wheel and an sdist of each of the six packages into dist/ (each wheel is built from its sdist, so a file
+# missing from the sdist fails here). No build isolation: the pinned setuptools of .venv builds them offline.
+dist: setup
+	rm -rf dist
+	for p in packages/*/; do $(PY) -m build --no-isolation --outdir dist $$p || exit 1; done
+	@ls dist

@@ -1,61 +1,41 @@
-"""A math reward function with a verifier, for ``--reward.remote_url examples/reward_math.py``.
+"""A math reward function, for ``--reward.remote_url examples/reward_math.py``.
 
-The reward is 1.0 when the response's final answer equals the label as a number (``3/4``, ``0.75`` and
-``$0.75`` are equal), else 0.0. The final answer is, in order of preference: the content of the last
-``\\boxed{...}``, the number after the last "answer is" / "answer :", or the last number in the response.
+The reward (and score) is 1.0 when the response's final answer equals the label, else 0.0. The final answer
+is the last "Answer: ..." line, else the last ``\\boxed{...}``, else the last number of the response;
+``rlhf_agents.grade_answer`` decides equality (``3/4``, ``0.75`` and ``\\frac{3}{4}`` are equal; so are
+``x = 5`` and ``5``, ``2(x+1)`` and ``2x+2``). ``extra_logs.has_answer`` counts responses that state one.
 
-rlhf calls ``reward_func`` once per batch of samples, and passes the keyword arguments it names from
-``prompt_ids``, ``response_ids``, ``finish_reasons`` and ``responses`` (all of them to ``**kwargs``).
-The same file works with OpenRLHF, which passes neither (the response is then cut out of the query).
+rlhf calls ``reward_func`` once per batch and passes the keyword arguments it names from ``prompt_ids``,
+``response_ids``, ``finish_reasons`` and ``responses``. OpenRLHF's own ``math_reward_func.py`` runs here as
+well once its import reads ``from rlhf_agents import extract_boxed_answer, grade_answer``.
 """
 
 import re
-from fractions import Fraction
 
 import torch
 
-NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?"
-
-
-def parse_number(text):
-    """``Fraction`` for "12", "-3.5", "1,000", "$4", "3/4" (spaces allowed around "/"); None otherwise."""
-    text = str(text).strip().replace("$", "").replace(",", "").replace(" ", "")
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
+from rlhf_agents import extract_boxed_answer, grade_answer
 
 
 def extract_answer(response):
     """The final answer of a response as a string, or None when it states none."""
-    boxed = re.findall(r"\\boxed\{([^{}]*)\}", response)
-    if boxed:
-        return boxed[-1]
-    stated = re.findall(r"answer\s*(?:is|:|=)\s*(" + NUMBER + ")", response, flags=re.IGNORECASE)
-    if stated:
-        return stated[-1]
-    numbers = re.findall(NUMBER, response)
+    tagged = re.findall(r"answer\s*(?:is|:)\s*(.+?)\s*(?:\n|$)", response, flags=re.IGNORECASE)
+    if tagged:
+        return tagged[-1].rstrip(".")
+    boxed = extract_boxed_answer(response)
+    if boxed is not None:
+        return boxed
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?", response)
     return numbers[-1] if numbers else None
 
 
-def verify(response, label):
-    """Whether the response's final answer equals ``label`` numerically (or as text, for non-numbers)."""
-    answer = extract_answer(response)
-    if answer is None:
-        return False
-    want, got = parse_number(label), parse_number(answer)
-    if want is not None and got is not None:
-        return want == got
-    return answer.strip().lower() == str(label).strip().lower()
-
-
 def reward_func(queries, prompts, labels, responses=None, **kwargs):
-    if responses is None:  # OpenRLHF: the query is prompt + response
+    if responses is None:  # called as OpenRLHF does: the query is prompt + response
         responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
-    correct = [1.0 if verify(r, label) else 0.0 for r, label in zip(responses, labels)]
-    has_answer = [0.0 if extract_answer(r) is None else 1.0 for r in responses]
+    answers = [extract_answer(r) for r in responses]
+    correct = [1.0 if grade_answer(a, label) else 0.0 for a, label in zip(answers, labels)]
     return {
         "rewards": torch.tensor(correct),
         "scores": torch.tensor(correct),
-        "extra_logs": {"has_answer": torch.tensor(has_answer)},
+        "extra_logs": {"has_answer": torch.tensor([0.0 if a is None else 1.0 for a in answers])},
     }

@@ -145,13 +145,16 @@ class PlainGroup:
     ring_size = 1
 
     def __init__(self, ranks: list):
-        self.ranks = ranks
+        self.actors = ranks
         self.dp_size = len(ranks)
+
+    def wait_ready(self) -> None:
+        pass  # create_group waits for the ranks
 
     def call_sharded_async(self, method: str, items: list, *args) -> tuple[list, list[int]]:
         per = math.ceil(len(items) / self.dp_size)
         shares = [items[r * per:(r + 1) * per] for r in range(self.dp_size)]
-        refs = [getattr(a, method).remote(s, *args) for a, s in zip(self.ranks, shares, strict=True) if s]
+        refs = [getattr(a, method).remote(s, *args) for a, s in zip(self.actors, shares, strict=True) if s]
         return refs, [len(s) for s in shares if s]
 
     def gather_sharded(self, refs: list, real: list[int]) -> list:
@@ -165,7 +168,7 @@ class PlainGroup:
                   "num_sequences": float(sum(m.any(-1).sum() for m in masks))}
         per = len(micro_batches) // self.dp_size
         results = ray.get([a.train_policy.remote(micro_batches[r * per:(r + 1) * per], cfg, counts)
-                           for r, a in enumerate(self.ranks)])
+                           for r, a in enumerate(self.actors)])
         out = {"loss": sum(r["loss"] for r in results), "skipped": results[0]["skipped"]}
         tokens = sum(r["tokens"] for r in results)
         if tokens:
@@ -179,24 +182,24 @@ class PlainGroup:
         raise NotImplementedError("the plain torch backend hosts no reward model")
 
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
-        return ray.get(self.ranks[0].state_dict.remote())
+        return ray.get(self.actors[0].state_dict.remote())
 
     def weight_sync_address(self) -> tuple[str, int]:
-        return ray.get(self.ranks[0].master_address.remote())
+        return ray.get(self.actors[0].master_address.remote())
 
     def broadcast_weights_to_engines_async(self, master_addr, master_port, world_size, backend="gloo",
                                            timeout_s=600.0) -> list:
         return [a.broadcast_weights.remote(master_addr, master_port, world_size, backend, timeout_s)
-                for a in self.ranks]
+                for a in self.actors]
 
     def save_checkpoint(self, path: str) -> None:
-        ray.get([a.save.remote(path) for a in self.ranks])
+        ray.get([a.save.remote(path) for a in self.actors])
 
     def load_checkpoint(self, path: str) -> None:
-        ray.get([a.load.remote(path) for a in self.ranks])
+        ray.get([a.load.remote(path) for a in self.actors])
 
     def export_hf(self, out_dir: str, *args, **kwargs) -> None:
-        ray.get([a.export.remote(out_dir) for a in self.ranks])
+        ray.get([a.export.remote(out_dir) for a in self.actors])
 
     def sleep(self) -> None:
         pass
@@ -205,9 +208,9 @@ class PlainGroup:
         pass
 
     def shutdown(self) -> None:
-        for a in self.ranks:
+        for a in self.actors:
             ray.kill(a)
-        self.ranks = []
+        self.actors = []
 
 
 class PlainTorchBackend:

@@ -4,10 +4,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from rlhf_cli.assemble import RunConfigError, assemble
+from rlhf_cli.assemble import HUB_OFFLINE_VARS, RunConfigError, assemble
 from rlhf_core.config_parser import parse_config
 
 
@@ -57,11 +58,12 @@ def test_help_shows_field_documentation():
     assert "--algo.advantage.estimator" in out.stdout and "Registered advantage estimator" in out.stdout
 
 
-def test_conflicting_options_are_refused_with_reasons(tiny_model):
+def test_conflicting_options_are_refused_with_reasons(tiny_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, as without the [wandb] extra
     cfg, _ = parse_config("ppo", ["--pretrain", tiny_model, "--advantage_estimator", "rloo", "--n_samples_per_prompt",
                                   "1", "--train.partial_rollout_enable", "--vllm.enable_sleep", "--use_dynamic_batch",
                                   "--train_max_tokens_per_gpu", "0", "--rollout_max_tokens_per_gpu", "-5",
-                                  "--enable_ema", "--ema_beta", "1.5"])
+                                  "--enable_ema", "--ema_beta", "1.5", "--logger.wandb.key", "k"])
     assert cfg.train.dynamic_batch_enable  # the OpenRLHF names map to the dotted ones
     with pytest.raises(RunConfigError) as err:
         assemble("ppo", cfg, gpus=False)
@@ -73,6 +75,7 @@ def test_conflicting_options_are_refused_with_reasons(tiny_model):
     assert "--train.max_tokens_per_gpu 0: a token budget per micro-batch must be positive" in msg
     assert "--rollout.max_tokens_per_gpu -5: a token budget" in msg
     assert "--train.ema_beta 1.5: the EMA decay must be in [0, 1)" in msg
+    assert "--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')" in msg
 
 
 def test_missing_estimator_says_which_package_to_install(tiny_model):
@@ -115,6 +118,56 @@ def test_example_plugin_appears_through_its_entry_point_and_can_be_disabled():
     assert {d["distribution"] for d in only} == {"rlhf-example-plugin"}
 
 
+# OpenRLHF's examples/scripts/train_reinforce_baseline_ray_agent_async.sh, flat spellings, paths shortened
+ASYNC_AGENT_SCRIPT = """
+--pretrain Qwen/Qwen3-4B-Thinking-2507 --load_checkpoint --save_path exp --ckpt_path exp/ckpt --save_hf_ckpt
+--max_ckpt_num 3 --save_steps 10 --agent_func_path AGENT --prompt_data zhuzilin/dapo-math-17k --input_key prompt
+--label_key label --prompt_max_len 10240 --generate_max_len 64000 --apply_chat_template --packing_samples
+--rollout_batch_size 128 --n_samples_per_prompt 8 --train_batch_size 1024 --dynamic_filtering
+--dynamic_filtering_reward_range 0.0 1.0 --use_dynamic_batch --train_max_tokens_per_gpu 16192
+--rollout_max_tokens_per_gpu 32768 --micro_train_batch_size 1 --micro_rollout_batch_size 8 --max_samples 128000
+--max_epochs 1 --num_episodes 1 --async_train --ref_num_nodes 1 --ref_num_gpus_per_node 4 --actor_num_nodes 1
+--actor_num_gpus_per_node 4 --vllm_num_engines 2 --vllm_tensor_parallel_size 2 --vllm_gpu_memory_utilization 0.7
+--colocate_all_models --deepspeed_enable_sleep --vllm_sync_backend nccl --enforce_eager --gradient_checkpointing
+--ring_attn_size 2 --ring_head_stride 2 --param_dtype bf16 --advantage_estimator reinforce_baseline
+--actor_learning_rate 5e-7 --entropy_loss_coef 0.0 --init_kl_coef 1e-5 --use_kl_loss --kl_estimator k2
+--enable_vllm_is_correction --vllm_is_correction_type icepop --use_tensorboard exp/runs --logging_steps 1
+--eval_steps -1
+"""
+
+
+def test_async_with_deepspeed_sleep_is_accepted_and_vllm_sleep_is_not(monkeypatch):
+    """OpenRLHF forbids only vLLM sleep with async: the trainers may sleep while they wait for a batch."""
+    for var in HUB_OFFLINE_VARS:  # the script names a hub model, which a user with hub access can use
+        monkeypatch.delenv(var, raising=False)
+    agent = Path(__file__).resolve().parents[1] / "examples" / "agent_multistep.py"
+    argv = ASYNC_AGENT_SCRIPT.replace("AGENT", str(agent)).split()
+    cfg, _ = parse_config("ppo", argv)
+    assert cfg.train.async_enable and cfg.ds.enable_sleep and cfg.train.colocate_all
+    asm = assemble("ppo", cfg, gpus=True)
+    assert {g.role for g in asm.plan.groups} >= {"actor", "ref", "rollout"}
+    cfg.vllm.enable_sleep = True
+    with pytest.raises(RunConfigError, match="cannot sleep: drop --vllm.enable_sleep"):
+        assemble("ppo", cfg, gpus=True)
+
+
+def test_kl_loss_with_a_zero_coefficient_is_accepted_with_a_note(tiny_model):
+    cfg, _ = parse_config("ppo", ["--pretrain", tiny_model, "--remote_rm_url", "http://127.0.0.1:9/x", "--use_kl_loss",
+                                  "--init_kl_coef", "0"])
+    asm = assemble("ppo", cfg, gpus=False)
+    assert "ref" not in asm.roles  # no reference model: the KL term is 0
+    assert any("--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero" in n for n in asm.notes)
+
+
+def test_over_generation_needs_async_and_at_least_a_batch(tiny_model):
+    base = ["--pretrain", tiny_model, "--remote_rm_url", "http://127.0.0.1:9/x", "--rollout_batch_size", "8",
+            "--train_batch_size", "8", "--micro_train_batch_size", "1"]
+    with pytest.raises(RunConfigError, match="only the async pipeline does: add --train.async_enable"):
+        assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "16"])[0], gpus=False)
+    with pytest.raises(RunConfigError, match="vllm_generate_batch_size 4 is below --rollout.batch_size"):
+        assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "4", "--async_train"])[0],
+                 gpus=False)
+    assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "16", "--async_train"])[0], gpus=False)
 def test_prm_and_kd_dry_runs_check_their_tokens_and_teacher(tmp_path, capsys):
     from rlhf_cli.main import main
     from rlhf_core.testing.tiny import make_tiny_llama
@@ -140,7 +193,7 @@ def test_prm_and_kd_dry_runs_check_their_tokens_and_teacher(tmp_path, capsys):
     assert code == 0, out.err
     assert "kd_coef: 0.5" in out.out and "offload: true" in out.out
     code, out = run("train", "sft", "--dry-run", "--pretrain", model, "--teacher_model", model)
-    assert code == 2 and "unknown option --teacher.model_name_or_path" in out.err
+    assert code == 2 and "--teacher.model_name_or_path is an option of 'rlhf train kd' only" in out.err
 
 
 def test_a_prm_reward_starts_no_reward_model_workers(tmp_path):

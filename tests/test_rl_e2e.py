@@ -95,14 +95,20 @@ def metrics(out) -> list[dict]:
     ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: a reference group runs
     ("reinforce_baseline", ["--vllm.sync_with_ray"]),  # weights through the object store, not a group
     ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
-    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28"]),
-    # hybrid engine: every role and the engine on the same bundles, taking turns (sleep/wake)
+    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28", "--vllm.num_engines", "2"]),  # 2 engine processes
+    # hybrid engine: every role and the engines on the same bundles, taking turns (sleep/wake); on CPU the
+    # reference model and each engine live in the policy ranks' processes (engines get their weights by an
+    # in-process copy)
     ("dr_grpo", ["--actor.loss_agg_mode", "seq_mean_token_sum_norm", "--train.colocate_all",
-                 "--vllm.enable_sleep", "--ds.enable_sleep"]),
+                 "--vllm.enable_sleep", "--ds.enable_sleep", "--vllm.num_engines", "2",
+                 "--algo.kl.init_coef", "0.05", "--algo.kl.use_loss"]),
 ])
-def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, estimator, extra):
+def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, capsys, estimator, extra):
     out = tmp_path / estimator
     assert train(base_args(assets, out) + ["--algo.advantage.estimator", estimator, *extra]) == 0
+    # 2 policy ranks, +1 reference (KL in the reward), +1 critic (gae), +1 or 2 engines unless hosted
+    processes = {"gae": 4, "reinforce": 4, "rloo": 4, "group_norm": 4, "dr_grpo": 2}.get(estimator, 3)
+    assert f"; {processes} worker processes up in" in capsys.readouterr().err
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -164,6 +170,28 @@ def test_async_pipeline_respects_its_queue_bound(assets, ray_session, tmp_path, 
     assert max(r["async/max_queue_size"] for r in rows) <= 1
     assert all(r["policy_version_lag"] in (0, 1, 2) for r in rows)
     assert any(r["policy_version_lag"] >= 1 for r in rows[1:])  # generation really ran ahead of training
+
+
+def test_async_over_generation_with_sleeping_trainers_and_hf_only_checkpoints(assets, ray_session, tmp_path, capsys):
+    """OpenRLHF's async recipe shape: one round of 8 prompts feeds two steps of 4 (over-generation), the hybrid
+    trainers may sleep while they wait, and checkpoints hold an HF export only (--ckpt.disable_ds), which a
+    resume refuses by name before starting anything."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "overgen"
+    args = base_args(assets, out, steps=3) + [
+        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--rollout.vllm_generate_batch_size", "8",
+        "--train.colocate_all", "--ds.enable_sleep", "--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.disable_ds"]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert [(r["step"], r["rollout/prompts_used"]) for r in rows] == [(1, 8), (2, 0), (3, 8)]
+    step3 = out / "checkpoints" / "step_00000003"
+    assert AutoModelForCausalLM.from_pretrained(step3 / "hf") is not None
+    assert not (step3 / "actor").exists()
+    capsys.readouterr()
+    assert train(args + ["--ckpt.load_enable"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot resume from {step3}: it was saved with --ckpt.disable_ds" in err
 
 
 def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray_session, tmp_path):

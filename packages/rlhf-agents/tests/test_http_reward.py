@@ -182,3 +182,20 @@ def test_config_builds_one_load_balanced_source(cfg_factory):
     assert source.max_attempts == 2
     with pytest.raises(ValueError, match="not an http"):
         HttpRewardSource(["ftp://x"])
+
+
+def test_credentials_in_the_url_are_used_but_never_shown():
+    """A URL with a password and a token parameter still reaches the server; messages mask both."""
+    async def run():
+        async with ScriptedServer([400]) as server:
+            url = server.url.replace("http://", "http://rm:hunter2@") + "?token=tok-42"
+            source = fast([url], max_attempts=2)
+            result = await source.score(request(1))
+            await source.aclose()
+            return server, source, result
+
+    server, source, result = asyncio.run(run())
+    assert len(server.bodies) == 1  # the request went through
+    shown = server.url.replace("http://", "http://rm:***@") + "?token=***"
+    assert shown in result.errors[0] and shown == source.description
+    assert "hunter2" not in result.errors[0] + source.description and "tok-42" not in result.errors[0]

@@ -110,15 +110,20 @@ def test_reward_math_example_scores_a_batch(async_engine, tokenizer, cfg_factory
     assert all(t.extra_logs["has_answer"] in (0.0, 1.0) for t in trajs)
 
 
-def test_reward_math_verifier(examples_dir):
+def test_reward_math_example_finds_and_grades_the_final_answer(examples_dir):
     module = load_module(examples_dir / "reward_math.py", "test")
-    assert module.verify("so the answer is 42.", "42")
-    assert module.verify("first 3, then \\boxed{3/4}", "0.75")
-    assert module.verify("we get 1,000 apples", "1000")
-    assert module.verify("total: $12", "12")
-    assert not module.verify("the answer is 41", "42")
-    assert not module.verify("no number here", "1")
-    assert module.verify("The answer: -7", "-7")
+
+    def verify(response, label):
+        return module.grade_answer(module.extract_answer(response), label)
+
+    assert verify("so the answer is 42.", "42")
+    assert verify("first 3, then \\boxed{3/4}", "0.75")
+    assert verify("we get 1,000 apples", "1000")
+    assert verify("total: $12", "12")
+    assert verify("Answer: x = \\dfrac{1}{2}\nDone.", "0.5")
+    assert not verify("the answer is 41", "42")
+    assert not verify("no number here", "1")
+    assert verify("The answer: -7", "-7")
     out = module.reward_func(
         ["q: 2+2? the answer is 4", "q: 1+1? 3"], ["q: 2+2? ", "q: 1+1? "], ["4", "2"]  # OpenRLHF-style call
     )

@@ -324,3 +324,63 @@ def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
     before = [json.loads(x) for x in (tmp_path / "metrics.1.jsonl").read_text().splitlines()]
     assert [(r["step"], r["reward/mean"]) for r in now] == [(1, 2.0), (2, 2.0)]
     assert [(r["step"], r["reward/mean"]) for r in before] == [(1, 1.0), (2, 1.0)]
+
+
+def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_skipping():
+    """--rollout.vllm_generate_batch_size 7 with batches of 3: one round of 7 prompts feeds steps 1 and 2,
+    step 3 takes the last group and starts the next round. A checkpoint of step 1 resumes after step 1's
+    prompts: the 4 prompts still waiting are generated again, none is skipped."""
+    cfg = config(vllm_generate_batch_size=7)
+    cfg.algo.dynamic_filtering_enable = False
+    ctl = controller(cfg, num_prompts=20)
+    ctl.generate, calls = fake_generate(pass_uids=set())
+    order = [p.uid for p in PromptStream(ctl.stream.prompts, seed=0).take(20)]
+    b1 = ctl.collect(step=1)
+    ctl.policy_version = 1
+    b2 = ctl.collect(step=2)
+    assert calls == [order[:7]]  # one round so far
+    b3 = ctl.collect(step=3)
+    assert calls == [order[:7], order[7:14]]
+    uids = [sorted({t.prompt_uid for t in b.trajectories}, key=order.index) for b in (b1, b2, b3)]
+    assert uids == [order[:3], order[3:6], order[6:9]]
+    assert [b.prompts_used for b in (b1, b2, b3)] == [7, 0, 7]
+    assert b3.policy_version == 0  # its oldest group came from the first round
+    resumed = controller(cfg, num_prompts=20)
+    resumed.stream.load_state_dict(b1.stream_state)
+    assert [p.uid for p in resumed.stream.take(4)] == order[3:7]
+
+
+def test_async_trainers_sleep_while_they_wait_for_a_batch():
+    """--train.async_enable --train.colocate_all --ds.enable_sleep: the trainers sleep only while the queue is
+    empty, and every sleep is followed by a wake-up before training."""
+    import threading
+
+    cfg = config()
+    cfg.train.async_enable = cfg.train.colocate_all = cfg.ds.enable_sleep = True
+    events = []
+    asleep = threading.Event()
+
+    class Trainer:
+        def sleep(self):
+            events.append("sleep")
+            asleep.set()
+
+        def wake_up(self):
+            events.append("wake")
+
+    ctl = RLController(cfg, Groups(actor=Trainer(), rollout=[], ref=Trainer()), PromptStream([], seed=0), 0)
+    ctl.total_steps = lambda: 2
+
+    def collect(step):
+        if step == 1:
+            assert asleep.wait(timeout=60)  # the first batch comes once the trainers wait for it
+        return SimpleNamespace(step=step, rollout_metrics={})
+
+    ctl.collect = collect
+    for batch in ctl._async_batches():
+        events.append(f"train {batch.step}")
+    assert events[:5] == ["sleep", "sleep", "wake", "wake", "train 1"]  # actor and reference
+    assert events.count("sleep") == events.count("wake") and "train 2" in events
+    for i, e in enumerate(events):
+        if e.startswith("train"):
+            assert events[:i].count("sleep") == events[:i].count("wake")  # awake whenever it trains

@@ -73,7 +73,8 @@ def test_openrlhf_flat_flags_set_the_generate_config():
                                                         "row 16, but the data has only 16 rows"),
     (("--input_key", "question"), (), "prompts.jsonl row 0: missing key 'question' (set by --data.input_key)"),
     (("--rollout.engine", "vllm"), (), "--rollout.engine vllm cannot run here"),
-    (("--reward.clip_range", "-1", "1"), (), "--reward.clip_range: reward clipping is RL shaping"),
+    (("--reward.clip_range", "-1", "1"), (), "--reward.clip_range is an option of 'rlhf train ppo' only: "
+                                                 "the code of 'rlhf generate' does not use it"),
 ])
 def test_bad_settings_are_refused_before_any_worker(assets, tmp_path, capsys, extra, drop, message):
     extra = [x.replace("{root}", str(assets["root"])) for x in extra]
@@ -143,6 +144,24 @@ def test_resume_cuts_a_partial_line_and_the_samples_of_unfinished_prompts(assets
     cfg.rollout.n_samples_per_prompt = 3  # other settings: the samples are not this run's
     with pytest.raises(generate.GenerateError, match="written by a run with other settings"):
         generate.recover_samples(generate.plan(cfg))
+
+
+def test_url_credentials_are_neither_shown_nor_saved(assets, tmp_path, capsys):
+    """--dry-run and the samples' settings file (the resume fingerprint) hold the reward URL without its
+    password and token; the code keeps the real URL."""
+    url = "http://rm:hunter2pw@127.0.0.1:9/get_reward?token=tok-9876"
+    flags = gen_flags(assets, tmp_path, "--remote_rm_url", url)
+    assert generate.main([*flags, "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "rm:***@127.0.0.1:9/get_reward?token=***" in out.out
+    cfg, _ = parse_config("generate", flags)
+    the_plan = generate.plan(cfg)
+    generate.recover_samples(the_plan)
+    saved = the_plan.samples_path.with_suffix(".meta.json").read_text()
+    assert "rm:***@127.0.0.1:9" in saved
+    for text in (out.out + out.err, saved):
+        assert "hunter2pw" not in text and "tok-9876" not in text
+    assert cfg.reward.remote_url == url
 
 
 def test_a_registered_reward_source_scores_without_change(assets, tmp_path, register_plugin):

@@ -65,7 +65,8 @@ class FakeLLM:
         self.kwargs = kwargs
         self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # what vLLM reads while it builds
         self.calls: list = []
-        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(get_vocab_size=lambda: 1000))
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
+            get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)))
         FakeLLM.instances.append(self)
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True):
@@ -220,6 +221,33 @@ def test_registered_and_available_where_vllm_can_run_fake_vllm(fake_vllm, monkey
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     assert factory.available().startswith("vllm is not installed (pip install rlhf-rollout-vllm[vllm]")
+
+
+def test_images_go_in_as_vllms_multimodal_data_fake_vllm_untested_here_needs_torchvision(fake_vllm, monkeypatch):
+    """vLLM's documented multimodal input: ``{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}``,
+    the ids holding one placeholder per image (vLLM repeats it itself). On a fake vllm: the real one's Qwen-VL
+    code imports torchvision, which does not import beside this project's CPU torch (the driver refuses it)."""
+    from PIL import Image
+
+    from rlhf_core.types import ImageInput
+
+    red, blue = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (56, 84), (0, 0, 255))
+    images = [ImageInput(torch.zeros(16, 8), torch.tensor([1, 4, 4]), 4, red),
+              ImageInput(torch.zeros(24, 8), torch.tensor([1, 6, 4]), 6, blue)]
+    engine = VLLMEngine("/models/vlm")
+    ids = [5, 998] + [999] * 4 + [997, 7, 998] + [999] * 6 + [997, 8]
+    engine.generate([GenerationRequest(ids, SamplingParams(n=2, max_new_tokens=2, seed=1), images),
+                     GenerationRequest([5, 6], SamplingParams(max_new_tokens=2, seed=2))])
+    (_, prompts, _), = FakeLLM.instances[-1].calls
+    with_images = {"prompt_token_ids": [5, 998, 999, 997, 7, 998, 999, 997, 8], "multi_modal_data": {"image": [red, blue]}}
+    assert prompts == [with_images, with_images, {"prompt_token_ids": [5, 6]}]
+    cfg = RLConfig()
+    cfg.actor.model_name_or_path, cfg.data.max_images_per_prompt = "/models/vlm", 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no model config read: GPU arguments only
+    factory = resolve(get_plugin_manager(), "rollout_engines", "vllm")
+    assert factory.engine_kwargs(cfg)["limit_mm_per_prompt"] == {"image": 3}
+    cfg.data.max_images_per_prompt = 0
+    assert "limit_mm_per_prompt" not in factory.engine_kwargs(cfg)
 
 
 def test_cpu_kv_cache_holds_a_rollout_within_its_memory_share(tmp_path, monkeypatch):

@@ -82,8 +82,11 @@ def test_reward_model_ranks_held_out_pairs(factory, tiny_llama, tmp_path):
     held_out = write_jsonl(tmp_path / "eval.jsonl", preference_rows(32, seed=1))
     cfg = make_cfg(SupervisedConfig, tiny_llama, tmp_path, train, prompt_key="prompt")
     cfg.eval.dataset = [held_out]
+    cfg.logger.logging_steps = 5
     result = run_supervised("rm", cfg, factory)
     assert result["eval"]["eval/accuracy"] > 0.9, result["eval"]
+    logged = read_metrics(cfg)  # 12 steps: the first, every 5th and the last
+    assert [m["step"] for m in logged] == [1, 5, 10, 12] and "eval/accuracy" in logged[-1]
     rm = AutoModelForSequenceClassification.from_pretrained(result["output_dir"])
     assert rm.config.std > 0 and isinstance(rm.config.mean, float)  # for --reward.normalize_enable
 

@@ -268,3 +268,87 @@ def test_weights_reach_an_engine_through_the_sync_group(groups, tiny_llama):
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     engine_side.close()
+
+
+def test_a_frozen_vision_tower_is_not_sent_to_the_engines_and_a_trained_one_is(groups, tmp_path):
+    """--actor.freeze_visual_encoder: the engines loaded the same vision weights, so only the language model
+    (and head) is synced; without it every weight trains and every weight is sent."""
+    from rlhf_core.testing.tiny import make_tiny_vlm
+
+    vlm = make_tiny_vlm(tmp_path / "vlm")
+    model = load_causal_lm(vlm, torch.float32)
+    names = {n for n, _ in model.named_parameters()}
+    visual = {n for n in names if n.startswith("model.visual.")}
+    assert visual and visual != names
+    group, ds = groups[1], DSConfig(zero_stage=3, param_dtype="fp32")
+    group.init_model(spec(vlm, 4, freeze_vision=True), ds)
+    frozen = group.get_state_dict_for_engines()
+    assert set(frozen) == names - visual
+    assert all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
+    group.init_model(spec(vlm, 4), ds)
+    assert set(group.get_state_dict_for_engines()) == names
+
+
+def test_an_engine_hosted_in_each_rank_gets_its_weights_in_process(groups, tiny_llama):
+    """``host`` builds an HF engine inside each rank's process; after a training step, ``push_weights_to_hosted``
+    copies the rank's (ZeRO-3 gathered) weights into it, so the engine's log-probs of its own samples are the
+    trainer's to fp32 rounding. Before the push they are the old weights' (the step moved them by > 1e-3)."""
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_core.types import GenerationRequest, SamplingParams
+
+    group = groups[2]
+    group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="fp32"))
+    engines = group.host("engine", HFEngine, [(tiny_llama,), (tiny_llama,)])
+    mbs = global_batch()
+    group.train_supervised_step(mbs, SFT, counts(mbs))
+    prompt = [5, 9, 13, 7]
+    request = GenerationRequest(prompt, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
+
+    def gaps() -> list[float]:
+        import ray
+
+        outs = [o for out in ray.get([e.generate.remote([request]) for e in engines]) for o in out[0]]
+        batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
+        (trainer,) = group.compute_logprobs([batch])
+        return [float((trainer[i, : len(o.logprobs)] - torch.tensor(o.logprobs)).abs().max())
+                for i, o in enumerate(outs)]
+
+    assert min(gaps()) > 1e-3  # the engines still hold the weights they loaded
+    group.push_weights_to_hosted("engine")
+    assert max(gaps()) < 1e-5
+
+
+def test_a_reference_model_hosted_in_the_policy_ranks_stays_frozen(groups, tiny_llama):
+    """With ``ref_path`` the policy's ranks also hold the reference model (ZeRO-3 over the same ranks, as a
+    colocated reference runs on CPU); ``hosted_ref()`` computes its log-probs, which after a policy step are
+    still the initial model's while the policy's have moved."""
+    group = groups[2]
+    group.init_model(spec(tiny_llama, 2, ref_path=tiny_llama), DSConfig(zero_stage=3, param_dtype="fp32"))
+    mbs = global_batch()
+    group.train_supervised_step(mbs, SFT, counts(mbs))
+    seqs = mbs[:3]  # 3 micro-batches over 2 ranks: one rank gets a padding copy
+    ref, policy = group.hosted_ref().compute_logprobs(seqs, 0.8), group.compute_logprobs(seqs, 0.8)
+    model = load_causal_lm(tiny_llama, torch.float32).eval()
+    for b, got, moved in zip(seqs, ref, policy, strict=True):
+        with torch.no_grad():
+            want = response_logprobs(model, b, 0.8)[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert float((moved - want).abs().max()) > 1e-3
+
+
+def test_experts_implementation_reaches_the_trained_and_reference_moe_models(groups, tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2))
+    moe.save_pretrained(tmp_path / "moe")
+    group = groups[1]
+    chosen = {}
+    for experts in (None, "batched_mm"):  # None: transformers' own choice (grouped_mm)
+        group.init_model(spec(str(tmp_path / "moe"), 4, ref_path=str(tmp_path / "moe")),
+                         DSConfig(zero_stage=0, param_dtype="fp32", experts_implementation=experts))
+        (chosen[experts],) = group.call("__ray_call__", lambda w: (w.hf_config._experts_implementation,
+                                        w.ref_engine.module.config._experts_implementation))
+    assert chosen == {None: ("grouped_mm", "grouped_mm"), "batched_mm": ("batched_mm", "batched_mm")}

@@ -7,12 +7,17 @@ imports this package by name.
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import torch
 
 from rlhf_agents import AgentInstanceBase
 from rlhf_algos.advantages import gae_advantages, token_level_rewards
 from rlhf_core import hookimpl
 from rlhf_core.types import AdvantageInput, AdvantageOutput
+
+# The version is written once, in pyproject.toml; the installed distribution reports it.
+__version__ = importlib.metadata.version("rlhf-example-plugin")
 
 
 class GroupMedianEstimator:

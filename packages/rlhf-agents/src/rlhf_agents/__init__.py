@@ -9,10 +9,15 @@
 - :class:`RolloutWorker` runs a batch of prompts through an executor and a reward source; a Ray rollout
   actor hosts one.
 - ``python -m rlhf_agents.serve_rm`` (``rlhf serve-rm``) serves a reward model over HTTP.
+- :func:`extract_boxed_answer` and :func:`grade_answer` (:mod:`rlhf_agents.math_answers`) verify math answers
+  in reward functions.
 
 An OpenRLHF agent file works after changing ``from openrlhf.utils.agent import ...`` to
-``from rlhf_agents import ...``.
+``from rlhf_agents import ...``; its math reward file after changing ``from openrlhf.utils import
+extract_boxed_answer, grade_answer`` to ``from rlhf_agents import extract_boxed_answer, grade_answer``.
 """
+
+import importlib.metadata
 
 from rlhf_agents.executors import (
     AgentExecutorBase,
@@ -23,6 +28,7 @@ from rlhf_agents.executors import (
     build_executor,
 )
 from rlhf_agents.loading import UserCodeError
+from rlhf_agents.math_answers import extract_boxed_answer, grade_answer
 from rlhf_agents.openai_server import OpenAIServerAgentExecutor
 from rlhf_agents.rewards import (
     HttpRewardSource,
@@ -33,7 +39,8 @@ from rlhf_agents.rewards import (
 )
 from rlhf_agents.worker import RolloutFailureError, RolloutWorker, retokenization_drift
 
-__version__ = "0.1.0"
+# The version lives in pyproject.toml only; an installed distribution reports it.
+__version__ = importlib.metadata.version("rlhf-agents")
 __all__ = [
     "AgentExecutorBase",
     "AgentInstanceBase",
@@ -50,5 +57,7 @@ __all__ = [
     "WeightedRewardSource",
     "build_executor",
     "build_reward_source",
+    "extract_boxed_answer",
+    "grade_answer",
     "retokenization_drift",
 ]

@@ -9,6 +9,11 @@ The agent API is OpenRLHF's (``AgentInstanceBase.reset/step``, ``MultiTurnAgentE
 OpenRLHF agent file works after changing its import line, with two fixes: ``async def __init__`` works,
 and a failing or hanging environment ends only its own episode (the sample is marked unscorable and
 counted) instead of the whole step.
+
+Vision-language models: a prompt's images (``images``, :class:`~rlhf_core.types.ImageInput`) go with every
+request of its episode, and an environment may return ``environment_images`` with one image placeholder
+per image in its feedback text; they are processed once, their tokens appended like any feedback, and
+they join the episode's images (:attr:`AgentExecutorBase.image_processing` does the processing).
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
-from rlhf_core.types import GenerationOutput, GenerationRequest, SamplingParams, Trajectory, derive_seed
+from rlhf_core.types import (
+    GenerationOutput,
+    GenerationRequest,
+    ImageInput,
+    SamplingParams,
+    Trajectory,
+    derive_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +144,12 @@ class AgentExecutorBase(ABC):
 
     env_step_timeout: float | None = None
     """Seconds an environment call may take (set from ``--train.env_step_timeout``); None: no limit."""
+    image_processing: Any = None
+    """A vision-language model's ``rlhf_core.vision.ImageProcessing`` (set by the rollout worker); None for a
+    text model."""
+    max_images: int = 0
+    """Most images in one episode (``--data.max_images_per_prompt``; 0: no limit); environment images past it
+    are dropped."""
 
     @abstractmethod
     async def execute(
@@ -172,7 +190,8 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
             return too_long
         max_new = min(sampling_params.max_new_tokens, max_length - len(ids))
         params = dataclasses.replace(sampling_params, n=1, max_new_tokens=max_new)
-        (out,) = await llm_engine.generate(GenerationRequest(prompt_ids=ids, params=params))
+        images = list(images or [])
+        (out,) = await llm_engine.generate(GenerationRequest(prompt_ids=ids, params=params, images=images))
         trace = TokenTrace(prompt_ids=ids)
         trace.add_action(out)
         return trace.to_trajectory(
@@ -180,6 +199,7 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
             truncated=out.finish_reason == "length",
             prompt_text=prompt,
             label=label,
+            images=images,
         )
 
 
@@ -195,7 +215,8 @@ class AgentInstanceBase(ABC):
       ``observation_ids`` and ``action_ids``. It returns ``rewards`` (a number or one-element tensor; summed
       over turns), ``environment_feedback`` (str, appended with action_mask 0), ``done`` (bool), and
       optionally ``scores`` (last one kept; default: the summed reward), ``sampling_params`` (for the next
-      turn: a SamplingParams or a dict of fields to change) and ``extra_logs`` (numbers; last one wins).
+      turn: a SamplingParams or a dict of fields to change), ``extra_logs`` (numbers; last one wins) and,
+      for a vision-language model, ``environment_images`` (PIL images, one placeholder each in the feedback).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: B027 - OpenRLHF subclasses call super()
@@ -265,7 +286,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     ) -> Trajectory:
         ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
         trace = TokenTrace(prompt_ids=ids)
-        state = {"reward": 0.0, "score": None, "extra": {}, "turns": 0, "finish": "stop", "truncated": False}
+        state = {"reward": 0.0, "score": None, "extra": {}, "turns": 0, "finish": "stop", "truncated": False,
+                 "images": list(images or [])}
         instance = None
         try:
             instance = await self._env("__init__", new_instance, self.agent_instance_cls)
@@ -280,6 +302,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 label=label,
                 error=str(failure),
                 extra_logs={**state["extra"], "num_turns": float(state["turns"]), f"error/{failure.kind}": 1.0},
+                images=state["images"],
             )
         finally:
             close = getattr(instance, "aclose", None) or getattr(instance, "close", None)
@@ -297,6 +320,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             prompt_text=prompt,
             label=label,
             extra_logs={**state["extra"], "num_turns": float(state["turns"])},
+            images=state["images"],
         )
 
     async def _run(
@@ -317,6 +341,12 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             raise self._invalid("reset", f"returned {describe(reset)}; expected a dict with an 'observation' string")
         if observation != prompt:
             trace.prompt_ids = encode(tokenizer, observation)
+            if state["images"]:  # the prompt's images keep their places in the new observation
+                try:
+                    trace.prompt_ids = self.image_processing.expand(trace.prompt_ids, state["images"])
+                except ValueError as exc:
+                    raise self._invalid("reset", f"returned an observation that does not fit the prompt's images: "
+                                        f"{exc}") from None
         if len(trace) >= max_length:
             state["truncated"], state["finish"] = True, "length"
             raise _EpisodeFailure(
@@ -332,7 +362,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]),
             )
             context = trace.all_ids()
-            (out,) = await engine.generate(GenerationRequest(prompt_ids=context, params=turn_params))
+            request = GenerationRequest(prompt_ids=context, params=turn_params, images=list(state["images"]))
+            (out,) = await engine.generate(request)
             trace.add_action(out)
             state["turns"] += 1
             state["finish"] = out.finish_reason
@@ -353,13 +384,49 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             observation_text = observation_text + action_text + feedback
             feedback_ids = encode(tokenizer, feedback)
             room = max_length - len(trace)
-            trace.add_feedback(feedback_ids[:room])
+            new_images = await self._feedback_images(result, feedback_ids, state)
+            if new_images:
+                feedback_ids = self.image_processing.expand(feedback_ids, new_images)
+            kept_ids, kept_images = fit_feedback(feedback_ids, new_images, room, self._image_token_id())
+            trace.add_feedback(kept_ids)
+            state["images"] += kept_images
+            if len(kept_images) < len(new_images):
+                state["extra"]["images_dropped"] = state["extra"].get("images_dropped", 0.0) + len(new_images) - len(kept_images)
             if done:
                 state["truncated"] = out.finish_reason == "length"
                 return
             if len(feedback_ids) >= room:  # no room left for another turn
                 state["truncated"], state["finish"] = True, "length"
                 return
+
+    def _image_token_id(self) -> int | None:
+        return None if self.image_processing is None else self.image_processing.image_token_id
+
+    async def _feedback_images(self, result: dict, feedback_ids: list[int], state: dict) -> list[ImageInput]:
+        """A step's ``environment_images``, processed, with the placeholders past ``max_images`` removed from
+        ``feedback_ids`` (in place) and their images dropped (counted in ``images_dropped``)."""
+        pictures = list(result.get("environment_images") or [])
+        token = self._image_token_id()
+        found = 0 if token is None else feedback_ids.count(token)
+        if not pictures and not found:
+            return []
+        if token is None:
+            raise self._invalid("step", "returned environment_images, but the model is not a vision-language model")
+        if found != len(pictures):
+            raise self._invalid("step", f"returned {len(pictures)} environment_images but its environment_feedback "
+                                f"has {found} image placeholders (one per image)")
+        room = max(0, self.max_images - len(state["images"])) if self.max_images else len(pictures)
+        if len(pictures) > room:
+            state["extra"]["images_dropped"] = state["extra"].get("images_dropped", 0.0) + len(pictures) - room
+            drop = [k for k, t in enumerate(feedback_ids) if t == token][room:]
+            for k in reversed(drop):
+                del feedback_ids[k]
+            pictures = pictures[:room]
+        try:
+            return await asyncio.to_thread(self.image_processing.process, pictures)
+        except Exception as exc:
+            raise self._invalid("step", f"returned environment_images that could not be processed: "
+                                f"{type(exc).__name__}: {exc}") from None
 
     def _read_step(self, result: Any, state: dict, params: SamplingParams) -> tuple[bool, str, SamplingParams]:
         """Check a ``step`` result and fold it into ``state``; returns (done, feedback, next params)."""
@@ -406,6 +473,30 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         except Exception as exc:
             raise self._invalid("step", f"returned 'done' that is not a bool: {exc}") from None
         return done, feedback, new_params
+
+
+def fit_feedback(
+    ids: list[int], images: list[ImageInput], room: int, image_token_id: int | None
+) -> tuple[list[int], list[ImageInput]]:
+    """The longest prefix of ``ids`` (image tokens expanded) within ``room`` tokens that cuts no image in two,
+    and the images whose tokens it holds: an image that does not fit ends the prefix before it."""
+    if not images:
+        return ids[:room], []
+    out: list[int] = []
+    kept: list[ImageInput] = []
+    i = 0
+    while i < len(ids) and len(out) < room:
+        if ids[i] != image_token_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        n = images[len(kept)].num_tokens
+        if len(out) + n > room:
+            break
+        out += ids[i:i + n]
+        kept.append(images[len(kept)])
+        i += n
+    return out, kept
 
 
 def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
@@ -462,4 +553,5 @@ def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
             raise
         raise UserCodeError(f"--train.agent_func_path {path}: AgentExecutor() raised {type(exc).__name__}: {exc}") from exc
     executor.env_step_timeout = cfg.train.env_step_timeout
+    executor.max_images = cfg.data.max_images_per_prompt
     return executor

@@ -118,5 +118,4 @@ class RewardModelScorer:
             batch_size=cfg.rollout.micro_batch_size,
             dtype=cfg.ds.param_dtype,
             attn_implementation=cfg.ds.attn_implementation,
-            use_fast_tokenizer=not cfg.data.disable_fast_tokenizer,
         )

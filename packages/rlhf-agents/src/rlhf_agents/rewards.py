@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
 from rlhf_agents.executors import call_user
 from rlhf_agents.loading import UserCodeError, load_symbol
-from rlhf_core.config_parser import ConfigError
+from rlhf_core.config_parser import ConfigError, redact_text
 from rlhf_core.plugins import PluginError, collect, get_plugin_manager, resolve
 from rlhf_core.supervised import is_prm_model
 from rlhf_core.types import RewardRequest, RewardResult, RewardSource
@@ -237,9 +237,9 @@ class HttpRewardSource(RewardSource):
             raise ValueError("HttpRewardSource needs at least one URL")
         for url in urls:
             if urlparse(url).scheme not in ("http", "https"):
-                raise ValueError(f"--reward.remote_url {url}: not an http(s) URL")
+                raise ValueError(f"--reward.remote_url {redact_text(url)}: not an http(s) URL")
         self.urls = list(urls)
-        self.description = ", ".join(self.urls)
+        self.description = ", ".join(redact_text(u) for u in self.urls)  # for messages: no credentials
         self.timeout = timeout
         self.max_attempts = max(1, max_attempts)
         self.max_concurrency = max(1, max_concurrency)
@@ -283,13 +283,13 @@ class HttpRewardSource(RewardSource):
         payload = {"query": part.queries, "prompts": part.prompts, "labels": part.labels}
         try:
             raw, url = await self.post(payload)
-            parsed = parse_reward_output(raw, len(indices), f"reward server {url}")
+            parsed = parse_reward_output(raw, len(indices), f"reward server {redact_text(url)}")
         except (RewardRequestError, RewardContractError, TypeError) as exc:  # TypeError: labels not JSON
             log_failure_once(logger, self.description, str(exc))
             for i in indices:
                 result.errors[i] = str(exc)
             return
-        fill_result(result, indices, parsed, f"reward server {url}")
+        fill_result(result, indices, parsed, f"reward server {redact_text(url)}")
 
     def _pick_url(self, avoid: str | None) -> str:
         candidates = [u for u in self.urls if u != avoid] or self.urls
@@ -309,6 +309,7 @@ class HttpRewardSource(RewardSource):
         last = ""
         for attempt in range(self.max_attempts):
             url = self._pick_url(avoid=url)
+            shown = redact_text(url)
             self._in_flight[url] += 1
             status = None
             try:
@@ -316,9 +317,9 @@ class HttpRewardSource(RewardSource):
                     async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                         status, text = resp.status, await resp.text()
             except asyncio.TimeoutError:
-                last = f"{url}: no answer within --reward.timeout {self.timeout:g} s"
+                last = f"{shown}: no answer within --reward.timeout {self.timeout:g} s"
             except aiohttp.ClientError as exc:
-                last = f"{url}: {type(exc).__name__}: {exc}"
+                last = f"{shown}: {type(exc).__name__}: {redact_text(str(exc))}"
             finally:
                 self._in_flight[url] -= 1
             if status is not None:
@@ -327,12 +328,12 @@ class HttpRewardSource(RewardSource):
                         return json.loads(text), url
                     except ValueError:
                         raise RewardRequestError(
-                            f"reward server {url} answered {status} with a body that is not JSON: {text[:200]!r}"
+                            f"reward server {shown} answered {status} with a body that is not JSON: {text[:200]!r}"
                         ) from None
-                last = f"{url}: status {status}: {text[:200]!r}"
+                last = f"{shown}: status {status}: {text[:200]!r}"
                 if status < 500 and status not in RETRIED_4XX:
                     raise RewardRequestError(
-                        f"reward server {url} refused the request (not retried): status {status}: {text[:200]!r}"
+                        f"reward server {shown} refused the request (not retried): status {status}: {text[:200]!r}"
                     )
             if attempt + 1 < self.max_attempts:
                 await asyncio.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt)))
@@ -482,7 +483,7 @@ def _create(factory: Any, cfg: Any, reward_model_handle: Any) -> RewardSource:
 
 def _pick(factories: dict[str, Any], cfg: Any) -> Any:
     accepted = [name for name, reg in factories.items() if reg.obj.accepts(cfg)]
-    what = cfg.reward.remote_url or f"--reward.model_name_or_path {cfg.reward.model_name_or_path}"
+    what = redact_text(cfg.reward.remote_url or f"--reward.model_name_or_path {cfg.reward.model_name_or_path}")
     if not accepted:
         raise PluginError(
             f"no reward source accepts {what!r} (registered: {', '.join(sorted(factories)) or 'none'}); a "
@@ -497,7 +498,8 @@ def _entry_name(entry: str | None, taken: set[str]) -> str:
     if entry is None:
         base = "reward_model"
     elif is_http(entry):
-        base = urlparse(entry).netloc
+        host = urlparse(entry)
+        base = f"{host.hostname}:{host.port}" if host.port else str(host.hostname)  # not user:password@
     else:
         base = entry.rsplit("/", 1)[-1].removesuffix(".py")
     name, k = base, 2
@@ -536,7 +538,7 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
     if reward.weights is None:
         if len(entries) > 1 and not all(e is not None and is_http(e) for e in entries):
             raise ConfigError(
-                f"--reward.remote_url {reward.remote_url} lists {len(entries)} reward sources: give "
+                f"--reward.remote_url {redact_text(reward.remote_url)} lists {len(entries)} reward sources: give "
                 f"--reward.weights with one weight each to combine them (several http URLs of one reward "
                 f"server are load-balanced and need no weights)"
             )

@@ -19,13 +19,16 @@ from rlhf_core.types import SamplingParams, Trajectory
 
 class OneThreadEngine(AsyncEngine):
     """An ``AsyncEngine`` whose batched ``generate`` calls all run on ``thread`` (one worker), the thread
-    that also built the engine and loads its weights."""
+    that also built the engine and loads its weights; with ``thread`` None, on the event loop's own thread
+    (blocking the loop while it decodes)."""
 
-    def __init__(self, engine: Any, thread: ThreadPoolExecutor):
+    def __init__(self, engine: Any, thread: ThreadPoolExecutor | None):
         super().__init__(engine)
         self.thread = thread
 
     async def _call(self, requests):
+        if self.thread is None:
+            return self.engine.generate(requests)
         return await asyncio.get_running_loop().run_in_executor(self.thread, self.engine.generate, requests)
 
 
@@ -36,11 +39,14 @@ class RolloutActor:
     plugin manager or a model.
     """
 
-    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None):
-        from transformers import AutoTokenizer
-
+    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None,
+                 hosted: bool = False):
+        """``hosted``: built inside a training rank's process (``TrainWorker.host``), whose thread runs every
+        call in turn; the engine then decodes on that thread with the rank's torch threads."""
         from rlhf_agents.worker import RolloutWorker
+        from rlhf_core.data import load_tokenizer
         from rlhf_core.plugins import get_plugin_manager, resolve
+        from rlhf_core.vision import ImageProcessing
 
         pm = get_plugin_manager()
         factory = resolve(pm, "rollout_engines", engine_name, "--rollout.engine")
@@ -48,8 +54,9 @@ class RolloutActor:
         # OpenMP backend every thread that runs parallel ops gets its own worker team, and two teams on the
         # same cores make libgomp throttle its spin-waits; CPU decoding ran ~1.7x slower (bench/grpo_vs_trl.md).
         # Partial rollout keeps the Ray threads: its weights must be able to land while a generation runs.
+        # Hosted, that one thread is the rank's own.
         self.engine_thread = None
-        if engine_name == "hf" and not cfg.train.partial_rollout_enable:
+        if engine_name == "hf" and not cfg.train.partial_rollout_enable and not hosted:
             self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-engine")
         if num_threads:  # per thread with OpenMP: Ray's and the engine's
             torch.set_num_threads(num_threads)
@@ -57,14 +64,18 @@ class RolloutActor:
         if not torch.cuda.is_available():  # a CPU engine frees and reallocates its KV cache every batch
             keep_freed_memory()
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
-        engine = self.engine if self.engine_thread is None else OneThreadEngine(self.engine, self.engine_thread)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        engine = self.engine
+        if self.engine_thread is not None or hosted:
+            engine = OneThreadEngine(self.engine, self.engine_thread)
+        self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
         # The driver checked the agent and reward files, but here they are imported again and the executor is
         # built (on another machine, perhaps). Ray turns an error in __init__ into text holding the worker's
         # traceback; raised by ping() instead, it reaches the driver as itself, with its clear message.
         self.init_error: UserError | None = None
+        images = ImageProcessing.for_model(cfg.actor.model_name_or_path)  # an environment's images, if a VLM
         try:
-            self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model)
+            self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model,
+                                                    image_processing=images)
         except UserError as exc:
             self.init_error = exc
         # With partial rollout the actor runs calls concurrently, so the first receive_weights can start
@@ -82,6 +93,7 @@ class RolloutActor:
         return trajs, dict(self.worker.last_metrics)
 
     def update_weights(self, state_dict: dict) -> int:
+        """Load HF-named weights (from the object store, or from the rank hosting this actor)."""
         self._on_engine_thread(self.engine.update_weights, state_dict.items())
         self.engine.reset_prefix_cache()
         return len(state_dict)

@@ -107,9 +107,9 @@ def create_app(
 ) -> Any:
     """The FastAPI app; ``score_texts`` runs in a worker thread, one call at a time."""
     from fastapi import FastAPI, Request
+    from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel
-    from starlette.concurrency import run_in_threadpool
 
     from rlhf_agents import __version__
 

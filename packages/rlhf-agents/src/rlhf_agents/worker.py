@@ -20,6 +20,7 @@ from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
 from rlhf_core.errors import UserError
 from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
+from rlhf_core.vision import collapse_image_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class RolloutWorker:
     ``engine`` has ``async generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous
     :class:`~rlhf_core.types.RolloutEngine` is wrapped in ``rlhf_core.rollout.async_engine.AsyncEngine``.
     Each prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used verbatim; text is
-    tokenized once without special tokens), and optionally ``label`` and ``prompt_uid``. Every prompt is
+    tokenized once without special tokens), and optionally ``label``, ``prompt_uid`` and ``images`` (the
+    prompt's :class:`~rlhf_core.types.ImageInput` s, shared by all its samples). Every prompt is
     sampled ``sampling.n`` times; sample ``i`` of prompt ``uid`` at step ``step`` draws with seed
     ``derive_seed(cfg.train.seed, step, uid, i)``, so a resumed run samples the same tokens. Trajectories
     come back prompt by prompt, samples of one prompt consecutive. ``last_metrics`` holds the metrics of the
@@ -76,6 +78,7 @@ class RolloutWorker:
         executor: AgentExecutorBase,
         reward_source: RewardSource | None,
         cfg: Any,
+        image_processing: Any = None,
     ):
         if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
             from rlhf_core.rollout.async_engine import AsyncEngine
@@ -87,6 +90,7 @@ class RolloutWorker:
         self.reward_source = reward_source
         if executor.env_step_timeout is None:
             executor.env_step_timeout = cfg.train.env_step_timeout
+        executor.image_processing = image_processing
         self.max_len = cfg.data.max_len
         self.seed = cfg.train.seed
         self.max_failure_fraction = cfg.reward.max_failure_fraction
@@ -98,9 +102,11 @@ class RolloutWorker:
 
     @classmethod
     def from_config(
-        cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None, reward_model_handle: Any = None
+        cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None, reward_model_handle: Any = None,
+        image_processing: Any = None,
     ) -> RolloutWorker:
-        """Executor and reward source resolved by name through the plugins of this process."""
+        """Executor and reward source resolved by name through the plugins of this process;
+        ``image_processing``: a vision-language model's ``rlhf_core.vision.ImageProcessing``."""
         from rlhf_core.plugins import get_plugin_manager
 
         pm = pm if pm is not None else get_plugin_manager()
@@ -110,6 +116,7 @@ class RolloutWorker:
             build_executor(cfg, pm),
             build_reward_source(cfg, pm, reward_model_handle=reward_model_handle),
             cfg,
+            image_processing,
         )
 
     # --- the public calls ---------------------------------------------------------------------------
@@ -125,8 +132,8 @@ class RolloutWorker:
         rows = [self._read_row(row, row_index) for row_index, row in enumerate(prompts)]
         trajectories = await _gather_all(
             [
-                self._episode(text, ids, label, uid, i, self._sample_params(sampling, step, uid, i))
-                for text, ids, label, uid in rows
+                self._episode(text, ids, label, uid, i, self._sample_params(sampling, step, uid, i), images)
+                for text, ids, label, uid, images in rows
                 for i in range(sampling.n)
             ]
         )
@@ -154,7 +161,7 @@ class RolloutWorker:
     def _sample_params(self, sampling: SamplingParams, step: int, uid: Any, index: int) -> SamplingParams:
         return dataclasses.replace(sampling, n=1, seed=derive_seed(self.seed, step, uid, index))
 
-    def _read_row(self, row: Any, row_index: int) -> tuple[str, list[int], Any, Any]:
+    def _read_row(self, row: Any, row_index: int) -> tuple[str, list[int], Any, Any, list]:
         if not isinstance(row, dict):
             raise TypeError(
                 f"prompt row {row_index} is a {describe(row)}; expected a dict with 'prompt_text' or 'prompt_ids'"
@@ -166,13 +173,14 @@ class RolloutWorker:
             ids = encode(self.tokenizer, text)
         elif text is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        return text, list(ids), row.get("label"), row.get("prompt_uid", row_index)
+        return text, list(ids), row.get("label"), row.get("prompt_uid", row_index), list(row.get("images") or [])
 
     async def _episode(
-        self, text: str, ids: list[int], label: Any, uid: Any, index: int, params: SamplingParams
+        self, text: str, ids: list[int], label: Any, uid: Any, index: int, params: SamplingParams, images: list
     ) -> Trajectory:
+        with_images = {"images": images} if images else {}  # executors written for text models need not take them
         traj = await self.executor.execute(
-            text, label, params, self.max_len, self.tokenizer, self.engine, prompt_ids=list(ids)
+            text, label, params, self.max_len, self.tokenizer, self.engine, prompt_ids=list(ids), **with_images
         )
         if not isinstance(traj, Trajectory):
             raise TypeError(
@@ -195,8 +203,16 @@ class RolloutWorker:
                 f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path"
             )
         decode = self.tokenizer.decode
+        images = self.executor.image_processing
+
+        def query(t: Trajectory) -> str:
+            ids = t.prompt_ids + t.response_ids
+            if images is not None:  # one placeholder per image, as in the prompt text
+                ids = collapse_image_tokens(ids, images.image_token_id)
+            return decode(ids, skip_special_tokens=False)
+
         request = RewardRequest(
-            queries=[decode(t.prompt_ids + t.response_ids, skip_special_tokens=False) for t in pending],
+            queries=[query(t) for t in pending],
             prompts=[t.prompt_text for t in pending],
             labels=[t.label for t in pending],
             prompt_ids=[list(t.prompt_ids) for t in pending],

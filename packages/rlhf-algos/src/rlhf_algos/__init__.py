@@ -7,6 +7,8 @@ model), ``distill`` (knowledge distillation), ``logits``.
 The estimators, policy losses and KL estimators are also registered by name through ``rlhf_algos.plugin``.
 """
 
+import importlib.metadata
+
 from rlhf_algos.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimator,
@@ -49,7 +51,8 @@ from rlhf_algos.shaping import (
 )
 from rlhf_algos.value_loss import value_loss
 
-__version__ = "0.1.0"
+# The version lives in pyproject.toml only; an installed distribution reports it.
+__version__ = importlib.metadata.version("rlhf-algos")
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

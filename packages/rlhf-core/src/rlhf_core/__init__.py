@@ -5,9 +5,12 @@ A plugin needs one import::
     from rlhf_core import hookimpl
 """
 
+import importlib.metadata
+
 from rlhf_core.errors import UserError
 from rlhf_core.hookspecs import hookimpl
 from rlhf_core.plugins import PluginError, collect, describe, get_plugin_manager, resolve
 
-__version__ = "0.1.0"
+# The version lives in pyproject.toml only; an installed distribution reports it.
+__version__ = importlib.metadata.version("rlhf-core")
 __all__ = ["PluginError", "UserError", "collect", "describe", "get_plugin_manager", "hookimpl", "resolve"]

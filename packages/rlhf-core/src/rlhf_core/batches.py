@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.types import ImageInput
+
 # --- batches -------------------------------------------------------------------------------------------
 
 
@@ -32,6 +34,9 @@ class SequenceBatch:
     action_mask: torch.Tensor | None = None
     """``[B, T]`` 1 on tokens that count (model tokens; 0 on environment feedback and padding).
     None means every response token counts."""
+    images: list[list[ImageInput]] | None = None
+    """Vision-language models: each row's images, in the order of their tokens; rows that sample the same
+    prompt hold the same objects (the vision tower encodes each once). None: a text batch."""
 
     @property
     def response_lens(self) -> torch.Tensor:
@@ -53,11 +58,15 @@ class SequenceBatch:
         return self.input_ids.shape[0]
 
     def select(self, rows: slice | torch.Tensor) -> SequenceBatch:
+        images = None
+        if self.images is not None:
+            images = [self.images[i] for i in torch.arange(len(self))[rows].tolist()]
         return SequenceBatch(
             self.input_ids[rows],
             self.attention_mask[rows],
             self.prompt_lens[rows],
             None if self.action_mask is None else self.action_mask[rows],
+            images,
         )
 
 
@@ -66,9 +75,10 @@ def make_sequence_batch(
     responses: list[list[int]],
     pad_token_id: int,
     action_masks: list[list[int]] | None = None,
+    images: list[list[ImageInput]] | None = None,
 ) -> SequenceBatch:
     """Build a :class:`SequenceBatch` from token-id lists (e.g. ``Trajectory.prompt_ids`` / ``response_ids``
-    / ``action_mask``)."""
+    / ``action_mask``) and, for a vision-language model, each row's images (``Trajectory.images``)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     for i, p in enumerate(prompts):
@@ -89,7 +99,9 @@ def make_sequence_batch(
             if len(m) != len(responses[i]):
                 raise ValueError(f"sequence {i}: action mask has {len(m)} entries for {len(responses[i])} tokens")
             amask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
-    return SequenceBatch(ids, mask, torch.tensor([len(p) for p in prompts], dtype=torch.long), amask)
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"{len(images)} image lists for {len(prompts)} sequences")
+    return SequenceBatch(ids, mask, torch.tensor([len(p) for p in prompts], dtype=torch.long), amask, images)
 
 
 def concat_batches(batches: list[SequenceBatch], pad_token_id: int) -> SequenceBatch:

@@ -9,7 +9,24 @@ rewritten to them by :mod:`rlhf_core.config_aliases`. Defaults follow OpenRLHF u
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+
+RL_MODES = ("ppo",)
+SUPERVISED_MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
+
+
+def option(default=MISSING, *, default_factory=MISSING, modes: tuple[str, ...] | None = None,
+           refused: str | None = None, noted: str | None = None, secret: bool = False, requires: str | None = None):
+    """A field with rules that :func:`rlhf_core.config_parser.parse_config` enforces before anything starts.
+
+    ``modes``: the only modes whose parser accepts it (the code of the others does not read it); ``refused``:
+    why a value other than the default cannot run here; ``noted``: why a value other than the default changes
+    nothing (a note is printed); ``secret``: shown and saved as ``***`` only, never in a repr; ``requires``: a
+    module that a value other than the default needs installed.
+    """
+    meta = {"modes": modes, "refused": refused, "noted": noted, "secret": secret, "requires": requires}
+    return field(default=default, default_factory=default_factory, repr=not secret, metadata=meta)
+
 
 # --- shared pieces ---------------------------------------------------------------------------------------
 
@@ -26,15 +43,20 @@ class AdamConfig:
     """Decoupled weight decay (AdamW)."""
 
 
+MUON_REFUSED = "the Muon optimizer is not implemented: the deepspeed backend trains with AdamW (--*.adam.*)"
+
+
 @dataclass
 class MuonConfig:
-    lr: float = 0.02
-    """Muon learning rate (accepted for OpenRLHF compatibility; the deepspeed backend refuses muon)."""
-    momentum: float = 0.95
+    """Accepted for OpenRLHF compatibility; any value other than the default is refused."""
+
+    lr: float = option(0.02, refused=MUON_REFUSED)
+    """Muon learning rate."""
+    momentum: float = option(0.95, refused=MUON_REFUSED)
     """Muon momentum."""
-    ns_steps: int = 5
+    ns_steps: int = option(5, refused=MUON_REFUSED)
     """Newton-Schulz iterations."""
-    nesterov: bool = True
+    nesterov: bool = option(True, refused=MUON_REFUSED)
     """Use Nesterov momentum."""
 
 
@@ -42,8 +64,8 @@ class MuonConfig:
 class OptimizerFields:
     """Optimizer and schedule settings shared by every trained model (actor, critic, model)."""
 
-    optim: str = "adam"
-    """Optimizer: ``adam`` (AdamW)."""
+    optim: str = option("adam", refused="only AdamW (adam) is implemented")
+    """Optimizer: ``adam`` (AdamW), the only one implemented."""
     adam: AdamConfig = field(default_factory=AdamConfig)
     muon: MuonConfig = field(default_factory=MuonConfig)
     lr_scheduler: str = "cosine_with_min_lr"
@@ -84,12 +106,13 @@ class ActorConfig(OptimizerFields):
     gradient accumulation and data-parallel ranks), ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``
     (Dr. GRPO). Default: the policy loss's own (``ppo``: token_mean, ``gspo``: seq_mean_token_mean).
     OpenRLHF has no such flag."""
-    aux_loss_coef: float = 0.0
-    """Weight of the MoE router auxiliary loss."""
+    aux_loss_coef: float = option(0.0, refused="the MoE router auxiliary loss is not implemented")
+    """Weight of the MoE router auxiliary loss (not implemented: refused unless 0)."""
     entropy_coef: float = 0.0
     """Entropy bonus weight; 0 only logs the entropy."""
     freeze_visual_encoder: bool = False
-    """Keep a VLM's vision tower frozen."""
+    """Vision-language models: train the language model only; the vision tower keeps its weights (and is not
+    sent to the engines, which already have them)."""
 
 
 @dataclass
@@ -115,9 +138,9 @@ class CriticConfig(OptimizerFields):
 class RefConfig:
     model_name_or_path: str | None = None
     """The frozen reference model (default: the actor's initial weights)."""
-    num_nodes: int = 1
-    """Nodes for the reference model."""
-    num_gpus_per_node: int = 1
+    num_nodes: int = option(1, modes=RL_MODES)
+    """Nodes for the reference model (DPO/KTO run it on the trained model's ranks)."""
+    num_gpus_per_node: int = option(1, modes=RL_MODES)
     """Reference ranks per node."""
     offload: bool = False
     """Keep the reference weights in CPU memory between uses."""
@@ -132,21 +155,23 @@ class RewardConfig:
     comma-separated."""
     source: str | None = None
     """Pick a registered reward source by name instead of inferring it from the fields above."""
-    num_nodes: int = 1
+    # rlhf generate: each generation worker loads its own reward model
+    num_nodes: int = option(1, modes=RL_MODES)
     """Nodes for the reward model."""
-    num_gpus_per_node: int = 1
+    num_gpus_per_node: int = option(1, modes=RL_MODES)
     """Reward-model ranks per node."""
-    offload: bool = False
+    offload: bool = option(False, modes=RL_MODES)
     """Keep the reward-model weights in CPU memory between uses."""
     normalize_enable: bool = False
     """Normalise reward-model outputs with the mean/std stored at RM training time."""
-    clip_range: tuple[float, float] = (-10.0, 10.0)
+    # RL shaping of the rewards: rlhf generate writes the reward sources' raw rewards
+    clip_range: tuple[float, float] = option((-10.0, 10.0), modes=RL_MODES)
     """Clamp each sequence reward into this range."""
-    overlong_buffer_len: int | None = None
+    overlong_buffer_len: int | None = option(None, modes=RL_MODES)
     """DAPO overlong penalty: the last this-many tokens before ``max_new_tokens`` are penalised."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = option(1.0, modes=RL_MODES)
     """DAPO overlong penalty at the full buffer."""
-    stop_properly_penalty_coef: float | None = None
+    stop_properly_penalty_coef: float | None = option(None, modes=RL_MODES)
     """Samples cut at ``max_new_tokens``: reward *= coef when coef >= 0, reward = coef when negative."""
     timeout: float = 180.0
     """Seconds one HTTP reward request (or one call of a reward function) may take."""
@@ -154,7 +179,7 @@ class RewardConfig:
     """Attempts per HTTP reward request (4xx answers are not retried)."""
     max_concurrency: int = 32
     """Concurrent HTTP requests to the reward servers."""
-    max_failure_fraction: float = 0.1
+    max_failure_fraction: float = option(0.1, modes=RL_MODES)
     """Stop the run when more than this fraction of a step's samples cannot be scored."""
     weights: list[float] | None = None
     """Weights of several reward sources (comma-separated ``remote_url``s), one each."""
@@ -179,7 +204,8 @@ class RolloutConfig:
     micro_batch_size: int = 8
     """Sequences per forward pass when computing log-probs, values and rewards."""
     vllm_generate_batch_size: int | None = None
-    """Prompts generated per round in async mode (over-generation); default ``batch_size``."""
+    """Prompts per generation round (default: ``batch_size``). Above ``batch_size`` (async only), a round
+    generates for several steps ahead and the steps after it take the waiting groups (over-generation)."""
     n_samples_per_prompt: int = 1
     """Samples per prompt; group estimators need 2 or more."""
     max_new_tokens: int = 1024
@@ -236,7 +262,7 @@ class TrainConfig:
     """Sequences per forward/backward on each rank."""
     max_epochs: int = 1
     """Passes over each rollout batch (RL) or over the dataset (SFT/RM/DPO/KTO/PRM/KD)."""
-    num_episodes: int = 1
+    num_episodes: int = option(1, modes=RL_MODES)
     """Passes over the prompt dataset (RL)."""
     max_steps: int = -1
     """Stop after this many steps (-1: run the episodes/epochs out)."""
@@ -244,45 +270,45 @@ class TrainConfig:
     """Seed of data order, initialisation and rollout sampling."""
     full_determinism_enable: bool = False
     """Deterministic algorithms everywhere (slower)."""
-    colocate_all: bool = False
+    colocate_all: bool = option(False, modes=RL_MODES)
     """Hybrid engine: every model and the rollout engines share the same devices."""
-    colocate_actor_ref: bool = False
+    colocate_actor_ref: bool = option(False, modes=RL_MODES)
     """Actor and reference model share devices."""
-    colocate_critic_reward: bool = False
+    colocate_critic_reward: bool = option(False, modes=RL_MODES)
     """Critic and reward model share devices."""
-    placement: str | None = None
+    placement: str | None = option(None, modes=RL_MODES)
     """Pick a registered placement strategy by name (overrides the colocate flags)."""
-    async_enable: bool = False
+    async_enable: bool = option(False, modes=RL_MODES)
     """Rollout and training run concurrently through a bounded queue."""
-    async_queue_size: int = 1
+    async_queue_size: int = option(1, modes=RL_MODES)
     """Rollout batches that may wait for training in async mode."""
-    partial_rollout_enable: bool = False
+    partial_rollout_enable: bool = option(False, modes=RL_MODES)
     """Async only: keep generating during weight sync (samples may mix two policy versions)."""
-    agent_func_path: str | None = None
+    agent_func_path: str | None = option(None, modes=RL_MODES)
     """A Python file exporting ``AgentExecutor`` (multi-turn agents)."""
-    agent_executor: str | None = None
+    agent_executor: str | None = option(None, modes=RL_MODES)
     """A registered agent executor by name (default: ``single_turn``, or the agent file's)."""
-    env: str | None = None
+    env: str | None = option(None, modes=RL_MODES)
     """A registered multi-turn environment by name (driven by the ``multi_turn`` executor)."""
-    env_step_timeout: float = 300.0
+    env_step_timeout: float = option(300.0, modes=RL_MODES)
     """Seconds an environment step may take before it is ended and counted."""
-    check_retokenization: bool = False
+    check_retokenization: bool = option(False, modes=RL_MODES)
     """Debug: re-tokenize each finished sample's text and report drift from its token ids (metric
     ``tokenize/drift_samples`` and one warning)."""
-    dynamic_batch_enable: bool = False
+    dynamic_batch_enable: bool = option(False, modes=RL_MODES)
     """Form micro-batches by token budget instead of sequence count: the training steps' (see
     ``max_tokens_per_gpu``) and the log-prob / value passes' (``--rollout.max_tokens_per_gpu``); every rank
     still runs the same number of micro-batches."""
-    max_tokens_per_gpu: int = 16192
+    max_tokens_per_gpu: int = option(16192, modes=RL_MODES)
     """Token budget per rank and training micro-batch with dynamic batching: the sum of the sequence lengths
     with ``--ds.packing_samples``, rows x the longest row when padded. A longer sequence gets a micro-batch of
     its own (never truncated). With ``--ds.ring_attn_size R`` a micro-batch holds up to R budgets, since each
     rank of the ring runs 1/R of it."""
-    enable_ema: bool = False
+    enable_ema: bool = option(False, modes=RL_MODES)
     """Keep an exponential moving average of the policy weights (fp32, updated after every applied optimizer
     step) and export it as ``<output_dir>/model`` and ``best_model``; the rollout engines keep getting the
     trained weights."""
-    ema_beta: float = 0.992
+    ema_beta: float = option(0.992, modes=RL_MODES)
     """EMA decay: ``ema = beta * ema + (1 - beta) * weights``, in [0, 1)."""
     max_nonfinite_steps: int = 3
     """Stop after this many consecutive steps with a non-finite loss (each is skipped on all ranks)."""
@@ -372,8 +398,9 @@ class DSConfig:
     """Heads per ring-attention step."""
     packing_samples: bool = False
     """Pack sequences without padding (flash-attn varlen on GPU; an equivalent path on CPU)."""
-    enable_sleep: bool = False
-    """Offload training state while the rollout engines run (hybrid engine)."""
+    enable_sleep: bool = option(False, modes=RL_MODES)
+    """Offload the trainers' state while they wait for the rollout engines (hybrid engine; in async mode,
+    while they wait for the next batch)."""
     attn_implementation: str = "sdpa"
     """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
     shared_prefix: bool = True
@@ -381,13 +408,14 @@ class DSConfig:
     rejected) through the policy and reference once; exact. Applies with ``sdpa``, without packing or ring
     attention, on Llama, Mistral, Qwen2/3 and their MoE variants without sliding windows."""
     experts_implementation: str | None = None
-    """MoE experts implementation passed to transformers."""
+    """MoE experts implementation of the trained and reference models, passed to transformers
+    (``eager``, ``grouped_mm``, ``batched_mm``; default: transformers' choice)."""
     use_liger_kernel: bool = False
     """Liger fused kernels (GPU)."""
     load_in_4bit: bool = False
     """QLoRA: load the base model in 4 bits (bitsandbytes, GPU)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
-    value_head_prefix: str = "score"
+    value_head_prefix: str = option("score", modes=("ppo", "rm"))
     """Name of the value head of critic and reward models."""
     use_universal_ckpt: bool = False
     """Save DeepSpeed universal checkpoints (resumable at another world size)."""
@@ -395,45 +423,47 @@ class DSConfig:
 
 @dataclass
 class DataConfig:
-    prompt_dataset: list[str] | None = None
-    """RL prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories."""
-    prompt_probs: list[float] | None = None
+    prompt_dataset: list[str] | None = option(None, modes=RL_MODES)
+    """RL prompt datasets: json/jsonl/parquet/csv/arrow files, local dataset directories, or Hugging Face hub
+    dataset names (``name`` or ``name@data_dir``, loaded with ``datasets.load_dataset``)."""
+    prompt_probs: list[float] | None = option(None, modes=RL_MODES)
     """Mixing probabilities of the prompt datasets."""
-    prompt_split: str = "train"
+    prompt_split: str = option("train", modes=RL_MODES)
     """Split of the prompt datasets."""
-    dataset: list[str] | None = None
-    """SFT/RM/DPO/KTO/PRM/KD datasets (same formats)."""
-    dataset_probs: list[float] | None = None
+    dataset: list[str] | None = option(None, modes=SUPERVISED_MODES)
+    """SFT/RM/DPO/KTO/PRM/KD datasets: data files, local dataset directories or hub dataset names
+    (``name@data_dir``)."""
+    dataset_probs: list[float] | None = option(None, modes=SUPERVISED_MODES)
     """Mixing probabilities of ``dataset``."""
-    dataset_split: str = "train"
+    dataset_split: str = option("train", modes=SUPERVISED_MODES)
     """Split of ``dataset``."""
     input_key: str = "input"
     """Column holding the prompt (or the conversation, with ``apply_chat_template``)."""
-    output_key: str | None = None
-    """SFT: column holding the response."""
-    label_key: str | None = None
+    output_key: str | None = option(None, modes=("sft", "kto", "prm", "kd"))
+    """SFT/KD: column holding the response (KTO: the completion; PRM refuses it)."""
+    label_key: str | None = option(None, modes=(*RL_MODES, "prm"))
     """RL: column passed to reward functions as the label. PRM: column of the per-step labels (default
     ``label``)."""
-    prompt_key: str | None = None
+    prompt_key: str | None = option(None, modes=("rm", "dpo"))
     """RM/DPO: column holding the shared prompt of chosen and rejected."""
-    chosen_key: str = "chosen"
+    chosen_key: str = option("chosen", modes=("rm", "dpo"))
     """RM/DPO: column of the preferred response."""
-    rejected_key: str = "rejected"
+    rejected_key: str = option("rejected", modes=("rm", "dpo"))
     """RM/DPO: column of the other response."""
-    label_kto_key: str = "label"
+    label_kto_key: str = option("label", modes=("kto",))
     """KTO: column holding whether the completion is desirable (bool)."""
     input_template: str | None = None
     """Format string with ``{}`` for the prompt, used when no chat template is applied."""
     apply_chat_template: bool = False
     """Format prompts with the tokenizer's chat template."""
     tokenizer_chat_template: str | None = None
-    """Override the tokenizer's chat template."""
-    multiturn: bool = False
+    """Replace the tokenizer's chat template (a Jinja template string) wherever prompts are rendered."""
+    multiturn: bool = option(False, modes=("sft", "kd", "prm"))
     """SFT: the input is a conversation; train on every assistant turn."""
     max_len: int = 2048
     """Most tokens per sequence (prompt + response) in training."""
-    prompt_max_len: int | None = None
-    """Most prompt tokens (default: ``max_len - rollout.max_new_tokens`` in RL)."""
+    prompt_max_len: int | None = option(None, modes=RL_MODES)
+    """Most prompt tokens (default: ``max_len - rollout.max_new_tokens``)."""
     overlong_prompt_policy: str = "error"
     """A prompt longer than its budget: ``error`` (names file and row), ``skip`` (counted) or
     ``truncate_left`` (counted)."""
@@ -441,14 +471,19 @@ class DataConfig:
     """Skip and count rows with a missing or mistyped key instead of failing on the first."""
     max_samples: int = 100_000_000
     """Use at most this many rows."""
-    image_key: str | None = None
-    """VLM: column holding images."""
-    max_images_per_prompt: int = 0
-    """VLM: most images per prompt."""
-    disable_fast_tokenizer: bool = False
-    """Load the slow tokenizer."""
-    dataloader_num_workers: int = 0
-    """DataLoader worker processes."""
+    image_key: str | None = option(None, modes=RL_MODES)
+    """Vision-language models: the column holding each prompt's images (a path, ``file://`` URL, data URI or
+    bytes, or a list of them; see ``rlhf_core.vision``)."""
+    max_images_per_prompt: int = option(0, modes=RL_MODES)
+    """Vision-language models: most images in a prompt, and in a multi-turn episode with the images its
+    environment returns (those past it are dropped); 0: no limit. A row over it is a data error."""
+    disable_fast_tokenizer: bool = option(False, noted=(
+        "transformers 5 has one tokenizer implementation and ignores use_fast (OpenRLHF passes it on unread too)"))
+    """OpenRLHF's switch to the slow tokenizer; changes nothing with transformers 5."""
+    dataloader_num_workers: int = option(0, refused=(
+        "rlhf has no DataLoader worker processes: the driver reads and tokenizes the whole dataset once, "
+        "before training starts"))
+    """OpenRLHF's DataLoader worker processes (refused unless 0: rlhf tokenizes the data once, in the driver)."""
 
 
 @dataclass
@@ -459,9 +494,9 @@ class EvalConfig:
     """Split of the evaluation datasets."""
     steps: int = -1
     """Evaluate every this many steps (-1: only at the end, when a dataset is given)."""
-    temperature: float = 0.6
+    temperature: float = option(0.6, modes=RL_MODES)
     """RL evaluation sampling temperature."""
-    n_samples_per_prompt: int = 4
+    n_samples_per_prompt: int = option(4, modes=RL_MODES)
     """RL evaluation samples per prompt (pass@k)."""
     max_samples: int = 100_000_000
     """Evaluate at most this many rows."""
@@ -485,14 +520,14 @@ class CkptConfig:
     """Keep the checkpoints under this many GB."""
     load_enable: bool = False
     """Resume from the latest complete checkpoint."""
-    best_metric_key: str = ""
+    best_metric_key: str = option("", modes=RL_MODES)
     """Track the best checkpoint by this eval metric (default: the first ``eval_*_pass1``)."""
 
 
 @dataclass
 class WandbConfig:
-    key: str | None = None
-    """W&B API key; setting it turns W&B logging on."""
+    key: str | None = option(None, secret=True, requires="wandb")
+    """W&B API key; setting it turns W&B logging on. Never printed or saved (``***``)."""
     org: str | None = None
     """W&B entity."""
     group: str | None = None
@@ -537,27 +572,28 @@ class ModelConfig(OptimizerFields):
     """Recompute activations in the backward pass."""
     gradient_checkpointing_reentrant: bool = False
     """Use the reentrant checkpointing implementation."""
-    aux_loss_coef: float = 0.0
-    """Weight of the MoE router auxiliary loss."""
-    pretrain_mode_enable: bool = False
+    aux_loss_coef: float = option(0.0, refused="the MoE router auxiliary loss is not implemented")
+    """Weight of the MoE router auxiliary loss (not implemented: refused unless 0)."""
+    pretrain_mode_enable: bool = option(False, modes=("sft", "kd"))
     """SFT: train on the whole text, not just the response."""
-    compute_fp32_loss_enable: bool = False
-    """RM: compute the loss in fp32."""
-    margin_loss_enable: bool = False
+    compute_fp32_loss_enable: bool = option(False, modes=("rm",), noted=(
+        "rlhf always computes the reward-model loss in fp32"))
+    """RM: compute the loss in fp32 (always the case here)."""
+    margin_loss_enable: bool = option(False, modes=("rm",))
     """RM: subtract the dataset's ``margin`` column inside the sigmoid loss."""
-    loss_type: str = "sigmoid"
+    loss_type: str = option("sigmoid", modes=("rm",))
     """RM loss: ``sigmoid`` or ``logexp``."""
-    beta: float = 0.1
+    beta: float = option(0.1, modes=("dpo", "kto"))
     """DPO/KTO temperature."""
-    ipo_enable: bool = False
+    ipo_enable: bool = option(False, modes=("dpo",))
     """DPO: use the IPO loss."""
-    label_smoothing: float = 0.0
+    label_smoothing: float = option(0.0, modes=("dpo",))
     """cDPO label smoothing."""
-    nll_loss_coef: float = 0.0
+    nll_loss_coef: float = option(0.0, modes=("dpo",))
     """DPO: weight of an NLL term on the chosen responses."""
-    desirable_weight: float = 1.0
+    desirable_weight: float = option(1.0, modes=("kto",))
     """KTO: weight of desirable examples."""
-    undesirable_weight: float = 1.0
+    undesirable_weight: float = option(1.0, modes=("kto",))
     """KTO: weight of undesirable examples."""
     adam: AdamConfig = field(default_factory=lambda: AdamConfig(lr=5e-6))
 
@@ -753,7 +789,7 @@ class InferenceDSConfig:
     """Weights dtype of the policy and reward model: ``bf16`` or ``fp32``."""
     attn_implementation: str = "sdpa"
     """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
-    value_head_prefix: str = "score"
+    value_head_prefix: str = option("score", modes=("generate",))
     """Name of the reward model's value head."""
 
 

@@ -1,8 +1,11 @@
-"""Turn command-line flags and YAML files into a config dataclass.
+"""Turn command-line flags and YAML files into a config dataclass, and show a config without its secrets.
 
 Precedence: defaults < ``--config file.yaml`` (in order) < flags on the command line. Flat OpenRLHF
 spellings are rewritten to dotted flags first (:mod:`rlhf_core.config_aliases`). Unknown keys fail with the
-closest known spelling; a YAML file's errors name the file.
+closest known spelling; a YAML file's errors name the file. A field that another mode's code reads but this
+one's does not is refused naming the modes that take it; a field rlhf accepts but does not implement
+(``refused`` in :func:`rlhf_core.config.option`) is refused with its reason when set, one that changes nothing
+(``noted``) gets a note. Secret fields are shown and saved as ``***`` (:func:`shown_config`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import ast
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import inspect
+import re
+import sys
 import textwrap
 import types
 import typing
@@ -26,6 +32,8 @@ from rlhf_core import config_aliases as aliases
 from rlhf_core.config import COMMANDS, MODES
 from rlhf_core.errors import UserError
 
+REDACTED = "***"
+
 
 class ConfigError(UserError, ValueError):
     """A flag or YAML key is unknown, malformed, or has a value of the wrong type."""
@@ -33,12 +41,19 @@ class ConfigError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class Leaf:
-    """One settable field: its dotted path, value type and documentation."""
+    """One settable field: its dotted path, value type, documentation and the rules of
+    :func:`rlhf_core.config.option`."""
 
     path: str
     kind: str  # bool | int | float | str | pair | list
     item: type  # element type for pair/list, else the scalar type
     doc: str
+    default: Any
+    modes: tuple[str, ...] | None = None  # None: every mode whose config has the field
+    refused: str | None = None
+    noted: str | None = None
+    secret: bool = False
+    requires: str | None = None
 
 
 @functools.cache
@@ -75,8 +90,8 @@ def _leaf_kind(tp: Any) -> tuple[str, type]:
 
 
 @functools.cache
-def leaves(root: type) -> dict[str, Leaf]:
-    """Every settable field under ``root``, keyed by dotted path."""
+def all_leaves(root: type) -> dict[str, Leaf]:
+    """Every field under ``root``, keyed by dotted path, whichever modes accept it."""
     out: dict[str, Leaf] = {}
 
     def walk(cls: type, prefix: str) -> None:
@@ -88,10 +103,18 @@ def leaves(root: type) -> dict[str, Leaf]:
                 walk(tp, f"{prefix}{f.name}.")
                 continue
             kind, item = _leaf_kind(tp)
-            out[prefix + f.name] = Leaf(prefix + f.name, kind, item, docs.get(f.name, ""))
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out[prefix + f.name] = Leaf(prefix + f.name, kind, item, docs.get(f.name, ""), default,
+                                        **{k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata})
 
     walk(root, "")
     return out
+
+
+@functools.cache
+def leaves(mode: str) -> dict[str, Leaf]:
+    """The fields ``rlhf train <mode>`` (or ``rlhf generate`` / ``rlhf chat``) accepts, keyed by dotted path."""
+    return {p: leaf for p, leaf in all_leaves(COMMANDS[mode]).items() if leaf.modes is None or mode in leaf.modes}
 
 
 def _parse_bool(text: str) -> bool:
@@ -119,7 +142,7 @@ def build_argparser(mode: str, prog: str | None = None) -> argparse.ArgumentPars
     parser = _Parser(prog=prog or command_name(mode), allow_abbrev=False, add_help=False,
                      description=inspect.getdoc(root))
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for leaf in leaves(root).values():
+    for leaf in leaves(mode).values():
         section = leaf.path.split(".")[0]
         group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(section))
         kw: dict[str, Any] = {"dest": leaf.path, "default": argparse.SUPPRESS, "help": leaf.doc}
@@ -188,7 +211,7 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
 
 
 def _known_flags(mode: str) -> list[str]:
-    return [f"--{p}" for p in leaves(COMMANDS[mode])] + [f"--{a}" for a in aliases.table(mode)]
+    return [f"--{p}" for p in leaves(mode)] + [f"--{a}" for a in aliases.table(mode)]
 
 
 def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
@@ -202,6 +225,11 @@ def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
             continue
         after_flag = True
         flag = "--" + _split_flag(tok)[0]
+        other = [m for m in MODES if flag[2:] in leaves(m) or flag[2:] in aliases.table(m)]
+        if other:
+            lines.append(f"{flag}{where} is an option of 'rlhf train {'|'.join(other)}' only: "
+                         f"the code of '{command_name(mode)}' does not use it")
+            continue
         close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         lines.append(f"unknown option {flag}{where} for '{command_name(mode)}'{hint}")
@@ -226,7 +254,11 @@ def yaml_tokens(path: str | Path) -> list[str]:
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--config {path}: not valid YAML: {exc}") from None
+        # PyYAML's message quotes the offending line, which may hold a secret: give its position only
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {getattr(exc, 'problem', None) or 'parse error'}"
+                          ) from None
     if data is None:
         return []
     if not isinstance(data, dict):
@@ -277,14 +309,39 @@ def parse_config(mode: str, argv: list[str]) -> tuple[Any, list[str]]:
     for f in files:
         values.update(_parse_tokens(mode, rewrite_aliases(mode, yaml_tokens(f), notes), f" (in {f})"))
     values.update(_parse_tokens(mode, rewrite_aliases(mode, cli, notes), ""))
-    return build_config(mode, values), notes
+    cfg = build_config(mode, values)
+    refused = []
+    for path, leaf in leaves(mode).items():
+        value = _get(cfg, path)
+        if leaf.secret and value == REDACTED:
+            refused.append(f"--{path} is {REDACTED!r}, the placeholder of a saved config that hides it: give the "
+                           "real value on the command line")
+        elif value != leaf.default and leaf.refused:
+            refused.append(f"--{path}: {leaf.refused}")
+        elif value != leaf.default and leaf.noted:
+            notes.append(f"--{path} changes nothing: {leaf.noted}")
+        elif value != leaf.default and leaf.requires and not _importable(leaf.requires):
+            refused.append(f"--{path} needs the {leaf.requires} package, which is not installed: "
+                           f"pip install {leaf.requires}")
+    if refused:
+        raise ConfigError("\n".join(refused))
+    return cfg, notes
+
+
+def _importable(module: str) -> bool:
+    return module in sys.modules or importlib.util.find_spec(module) is not None
+
+
+def _get(cfg: Any, path: str) -> Any:
+    for name in path.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def build_config(mode: str, values: dict[str, Any]) -> Any:
     """A config of ``mode`` with defaults, updated by ``{dotted path: value}``."""
-    root = COMMANDS[mode]
-    cfg = root()
-    table = leaves(root)
+    cfg = COMMANDS[mode]()
+    table = leaves(mode)
     for path, value in values.items():
         leaf = table[path]
         if leaf.kind == "pair":
@@ -303,10 +360,39 @@ def build_config(mode: str, values: dict[str, Any]) -> Any:
     return cfg
 
 
-def config_to_yaml(cfg: Any) -> str:
-    from rlhf_core.config import to_dict
+_URL_SECRET = re.compile(r"(?i)(://[^/@:\s]*:)[^/@\s]*@|([?&](?:[a-z_]*(?:token|key|secret|password|passwd|sig|auth)"
+                         r"[a-z_]*)=)[^&#\s]*")
 
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
+
+def redact_text(text: str) -> str:
+    """``text`` with the password of any ``scheme://user:password@host`` and the values of URL query parameters
+    that name a token, key, secret, password, signature or auth replaced by ``***``."""
+    return _URL_SECRET.sub(lambda m: f"{m.group(1)}{REDACTED}@" if m.group(1) else f"{m.group(2)}{REDACTED}", text)
+
+
+def shown_config(cfg: Any, mode: str) -> dict:
+    """The fields ``mode`` accepts as nested plain data, fit to print or save: secret fields that are set become
+    ``***`` and credentials inside URLs are masked (:func:`redact_text`); the code keeps using ``cfg``."""
+    out: dict = {}
+    for path, leaf in leaves(mode).items():
+        value = _get(cfg, path)
+        if leaf.secret and value is not None:
+            value = REDACTED
+        elif isinstance(value, str):
+            value = redact_text(value)
+        elif isinstance(value, (list, tuple)):
+            value = [redact_text(v) if isinstance(v, str) else v for v in value]
+        *parents, name = path.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = value
+    return out
+
+
+def config_to_yaml(cfg: Any, mode: str) -> str:
+    """``cfg`` as YAML for ``--dry-run`` and the run directory, secrets hidden (:func:`shown_config`)."""
+    return yaml.safe_dump(shown_config(cfg, mode), sort_keys=False, default_flow_style=None)
 
 
 def load_config_yaml(mode: str, path: str | Path) -> Any:

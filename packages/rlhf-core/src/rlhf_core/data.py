@@ -8,7 +8,10 @@ error naming the file, the row and the key, or is skipped and counted when the r
 Formats: ``.jsonl``, ``.json`` (a list of objects, or JSON lines), ``.parquet``, ``.csv``, ``.arrow``,
 and directories: a dataset saved with ``datasets``' ``save_to_disk`` (a ``DatasetDict`` is indexed by
 split), or a folder of data files whose names start with the split (``train.jsonl``,
-``data/train-00000.parquet``).
+``data/train-00000.parquet``; when no file names a split, all of them are the ``train`` split). Anything
+else is a Hugging Face hub dataset name, loaded with ``datasets.load_dataset`` (from the local cache when
+offline). As in OpenRLHF, ``name@dir`` reads only the subdirectory ``dir`` of a dataset (``data_dir``; hub
+datasets often keep each configuration in one).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 from rlhf_core.errors import UserError
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
+SPLIT_NAMES = ("train", "test", "validation", "valid", "dev", "eval")
 OVERLONG_POLICIES = ("error", "skip", "truncate_left")
 
 
@@ -128,9 +132,10 @@ def _read_dir(path: Path, split: str) -> list[Row]:
         else:
             where = str(path)
         return [Row(r, where, i) for i, r in enumerate(ds)]
-    files = sorted(
-        p for p in path.rglob("*") if p.suffix.lower() in FILE_FORMATS and p.name.startswith(split)
-    )
+    data_files = sorted(p for p in path.rglob("*") if p.suffix.lower() in FILE_FORMATS)
+    files = [p for p in data_files if p.name.startswith(split)]
+    if split == "train" and not any(p.name.startswith(SPLIT_NAMES) for p in data_files):
+        files = data_files  # the rule of datasets.load_dataset: no split in the names means all is train
     if not files:
         raise DataError(
             f"{path}: no data files for split {split!r} (looked for {split}*{{{','.join(FILE_FORMATS)}}}, "
@@ -139,12 +144,39 @@ def _read_dir(path: Path, split: str) -> list[Row]:
     return [row for f in files for row in _read_file(f, split)]
 
 
+def _read_hub(name: str, data_dir: str | None, split: str) -> list[Row]:
+    import datasets
+
+    shown = f"{name}@{data_dir}" if data_dir else name
+    try:
+        ds = datasets.load_dataset(name, data_dir=data_dir)
+    except Exception as exc:  # the hub, the network or the cache: the reason is in the message
+        offline = datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE
+        raise DataError(
+            f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset could not load it "
+            f"from the Hugging Face hub{' (offline mode: only datasets already in the cache load)' if offline else ''}"
+            f": {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (cache: "
+            f"{datasets.config.HF_DATASETS_CACHE})"
+        ) from None
+    if split not in ds:
+        raise DataError(f"dataset {shown!r}: no split {split!r}; it has {', '.join(ds)}")
+    return [Row(r, f"{shown}[{split}]", i) for i, r in enumerate(ds[split])]
+
+
 def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
-    """Every row of a data file or local dataset directory, each with its file and row index."""
+    """Every row of a data file, a local dataset directory or a hub dataset (``name`` or ``name@dir``, see the
+    module docstring), each with where it came from and its row index."""
     path = Path(path_or_dir).expanduser()
-    if not path.exists():
-        raise DataError(f"dataset not found: {path_or_dir} (a local file or directory is expected)")
-    return _read_dir(path, split) if path.is_dir() else _read_file(path, split)
+    if path.exists():
+        return _read_dir(path, split) if path.is_dir() else _read_file(path, split)
+    name, _, data_dir = str(path_or_dir).partition("@")
+    if data_dir and Path(name).expanduser().is_dir():
+        if not (Path(name).expanduser() / data_dir).is_dir():
+            raise DataError(f"dataset not found: {path_or_dir} (no directory {data_dir!r} in {name})")
+        return _read_dir(Path(name).expanduser() / data_dir, split)
+    if Path(name).suffix.lower() in FILE_FORMATS or str(name).startswith((".", "/", "~")) or not name:
+        raise DataError(f"dataset not found: {path_or_dir} (no such file or directory)")
+    return _read_hub(name, data_dir or None, split)
 
 
 def mix_rows(
@@ -212,14 +244,27 @@ def get_field(row: Row, key: str, types: type | tuple[type, ...] = str, flag: st
     return value
 
 
-def check_messages(messages: Any, row: Row, key: str) -> list[dict]:
-    """A conversation: a list of ``{"role": str, "content": str}``; DataError naming the row otherwise."""
+def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> list[dict]:
+    """A conversation: a list of ``{"role": str, "content": str}``; DataError naming the row otherwise.
+
+    With ``parts`` (prompts with images) a content may also be a list of ``{"type": "text", "text": str}``
+    and ``{"type": "image"}`` items, as vision-language chat templates take them."""
+
+    def content_ok(c: Any) -> bool:
+        if isinstance(c, str):
+            return True
+        return parts and isinstance(c, list) and all(
+            isinstance(x, dict) and (x.get("type") == "image" or (x.get("type") == "text" and isinstance(x.get("text"), str)))
+            for x in c
+        )
+
     ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) and content_ok(m.get("content")) for m in messages
     )
     if not ok or not messages:
-        raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages")
+        kind = "a str or a list of {'type': 'text'|'image'} items" if parts else "a str"
+        raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages, each "
+                        f"content {kind}")
     return messages
 
 
@@ -245,6 +290,17 @@ def render_prompt(
             raise DataError(f"--data.input_template must contain '{{}}' for the prompt, got {input_template!r}")
         return input_template.format(prompt)
     return prompt
+
+
+def load_tokenizer(path: str, data: Any) -> Any:
+    """The tokenizer of the model at ``path``, its chat template replaced by ``--data.tokenizer_chat_template``
+    when ``data`` sets one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if data.tokenizer_chat_template:
+        tokenizer.chat_template = data.tokenizer_chat_template
+    return tokenizer
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -128,5 +128,5 @@ def preflight(mode: str, cfg: Any) -> PRMTokens | None:
     if unused:
         raise SetupError(f"rlhf train prm reads each --data.input_key text as it is, so {', '.join(unused)} "
                          "cannot apply: put the template into the texts")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
     return prm_tokens(tokenizer, cfg.prm.placeholder_token, cfg.prm.reward_tokens)

@@ -42,7 +42,8 @@ class SamplingParams:
     Log-probs returned with the tokens are those of the sampled token under ``softmax(logits /
     temperature)``, before top-k/top-p filtering: the same quantity the trainer recomputes, so that the
     two can be compared (IS correction, ``rollout/train`` KL). Greedy samples (temperature 0) use
-    ``softmax(logits)``; the ``min_new_tokens`` suppression of stop ids does not change log-probs either.
+    ``softmax(logits)``; the ``min_new_tokens`` suppression of stop ids does not change log-probs either,
+    nor does excluding a vision-language model's image token (only images fill those positions).
     """
 
     n: int = 1
@@ -65,12 +66,40 @@ class SamplingParams:
     """Seed of this request; sample ``i`` draws from ``derive_seed(seed, i)``. None: unseeded."""
 
 
+@dataclass(eq=False)
+class ImageInput:
+    """One image of a prompt (or of an environment's feedback), as the model's image processor made it.
+
+    It is made once and shared by reference: the samples of a group, their engine requests and their
+    trajectories all point at the same object, and Ray sends an object that one message references several
+    times once, so an image's tensors exist once per prompt in each process, never once per sample.
+    ``eq=False``: images compare (and hash) by identity, which is how engines and trainers find the
+    samples that share one.
+
+    One image of ``h x w`` pixels (after the processor's resize to multiples of ``patch * merge``) holds
+    ``pixel_values`` of ``h*w / patch^2`` patches of ``3 * temporal_patch * patch^2`` float32 numbers, i.e.
+    ``12 * temporal_patch`` bytes per pixel (24 for the Qwen-VL family), plus the decoded RGB image (3 bytes
+    per pixel), and it takes ``num_tokens = h*w / (patch * merge)^2`` positions in the sequence.
+    """
+
+    pixel_values: torch.Tensor
+    """``[P, D]`` float32 patches, ``P = t * h * w`` (the grid), ``D = 3 * temporal_patch * patch^2``."""
+    grid_thw: torch.Tensor
+    """``[3]`` long: the patch grid ``(t, h, w)``."""
+    num_tokens: int
+    """Image tokens it fills in the sequence: ``t * h * w / merge^2``."""
+    image: Any = None
+    """The decoded RGB image (PIL), for engines that run their own image processor (vLLM)."""
+
+
 @dataclass
 class GenerationRequest:
-    """One prompt, as token ids, with its sampling parameters."""
+    """One prompt, as token ids (image tokens already expanded), with its sampling parameters and images."""
 
     prompt_ids: list[int]
     params: SamplingParams
+    images: Sequence[ImageInput] = ()
+    """The images whose tokens appear in ``prompt_ids``, in order (vision-language models only)."""
 
 
 @dataclass
@@ -153,6 +182,9 @@ class Trajectory:
     error: str | None = None
     """Why the sample is unscorable, when it is."""
     extra_logs: dict[str, float] = field(default_factory=dict)
+    images: list[ImageInput] = field(default_factory=list)
+    """The images whose tokens appear in ``prompt_ids + response_ids``, in order: the prompt's, then any an
+    environment returned (vision-language models only; shared with the prompt, not copied)."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -456,7 +488,9 @@ class TrainBackend(Protocol):
     ``role`` (``actor``, ``critic``, ``ref``, ``reward``) of an ``RLConfig`` on a Ray placement group
     (``pool``, or None) and returns a :class:`TrainGroup`. Options the driver passes: ``total_steps``
     (optimizer steps of the run), ``bundle_indices`` (rank ``r`` goes to bundle ``bundle_indices[r]``),
-    ``num_gpus_per_worker``, ``num_cpus_per_worker``, ``num_threads`` (torch threads per rank).
+    ``num_gpus_per_worker``, ``num_cpus_per_worker``, ``num_threads`` (torch threads per rank), ``wait``
+    (False: return while the ranks still start, see ``TrainGroup.wait_ready``), and for a backend with
+    ``hosts_roles = True`` also ``with_ref`` (the actor's ranks hold the reference model too).
     ``run_trainer(mode, cfg)`` runs ``sft``, ``rm``, ``dpo``, ``kto``, ``prm`` or ``kd``.
     ``rlhf_core.testing.TrainBackendConformance`` checks a backend against this contract.
     """
@@ -475,6 +509,8 @@ class TrainGroup(Protocol):
     that dies surfaces as ``ray.exceptions.RayActorError`` from the call.
     """
 
+    actors: list
+    """The Ray actor of each rank (the driver counts processes with it)."""
     dp_size: int
     """Data-parallel ranks: micro-batches of one optimizer step are split this many ways."""
     ring_size: int
@@ -487,6 +523,15 @@ class TrainGroup(Protocol):
         -> ``[B, T]`` values (critic)."""
 
     def gather_sharded(self, refs: list, real: list[int]) -> list: ...
+
+    def wait_ready(self) -> None:
+        """Return once every rank is up (raising its set-up error): a no-op unless made with ``wait=False``."""
+
+    # Only with ``hosts_roles = True`` on the backend; the driver then places, on CPU, the reference model and
+    # HF engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
+    # ``host(name, cls, args)`` builds ``cls(*args[r])`` in rank ``r`` and returns handles that read like Ray
+    # actor handles, ``hosted_ref()`` is the reference group the ranks hold (``with_ref``), and
+    # ``push_weights_to_hosted(name)`` copies each rank's weights into what it hosts.
 
     def compute_rewards(self, batches: list) -> list[torch.Tensor]:
         """Reward model: ``[B]`` rewards of each ``SequenceBatch``, read at each row's last token."""

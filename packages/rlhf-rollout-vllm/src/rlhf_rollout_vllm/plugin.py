@@ -6,6 +6,7 @@ import importlib.metadata
 import importlib.util
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 from rlhf_core import hookimpl
@@ -67,15 +68,23 @@ class VLLMEngineFactory:
                 f"({CPU_INSTALL_HINT}) or use --rollout.engine hf")
 
     def config_problem(self, cfg: Any) -> str | None:
-        """What vLLM's CPU build cannot run in this configuration, found in the driver (and ``--dry-run``) before
-        any worker starts; None on GPU or when nothing is wrong. A hub id (no local config) is not checked."""
+        """What vLLM cannot run in this configuration, found in the driver (and ``--dry-run``) before any worker
+        starts; None when nothing is wrong. On any device: vLLM's Qwen-VL model code imports transformers'
+        torchvision image processor, so a vision-language run needs a torchvision that imports. On CPU only:
+        no sleep mode, attention heads of at least 32 dimensions. A hub id (no local config) is judged by flags."""
         import torch
 
+        config_file = os.path.join(cfg.actor.model_name_or_path or "", "config.json")
+        if cfg.data.image_key or (os.path.isfile(config_file) and '"vision_config"' in Path(config_file).read_text()):
+            try:
+                import torchvision  # noqa: F401
+            except Exception as exc:  # a torchvision built for another torch fails with several error types
+                return (f"vLLM's vision-language models import torchvision, which does not import here "
+                        f"({type(exc).__name__}: {str(exc)[:100]}); use --rollout.engine hf")
         if torch.cuda.is_available():
             return None
         if cfg.vllm.enable_sleep:
             return "vLLM's CPU build has no sleep mode (drop --vllm.enable_sleep)"
-        config_file = os.path.join(cfg.actor.model_name_or_path or "", "config.json")
         if not os.path.isfile(config_file):
             return None
         from transformers import AutoConfig
@@ -129,6 +138,8 @@ class VLLMEngineFactory:
                 math.ceil(seqs / v.num_engines), max_len, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                 v.gpu_memory_utilization, v.num_engines,
             )
+        if cfg.data.max_images_per_prompt:  # vLLM sizes its multimodal budget by it
+            kwargs["limit_mm_per_prompt"] = {"image": cfg.data.max_images_per_prompt}
         return kwargs
 
     def create(self, cfg: Any, index: int = 0, **overrides: Any) -> Any:

@@ -3,4 +3,7 @@
 Heavy imports (deepspeed, ray) happen inside the modules that need them; importing this package is cheap.
 """
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+# The version lives in pyproject.toml only; an installed distribution reports it.
+__version__ = importlib.metadata.version("rlhf-train-deepspeed")

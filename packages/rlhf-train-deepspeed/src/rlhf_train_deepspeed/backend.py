@@ -18,15 +18,13 @@ def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = No
     if role == "actor":
         if not actor_path:
             raise ValueError("--actor.model_name_or_path is required")
-        if cfg.actor.aux_loss_coef:
-            raise ValueError("--actor.aux_loss_coef (MoE router loss) is not supported by the deepspeed backend yet")
         ema_beta = cfg.train.ema_beta if cfg.train.enable_ema else None
         if ema_beta is not None and not 0.0 <= ema_beta < 1.0:
             raise ValueError(f"--train.ema_beta must be in [0, 1), got {ema_beta}")
         return ModelSpec(
             actor_path, "causal", True, cfg.actor, micro, grad_accum, steps,
             cfg.actor.gradient_checkpointing_enable, cfg.actor.gradient_checkpointing_reentrant,
-            ema_beta=ema_beta,
+            ema_beta=ema_beta, freeze_vision=cfg.actor.freeze_visual_encoder,
         )
     if role == "critic":
         path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or actor_path
@@ -47,18 +45,24 @@ class DeepSpeedBackend:
     """``create_group`` starts Ray workers for a role of an RL run; ``run_trainer`` runs SFT/RM/DPO/KTO/PRM/KD."""
 
     name = "deepspeed"
+    hosts_roles = True
+    """Its groups host a reference model or HF engines in the ranks' processes (``rlhf_core.types.TrainGroup``)."""
 
     def create_group(self, role: str, cfg, pool: Any = None, num_workers: int = 1, **kwargs):
         """A :class:`rlhf_train_deepspeed.group.WorkerGroup` of ``num_workers`` ranks for ``role``
         (``actor``, ``critic``, ``ref``, ``reward``) of an ``RLConfig``.
 
         ``pool``: a Ray placement group or None. Keyword options: ``total_steps`` (optimizer steps of the
-        run, for the LR schedule), ``bundle_indices``, ``num_gpus_per_worker``, ``num_cpus_per_worker``,
-        ``num_threads`` (see :func:`rlhf_train_deepspeed.group.create_worker_group`).
+        run, for the LR schedule), ``with_ref`` (the actor's ranks also host the reference model, reached
+        through ``group.hosted_ref()``), ``bundle_indices``, ``num_gpus_per_worker``, ``num_cpus_per_worker``,
+        ``num_threads``, ``wait`` (see :func:`rlhf_train_deepspeed.group.create_worker_group`).
         """
         from rlhf_train_deepspeed.group import create_worker_group
 
         spec = spec_for_role(role, cfg, num_workers, kwargs.pop("total_steps", None))
+        if kwargs.pop("with_ref", False):
+            spec.ref_path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
+            spec.ref_offload = cfg.ref.offload
         return create_worker_group(
             role, spec, cfg.ds, num_workers, seed=cfg.train.seed,
             full_determinism=cfg.train.full_determinism_enable, pool=pool, **kwargs,

@@ -59,6 +59,8 @@ class WorkerGroup:
         receive the same micro-batches and return the same results; data parallelism is over the groups."""
         self.nonfinite_steps = 0
         """Steps skipped because a loss was not finite (on any rank)."""
+        self._starting: list = []
+        """Set-up calls still running (``create_worker_group(..., wait=False)``); see :meth:`wait_ready`."""
 
     # --- fan-out primitives ---
 
@@ -197,10 +199,37 @@ class WorkerGroup:
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> None:
         """(Re)load a model on every rank, replacing the current one (the process group is kept)."""
+        _ray().get(self._init_model_async(spec, ds, seed, full_determinism))
+
+    def _init_model_async(self, spec: ModelSpec, ds, seed: int, full_determinism: bool) -> list:
         self.spec = spec
         self.nonfinite_steps = 0
         self.ring_size = max(1, ds.ring_attn_size)
-        self.call("init_model", spec, ds, seed, full_determinism)
+        return self.call_async("init_model", spec, ds, seed, full_determinism)
+
+    def wait_ready(self) -> None:
+        """Wait for the set-up that ``create_worker_group(..., wait=False)`` left running (raising its errors)."""
+        starting, self._starting = self._starting, []
+        _ray().get(starting)
+
+    def host(self, name: str, cls: type, args: list[tuple]) -> list[HostedHandle]:
+        """Build ``cls(*args[r])`` inside the process of rank ``r``, for the first ``len(args)`` ranks, and
+        return handles to them that read like Ray actor handles (``handle.method.remote(...)``)."""
+        if len(args) > self.world_size:
+            raise ValueError(f"{self.role}: cannot host {len(args)} {name!r} objects on {self.world_size} ranks")
+        _ray().get([a.host.remote(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
+        return [HostedHandle(a, name) for a in self.actors[: len(args)]]
+
+    def hosted_ref(self) -> HostedRef:
+        """The frozen model these ranks host beside their own (``ModelSpec.ref_path``), as a reference group."""
+        if not self.spec.ref_path:
+            raise ValueError(f"{self.role}: these ranks host no reference model (ModelSpec.ref_path)")
+        return HostedRef(self)
+
+    def push_weights_to_hosted(self, name: str) -> None:
+        """Every rank loads its weights into the object it hosts under ``name`` (see
+        :meth:`TrainWorker.push_weights_to_hosted`)."""
+        self.call("push_weights_to_hosted", name)
 
     def sleep(self) -> None:
         """Offload training state to CPU memory (GPU ZeRO-3 with ``--ds.enable_sleep``; no-op on CPU)."""
@@ -214,6 +243,63 @@ class WorkerGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+
+
+class HostedRef:
+    """A reference model living in the policy's ranks (:meth:`WorkerGroup.hosted_ref`), with the calls the RL
+    controller makes on a reference group: its log-probs are the frozen model's, sharded over the policy's
+    ranks; sleeping and shutting down are the policy group's."""
+
+    def __init__(self, policy: WorkerGroup):
+        self.policy = policy
+        self.role = "ref"
+
+    @property
+    def actors(self) -> list:
+        return self.policy.actors
+
+    def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list, list[int]]:
+        if method != "compute_logprobs":
+            raise ValueError(f"a hosted reference model only computes log-probs, not {method!r}")
+        return self.policy.call_sharded_async(method, items, *args, ref=True, **kwargs)
+
+    def gather_sharded(self, refs: list, real: list[int]) -> list:
+        return self.policy.gather_sharded(refs, real)
+
+    def compute_logprobs(self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False) -> list:
+        return self.gather_sharded(*self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy))
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class HostedHandle:
+    """An object hosted in a rank's process (:meth:`WorkerGroup.host`), called like a Ray actor:
+    ``handle.method.remote(*args)`` runs ``method`` there (in turn with the rank's own calls) and returns an
+    ObjectRef. Killing the rank's actor ends it."""
+
+    def __init__(self, actor, name: str):
+        self.actor = actor
+        self.name = name
+
+    def __getattr__(self, method: str) -> _HostedMethod:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _HostedMethod(self.actor, self.name, method)
+
+
+class _HostedMethod:
+    def __init__(self, actor, name: str, method: str):
+        self.actor, self.name, self.method = actor, name, method
+
+    def remote(self, *args, **kwargs):
+        return self.actor.call_hosted.remote(self.name, self.method, *args, **kwargs)
 
 
 def _has_gpus() -> bool:
@@ -233,8 +319,11 @@ def create_worker_group(
     num_gpus_per_worker: float | None = None,
     num_cpus_per_worker: float = 1,
     num_threads: int | None = None,
+    wait: bool = True,
 ) -> WorkerGroup:
     """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model.
+    With ``wait=False`` it returns at once, the ranks still starting: several groups then start side by side,
+    and :meth:`WorkerGroup.wait_ready` waits for them (calls made meanwhile queue behind the set-up).
 
     ``pool`` is a Ray placement group (rank ``r`` goes to bundle ``bundle_indices[r]``, default ``r``) or
     None. GPUs per worker default to 1 when the cluster has GPUs, else 0 (CPU ranks with gloo).
@@ -273,8 +362,10 @@ def create_worker_group(
                 placement_group=pool, placement_group_bundle_index=index
             )
         actors.append(actor_cls.options(**options).remote(r, num_workers, threads))
-    addr, port = ray.get(actors[0].master_address.remote())
-    ray.get([a.init_distributed.remote(addr, port) for a in actors])
+    address = actors[0].master_address.remote()  # Ray hands each rank the value once rank 0 gave it
     group = WorkerGroup(actors, role, spec)
-    group.init_model(spec, ds, seed, full_determinism)
+    group._starting = [a.init_distributed.remote(address) for a in actors]
+    group._starting += group._init_model_async(spec, ds, seed, full_determinism)
+    if wait:
+        group.wait_ready()
     return group

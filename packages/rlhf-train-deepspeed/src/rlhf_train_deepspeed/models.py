@@ -15,6 +15,10 @@ CPU), so packed and padded computations give the same numbers.
 
 With ring attention (``ring``, a :class:`rlhf_train_deepspeed.ring_attn.RingGroup`; packing only) each rank
 runs one slice of the packed row and the per-token outputs are all-gathered over its ring group.
+
+A vision-language model's batch carries each row's images (``SequenceBatch.images``, padded batches only):
+:func:`rlhf_core.vision.image_forward_inputs` encodes each distinct image once and places the features and
+M-RoPE positions; log-probs are still taken at the response tokens only, which are text.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 
 from rlhf_algos.logits import logprobs_and_entropy, logprobs_from_logits
 from rlhf_core.batches import PRMBatch, SequenceBatch
+from rlhf_core.vision import image_forward_inputs
 from rlhf_train_deepspeed import ring_attn, shared_prefix
 
 # --- forward passes ------------------------------------------------------------------------------------
@@ -76,6 +81,10 @@ def response_logprobs(
     """
     kwargs, offsets = model_inputs(batch, packing)
     pos, mask = response_positions(batch, offsets)
+    if batch.images is not None:
+        if packing or ring is not None:
+            raise ValueError("a batch with images is not packed (images are per row): drop --ds.packing_samples")
+        kwargs.update(image_forward_inputs(model, batch.input_ids, batch.attention_mask, batch.images)[0])
     if ring is not None:
         if not packing:
             raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
@@ -234,12 +243,12 @@ def normalize_rewards(rewards: torch.Tensor, config) -> torch.Tensor:
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", **kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` with the training dtype and attention implementation."""
-    from transformers import AutoModelForCausalLM
+    """The generating model at ``path`` with the training dtype and attention implementation:
+    ``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language model (see
+    ``rlhf_core.vision.load_model``)."""
+    from rlhf_core.vision import load_model
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, **kwargs
-    )
+    return load_model(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", head_prefix: str = "score", **kwargs):

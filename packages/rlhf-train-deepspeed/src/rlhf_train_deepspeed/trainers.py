@@ -6,14 +6,13 @@ The driver reads and tokenizes the data, cuts each global batch into micro-batch
 data order of epoch ``e`` is a permutation seeded by ``(train.seed, e)``, so the data position of a
 resumed run is just its step number.
 
-Run directory (``--ckpt.output_dir``): ``metrics.jsonl`` (one JSON line per step), TensorBoard events,
+Run directory (``--ckpt.output_dir``): ``metrics.jsonl`` (one JSON line per logged step, every
+``--logger.logging_steps``), TensorBoard events, W&B when asked,
 ``checkpoints/`` and, at the end, the HF model (safetensors) with its tokenizer.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import time
@@ -24,7 +23,9 @@ import numpy as np
 import torch
 
 from rlhf_core.checkpoint import CheckpointManager, fault_point
-from rlhf_core.data import DataError, DataStats, load_rows
+from rlhf_core.config_parser import shown_config
+from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
+from rlhf_core.rundir import MetricsWriter
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
 from rlhf_train_deepspeed.strategy import ConfigError
@@ -44,8 +45,10 @@ def init_ray(cfg) -> None:
     if address:
         ray.init(address=address)
     else:
-        # "local": without it ray.init joins whatever cluster another program started on this machine
-        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1")
+        # "local": without it ray.init joins whatever cluster another program started on this machine;
+        # no idle workers ahead: the ranks ask for their own environment, so they would never be used
+        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1",
+                 _system_config={"prestart_worker_first_driver": False})
 
 
 @dataclass
@@ -87,36 +90,6 @@ def _chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-class MetricsLog:
-    """``metrics.jsonl`` (a resumed run continues the file; see ``prepare_metrics_file``) and TensorBoard
-    scalars."""
-
-    def __init__(self, output_dir: Path, tensorboard_dir: str | None, resume_step: int):
-        from rlhf_core.rundir import prepare_metrics_file
-
-        self.path = output_dir / "metrics.jsonl"
-        prepare_metrics_file(self.path, resume_step)
-        self.writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(tensorboard_dir or str(output_dir / "tensorboard"))
-        except ImportError:  # tensorboard is a dependency, but logging must not stop training
-            pass
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.writer is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
 def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     """Train ``cfg.model`` with the ``mode`` loss; returns the last step's metrics and the output paths.
 
@@ -124,32 +97,23 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors.
     """
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     if mode not in MODES:
         raise ConfigError(f"unknown trainer mode {mode!r}; modes are {', '.join(MODES)}")
     if not cfg.model.model_name_or_path:
         raise ConfigError("--model.model_name_or_path is required")
-    if cfg.model.aux_loss_coef:
-        raise ConfigError("--model.aux_loss_coef (MoE router loss) is not supported by the deepspeed trainers yet")
     try:
         prm = preflight(mode, cfg)
     except SetupError as exc:
         raise ConfigError(str(exc)) from None
     plan = BatchPlan.from_config(cfg)
-    if cfg.logger.wandb.key:
-        print("note: --logger.wandb.* is not supported by the deepspeed trainers; logging to TensorBoard", flush=True)
     output_dir = Path(cfg.ckpt.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            cfg.model.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer
-        )
+        tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data)
     except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
         raise ConfigError(f"--model.model_name_or_path {cfg.model.model_name_or_path}: {exc}") from exc
-    if cfg.data.tokenizer_chat_template:
-        tokenizer.chat_template = cfg.data.tokenizer_chat_template
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     stats = DataStats()
@@ -229,7 +193,8 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         torch.set_rng_state(state["rng"]["torch"])
         print(f"resumed from {latest} at step {start_step}", flush=True)
 
-    log = MetricsLog(output_dir, cfg.logger.tensorboard_dir, start_step)
+    log = MetricsWriter(output_dir, cfg.logger, total_steps, start_step, config=shown_config(cfg, mode),
+                        bare_prefix="train/")
 
     def save(step: int) -> None:
         def write(tmp: Path) -> None:

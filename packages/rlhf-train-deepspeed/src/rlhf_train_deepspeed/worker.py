@@ -75,6 +75,8 @@ class ModelSpec:
     ema_beta: float | None = None
     """Trained models: keep an EMA of the weights with this decay (``--train.enable_ema``,
     ``--train.ema_beta``) and export it instead of the trained weights; None: no EMA."""
+    freeze_vision: bool = False
+    """A trained vision-language model keeps its vision tower frozen (``--actor.freeze_visual_encoder``)."""
 
 
 @dataclass
@@ -167,6 +169,8 @@ class TrainWorker:
         self.spec: ModelSpec | None = None
         self._sync_group = None
         self._plugins = None
+        self._hosted: dict[str, Any] = {}
+        """Objects of other roles living in this rank's process (:meth:`host`), by name."""
         self.ema: list[torch.Tensor] | None = None
         """fp32 EMA of this rank's local shards of the trainable parameters (``ModelSpec.ema_beta``)."""
 
@@ -178,9 +182,10 @@ class TrainWorker:
 
         return ray.util.get_node_ip_address(), free_port()
 
-    def init_distributed(self, master_addr: str, master_port: int) -> None:
-        os.environ["MASTER_ADDR"] = master_addr
-        os.environ["MASTER_PORT"] = str(master_port)
+    def init_distributed(self, address: tuple[str, int]) -> None:
+        """Join the group whose rank 0 is at ``address`` (:meth:`master_address` of rank 0)."""
+        os.environ["MASTER_ADDR"] = address[0]
+        os.environ["MASTER_PORT"] = str(address[1])
         Strategy.init_distributed()
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> dict:
@@ -196,14 +201,22 @@ class TrainWorker:
 
             attn = attn_implementation(self.strategy.ring)
         zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
+        # None leaves the choice to transformers (a MoE model's grouped_mm where it can run, else eager)
+        experts = {"experts_implementation": ds.experts_implementation} if ds.experts_implementation else {}
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
         if spec.kind == "value":
-            model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant)
+            model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
         elif spec.kind == "causal":
-            model = load_causal_lm(spec.path, dtype, causal_attn(spec.path, ds, attn), **quant)
+            model = load_causal_lm(spec.path, dtype, causal_attn(spec.path, ds, attn), **quant, **experts)
         else:
             raise ValueError(f"unknown model kind {spec.kind!r}")
         self.hf_config = model.config
+        if spec.freeze_vision:
+            from rlhf_core.vision import is_vision_language, vision_tower
+
+            if not is_vision_language(model.config):
+                raise ValueError(f"--actor.freeze_visual_encoder: {spec.path} is not a vision-language model")
+            vision_tower(model).requires_grad_(False)
         if spec.trainable:
             if spec.kind == "causal":
                 model = apply_lora(model, ds.lora, "CAUSAL_LM")
@@ -225,7 +238,7 @@ class TrainWorker:
         self.ref_engine = None
         if spec.ref_path:
             zero3 = self.strategy.zero3_init_context(False)  # noqa: F841
-            ref = load_causal_lm(spec.ref_path, dtype, causal_attn(spec.ref_path, ds, attn))
+            ref = load_causal_lm(spec.ref_path, dtype, causal_attn(spec.ref_path, ds, attn), **experts)
             self.ref_engine = self.strategy.prepare_eval(ref, spec.ref_offload)
         del zero3
         return {"rank": self.rank, "num_parameters": sum(p.numel() for p in model.parameters())}
@@ -251,13 +264,15 @@ class TrainWorker:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False
+        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False, ref: bool = False
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU."""
-        self.engine.eval()
+        """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU; with ``ref``,
+        those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``)."""
+        engine = self.ref_engine if ref else self.engine
+        engine.eval()
         out = []
         for b in batches:
-            lp, ent, _ = response_logprobs(self.engine, self._dev(b), temperature, self.packing, with_entropy, ring=self.ring)
+            lp, ent, _ = response_logprobs(engine, self._dev(b), temperature, self.packing, with_entropy, ring=self.ring)
             out.append((lp.cpu(), ent.cpu()) if with_entropy else lp.cpu())
         return out
 
@@ -555,10 +570,13 @@ class TrainWorker:
     def _is_peft(self) -> bool:
         return hasattr(self._module(), "peft_config")
 
-    def named_weights(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(
+        self, bucket_bytes: int = WEIGHT_BUCKET_BYTES, trainable_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` pairs, ZeRO-3 parameters gathered bucket by bucket
         (``deepspeed.zero.GatheredParameters``). Collective: every rank must exhaust the iterator. With LoRA
-        the adapters are merged into the base weights (names without peft's prefixes)."""
+        the adapters are merged into the base weights (names without peft's prefixes). ``trainable_only``
+        leaves out frozen parameters (a frozen vision tower: the engines loaded the same weights)."""
         import deepspeed
 
         module = self._module()
@@ -575,7 +593,7 @@ class TrainWorker:
                 finally:
                     module.unmerge_adapter()
             return
-        params = list(module.named_parameters())
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
         bucket: list[tuple[str, torch.nn.Parameter]] = []
         size = 0
 
@@ -595,9 +613,9 @@ class TrainWorker:
             yield from flush()
 
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor] | None:
-        """Every weight as a CPU tensor on rank 0 (None on the others), for the object-store sync path."""
+        """Every trained weight as a CPU tensor on rank 0 (None on the others), for the object-store sync path."""
         out = {}
-        for name, t in self.named_weights():
+        for name, t in self.named_weights(trainable_only=True):
             if self.rank == 0:
                 out[name] = t.cpu()
         return out if self.rank == 0 else None
@@ -615,7 +633,7 @@ class TrainWorker:
             self._sync_group = weight_sync.init_sync_group(
                 master_addr, master_port, 0, world_size, backend, timeout_s
             )
-        weights = self.named_weights()
+        weights = self.named_weights(trainable_only=True)
         if self.rank == 0:
             return self._sync_group.send(weights)["tensors"]
         for _ in weights:
@@ -691,3 +709,24 @@ class TrainWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    # --- other roles in this process ---
+
+    def host(self, name: str, cls: type, *args, **kwargs) -> None:
+        """Build ``cls(*args, **kwargs)`` in this rank's process under ``name`` (a rollout engine colocated with
+        this rank on CPU), instead of in a process of its own; :meth:`call_hosted` reaches it."""
+        self._hosted[name] = cls(*args, **kwargs)
+
+    def call_hosted(self, name: str, method: str, *args, **kwargs) -> Any:
+        return getattr(self._hosted[name], method)(*args, **kwargs)
+
+    def push_weights_to_hosted(self, name: str) -> int:
+        """Load this rank's weights into the object hosted under ``name`` (its ``update_weights``), in process:
+        no broadcast, no object store. Collective under ZeRO-3 like :meth:`named_weights`: every rank calls
+        it, and ranks that host nothing only take part in the gathers. Returns the number of tensors loaded."""
+        weights = dict(self.named_weights())
+        target = self._hosted.get(name)
+        if target is None:
+            return 0
+        target.update_weights(weights)
+        return len(weights)

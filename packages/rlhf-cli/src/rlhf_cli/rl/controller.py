@@ -46,6 +46,18 @@ class Groups:
     ref: TrainGroup | None = None
     critic: TrainGroup | None = None
     reward: TrainGroup | None = None
+    rollout_in_actor: bool = False
+    """Engine ``i`` lives in actor rank ``i``'s process (``rlhf_cli.placement.roles_in_actor``)."""
+
+
+@dataclass
+class WaitingGroup:
+    """The samples of one prompt, generated and not yet trained on."""
+
+    trajectories: list[Trajectory]
+    policy_version: int
+    stream_state: dict
+    """The prompt stream's position to resume from once this group is trained on (see ``collect``)."""
 
 
 @dataclass
@@ -69,8 +81,9 @@ def _get(refs, what: str):
 
 class RLController:
     def __init__(self, cfg, groups: Groups, stream: PromptStream, pad_token_id: int, checkpoints=None,
-                 logger=None, eval_prompts: list[Prompt] | None = None):
+                 logger=None, eval_prompts: list[Prompt] | None = None, image_processing=None):
         self.cfg = cfg
+        self.image_processing = image_processing  # a VLM's: turns the prompts' images into model inputs
         self.groups = groups
         self.stream = stream
         self.pad = pad_token_id
@@ -83,6 +96,7 @@ class RLController:
         self.policy_loss = resolve(pm, "policy_losses", cfg.actor.policy_loss_type)
         self.kl_ctl = make_kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
         self.step = 0
+        self.waiting: list[WaitingGroup] = []  # generated groups, oldest first (over-generation)
         self.policy_version = 0
         self.best_metric: float | None = None
         self.consecutive_nonfinite = 0
@@ -103,7 +117,8 @@ class RLController:
     def generate(self, prompts: list[Prompt], step: int, eval_mode: bool = False) -> tuple[list[Trajectory], dict]:
         """Spread ``prompts`` over the rollout actors (whole prompts, so groups stay together)."""
         actors = self.groups.rollout
-        rows = [{"prompt_ids": p.ids, "prompt_text": p.text, "label": p.label, "prompt_uid": p.uid} for p in prompts]
+        rows = [{"prompt_ids": p.ids, "prompt_text": p.text, "label": p.label, "prompt_uid": p.uid,
+                 "images": p.image_inputs(self.image_processing)} for p in prompts]
         per = math.ceil(len(rows) / len(actors))
         sampling = self.sampling(eval_mode)
         seed_step = f"eval{step}" if eval_mode else step
@@ -118,37 +133,63 @@ class RLController:
         return trajs, metrics
 
     def collect(self, step: int) -> Batch | None:
-        """One step's trajectories: ``rollout.batch_size`` prompts, refilled when dynamic filtering drops
-        groups. Accepted groups are kept even when the data runs out (unlike OpenRLHF #1310)."""
+        """One step's trajectories: ``rollout.batch_size`` prompt groups.
+
+        A generation round takes ``rollout.vllm_generate_batch_size`` prompts (default: the batch size; more
+        is over-generation, async only), refilled when dynamic filtering drops groups; the groups beyond this
+        step wait for the next steps, which then generate nothing. Accepted groups are kept even when the data
+        runs out (unlike OpenRLHF #1310). The batch's stream state is the position after the prompt of its
+        last group, so a run resumed from it generates again what was still waiting.
+        """
         want = self.cfg.rollout.batch_size
-        n = self.cfg.rollout.n_samples_per_prompt
-        kept: list[Trajectory] = []
-        used = 0
         metrics: dict[str, float] = {}
-        groups_seen = groups_kept = 0
+        used = 0
+        if len(self.waiting) < want and not self.stream.exhausted:
+            used, metrics = self._generate_round(step, self.cfg.rollout.vllm_generate_batch_size or want)
+        if not self.waiting:
+            return None
+        served, self.waiting = self.waiting[:want], self.waiting[want:]
+        kept = [t for g in served for t in g.trajectories]
+        # which prompts this step trained on, as one number: resumed and uninterrupted runs must agree
+        metrics["rollout/prompt_digest"] = float(derive_seed(*sorted({t.prompt_uid for t in kept})) % 2**52)
+        return Batch(kept, used, metrics, min(g.policy_version for g in served), served[-1].stream_state)
+
+    def _generate_round(self, step: int, size: int) -> tuple[int, dict[str, float]]:
+        """Generate until ``size`` prompt groups pass the filter (or the data runs out) and queue them in
+        ``self.waiting``; returns the prompts used and the round's metrics."""
+        n = self.cfg.rollout.n_samples_per_prompt
+        start = self.stream.state_dict()
+        taken: list[int] = []  # prompt uids in the order the stream served them
+        groups: list[list[Trajectory]] = []
+        metrics: dict[str, float] = {}
+        groups_seen = 0
         attempt = 0
-        while len(kept) < want * n and not self.stream.exhausted:
-            prompts = self.stream.take(want - len(kept) // n)
+        while len(groups) < size and not self.stream.exhausted:
+            prompts = self.stream.take(size - len(groups))
             if not prompts:
                 break
-            used += len(prompts)
+            taken += [p.uid for p in prompts]
             trajs, metrics = self.generate(prompts, step if attempt == 0 else f"{step}.{attempt}")
             attempt += 1
+            keep = range(len(trajs) // n)
             if self.cfg.algo.dynamic_filtering_enable:
                 scores = torch.tensor([_score(t) for t in trajs])
                 valid = torch.isfinite(scores)
-                keep = dynamic_filter(torch.nan_to_num(scores), n, tuple(self.cfg.algo.dynamic_filtering_range), valid)
+                keep = dynamic_filter(torch.nan_to_num(scores), n, tuple(self.cfg.algo.dynamic_filtering_range),
+                                      valid).tolist()
                 groups_seen += len(trajs) // n
-                groups_kept += len(keep)
-                trajs = [t for g in keep.tolist() for t in trajs[g * n:(g + 1) * n]]
-            kept += trajs
-        if not kept:
-            return None
+            groups += [trajs[g * n:(g + 1) * n] for g in keep]
         if self.cfg.algo.dynamic_filtering_enable:
-            metrics["dynamic_filtering_pass_rate"] = groups_kept / max(groups_seen, 1)
-        # which prompts this step trained on, as one number: resumed and uninterrupted runs must agree
-        metrics["rollout/prompt_digest"] = float(derive_seed(*sorted({t.prompt_uid for t in kept})) % 2**52)
-        return Batch(kept, used, metrics, self.policy_version, self.stream.state_dict())
+            metrics["dynamic_filtering_pass_rate"] = len(groups) / max(groups_seen, 1)
+        want = self.cfg.rollout.batch_size
+        for i, group in enumerate(groups):
+            last_of_step = (i + 1) % want == 0 and i + 1 < len(groups)
+            # a step that ends inside the round resumes after its own last prompt; the round's last step after
+            # every prompt the round used (filtered ones included)
+            state = self.stream.state_after(start, taken.index(group[0].prompt_uid) + 1) if last_of_step \
+                else self.stream.state_dict()
+            self.waiting.append(WaitingGroup(group, self.policy_version, state))
+        return len(taken), metrics
 
     # --- experience ----------------------------------------------------------------------------------
 
@@ -163,6 +204,7 @@ class RLController:
                 [seq[:pl] for seq, pl in zip(rows.sequences, rows.prompt_lens)],
                 [seq[pl:] for seq, pl in zip(rows.sequences, rows.prompt_lens)],
                 self.pad, [m[: len(seq) - pl].tolist() for m, seq, pl in zip(masks, rows.sequences, rows.prompt_lens)],
+                rows.images,
             ))
         return out
 
@@ -341,8 +383,15 @@ class RLController:
         group that the engines join themselves (gloo on CPU, NCCL on GPU; one rank per tensor-parallel
         worker; ZeRO-3 parameters gathered bucket by bucket), or through Ray's object store with
         ``--vllm.sync_with_ray`` or an engine that cannot join a group. A stalled sync raises after
-        ``--vllm.sync_timeout``."""
+        ``--vllm.sync_timeout``. Engines that live in the actor ranks' processes get an in-process copy."""
         engines = self.groups.rollout
+        if self.groups.rollout_in_actor:  # each rank copies its weights into the engine in its process
+            try:
+                self.groups.actor.push_weights_to_hosted("rollout")
+            except ray.exceptions.RayActorError as exc:
+                raise RLRunError(f"a policy worker died during the weight sync: {exc}") from exc
+            self.policy_version += 1
+            return
         if self._sync_ranks is None:
             self._sync_ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray else _get(
                 [a.weight_sync_ranks.remote() for a in engines], "rollout")
@@ -444,7 +493,9 @@ class RLController:
             yield batch
 
     def _async_batches(self):
-        """Generate in a thread, at most ``train.async_queue_size`` batches ahead of training."""
+        """Generate in a thread, at most ``train.async_queue_size`` batches ahead of training. With
+        ``--train.colocate_all --ds.enable_sleep`` the trainers sleep whenever they wait for a batch."""
+        hybrid_sleep = self.cfg.train.colocate_all and self.cfg.ds.enable_sleep
         q: queue.Queue = queue.Queue(maxsize=self.cfg.train.async_queue_size)
         stop = threading.Event()
         errors: list[BaseException] = []
@@ -476,7 +527,14 @@ class RLController:
         try:
             while True:
                 self.max_queue_size_seen = max(self.max_queue_size_seen, q.qsize())
+                asleep = hybrid_sleep and q.empty()  # a waiting batch is trained on at once: no sleep
+                if asleep:
+                    for g in self.trainers():
+                        g.sleep()
                 batch = q.get()
+                if asleep:
+                    for g in self.trainers():
+                        g.wake_up()
                 if batch is None:
                     break
                 yield batch
@@ -530,12 +588,17 @@ class RLController:
         if self.checkpoints is None or every <= 0 or self.step % every:
             return
 
-        def save(path):
-            self.groups.actor.save_checkpoint(str(path / "actor"))
-            if self.groups.critic is not None:
-                self.groups.critic.save_checkpoint(str(path / "critic"))
+        ckpt = self.cfg.ckpt
 
-        self.checkpoints.save(self.step, save, self.client_state(batch))
+        def save(path):
+            if not ckpt.disable_ds:
+                self.groups.actor.save_checkpoint(str(path / "actor"))
+                if self.groups.critic is not None:
+                    self.groups.critic.save_checkpoint(str(path / "critic"))
+            if ckpt.save_hf:
+                self.groups.actor.export_hf(str(path / "hf"))
+
+        self.checkpoints.save(self.step, save, {**self.client_state(batch), "has_ds_state": not ckpt.disable_ds})
 
 
 def _score(t: Trajectory) -> float:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_algos.shaping import overlong_penalty, stop_properly_penalty
-from rlhf_core.types import AdvantageInput, Trajectory
+from rlhf_core.types import AdvantageInput, ImageInput, Trajectory
 
 
 @dataclass
@@ -38,6 +38,8 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     info: dict[str, float] = field(default_factory=dict)
+    images: list[list[ImageInput]] | None = None
+    """Vision-language models: each trajectory's images (shared by the samples of a prompt); None: text."""
 
     @property
     def num_action_tokens(self) -> int:
@@ -55,7 +57,7 @@ class Experience:
             [self.sequences[i] for i in idx], [self.prompt_lens[i] for i in idx], cut(self.action_mask),
             cut(self.rollout_logprobs), cut(self.rewards), cut(self.valid), cut(self.scores),
             cut(self.old_logprobs), cut(self.ref_logprobs), cut(self.values), cut(self.advantages),
-            cut(self.returns),
+            cut(self.returns), images=None if self.images is None else [self.images[i] for i in idx],
         )
 
 
@@ -98,6 +100,7 @@ def build_experience(trajs: list[Trajectory], cfg) -> Experience:
         rewards=rewards,
         valid=valid,
         scores=scores,
+        images=[t.images for t in trajs] if any(t.images for t in trajs) else None,
     )
 
 

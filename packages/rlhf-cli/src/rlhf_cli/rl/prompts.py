@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_core import data
-from rlhf_core.types import derive_seed
+from rlhf_core import data, vision
+from rlhf_core.types import ImageInput, derive_seed
 
 
 @dataclass(frozen=True)
@@ -16,8 +16,18 @@ class Prompt:
     uid: int
     """Position in the prepared prompt list: stable for the same data, so resume and filtering key on it."""
     ids: list[int]
+    """Token ids, each image's placeholder already repeated once per image token."""
     text: str
     label: Any = None
+    images: tuple[vision.ImageRef, ...] = ()
+    """Where the prompt's images are (``--data.image_key``); read and processed when the prompt is served."""
+
+    def image_inputs(self, processing: vision.ImageProcessing | None) -> list[ImageInput]:
+        """The prompt's images as the model's image processor makes them (one object per image, which every
+        sample of the prompt then shares)."""
+        if not self.images:
+            return []
+        return processing.process([ref.read() for ref in self.images])
 
 
 def prompt_budget(cfg) -> int:
@@ -32,11 +42,17 @@ def prompt_budget(cfg) -> int:
 
 
 def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples=None,
-                 stats: data.DataStats | None = None) -> list[Prompt]:
+                 stats: data.DataStats | None = None, images: vision.ImageProcessing | None = None) -> list[Prompt]:
     """Read the prompt datasets of ``cfg`` (or ``paths``), render, tokenize and fit each prompt.
 
     Rows with a missing or mistyped key fail naming file, row and key, unless ``--data.skip_bad_rows``
     skips and counts them; overlong prompts follow ``--data.overlong_prompt_policy``.
+
+    With ``--data.image_key`` (``images``: the model's image processing) each row's images are read and
+    processed once here, so that a missing or unreadable image fails before anything starts; the prompt
+    keeps where they are, and its ids hold each image's tokens. A conversation places its images with
+    ``{"type": "image"}`` content items; a plain question under ``--data.apply_chat_template`` gets its
+    images before the text; a prompt used as it is must contain one placeholder per image.
     """
     d = cfg.data
     rows = data.load_rows(paths or d.prompt_dataset or [], probs if paths else d.prompt_probs,
@@ -45,21 +61,40 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
     stats = stats if stats is not None else data.DataStats()
     prompts: list[Prompt] = []
     for row in rows:
+        refs: list[vision.ImageRef] = []
         try:
             raw = data.get_field(row, d.input_key, (str, list), "--data.input_key")
+            if d.image_key:
+                refs = vision.row_images(row, d.image_key, d.max_images_per_prompt)
             if isinstance(raw, list):
-                data.check_messages(raw, row, d.input_key)
+                data.check_messages(raw, row, d.input_key, parts=bool(d.image_key))
+            elif refs and d.apply_chat_template:
+                raw = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": raw}]}]
             label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None
             text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
+            ids = data.encode(tokenizer, text)
+            if d.image_key:
+                pictures = images.process([ref.read() for ref in refs])
+                try:
+                    ids = images.expand(ids, pictures)
+                except ValueError as exc:
+                    raise data.DataError(
+                        f"{row.where()}: {exc} (key {d.input_key!r}; a chat template writes one placeholder per "
+                        "{'type': 'image'} item, a prompt used as it is must contain them itself)") from None
         except data.DataError:
             if not d.skip_bad_rows:
                 raise
             stats.add("bad_rows_skipped")
             continue
-        ids = data.fit_prompt(data.encode(tokenizer, text), budget, d.overlong_prompt_policy, row.where(), stats)
+        if refs and len(ids) > budget and d.overlong_prompt_policy == "truncate_left":
+            raise data.DataError(
+                f"{row.where()}: the prompt has {len(ids)} tokens with its images, more than the {budget} allowed, "
+                "and a prompt with images cannot be cut (its image tokens would be); use "
+                "--data.overlong_prompt_policy skip or a larger --data.prompt_max_len")
+        ids = data.fit_prompt(ids, budget, d.overlong_prompt_policy, row.where(), stats)
         if ids is None:
             continue
-        prompts.append(Prompt(len(prompts), ids, text, label))
+        prompts.append(Prompt(len(prompts), ids, text, label, tuple(refs)))
     if not prompts:
         raise data.DataError(f"no usable prompts in {', '.join(paths or d.prompt_dataset or [])}")
     return prompts
@@ -104,6 +139,13 @@ class PromptStream:
 
     def state_dict(self) -> dict:
         return {"episode": self.episode, "position": self.position, "num_prompts": len(self.prompts)}
+
+    def state_after(self, state: dict, k: int) -> dict:
+        """The state of a stream at ``state`` after it served ``k`` more prompts."""
+        other = PromptStream(self.prompts, self.seed, self.num_episodes)
+        other.load_state_dict(state)
+        other.take(k)
+        return other.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_prompts"] != len(self.prompts):

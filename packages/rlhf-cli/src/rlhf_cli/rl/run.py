@@ -16,6 +16,7 @@ from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
 from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.vision import ImageProcessing
 
 
 def _optimizer_steps(cfg, num_prompts: int) -> int:
@@ -40,71 +41,92 @@ def cpu_threads(cfg, processes: int) -> int:
 
 
 def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> Groups:
-    """Start every worker group the plan names, each pinned to its pool's bundles."""
+    """Start every worker group the plan names, each pinned to its pool's bundles, all side by side (a rank
+    spends seconds importing torch, transformers and DeepSpeed and loading its model)."""
     cfg = asm.cfg
     backend = resolve(get_plugin_manager(), "train_backends", cfg.train.backend)
     made: dict = {}
-    # the training groups' forward passes run side by side in make_experience
-    trainer_threads = cpu_threads(cfg, sum(g.num_workers for g in asm.plan.groups if g.role != "rollout"))
+    # the training groups' forward passes run side by side in make_experience (a hosted ref's in its rank, in turn)
+    trainer_threads = cpu_threads(cfg, sum(g.num_workers for g in asm.plan.groups
+                                           if g.role != "rollout" and g.role not in asm.in_actor))
     for spec in asm.plan.groups:
-        if spec.role == "rollout":
+        if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
         pool = pools[spec.pool]
         made[spec.role] = backend.create_group(
             spec.role, cfg, pool.group, spec.num_workers, total_steps=total_steps,
             bundle_indices=[r % pool.num_bundles for r in range(spec.num_workers)],
             num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
-            num_threads=trainer_threads,
+            num_threads=trainer_threads, wait=False, **({"with_ref": True} if spec.role == "actor"
+                                                        and "ref" in asm.in_actor else {}),
         )
+    if "ref" in asm.in_actor:
+        made["ref"] = made["actor"].hosted_ref()
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
     from rlhf_agents.rollout_actor import RemoteRewardModel, RewardModelWorkers, RolloutActor
 
     reward_model = None
     if "reward" in made:  # on the driver's node, which has the train backend installed (inference nodes need not)
+        made["reward"].wait_ready()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         server = ray.remote(RewardModelWorkers).options(num_cpus=0, scheduling_strategy=here).remote(
             made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
         reward_model = RemoteRewardModel(server)
 
     engine = choose_engine(cfg, get_plugin_manager())
-    actor_cls = ray.remote(RolloutActor)
-    # partial rollout: weights may land while a generation is running (a second concurrent call)
-    concurrency = 2 if cfg.train.partial_rollout_enable else 1
-    width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
-    import torch
+    if "rollout" in asm.in_actor:
+        rollout = made["actor"].host("rollout", RolloutActor, [(cfg, engine, i, reward_model, None, True)
+                                                               for i in range(rollout_spec.num_workers)])
+    else:
+        actor_cls = ray.remote(RolloutActor)
+        # partial rollout: weights may land while a generation is running (a second concurrent call)
+        concurrency = 2 if cfg.train.partial_rollout_enable else 1
+        width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
+        import torch
 
-    # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
-    threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() else None
-    rollout = [
-        actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
-                          max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
-        for i in range(rollout_spec.num_workers)
-    ]
+        # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
+        threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() \
+            else None
+        rollout = [
+            actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
+                              max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
+            for i in range(rollout_spec.num_workers)
+        ]
+    for role, group in made.items():
+        if role not in asm.in_actor:
+            group.wait_ready()
     ray.get([a.ping.remote() for a in rollout])
     places = ray.get([a.where.remote() for a in rollout])
     for place in sorted(set(places)):
         print(f"rlhf: {places.count(place)} rollout engine(s) on {place}", file=sys.stderr)
     return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
-                  reward=made.get("reward"))
+                  reward=made.get("reward"), rollout_in_actor="rollout" in asm.in_actor)
+
+
+def worker_processes(groups: Groups) -> int:
+    """Ray worker processes of the run: one per training rank (a reference model hosted in the policy's ranks
+    has none of its own), and one per engine not hosted in a rank."""
+    ranks = {a for g in (groups.actor, groups.ref, groups.critic, groups.reward) if g is not None for a in g.actors}
+    return len(ranks) + (0 if groups.rollout_in_actor else len(groups.rollout))
 
 
 def run_rl(asm: Assembly) -> int:
     """Run the RL job; returns the process exit code."""
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
-    from transformers import AutoTokenizer
-
     from rlhf_core.checkpoint import CheckpointError, CheckpointManager
+    from rlhf_core.data import load_tokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
     except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
         raise RunConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: {exc}") from exc
-    prompts = load_prompts(cfg, tokenizer)
+    images = ImageProcessing.for_model(cfg.actor.model_name_or_path)
+    prompts = load_prompts(cfg, tokenizer, images=images)
     eval_prompts = []
     if cfg.eval.dataset:
         eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
-                                    max_samples=cfg.eval.max_samples)
+                                    max_samples=cfg.eval.max_samples, images=images)
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     resume, resume_state = None, None
@@ -118,6 +140,10 @@ def run_rl(asm: Assembly) -> int:
         if resume is None:
             print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
                   file=sys.stderr)
+        elif not resume_state.get("has_ds_state", True):
+            print(f"rlhf train ppo: cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
+                  "only, no optimizer state)", file=sys.stderr)
+            return 2
 
     started = time.perf_counter()
     own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
@@ -128,7 +154,7 @@ def run_rl(asm: Assembly) -> int:
     try:
         groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)), tokenizer.pad_token_id or 0)
         controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
-                                  eval_prompts=eval_prompts)
+                                  eval_prompts=eval_prompts, image_processing=images)
         if resume is not None:
             groups.actor.load_checkpoint(str(resume / "actor"))
             if groups.critic is not None:
@@ -137,8 +163,8 @@ def run_rl(asm: Assembly) -> int:
             controller.sync_weights()
             print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
         logger = MetricsLogger(cfg, controller.total_steps(), controller.step)
-        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; workers up in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; {worker_processes(groups)} worker "
+              f"processes up in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         controller.logger = logger
         controller.fit()
         groups.actor.export_hf(str(out / "model"))
@@ -151,8 +177,9 @@ def run_rl(asm: Assembly) -> int:
             for g in (groups.actor, groups.ref, groups.critic, groups.reward):
                 if g is not None:
                     g.shutdown()
-            for a in groups.rollout:
-                ray.kill(a)
+            if not groups.rollout_in_actor:  # else they end with the actor's ranks
+                for a in groups.rollout:
+                    ray.kill(a)
         remove_pools(pools)
         if own_ray:
             ray.shutdown()

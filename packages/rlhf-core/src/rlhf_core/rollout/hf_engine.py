@@ -16,6 +16,10 @@ more, it also keeps oneDNN-blocked copies of the weights for the decode matmuls
 (:func:`decode_weights`), about 10% off a decode step at 256 and more above.
 Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
 ``DynamicCache`` and its own mask logic; results are the same, only slower.
+
+Vision-language models (:mod:`rlhf_core.vision`) take the generic path too. A request's images
+(``GenerationRequest.images``) join the prefill: the vision tower encodes each distinct image once, the
+samples of a prompt share its prefill as text prompts do, and decode steps continue the M-RoPE positions.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from rlhf_core.rollout.sampling import check_requests, row_keys, sample_next, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine
+from rlhf_core.vision import count_image_tokens, image_forward_inputs, is_vision_language, load_model
 from rlhf_core.weight_sync import SyncGroup, init_sync_group, open_ipc_tensors
 
 logger = logging.getLogger(__name__)
@@ -316,9 +321,7 @@ class HFEngine(RolloutEngine):
         if num_threads:
             torch.set_num_threads(num_threads)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation
-        )
+        model = load_model(model_name_or_path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
         model.requires_grad_(False)
         self._setup(model.to(device).eval(), eos_token_id, max_batch_size, True, pack_weights)
 
@@ -338,7 +341,8 @@ class HFEngine(RolloutEngine):
     def _setup(self, model, eos_token_id, max_batch_size: int, own_weights: bool, pack_weights: bool | None) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
-        config = model.config
+        self.image_token_id = model.config.image_token_id if is_vision_language(model.config) else None
+        config = model.config.get_text_config()
         self.device = next(model.parameters()).device
         if eos_token_id is None:
             gen_config = getattr(model, "generation_config", None)
@@ -392,10 +396,16 @@ class HFEngine(RolloutEngine):
                     f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, leaving no room to "
                     f"generate in the model's max_position_embeddings={self.max_positions}"
                 )
-        rows = []  # one per sample: (request index, sample index, prompt ids, params, seed)
+            if req.images and self.image_token_id is None:
+                raise ValueError(f"generation request {i} has images but the model is not a vision-language model")
+            if self.image_token_id is not None:
+                mismatch = count_image_tokens(req.prompt_ids, req.images, self.image_token_id)
+                if mismatch:
+                    raise ValueError(f"generation request {i}: the prompt has {mismatch}")
+        rows = []  # one per sample: (request index, sample index, prompt ids, params, seed, images)
         for i, req in enumerate(requests):
             for j, seed in enumerate(sample_seeds(req.params)):
-                rows.append((i, j, req.prompt_ids, req.params, seed))
+                rows.append((i, j, req.prompt_ids, req.params, seed, tuple(req.images)))
         # Similar prompt lengths decode together (less padding); sampling is per row, so order is free.
         rows.sort(key=lambda row: -len(row[2]))
         results: list[list[Any]] = [[None] * req.params.n for req in requests]
@@ -425,22 +435,22 @@ class HFEngine(RolloutEngine):
             self.model.config._attn_implementation = saved_attention
         return results
 
-    def _generate_rows(self, rows: list[tuple[list[int], Any, int]], weights: dict | None) -> list[GenerationOutput]:
-        """Decode one batch of samples; ``rows`` are (prompt ids, SamplingParams, seed); ``weights`` from
-        :func:`decode_weights` (None on the module path)."""
+    def _generate_rows(self, rows: list[tuple], weights: dict | None) -> list[GenerationOutput]:
+        """Decode one batch of samples; ``rows`` are (prompt ids, SamplingParams, seed, images); ``weights``
+        from :func:`decode_weights` (None on the module path)."""
         dev, vocab = self.device, self.vocab_size
         n_rows = len(rows)
-        prompt_lens = [len(ids) for ids, _, _ in rows]
+        prompt_lens = [len(row[0]) for row in rows]
         width = max(prompt_lens)  # prompts are left-padded to this many columns
         # a sample stops at the model's last position (finish reason "length")
         limit = self.max_positions or math.inf
-        max_new = [int(min(p.max_new_tokens, limit - len(ids))) for ids, p, _ in rows]
+        max_new = [int(min(p.max_new_tokens, limit - len(ids))) for ids, p, *_ in rows]
         steps = max(max_new)
 
         ids = torch.zeros(n_rows, width, dtype=torch.long)
-        for r, (prompt, _, _) in enumerate(rows):
+        for r, (prompt, *_) in enumerate(rows):
             ids[r, width - len(prompt) :] = torch.tensor(prompt)
-        params = [p for _, p, _ in rows]
+        params = [row[1] for row in rows]
         # [R, S] each row's stop ids (EOS and stop_token_ids); a shorter row repeats its first id
         stops = [[] if p.ignore_eos else sorted(self.eos_token_ids | set(p.stop_token_ids)) for p in params]
         stop_ids = torch.zeros(n_rows, max(1, max(map(len, stops))), dtype=torch.long)
@@ -459,7 +469,7 @@ class HFEngine(RolloutEngine):
             "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32),
             "min_new": torch.tensor([p.min_new_tokens for p in params]),
             "max_new": torch.tensor(max_new),
-            "keys": row_keys(torch.tensor([seed for _, _, seed in rows], dtype=torch.long)),
+            "keys": row_keys(torch.tensor([row[2] for row in rows], dtype=torch.long)),
             "stop_ids": stop_ids,
             "has_stops": torch.tensor([bool(x) for x in stops]),
             "live": torch.ones(n_rows, dtype=torch.bool),
@@ -496,15 +506,23 @@ class HFEngine(RolloutEngine):
         lengths = torch.zeros(n_rows, dtype=torch.long, device=dev)
         stopped = torch.zeros(n_rows, dtype=torch.bool, device=dev)
 
-        # The samples of a prompt share its prefill: each distinct prompt runs once (row `first[k]`), then
-        # its cache rows and last logits are copied to every sample (row r takes prompt `source[r]`).
+        # The samples of a prompt share its prefill: each distinct prompt (ids and images) runs once (row
+        # `first[k]`), then its cache rows and last logits are copied to every sample (row r takes `source[r]`).
         distinct: dict[tuple, int] = {}
-        source = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt, _, _ in rows]
+        source = [distinct.setdefault((tuple(row[0]), *map(id, row[3])), len(distinct)) for row in rows]
         first = torch.tensor([source.index(k) for k in range(len(distinct))])
         source = torch.tensor(source)
         if prefill_mask is not None:
             prefill_mask = prefill_mask[first].to(dev)
-        logits = self._forward(ids[first].to(dev), positions[first].to(dev), prefill_mask, cache)
+        prefill_positions = positions[first].to(dev)
+        images = {}
+        if self.image_token_id is not None:
+            # M-RoPE positions over the images' grids; a row's text continues at prompt_len + offset
+            images, offsets = image_forward_inputs(self.model, ids[first].to(dev), key_valid[first].long().to(dev),
+                                                   [rows[k][3] for k in first.tolist()])
+            prefill_positions = images.pop("position_ids")
+            slots["rope_offset"] = offsets[:, 0][source.to(dev)]
+        logits = self._forward(ids[first].to(dev), prefill_positions, prefill_mask, cache, **images)
         if len(distinct) < n_rows:
             cache.batch_select_indices(source.to(dev))
             logits = logits[source.to(dev)]
@@ -519,6 +537,7 @@ class HFEngine(RolloutEngine):
                 top_p=s["top_p"] if filtering else None,
                 stop_ids=s["stop_ids"],
                 suppress=(t < s["min_new"]) & s["has_stops"] if t < max_min_new else None,
+                never=self.image_token_id,
             )
             live = s["live"]
             tokens[s["row"], t] = tok
@@ -538,10 +557,12 @@ class HFEngine(RolloutEngine):
                 tok = tok[keep]
             mask = s["mask"][..., : width + t + 1]
             position = s["prompt_len"] + t
+            if "rope_offset" in s:  # the same next position on M-RoPE's three axes
+                position = (position + s["rope_offset"])[None].expand(3, -1)
             if plan is not None:
                 logits = decode_token(plan, tok, cos[position], sin[position], mask, cache, weights)
             else:
-                logits = self._forward(tok[:, None], position[:, None], mask, cache)
+                logits = self._forward(tok[:, None], position[..., None], mask, cache)
 
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
         outputs = []
@@ -549,8 +570,9 @@ class HFEngine(RolloutEngine):
             outputs.append(GenerationOutput(tokens[r][:n], logprobs[r][:n], "stop" if is_stop else "length"))
         return outputs
 
-    def _forward(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
-        """Logits ``[R, V]`` (float32) of the last position."""
+    def _forward(self, input_ids, position_ids, attention_mask, cache, **images) -> torch.Tensor:
+        """Logits ``[R, V]`` (float32) of the last position; ``images``: :func:`image_forward_inputs` of a VLM
+        prefill, without its positions (which come as ``position_ids``)."""
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -558,6 +580,7 @@ class HFEngine(RolloutEngine):
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **images,
         )
         return out.logits[:, -1].float()
 

@@ -73,13 +73,15 @@ def sample_next(
     top_p: torch.Tensor | None = None,
     stop_ids: torch.Tensor | None = None,
     suppress: torch.Tensor | None = None,
+    never: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of every row, and its log-prob.
 
     logits ``[R, V]`` float32; temperature ``[R]`` (0: greedy); keys ``[R]`` from :func:`row_keys`;
     step: index of the token being drawn within its sample; top_k/top_p ``[R]`` or None when no row
     filters; stop_ids ``[R, S]`` each row's stop ids (a short row repeats one of its ids) and suppress
-    ``[R]`` bool, the rows whose stop ids may not be picked now (before ``min_new_tokens``).
+    ``[R]`` bool, the rows whose stop ids may not be picked now (before ``min_new_tokens``); never: an id
+    no row may pick (a vision-language model's image token, which only images may fill).
 
     Sampling is by inverse CDF over the unnormalised probabilities: token = first j with
     ``cdf[j] > u * cdf[-1]``, ``u`` from :func:`counter_uniform`. The log-prob is
@@ -94,6 +96,8 @@ def sample_next(
         # zero the stop ids of suppressed rows; repeated ids write the same value, so order is irrelevant
         kept = probs.gather(1, stop_ids) * (~suppress)[:, None]
         probs = probs.scatter(1, stop_ids, kept)
+    if never is not None:
+        probs[:, never] = 0.0
     if top_k is not None or top_p is not None:
         vocab = logits.shape[-1]
         rows = logits.shape[0]

@@ -114,3 +114,62 @@ def tiny_decoder(kind: str):
             if name.endswith("bias") or "norm" in name:
                 p.normal_(0.3 if "norm" in name else 0.0, 0.2)
     return model.eval()
+
+
+# The image tokens of the Qwen-VL family: a chat template writes VISION_START IMAGE_PAD VISION_END per image.
+VLM_SPECIAL_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<|im_start|>",
+                      "<|im_end|>"]
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# CHAT_TEMPLATE, with message contents that may be lists of {"type": "image"} and {"type": "text"} items
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}" + IMAGE_PLACEHOLDER + " {% else %}{{ c['text'] }} "
+    "{% endif %}{% endfor %}{% endif %} </s> {% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def make_tiny_vlm(path: str | Path, seed: int = 0, num_words: int = 200, kind: str = "qwen2_vl",
+                  text: dict | None = None, vision: dict | None = None) -> str:
+    """Save a randomly initialised tiny Qwen2-VL (``kind`` ``qwen2_vl``) or Qwen2.5-VL (``qwen2_5_vl``) with
+    its tokenizer (:func:`make_tiny_tokenizer` plus the image tokens) and its image processor to ``path``.
+
+    Defaults: text hidden 32, 2 layers, 4 heads (2 KV heads); a 1-block vision tower of width 32 with 14-pixel
+    patches merged 2 x 2, so a 56 x 56 image is 16 patches and 4 image tokens. Images are resized to between
+    56 x 56 and 112 x 112 pixels. ``text`` / ``vision`` override the sub-configs.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = Path(path)
+    tok = make_tiny_tokenizer(num_words=num_words)
+    tok.add_special_tokens({"additional_special_tokens": VLM_SPECIAL_TOKENS})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    tok.save_pretrained(str(path))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VLM_SPECIAL_TOKENS}
+    text_config = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    text_config.update(text or {})
+    vision_config = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
+                         temporal_patch_size=2, in_chans=3)
+    if kind == "qwen2_vl":
+        vision_config.update(embed_dim=32, mlp_ratio=2)
+    elif kind == "qwen2_5_vl":
+        vision_config.update(intermediate_size=64, out_hidden_size=32, window_size=56, fullatt_block_indexes=[0])
+    else:
+        raise ValueError(f"unknown kind {kind!r}: qwen2_vl or qwen2_5_vl")
+    vision_config.update(vision or {})
+    config = AutoConfig.for_model(
+        kind, text_config=text_config, vision_config=vision_config, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(str(path))
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(str(path))
+    return str(path)

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from rlhf_core.testing import TrainBackendConformance
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
 REWARD = '''
 def reward_func(queries, prompts, labels, **kwargs):
@@ -19,11 +18,31 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 class TestPlainTorchBackend(TrainBackendConformance):
     def make_backend(self):
         return PlainTorchBackend()
 
 
+def test_only_a_backend_that_hosts_roles_gets_engines_in_its_ranks(register_plugin, tmp_path):
+    """Hosting the reference model and engines in the policy ranks is the optional part of the contract."""
+    from rlhf_cli.assemble import assemble
+    from rlhf_core.config_parser import parse_config
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    register_plugin(Plugin(), "plain-torch-test")
+    (tmp_path / "reward.py").write_text(REWARD)
+    args = ["--pretrain", make_tiny_llama(tmp_path / "model", num_words=20), "--remote_rm_url",
+            str(tmp_path / "reward.py"), "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
+            "--init_kl_coef", "0.01", "--colocate_all_models", "--actor_num_gpus_per_node", "2"]
+    assert assemble("ppo", parse_config("ppo", args)[0], gpus=False).in_actor == {"ref", "rollout"}
+    plain = parse_config("ppo", args + ["--train.backend", "plain_torch"])[0]
+    assert assemble("ppo", plain, gpus=False).in_actor == set()
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
 def test_a_grpo_run_trains_and_syncs_on_the_plain_torch_backend(register_plugin, tmp_path):
     from rlhf_cli.main import main
     from rlhf_core.testing.tiny import make_tiny_llama

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from rlhf_core.testing import TrainBackendConformance
 
-
 REWARD = '''
 def reward_func(queries, prompts, labels, **kwargs):
     return [float(len(q) % 3 == 0) for q in queries]

@@ -146,8 +146,9 @@ def test_the_rollout_engine_runs_and_syncs_on_a_node_without_deepspeed(tmp_path)
     temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
     port, client = free_ports(2)
     address = f"127.0.0.1:{port}"
+    # the head has room for every worker: without --rollout.node_resource Ray puts the engine there too
     nodes = [start_node(Path(sys.executable), ["--head", "--port", str(port), "--ray-client-server-port",
-                                               str(client), "--include-dashboard=false", "--num-cpus", "3"],
+                                               str(client), "--include-dashboard=false", "--num-cpus", "8"],
                         tmp_path / "head.log", temp / "head")]
     try:
         time.sleep(3)  # the head's GCS first

@@ -40,6 +40,10 @@ OPTIONAL = {
     ("rlhf-train-deepspeed", "flash_attn"): "extra [flash]: --ds.attn_implementation flash_attention_2 on CUDA",
     ("rlhf-train-deepspeed", "ring_flash_attn"): "extra [flash]: --ds.ring_attn_size on CUDA",
     ("rlhf-core", "pytest"): "extra [testing]: only rlhf_core.testing, the conformance suites for plugin authors",
+    ("rlhf-core", "wandb"): "extra [wandb]: the run directory's W&B logging, only with --logger.wandb.key",
+    ("rlhf-core", "PIL"): "extra [vision]: reading a vision-language model's images (--data.image_key)",
+    ("rlhf-cli", "torchvision"): "rlhf doctor only probes whether it imports beside this torch",
+    ("rlhf-rollout-vllm", "torchvision"): "probed: vLLM's Qwen-VL code needs it, so a VLM is refused without it",
 }
 
 MODULE_LEVEL_IN = {("rlhf-core", "pytest"): "src/rlhf_core/testing/"}

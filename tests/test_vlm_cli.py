@@ -37,7 +37,8 @@ def test_openrlhfs_vlm_script_plans_with_dry_run(tmp_path):
                          cwd=ROOT, env={**os.environ, "RLHF_NO_PROGRESS": "1"})
     assert out.returncode == 0, out.stderr
     plan = out.stdout.split("# placement plan:")[1]
-    assert "pool actor+ref+rollout: 4 bundles" in plan  # colocate_all: policy, reference and engines share them
+    # colocate_all: policy and engines share the bundles; with --init_kl_coef 0 no reference model is loaded
+    assert "pool actor+rollout: 4 bundles" in plan
     for line in ("# vision-language model:", "model: Qwen/Qwen3.5-2B (not a local directory: not read)",
                  "images: from --data.image_key images, 1 per prompt",
                  "trained: the language model (the vision encoder is frozen)", "no critic, no packing"):

@@ -32,7 +32,7 @@ def test_dry_run_prints_config_plugins_and_plan(tmp_path, tiny_model):
 
 
 def test_dry_run_says_which_checkpoint_a_resume_would_use(tmp_path, tiny_model):
-    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+    from rlhf_core.checkpoint import CheckpointManager
 
     args = ["train", "sft", "--dry-run", "--pretrain", tiny_model, "--dataset", "d.jsonl", "--ckpt.output_dir",
             str(tmp_path), "--ckpt.load_enable"]

@@ -430,7 +430,7 @@ def test_consecutive_nonfinite_losses_stop_the_run_keeping_the_last_good_checkpo
 
 
 def test_a_damaged_checkpoint_stops_the_run_before_any_worker_starts(assets, tmp_path, capsys):
-    from rlhf_train_deepspeed.checkpoint import CheckpointManager
+    from rlhf_core.checkpoint import CheckpointManager
 
     out = tmp_path / "run"
     model_states = out / "checkpoints" / "step_00000002" / "actor" / "engine" / "mp_rank_00_model_states.pt"

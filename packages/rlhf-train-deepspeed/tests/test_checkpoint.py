@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from rlhf_train_deepspeed.checkpoint import CheckpointError, CheckpointManager, damage
+from rlhf_core.checkpoint import CheckpointError, CheckpointManager, damage
 
 
 def _writer(payload: str):
@@ -38,7 +38,7 @@ def test_keeps_the_newest_max_num_and_points_latest_at_the_newest(tmp_path):
 def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest(tmp_path):
     script = textwrap.dedent(
         f"""
-        from rlhf_train_deepspeed.checkpoint import CheckpointManager
+        from rlhf_core.checkpoint import CheckpointManager
         mgr = CheckpointManager({str(tmp_path)!r}, max_num=1)
         for step in (1, 2, 3):
             mgr.save(step, lambda tmp, s=step: (tmp / "model.bin").write_text(f"weights {{s}}"), {{"step": step}})
@@ -158,10 +158,10 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(ti
     CLI prints as one line) naming the damage, before Ray starts."""
     import ray
 
+    from rlhf_core.checkpoint import CheckpointError
     from rlhf_core.config import SupervisedConfig
     from rlhf_core.errors import UserError
     from rlhf_train_deepspeed.backend import DeepSpeedBackend
-    from rlhf_train_deepspeed.checkpoint import CheckpointError
     from rlhf_train_deepspeed.testing import sft_rows, write_jsonl
 
     cfg = SupervisedConfig()

@@ -8,9 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlhf_core.batches import (
+    PolicyMicroBatch,
+    PolicyStepConfig,
+    make_sequence_batch,
+    token_budget_micro_batches,
+)
 from rlhf_core.config import DSConfig, ModelConfig
-from rlhf_train_deepspeed.batches import PolicyMicroBatch, make_sequence_batch, token_budget_micro_batches
-from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig
+from rlhf_train_deepspeed.worker import ModelSpec
 
 
 def cost(lengths: list[int], rows: list[int], packed: bool) -> int:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig, RLConfig
 from rlhf_train_deepspeed.backend import spec_for_role
-from rlhf_train_deepspeed.batches import PolicyMicroBatch, make_sequence_batch
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
-from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, ema_update_
+from rlhf_train_deepspeed.worker import ModelSpec, ema_update_
 
 BETA = 0.5  # large enough that every step visibly moves the average
 # Adam with a large eps is smooth in the gradient: with the default 1e-8 a gradient entry that is float noise

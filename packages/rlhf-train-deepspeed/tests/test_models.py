@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from rlhf_algos.sft import sft_loss
+from rlhf_core.batches import make_sequence_batch
 from rlhf_core.config import DSConfig, OptimizerFields
 from rlhf_core.types import LossAggregation
-from rlhf_train_deepspeed.batches import make_sequence_batch
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
     load_value_model,

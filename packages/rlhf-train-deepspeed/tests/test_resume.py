@@ -12,8 +12,8 @@ import textwrap
 import pytest
 from safetensors.torch import load_file
 
+from rlhf_core.checkpoint import CheckpointError, damage
 from rlhf_core.config import SupervisedConfig
-from rlhf_train_deepspeed.checkpoint import CheckpointError, damage
 from rlhf_train_deepspeed.testing import ReusedGroup, sft_rows, write_jsonl
 from rlhf_train_deepspeed.trainers import run_supervised
 

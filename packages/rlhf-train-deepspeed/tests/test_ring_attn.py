@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rlhf_algos.sft import sft_loss
+from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
 from rlhf_core.types import LossAggregation
 from rlhf_train_deepspeed import ring_attn
-from rlhf_train_deepspeed.batches import CriticMicroBatch, PolicyMicroBatch, make_sequence_batch
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
     load_value_model,
@@ -25,7 +25,7 @@ from rlhf_train_deepspeed.models import (
     sequence_rewards,
 )
 from rlhf_train_deepspeed.strategy import ConfigError, check_features
-from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, SupervisedConfigLite
+from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 
 # Sequence lengths 7 + 5 + 5 = 17 tokens: not a multiple of 2 (nor of 4), so the ring pads.
 PROMPTS = [[1, 7, 8], [1, 9], [1, 10, 11, 12]]

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf_core.batches import make_sequence_batch
 from rlhf_core.testing.tiny import tiny_decoder
 from rlhf_train_deepspeed import shared_prefix
-from rlhf_train_deepspeed.batches import make_sequence_batch
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
 from rlhf_train_deepspeed.worker import causal_attn
 

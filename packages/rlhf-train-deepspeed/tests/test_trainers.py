@@ -124,7 +124,7 @@ def test_lora_sft_exports_an_adapter_that_merges_into_a_plain_model(factory, tin
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlhf_train_deepspeed.cli_lora import main as lora_merge
+    from rlhf_cli.lora_merge import main as lora_merge
 
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(32))
     cfg = make_cfg(SupervisedConfig, tiny_llama, tmp_path, data, output_key="output", stage=2, lr=1e-2)

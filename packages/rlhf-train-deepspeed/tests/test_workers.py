@@ -9,10 +9,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
-from rlhf_train_deepspeed.batches import PolicyMicroBatch, make_sequence_batch
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
-from rlhf_train_deepspeed.worker import ModelSpec, PolicyStepConfig, SupervisedConfigLite
+from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -228,7 +228,7 @@ def test_bf16_on_cpu_trains_close_to_fp32(groups, tiny_llama):
 
 
 def test_critic_and_reward_groups(ray_cluster, tiny_llama):
-    from rlhf_train_deepspeed.batches import CriticMicroBatch
+    from rlhf_core.batches import CriticMicroBatch
     from rlhf_train_deepspeed.group import create_worker_group
     from rlhf_train_deepspeed.models import load_value_model, response_values, sequence_rewards
 

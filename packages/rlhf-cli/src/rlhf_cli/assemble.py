@@ -306,7 +306,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     pm = pm or plugins.get_plugin_manager()
     gpus = gpus_available() if gpus is None else gpus
     asm = Assembly(mode, cfg)
-    _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
+    backend = _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
     if mode != "ppo":
         models = [("--model.model_name_or_path", cfg.model.model_name_or_path)]
         if mode in ("dpo", "kto"):
@@ -369,8 +369,26 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         asm.plan = strategy.plan(roles, cfg, gpus)
     except ValueError as exc:
         raise RunConfigError(str(exc)) from None
-    asm.in_actor = roles_in_actor(asm.plan, engine, cfg, gpus)
+    if cfg.rollout.node_resource:
+        pin_rollout_pool(asm.plan, cfg.rollout.node_resource)
+    if getattr(backend, "hosts_roles", False):  # the optional part of the training contract (TrainGroup)
+        asm.in_actor = roles_in_actor(asm.plan, engine, cfg, gpus)
     return asm
+
+
+def pin_rollout_pool(plan: PlacementPlan, resource: str) -> None:
+    """``--rollout.node_resource``: every bundle of the engines' pool also asks for one unit of ``resource``,
+    so Ray places the pool on the nodes that offer it."""
+    (pool_name,) = [g.pool for g in plan.groups if g.role == "rollout"]
+    sharing = [g.role for g in plan.groups if g.pool == pool_name and g.role != "rollout"]
+    if sharing:
+        raise RunConfigError(
+            f"--rollout.node_resource {resource} puts the rollout engines on their own nodes, but the placement "
+            f"shares their devices with {', '.join(sharing)} (--train.placement / --train.colocate_all)"
+        )
+    for pool in plan.pools:
+        if pool.name == pool_name:
+            pool.bundles = [{**b, resource: 1.0} for b in pool.bundles]
 
 
 def write_run_dir(asm: Assembly) -> Path:

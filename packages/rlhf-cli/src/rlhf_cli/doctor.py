@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "vLLM rollout": (bool(versions["vllm"]) and cuda) or vllm_cpu,
         "flash-attn / packing kernels": bool(versions["flash-attn"]) and cuda,
         # --ds.ring_attn_size: ring-flash-attn (+ flash-attn) on CUDA; without CUDA an exact, not memory-saving,
-        # all-gather attention runs instead (rlhf_train_deepspeed.ring_attn)
+        # all-gather attention runs instead (the deepspeed backend's ring_attn module)
         "ring attention": bool(versions["ring-flash-attn"] and versions["flash-attn"]) if cuda else True,
         "LoRA (peft)": bool(versions["peft"]),
         "QLoRA (bitsandbytes)": importlib.util.find_spec("bitsandbytes") is not None and cuda,

@@ -121,7 +121,7 @@ def dry_run_resume(mode: str, cfg) -> int:
     """Say which checkpoint ``--ckpt.load_enable`` would resume from, or why none can be (exit 1)."""
     from pathlib import Path
 
-    from rlhf_train_deepspeed.checkpoint import CheckpointError, resume_point
+    from rlhf_core.checkpoint import CheckpointError, resume_point
 
     root = Path(cfg.ckpt.path or Path(cfg.ckpt.output_dir) / "checkpoints")
     try:
@@ -160,7 +160,7 @@ def cmd_serve_rm(argv: list[str]) -> int:
 
 
 def cmd_lora_merge(argv: list[str]) -> int:
-    from rlhf_train_deepspeed.cli_lora import main as lora_main
+    from rlhf_cli.lora_merge import main as lora_main
 
     return lora_main(argv) or 0
 

@@ -221,6 +221,10 @@ class RolloutConfig:
     max_tokens_per_gpu: int | None = None
     """Token budget per forward pass when computing log-probs and values with ``--train.dynamic_batch_enable``
     (default: ``--train.max_tokens_per_gpu``)."""
+    node_resource: str | None = None
+    """Put the rollout engines on Ray nodes that offer this custom resource (inference nodes started with
+    ``ray start --resources '{"NAME": N}'``): each bundle of the engines' pool (one per engine on CPU, one
+    per GPU) takes one unit. Not with a placement that shares the engines' devices with training."""
 
 
 @dataclass

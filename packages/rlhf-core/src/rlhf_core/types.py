@@ -484,12 +484,90 @@ class PlacementStrategy(Protocol):
 class TrainBackend(Protocol):
     """The object registered under ``rlhf_register_train_backends``.
 
-    ``create_group(role, cfg, pool, num_workers)`` starts a group of training workers for ``role``
-    (``actor``, ``critic``, ``ref``, ``reward``) on a Ray placement group and returns a handle whose
-    methods fan out to every rank; ``run_trainer(mode, cfg)`` runs ``sft``, ``rm``, ``dpo`` or ``kto``.
-    The backend package documents the handle's methods.
+    ``create_group(role, cfg, pool, num_workers, **options)`` starts a group of training workers for
+    ``role`` (``actor``, ``critic``, ``ref``, ``reward``) of an ``RLConfig`` on a Ray placement group
+    (``pool``, or None) and returns a :class:`TrainGroup`. Options the driver passes: ``total_steps``
+    (optimizer steps of the run), ``bundle_indices`` (rank ``r`` goes to bundle ``bundle_indices[r]``),
+    ``num_gpus_per_worker``, ``num_cpus_per_worker``, ``num_threads`` (torch threads per rank), ``wait``
+    (False: return while the ranks still start, see ``TrainGroup.wait_ready``), and for a backend with
+    ``hosts_roles = True`` also ``with_ref`` (the actor's ranks hold the reference model too).
+    ``run_trainer(mode, cfg)`` runs ``sft``, ``rm``, ``dpo``, ``kto``, ``prm`` or ``kd``.
+    ``rlhf_core.testing.TrainBackendConformance`` checks a backend against this contract.
     """
 
-    def create_group(self, role: str, cfg: Any, pool: Any, num_workers: int) -> Any: ...
+    def create_group(self, role: str, cfg: Any, pool: Any, num_workers: int, **options: Any) -> TrainGroup: ...
 
     def run_trainer(self, mode: str, cfg: Any) -> Any: ...
+
+
+@runtime_checkable
+class TrainGroup(Protocol):
+    """The handle of one role's training ranks: what the RL controller calls (``rlhf_cli.rl.controller``).
+
+    Arguments and results are the plain data of :mod:`rlhf_core.batches` (CPU tensors). Micro-batches are
+    split over the data-parallel ranks in contiguous shares; results come back in the order given. A rank
+    that dies surfaces as ``ray.exceptions.RayActorError`` from the call.
+    """
+
+    actors: list
+    """The Ray actor of each rank (the driver counts processes with it)."""
+    dp_size: int
+    """Data-parallel ranks: micro-batches of one optimizer step are split this many ways."""
+    ring_size: int
+    """Ranks that share each micro-batch (sequence parallelism); 1 without it."""
+
+    def call_sharded_async(self, method: str, items: list, *args: Any) -> tuple[list, list[int]]:
+        """Start ``method`` over ``items`` split across the ranks; ``gather_sharded(*result)`` waits for the
+        per-item results. Methods: ``compute_logprobs(batches, temperature, with_entropy)`` -> ``[B, T]``
+        response log-probs of each ``SequenceBatch`` (zero past each row's end); ``compute_values(batches)``
+        -> ``[B, T]`` values (critic)."""
+
+    def gather_sharded(self, refs: list, real: list[int]) -> list: ...
+
+    def wait_ready(self) -> None:
+        """Return once every rank is up (raising its set-up error): a no-op unless made with ``wait=False``."""
+
+    # Only with ``hosts_roles = True`` on the backend; the driver then places, on CPU, the reference model and
+    # HF engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
+    # ``host(name, cls, args)`` builds ``cls(*args[r])`` in rank ``r`` and returns handles that read like Ray
+    # actor handles, ``hosted_ref()`` is the reference group the ranks hold (``with_ref``), and
+    # ``push_weights_to_hosted(name)`` copies each rank's weights into what it hosts.
+
+    def compute_rewards(self, batches: list) -> list[torch.Tensor]:
+        """Reward model: ``[B]`` rewards of each ``SequenceBatch``, read at each row's last token."""
+
+    def train_policy_step(self, micro_batches: list, cfg: Any) -> dict[str, float]:
+        """One optimizer step over ``PolicyMicroBatch``es (a multiple of ``dp_size``) with the registered
+        policy loss ``cfg.loss`` (a ``PolicyStepConfig``), aggregated over the whole step. Returns at least
+        ``loss`` (the step's global loss) and ``skipped`` (1.0 when a non-finite loss skipped the step)."""
+
+    def train_critic_step(self, micro_batches: list, value_clip: float | None) -> dict[str, float]:
+        """One optimizer step of the value loss over ``CriticMicroBatch``es; returns ``loss`` and ``skipped``."""
+
+    def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
+        """Every weight as a full CPU tensor under its Hugging Face name (what an engine loads)."""
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """A host and free port on rank 0's node for the weight-broadcast group."""
+
+    def broadcast_weights_to_engines_async(
+        self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0
+    ) -> list:
+        """Start sending the weights as rank 0 of an ``rlhf_core.weight_sync`` group whose other ranks are
+        the engines; returns Ray refs to wait on. The first call joins the group; the engines stay in it, so
+        later calls send through the same group."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write everything needed to continue training (weights, optimizer, scheduler) under ``path``."""
+
+    def load_checkpoint(self, path: str) -> None: ...
+
+    def export_hf(self, out_dir: str) -> None:
+        """A Hugging Face model directory (weights, config, tokenizer) at ``out_dir``."""
+
+    def sleep(self) -> None:
+        """Free device memory for colocated engines (``--ds.enable_sleep``); may do nothing."""
+
+    def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...

@@ -45,6 +45,8 @@ class DeepSpeedBackend:
     """``create_group`` starts Ray workers for a role of an RL run; ``run_trainer`` runs SFT/RM/DPO/KTO/PRM/KD."""
 
     name = "deepspeed"
+    hosts_roles = True
+    """Its groups host a reference model or HF engines in the ranks' processes (``rlhf_core.types.TrainGroup``)."""
 
     def create_group(self, role: str, cfg, pool: Any = None, num_workers: int = 1, **kwargs):
         """A :class:`rlhf_train_deepspeed.group.WorkerGroup` of ``num_workers`` ranks for ``role``

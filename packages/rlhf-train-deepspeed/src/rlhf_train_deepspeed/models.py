@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from rlhf_algos.logits import logprobs_and_entropy, logprobs_from_logits
+from rlhf_core.batches import PRMBatch, SequenceBatch
 from rlhf_core.vision import image_forward_inputs
 from rlhf_train_deepspeed import ring_attn, shared_prefix
-from rlhf_train_deepspeed.batches import PRMBatch, SequenceBatch
 
 # --- forward passes ------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_core.batches import KTOBatch, PairBatch, PRMBatch, SequenceBatch, make_sequence_batch
 from rlhf_core.data import (
     DataError,
     DataStats,
@@ -29,7 +30,6 @@ from rlhf_core.data import (
     render_prompt,
 )
 from rlhf_core.supervised import PRMTokens
-from rlhf_train_deepspeed.batches import KTOBatch, PairBatch, PRMBatch, SequenceBatch, make_sequence_batch
 
 
 @dataclass

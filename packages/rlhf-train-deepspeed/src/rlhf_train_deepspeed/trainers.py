@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlhf_core.checkpoint import CheckpointManager, fault_point
 from rlhf_core.config_parser import shown_config
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
 from rlhf_core.rundir import MetricsWriter
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
-from rlhf_train_deepspeed.checkpoint import CheckpointManager, fault_point
 from rlhf_train_deepspeed.strategy import ConfigError
 from rlhf_train_deepspeed.supervised_data import batch_tokens, build_examples, collate, step_counts
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite

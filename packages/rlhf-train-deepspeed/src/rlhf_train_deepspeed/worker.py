@@ -20,16 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_core.memory import keep_freed_memory
-from rlhf_train_deepspeed import shared_prefix
-from rlhf_train_deepspeed.batches import (
+from rlhf_core.batches import (
     CriticMicroBatch,
     PolicyMicroBatch,
+    PolicyStepConfig,
     SequenceBatch,
     concat_batches,
     to_device,
 )
-from rlhf_train_deepspeed.checkpoint import CheckpointError
+from rlhf_core.checkpoint import CheckpointError
+from rlhf_core.memory import keep_freed_memory
+from rlhf_train_deepspeed import shared_prefix
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
     load_value_model,
@@ -76,27 +77,6 @@ class ModelSpec:
     ``--train.ema_beta``) and export it instead of the trained weights; None: no EMA."""
     freeze_vision: bool = False
     """A trained vision-language model keeps its vision tower frozen (``--actor.freeze_visual_encoder``)."""
-
-
-@dataclass
-class PolicyStepConfig:
-    """How a policy step computes its loss; see ``--actor.*`` and ``--algo.*``."""
-
-    loss: str = "ppo"
-    """Registered policy loss (``--actor.policy_loss_type``), resolved in the worker."""
-    temperature: float = 1.0
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    dual_clip: float | None = None
-    is_correction: str | None = None
-    is_threshold: tuple[float, float] = (0.5, 5.0)
-    agg_mode: str = "token_mean"
-    max_len: int | None = None
-    """Dr. GRPO's constant normaliser (``seq_mean_token_sum_norm``); default: the generation budget."""
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    """Weight of the KL loss term; 0 disables it (needs ``ref_logprobs`` in the micro-batches)."""
-    kl_estimator: str = "k3"
 
 
 @dataclass

@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 import torch
@@ -22,16 +21,16 @@ from rlhf_algos.kl import make_kl_controller
 from rlhf_algos.shaping import dynamic_filter
 from rlhf_cli.rl.experience import Experience, advantage_input, build_experience
 from rlhf_cli.rl.prompts import Prompt, PromptStream
-from rlhf_core.errors import UserError
-from rlhf_core.plugins import get_plugin_manager, resolve
-from rlhf_core.types import SamplingParams, Trajectory, derive_seed
-from rlhf_train_deepspeed.batches import (
+from rlhf_core.batches import (
     CriticMicroBatch,
     PolicyMicroBatch,
+    PolicyStepConfig,
     make_sequence_batch,
     token_budget_micro_batches,
 )
-from rlhf_train_deepspeed.worker import PolicyStepConfig
+from rlhf_core.errors import UserError
+from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.types import SamplingParams, TrainGroup, Trajectory, derive_seed
 
 
 class RLRunError(UserError, RuntimeError):
@@ -42,11 +41,11 @@ class RLRunError(UserError, RuntimeError):
 class Groups:
     """The Ray worker groups of a run (None where the run does not need the role)."""
 
-    actor: Any
+    actor: TrainGroup
     rollout: list  # RolloutActor handles
-    ref: Any = None
-    critic: Any = None
-    reward: Any = None
+    ref: TrainGroup | None = None
+    critic: TrainGroup | None = None
+    reward: TrainGroup | None = None
     rollout_in_actor: bool = False
     """Engine ``i`` lives in actor rank ``i``'s process (``rlhf_cli.placement.roles_in_actor``)."""
 
@@ -397,8 +396,7 @@ class RLController:
             self._sync_ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray else _get(
                 [a.weight_sync_ranks.remote() for a in engines], "rollout")
         if not all(self._sync_ranks):
-            states = self.groups.actor.call("get_state_dict_for_engines")
-            ref = ray.put(states[0])
+            ref = ray.put(self.groups.actor.get_state_dict_for_engines())
             _get([a.update_weights.remote(ref) for a in engines], "rollout")
         else:
             backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_options
@@ -62,12 +63,15 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     if "ref" in asm.in_actor:
         made["ref"] = made["actor"].hosted_ref()
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
-    from rlhf_cli.rl.rollout_actor import RewardModelWorkers, RolloutActor
+    from rlhf_agents.rollout_actor import RemoteRewardModel, RewardModelWorkers, RolloutActor
 
     reward_model = None
-    if "reward" in made:
-        made["reward"].wait_ready()  # its handle goes to the rollout actors
-        reward_model = RewardModelWorkers(made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
+    if "reward" in made:  # on the driver's node, which has the train backend installed (inference nodes need not)
+        made["reward"].wait_ready()
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        server = ray.remote(RewardModelWorkers).options(num_cpus=0, scheduling_strategy=here).remote(
+            made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
+        reward_model = RemoteRewardModel(server)
 
     engine = choose_engine(cfg, get_plugin_manager())
     if "rollout" in asm.in_actor:
@@ -92,6 +96,9 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         if role not in asm.in_actor:
             group.wait_ready()
     ray.get([a.ping.remote() for a in rollout])
+    places = ray.get([a.where.remote() for a in rollout])
+    for place in sorted(set(places)):
+        print(f"rlhf: {places.count(place)} rollout engine(s) on {place}", file=sys.stderr)
     return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
                   reward=made.get("reward"), rollout_in_actor="rollout" in asm.in_actor)
 
@@ -107,8 +114,8 @@ def run_rl(asm: Assembly) -> int:
     """Run the RL job; returns the process exit code."""
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
+    from rlhf_core.checkpoint import CheckpointError, CheckpointManager
     from rlhf_core.data import load_tokenizer
-    from rlhf_train_deepspeed.checkpoint import CheckpointError, CheckpointManager
 
     try:
         tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)

@@ -10,7 +10,8 @@
           name = "my_estimator"          # resolved through the installed entry points
 
   Every test of the suite then runs against that plugin. Rollout engines subclass
-  ``RolloutEngineConformance`` and override ``make_engine(model_dir)`` instead.
+  ``RolloutEngineConformance`` and override ``make_engine(model_dir)`` instead; train backends subclass
+  ``TrainBackendConformance`` with their registered ``name``.
 """
 
 from rlhf_core.testing.algos import (
@@ -26,6 +27,7 @@ from rlhf_core.testing.seams import (
     PostProcessorConformance,
     RewardSourceConformance,
 )
+from rlhf_core.testing.train import TrainBackendConformance
 
 __all__ = [
     "AdvantageEstimatorConformance",
@@ -36,6 +38,7 @@ __all__ = [
     "KLEstimatorConformance",
     "PolicyLossConformance",
     "RolloutEngineConformance",
+    "TrainBackendConformance",
     "register_plugin",
     "registered_plugin",
 ]

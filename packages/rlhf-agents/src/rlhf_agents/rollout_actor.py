@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -122,6 +124,10 @@ class RolloutActor:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
+    def where(self) -> str:
+        """The host and Python this actor runs on: an inference node runs its own environment."""
+        return f"{socket.gethostname()} ({sys.executable})"
+
     def ping(self) -> bool:
         """True once the actor is up; raises the user error that its set-up met, if any."""
         if self.init_error is not None:
@@ -130,7 +136,12 @@ class RolloutActor:
 
 
 class RewardModelWorkers:
-    """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out."""
+    """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out.
+
+    The driver runs it as a Ray actor on its own node, because the group handle it holds belongs to the train
+    backend's package, which an inference node does not install; rollout actors reach it through
+    :class:`RemoteRewardModel`. One actor also keeps the engines' calls from interleaving on the ranks.
+    """
 
     def __init__(self, group, pad_token_id: int, micro_batch_size: int):
         self.group = group
@@ -138,9 +149,21 @@ class RewardModelWorkers:
         self.micro = micro_batch_size
 
     def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
-        from rlhf_train_deepspeed.batches import make_sequence_batch
+        from rlhf_core.batches import make_sequence_batch
 
         # the reward is read at the last token, so where the prompt ends does not matter
         chunks = [sequences[i:i + self.micro] for i in range(0, len(sequences), self.micro)]
         batches = [make_sequence_batch([s[:1] for s in c], [s[1:] for s in c], self.pad) for c in chunks]
         return [float(r) for rewards in self.group.compute_rewards(batches) for r in rewards]
+
+
+class RemoteRewardModel:
+    """A :class:`RewardModelWorkers` actor, called like the object itself (what the rollout actors get)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
+        import ray
+
+        return ray.get(self.actor.compute_rewards.remote(sequences))

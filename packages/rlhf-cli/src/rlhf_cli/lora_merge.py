@@ -1,6 +1,6 @@
 """``rlhf lora-merge``: fold a LoRA adapter into its base model and write a plain HF model.
 
-    python -m rlhf_train_deepspeed.cli_lora --base BASE_DIR --adapter ADAPTER_DIR --out OUT_DIR
+    python -m rlhf_cli.lora_merge --base BASE_DIR --adapter ADAPTER_DIR --out OUT_DIR
 """
 
 from __future__ import annotations

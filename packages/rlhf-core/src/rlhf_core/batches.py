@@ -241,6 +241,27 @@ class CriticMicroBatch:
 
 
 @dataclass
+class PolicyStepConfig:
+    """How a policy step computes its loss; see ``--actor.*`` and ``--algo.*``."""
+
+    loss: str = "ppo"
+    """Registered policy loss (``--actor.policy_loss_type``), resolved in the worker."""
+    temperature: float = 1.0
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    dual_clip: float | None = None
+    is_correction: str | None = None
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    agg_mode: str = "token_mean"
+    max_len: int | None = None
+    """Dr. GRPO's constant normaliser (``seq_mean_token_sum_norm``); default: the generation budget."""
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    """Weight of the KL loss term; 0 disables it (needs ``ref_logprobs`` in the micro-batches)."""
+    kl_estimator: str = "k3"
+
+
+@dataclass
 class PairBatch:
     """Reward-model and DPO micro-batch: row ``i`` of ``chosen`` is preferred to row ``i`` of ``rejected``."""
 

@@ -174,3 +174,28 @@ def test_step_and_response_logits_packed_equal_padded_equal_single_rows(tmp_path
             torch.testing.assert_close(packed[i, :n], full[len(e.prompt) - 1 : -1], atol=1e-5, rtol=0)
             assert labels[i, :n].tolist() == labels_p[i, :n].tolist() == e.response
             assert mask[i].sum() == n
+
+
+def test_is_prm_model_reads_local_configs_and_never_asks_the_hub(tmp_path, monkeypatch):
+    """The driver asks whether the reward model is a PRM before any worker starts; for a hub id it must look in
+    the local cache only (online lookups of an unreachable hub retried for about a minute per model)."""
+    import socket
+
+    from rlhf_core.supervised import PLACEHOLDER_KEY, is_prm_model
+
+    plain = make_tiny_llama(tmp_path / "plain")
+    prm = make_tiny_llama(tmp_path / "prm")
+    config = tmp_path / "prm" / "config.json"
+    config.write_text(config.read_text().replace("{", f'{{"{PLACEHOLDER_KEY}": "<step>",', 1))
+
+    lookups = []
+
+    def no_network(*args, **kwargs):  # the hub client turns errors into retries, so count the attempts
+        lookups.append(args)
+        raise OSError("no network in this test")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    assert is_prm_model(prm) and not is_prm_model(plain)
+    assert not is_prm_model("some-org/a-reward-model-never-downloaded")
+    assert lookups == []

@@ -7,6 +7,7 @@ here because two packages share them: the trainer (rlhf-train-deepspeed) and the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,13 +25,16 @@ class SetupError(UserError, ValueError):
 
 
 def is_prm_model(path: str | None) -> bool:
-    """Whether ``path`` holds a PRM trained by ``rlhf train prm`` (its config stores a step marker)."""
+    """Whether ``path`` holds a PRM trained by ``rlhf train prm`` (its config stores a step marker). A hub id is
+    looked up in the local cache only (a PRM not downloaded yet needs ``--reward.source prm``): asking the hub
+    from the driver hung an offline machine for a minute of retries."""
     if not path:
         return False
     from transformers import AutoConfig
 
     try:
-        return bool(getattr(AutoConfig.from_pretrained(path), PLACEHOLDER_KEY, None))
+        config = AutoConfig.from_pretrained(path, local_files_only=not os.path.isdir(path))
+        return bool(getattr(config, PLACEHOLDER_KEY, None))
     except (OSError, ValueError):
         return False
 

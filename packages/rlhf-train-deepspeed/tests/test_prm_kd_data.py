@@ -180,6 +180,7 @@ def test_is_prm_model_reads_local_configs_and_never_asks_the_hub(tmp_path, monke
     """The driver asks whether the reward model is a PRM before any worker starts; for a hub id it must look in
     the local cache only (online lookups of an unreachable hub retried for about a minute per model)."""
     import socket
+    import traceback
 
     from rlhf_core.supervised import PLACEHOLDER_KEY, is_prm_model
 
@@ -190,8 +191,10 @@ def test_is_prm_model_reads_local_configs_and_never_asks_the_hub(tmp_path, monke
 
     lookups = []
 
-    def no_network(*args, **kwargs):  # the hub client turns errors into retries, so count the attempts
-        lookups.append(args)
+    def no_network(*args, **kwargs):  # the hub client turns errors into retries, so record the attempts
+        # (huggingface_hub also fetches its user-agent registry once per process: not a model lookup)
+        if any(frame.name == "get_hf_file_metadata" for frame in traceback.extract_stack()):
+            lookups.append(args)
         raise OSError("no network in this test")
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

@@ -100,3 +100,21 @@ def test_the_vllm_engine_with_a_vlm_is_refused_where_torchvision_does_not_import
         plan(models, "--rollout.engine", "vllm", "--image_key", "images")
     text_cfg, _ = parse_config("ppo", ["--pretrain", models["llama"], "--rollout.engine", "vllm"])
     assert "torchvision" not in (VLLMEngineFactory().config_problem(text_cfg) or "")  # a text model is not
+
+
+def test_auto_engine_on_a_gpu_takes_hf_for_a_vlm_that_vllm_cannot_run_gpu_mocked(models, monkeypatch):
+    """--rollout.engine auto prefers vLLM on a GPU, but not for a configuration vLLM refuses (here: a VLM
+    without an importable torchvision). The GPU is mocked (torch.cuda.is_available): none exists here."""
+    import torch
+
+    from rlhf_cli.assemble import choose_engine
+    from rlhf_core.plugins import get_plugin_manager
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # not importable
+    pm = get_plugin_manager()
+    cfgs = {name: parse_config("ppo", ["--pretrain", models[name], "--remote_rm_url", models["reward"]])[0]
+            for name in ("vlm", "llama")}
+    assert cfgs["vlm"].rollout.engine == "auto"
+    assert choose_engine(cfgs["llama"], pm) == "vllm"
+    assert choose_engine(cfgs["vlm"], pm) == "hf"

@@ -82,16 +82,17 @@ def _use(asm: Assembly, pm, seam: str, name: str, flag: str) -> Any:
 
 
 def choose_engine(cfg, pm) -> str:
-    """``--rollout.engine auto``: vLLM where it is installed and a GPU exists, else the HF engine (also where
-    vLLM's CPU build is installed: on CPU the HF engine decodes faster, bench/engine_vllm_cpu.md)."""
+    """``--rollout.engine auto``: vLLM where it is installed, a GPU exists and it can run this configuration
+    (a vision-language model needs a torchvision that imports), else the HF engine (also where vLLM's CPU
+    build is installed: on CPU the HF engine decodes faster, bench/engine_vllm_cpu.md)."""
     if cfg.rollout.engine != "auto":
         return cfg.rollout.engine
     import torch
 
-    engines = plugins.collect(pm, "rollout_engines")
-    if "vllm" in engines and torch.cuda.is_available() and engines["vllm"].obj.available() is None:
-        return "vllm"
-    return "hf"
+    vllm = plugins.collect(pm, "rollout_engines").get("vllm")
+    if vllm is None or not torch.cuda.is_available() or vllm.obj.available() is not None:
+        return "hf"
+    return "hf" if getattr(vllm.obj, "config_problem", lambda cfg: None)(cfg) else "vllm"
 
 
 HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")

@@ -40,6 +40,8 @@ OPTIONAL = {
     ("rlhf-train-deepspeed", "flash_attn"): "extra [flash]: --ds.attn_implementation flash_attention_2 on CUDA",
     ("rlhf-train-deepspeed", "ring_flash_attn"): "extra [flash]: --ds.ring_attn_size on CUDA",
     ("rlhf-core", "pytest"): "extra [testing]: only rlhf_core.testing, the conformance suites for plugin authors",
+    ("rlhf-core", "ray"): "extra [testing]: TrainBackendConformance starts its worker groups on Ray",
+    ("rlhf-agents", "ray"): "extra [ray]: the rollout actor runs under Ray (rollout nodes install rlhf-agents[ray])",
     ("rlhf-core", "wandb"): "extra [wandb]: the run directory's W&B logging, only with --logger.wandb.key",
     ("rlhf-core", "PIL"): "extra [vision]: reading a vision-language model's images (--data.image_key)",
     ("rlhf-cli", "torchvision"): "rlhf doctor only probes whether it imports beside this torch",

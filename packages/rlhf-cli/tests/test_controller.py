@@ -287,7 +287,7 @@ def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
     engines = [FakeEngineActor(r, calls) for r in ranks]
     actor = SimpleNamespace(weight_sync_address=lambda: ("10.0.0.1", 29500),
                             broadcast_weights_to_engines_async=lambda *a: sends.append(a),
-                            call=lambda method: [{"w": torch.ones(1)}])
+                            get_state_dict_for_engines=lambda: {"w": torch.ones(1)})
     cfg = config()
     cfg.vllm.sync_with_ray = with_ray
     ctl = controller(cfg, 4)

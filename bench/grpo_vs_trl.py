@@ -88,9 +88,12 @@ def variant_flags(variant: str, seqs: int) -> list[str]:
     """rlhf's settings beyond the workload. ``rlhf``: its defaults (one CPU rank, ZeRO-2);
     ``rlhf-zero0``: one rank without ZeRO; ``rlhf-dp2``: two data-parallel policy (and reference) ranks and
     two rollout engines (one core each), ZeRO-0; ``rlhf-hybrid``: the same with every role on the same
-    bundles (``--train.colocate_all``), so each engine runs inside a policy rank's process."""
+    bundles (``--train.colocate_all``), so each engine runs inside a policy rank's process;
+    ``rlhf-single``: one rank (both cores) hosting the reference model and the engine, ZeRO-0, all in the
+    driver's process without Ray (``--ray.single_process true``)."""
     return {
         "rlhf": [],
+        "rlhf-single": ["--ds.zero_stage", "0", "--train.colocate_all", "--ray.single_process", "true"],
         "rlhf-zero0": ["--ds.zero_stage", "0"],
         "rlhf-dp2": ["--actor.num_gpus_per_node", "2", "--ds.zero_stage", "0", "--vllm.num_engines", "2",
                      "--ref.num_gpus_per_node", "2",
@@ -163,7 +166,7 @@ def child_rlhf(args, root: Path, out: Path) -> dict:
     phases = {k[len("timing/"):]: [r[k] for r in rows] for k in rows[0] if k.startswith("timing/")}
     return {
         "first_step_start": marks["fit_start"], "step_wall": walls, "phases": phases,
-        "startup_marks": {k: marks[k] for k in ("imported", "init_ray", "build_groups")},
+        "startup_marks": {k: marks[k] for k in ("imported", "init_ray", "build_groups") if k in marks},
         "step_total": [r["timing/step_total"] for r in rows],
         "completion_len": [r["response_length/mean"] for r in rows],
         "reward_mean": [r["reward/mean"] for r in rows],

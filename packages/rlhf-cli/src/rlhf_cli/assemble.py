@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.placement import roles_in_actor, strategy_name
-from rlhf_core import plugins
+from rlhf_core import inline, plugins
 from rlhf_core.config import RewardConfig
 from rlhf_core.config_parser import config_to_yaml
 from rlhf_core.errors import UserError
@@ -43,6 +43,8 @@ class Assembly:
     """How a vision-language run uses images (empty for a text run)."""
     in_actor: set[str] = field(default_factory=set)
     """Roles whose workers run inside the actor ranks' processes (``rlhf_cli.placement.roles_in_actor``)."""
+    single_process: bool = False
+    """The run's one worker lives in the driver's process and no Ray starts (``--ray.single_process``)."""
 
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
@@ -55,6 +57,9 @@ class Assembly:
                 lines.append("  the reference model runs inside the actor ranks' processes (none of its own)")
             if "rollout" in self.in_actor:
                 lines.append("  rollout engine i runs inside the process of actor rank i (none of its own)")
+        if self.single_process:
+            lines.append("single process: the one training rank runs in this process; no Ray cluster starts "
+                         "(--ray.single_process)")
         if self.vision:
             lines.append("vision-language model:")
             lines += ["  " + line for line in self.vision]
@@ -323,6 +328,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
             raise RunConfigError(str(exc)) from None
         ranks = cfg.model.num_nodes * cfg.model.num_gpus_per_node
         asm.roles = {"actor": RoleDemand(ranks)}
+        asm.single_process = _single_process(cfg, ranks, backend)
         return asm
 
     estimator = _use(asm, pm, "advantage_estimators", cfg.algo.advantage.estimator,
@@ -374,7 +380,16 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         pin_rollout_pool(asm.plan, cfg.rollout.node_resource)
     if getattr(backend, "hosts_roles", False):  # the optional part of the training contract (TrainGroup)
         asm.in_actor = roles_in_actor(asm.plan, engine, cfg, gpus)
+    processes = sum(g.num_workers for g in asm.plan.groups if g.role not in asm.in_actor)
+    asm.single_process = _single_process(cfg, processes, backend)
     return asm
+
+
+def _single_process(cfg, processes: int, backend) -> bool:
+    try:
+        return inline.single_process(cfg, processes, getattr(backend, "single_process", False))
+    except ValueError as exc:
+        raise RunConfigError(str(exc)) from None
 
 
 def pin_rollout_pool(plan: PlacementPlan, resource: str) -> None:

@@ -132,12 +132,13 @@ def commands(files: dict[str, Path], work: Path, quick: bool, engine: str = "hf"
           "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "16", "--rollout.max_new_tokens", "4",
           "--rollout.micro_batch_size", "64", "--data.max_len", "16",
           "--train.batch_size", "128", "--train.micro_batch_size", "64", "--train.max_steps", str(rl_steps),
-          "--actor.num_gpus_per_node", "2", "--actor.adam.lr", "5e-4", "--actor.adam.betas", "0.9", "0.999",
-          "--actor.lr_scheduler", "constant",
-          "--actor.lr_warmup_ratio", "0", "--ds.zero_stage", "2", "--ds.param_dtype", "fp32",
+          "--actor.adam.lr", "5e-4", "--actor.adam.betas", "0.9", "0.999", "--actor.lr_scheduler", "constant",
+          "--actor.lr_warmup_ratio", "0", "--ds.zero_stage", "0", "--ds.param_dtype", "fp32",
           "--ckpt.output_dir", str(work / "rl")]
     if engine == "vllm":  # eager: vLLM's CPU build would otherwise spend minutes compiling the model
         rl += ["--rollout.engine", "vllm", "--vllm.enforce_eager"]
+    else:  # one rank hosting the engine: the whole run in this process, no Ray to start (--ray.single_process)
+        rl += ["--train.colocate_all"]
     return [("SFT", sft), ("RL (GRPO)", rl)]
 
 

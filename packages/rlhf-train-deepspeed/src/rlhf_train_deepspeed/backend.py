@@ -47,6 +47,8 @@ class DeepSpeedBackend:
     name = "deepspeed"
     hosts_roles = True
     """Its groups host a reference model or HF engines in the ranks' processes (``rlhf_core.types.TrainGroup``)."""
+    single_process = True
+    """A group of one rank can live in the driver's process (``create_group(..., inline_rank=True)``)."""
 
     def create_group(self, role: str, cfg, pool: Any = None, num_workers: int = 1, **kwargs):
         """A :class:`rlhf_train_deepspeed.group.WorkerGroup` of ``num_workers`` ranks for ``role``
@@ -55,7 +57,7 @@ class DeepSpeedBackend:
         ``pool``: a Ray placement group or None. Keyword options: ``total_steps`` (optimizer steps of the
         run, for the LR schedule), ``with_ref`` (the actor's ranks also host the reference model, reached
         through ``group.hosted_ref()``), ``bundle_indices``, ``num_gpus_per_worker``, ``num_cpus_per_worker``,
-        ``num_threads``, ``wait`` (see :func:`rlhf_train_deepspeed.group.create_worker_group`).
+        ``num_threads``, ``wait``, ``inline_rank`` (see :func:`rlhf_train_deepspeed.group.create_worker_group`).
         """
         from rlhf_train_deepspeed.group import create_worker_group
 

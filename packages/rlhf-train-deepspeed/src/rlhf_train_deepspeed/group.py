@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rlhf_core import inline
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
 from rlhf_train_deepspeed.strategy import StepResult
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWorker
@@ -70,7 +71,7 @@ class WorkerGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank and wait; returns the per-rank results."""
-        return _ray().get(self.call_async(method, *args, **kwargs))
+        return inline.get(self.call_async(method, *args, **kwargs))
 
     @property
     def dp_size(self) -> int:
@@ -95,7 +96,7 @@ class WorkerGroup:
         return refs, real
 
     def gather_sharded(self, refs: list, real: list[int]) -> list:
-        results = _ray().get(refs)
+        results = inline.get(refs)
         return [x for res, n in zip(results, real, strict=True) for x in res[:n]]
 
     def _even_split(self, items: list, what: str) -> None:
@@ -129,7 +130,7 @@ class WorkerGroup:
         for r, a in enumerate(self.actors):
             d = r // self.ring_size  # the ring group: its ranks all get the same share
             refs.append(getattr(a, method).remote(micro_batches[d * per : (d + 1) * per], *args, counts))
-        metrics = merge_steps(_ray().get(refs)[:: self.ring_size])  # one rank per ring group
+        metrics = merge_steps(inline.get(refs)[:: self.ring_size])  # one rank per ring group
         if metrics["skipped"]:
             self.nonfinite_steps += 1
         metrics["nonfinite_steps"] = float(self.nonfinite_steps)
@@ -187,7 +188,7 @@ class WorkerGroup:
 
     def weight_sync_address(self) -> tuple[str, int]:
         """An address and free port on rank 0's node, for the ``master_addr``/``master_port`` of the sync group."""
-        return _ray().get(self.actors[0].master_address.remote())
+        return inline.get(self.actors[0].master_address.remote())
 
     def broadcast_weights_to_engines_async(
         self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0
@@ -199,7 +200,7 @@ class WorkerGroup:
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> None:
         """(Re)load a model on every rank, replacing the current one (the process group is kept)."""
-        _ray().get(self._init_model_async(spec, ds, seed, full_determinism))
+        inline.get(self._init_model_async(spec, ds, seed, full_determinism))
 
     def _init_model_async(self, spec: ModelSpec, ds, seed: int, full_determinism: bool) -> list:
         self.spec = spec
@@ -210,14 +211,14 @@ class WorkerGroup:
     def wait_ready(self) -> None:
         """Wait for the set-up that ``create_worker_group(..., wait=False)`` left running (raising its errors)."""
         starting, self._starting = self._starting, []
-        _ray().get(starting)
+        inline.get(starting)
 
     def host(self, name: str, cls: type, args: list[tuple]) -> list[HostedHandle]:
         """Build ``cls(*args[r])`` inside the process of rank ``r``, for the first ``len(args)`` ranks, and
         return handles to them that read like Ray actor handles (``handle.method.remote(...)``)."""
         if len(args) > self.world_size:
             raise ValueError(f"{self.role}: cannot host {len(args)} {name!r} objects on {self.world_size} ranks")
-        _ray().get([a.host.remote(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
+        inline.get([a.host.remote(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
         return [HostedHandle(a, name) for a in self.actors[: len(args)]]
 
     def hosted_ref(self) -> HostedRef:
@@ -239,9 +240,8 @@ class WorkerGroup:
         self.call("wake_up")
 
     def shutdown(self) -> None:
-        ray = _ray()
         for a in self.actors:
-            ray.kill(a)
+            inline.kill(a)
         self.actors = []
 
 
@@ -320,6 +320,7 @@ def create_worker_group(
     num_cpus_per_worker: float = 1,
     num_threads: int | None = None,
     wait: bool = True,
+    inline_rank: bool = False,
 ) -> WorkerGroup:
     """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model.
     With ``wait=False`` it returns at once, the ranks still starting: several groups then start side by side,
@@ -329,10 +330,28 @@ def create_worker_group(
     None. GPUs per worker default to 1 when the cluster has GPUs, else 0 (CPU ranks with gloo).
     ``num_threads`` sets torch's intra-op threads in each rank (default: the machine's cores divided among
     the ranks on CPU, ``num_cpus_per_worker`` with GPUs).
+
+    ``inline_rank=True`` builds the one rank of a single-process run in this process, without Ray
+    (:mod:`rlhf_core.inline`; ``num_workers`` must be 1, and ``pool`` None).
     """
-    ray = _ray()
     if num_workers < 1:
         raise ValueError(f"{role}: num_workers must be at least 1, got {num_workers}")
+    if inline_rank:
+        if num_workers != 1 or pool is not None:
+            raise ValueError(f"{role}: an inline group has one rank and no placement group, got {num_workers} ranks")
+        import torch
+
+        if not torch.cuda.is_available():  # as a Ray rank's environment says (DeepSpeed reads it once, on import)
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        worker = inline.InlineActor(TrainWorker(0, 1, num_threads or os.cpu_count() or 1))
+        group = WorkerGroup([worker], role, spec)
+        group._starting = [worker.init_distributed.remote(worker.master_address.remote())]
+        group._starting += group._init_model_async(spec, ds, seed, full_determinism)
+        if wait:
+            group.wait_ready()
+        return group
+    ray = _ray()
     gpus = (1 if _has_gpus() else 0) if num_gpus_per_worker is None else num_gpus_per_worker
     if pool is None and not gpus:
         # More CPU ranks than logical CPUs would wait for resources forever: share the CPUs instead.

@@ -25,6 +25,7 @@ import torch
 from rlhf_core.checkpoint import CheckpointManager, fault_point
 from rlhf_core.config_parser import shown_config
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
+from rlhf_core.inline import single_process
 from rlhf_core.rundir import MetricsWriter
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
@@ -177,10 +178,16 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     if own_group:
         from rlhf_train_deepspeed.group import create_worker_group
 
-        init_ray(cfg)
+        try:
+            in_driver = single_process(cfg, plan.world_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not in_driver:
+            init_ray(cfg)
 
         def group_factory(role, spec, ds, n, seed):
-            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable)
+            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable,
+                                       inline_rank=in_driver)
 
     group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
     losses = loss_settings(mode, cfg, prm.reward_ids if prm else None)

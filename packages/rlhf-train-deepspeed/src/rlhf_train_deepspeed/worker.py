@@ -9,6 +9,7 @@ same number of micro-batches.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import socket
@@ -45,6 +46,7 @@ from rlhf_train_deepspeed.models import (
 from rlhf_train_deepspeed.strategy import StepResult, Strategy, apply_lora, quantization_kwargs
 
 ENGINE_TAG = "engine"
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 WEIGHT_BUCKET_BYTES = 256 << 20
 
 
@@ -154,6 +156,8 @@ class TrainWorker:
 
     def __init__(self, rank: int, world_size: int, num_threads: int | None = None):
         self.rank, self.world_size = rank, world_size
+        # what close() gives back to a process that outlives the rank (a single-process run's driver)
+        self._saved = ({k: os.environ.get(k) for k in DIST_ENV}, torch.get_num_threads())
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(world_size)
         # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so the local device is 0 unless one
@@ -178,6 +182,8 @@ class TrainWorker:
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0's address and a free port on it, shared with every rank by the group."""
+        if self.world_size == 1:  # a lone rank (a single-process run may have no Ray at all)
+            return "127.0.0.1", free_port()
         import ray
 
         return ray.util.get_node_ip_address(), free_port()
@@ -709,6 +715,21 @@ class TrainWorker:
 
     def ping(self) -> int:
         return self.rank
+
+    def close(self) -> None:
+        """Drop the models, optimizer and hosted objects and give back the environment and thread count: the end
+        of a rank that lives in the driver's process (a single-process run, ``rlhf_core.inline``), where no
+        process exit does it. The process group stays: a later rank in this process uses it again."""
+        self.engine = self.ref_engine = self.ema = None
+        self._hosted.clear()
+        gc.collect()
+        env, threads = self._saved
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
 
     # --- other roles in this process ---
 

@@ -21,6 +21,7 @@ from rlhf_algos.kl import make_kl_controller
 from rlhf_algos.shaping import dynamic_filter
 from rlhf_cli.rl.experience import Experience, advantage_input, build_experience
 from rlhf_cli.rl.prompts import Prompt, PromptStream
+from rlhf_core import inline
 from rlhf_core.batches import (
     CriticMicroBatch,
     PolicyMicroBatch,
@@ -74,7 +75,7 @@ class Batch:
 def _get(refs, what: str):
     """``ray.get`` that names the role whose worker died."""
     try:
-        return ray.get(refs)
+        return inline.get(refs)
     except ray.exceptions.RayActorError as exc:
         raise RLRunError(f"a {what} worker died: {exc}") from exc
 

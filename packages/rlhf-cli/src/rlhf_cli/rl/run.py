@@ -15,6 +15,7 @@ from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_opt
 from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
+from rlhf_core import inline
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.vision import ImageProcessing
 
@@ -52,13 +53,16 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     for spec in asm.plan.groups:
         if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
-        pool = pools[spec.pool]
+        options = {"with_ref": True} if spec.role == "actor" and "ref" in asm.in_actor else {}
+        if asm.single_process:
+            options["inline_rank"] = True
+        else:
+            pool = pools[spec.pool]
+            options["bundle_indices"] = [r % pool.num_bundles for r in range(spec.num_workers)]
         made[spec.role] = backend.create_group(
-            spec.role, cfg, pool.group, spec.num_workers, total_steps=total_steps,
-            bundle_indices=[r % pool.num_bundles for r in range(spec.num_workers)],
-            num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
-            num_threads=trainer_threads, wait=False, **({"with_ref": True} if spec.role == "actor"
-                                                        and "ref" in asm.in_actor else {}),
+            spec.role, cfg, None if asm.single_process else pools[spec.pool].group, spec.num_workers,
+            total_steps=total_steps, num_gpus_per_worker=spec.num_gpus_per_worker,
+            num_cpus_per_worker=spec.num_cpus_per_worker, num_threads=trainer_threads, wait=False, **options,
         )
     if "ref" in asm.in_actor:
         made["ref"] = made["actor"].hosted_ref()
@@ -95,8 +99,8 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     for role, group in made.items():
         if role not in asm.in_actor:
             group.wait_ready()
-    ray.get([a.ping.remote() for a in rollout])
-    places = ray.get([a.where.remote() for a in rollout])
+    inline.get([a.ping.remote() for a in rollout])
+    places = inline.get([a.where.remote() for a in rollout])
     for place in sorted(set(places)):
         print(f"rlhf: {places.count(place)} rollout engine(s) on {place}", file=sys.stderr)
     return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
@@ -147,8 +151,10 @@ def run_rl(asm: Assembly) -> int:
 
     started = time.perf_counter()
     own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
-    init_ray(cfg, asm.plan)
-    pools = create_pools(asm.plan)
+    pools = {}
+    if not asm.single_process:
+        init_ray(cfg, asm.plan)
+        pools = create_pools(asm.plan)
     groups = None
     logger = None
     try:
@@ -163,8 +169,10 @@ def run_rl(asm: Assembly) -> int:
             controller.sync_weights()
             print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
         logger = MetricsLogger(cfg, controller.total_steps(), controller.step)
-        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; {worker_processes(groups)} worker "
-              f"processes up in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        where = ("the worker in this process (no Ray)" if asm.single_process
+                 else f"{worker_processes(groups)} worker processes")
+        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; {where} up in "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
         controller.logger = logger
         controller.fit()
         groups.actor.export_hf(str(out / "model"))
@@ -181,7 +189,7 @@ def run_rl(asm: Assembly) -> int:
                 for a in groups.rollout:
                     ray.kill(a)
         remove_pools(pools)
-        if own_ray:
+        if own_ray and not asm.single_process:
             ray.shutdown()
     from rlhf_cli.report import make_report
 

@@ -1,0 +1,112 @@
+"""Actors without Ray: what a run that fits one process uses instead of a Ray cluster (``--ray.single_process``).
+
+A local Ray cluster costs seven daemon processes (about 350 MB and 4 CPU-seconds on a 2-core machine) and one
+new interpreter per worker, which imports torch, transformers and DeepSpeed again. A run with one training
+rank that hosts its reference model and engine needs none of that: its worker lives in the driver's
+process. :class:`InlineActor` gives that worker the calling convention of a Ray actor handle
+(``handle.method.remote(*args)`` returns a reference, :func:`get` waits for it), so the code that fans calls
+out to ranks stays the same. A call runs at once, in the caller's thread; its exception is kept and raised by
+:func:`get`, as Ray raises a worker's error there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class InlineRef:
+    """The result of a call made through an :class:`InlineActor` (the value, or the exception it raised)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None):
+        self.value, self.error = value, error
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class InlineActor:
+    """An object called like a Ray actor handle, in this process: ``actor.method.remote(*args, **kwargs)``
+    runs ``obj.method`` now (arguments that are :class:`InlineRef` are resolved first, as Ray resolves
+    object refs) and returns an :class:`InlineRef`."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __getattr__(self, method: str) -> _InlineMethod:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _InlineMethod(self.obj, method)
+
+
+class _InlineMethod:
+    def __init__(self, obj: Any, method: str):
+        self.obj, self.method = obj, method
+
+    def remote(self, *args: Any, **kwargs: Any) -> InlineRef:
+        try:
+            args = tuple(get(a) if isinstance(a, InlineRef) else a for a in args)
+            kwargs = {k: get(v) if isinstance(v, InlineRef) else v for k, v in kwargs.items()}
+            return InlineRef(getattr(self.obj, self.method)(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - raised again by get(), where Ray raises a worker's error
+            return InlineRef(error=exc)
+
+
+def get(refs: Any) -> Any:
+    """``ray.get`` for :class:`InlineRef` results (one, or a list); Ray's own refs go to ``ray.get``."""
+    if isinstance(refs, InlineRef):
+        return refs.result()
+    if isinstance(refs, list) and all(isinstance(r, InlineRef) for r in refs):
+        return [r.result() for r in refs]
+    import ray
+
+    return ray.get(refs)
+
+
+def kill(actor: Any) -> None:
+    """``ray.kill`` for either kind of actor; an inline one calls its object's ``close()`` if it has one."""
+    if isinstance(actor, InlineActor):
+        close = getattr(actor.obj, "close", None)
+        if close is not None:
+            close()
+        return
+    import ray
+
+    ray.kill(actor)
+
+
+def single_process(cfg: Any, processes: int, backend_can: bool = True) -> bool:
+    """Whether a run whose workers need ``processes`` processes runs them in the driver's, without Ray
+    (``--ray.single_process``: ``auto`` when it can, ``true`` or refuse, ``false`` never).
+
+    It can when one process is enough, the train backend can build its rank in the driver, and no Ray is
+    wanted: no ``--ray.address`` / ``$RAY_ADDRESS``, no ``--ray.dashboard``, and, for ``auto``, no Ray
+    session this process started already (a test's or a notebook's, which the run then uses).
+    Raises ValueError naming the reason when ``true`` cannot be honoured.
+    """
+    import os
+    import sys
+
+    setting = str(cfg.ray.single_process).lower()
+    if setting not in ("auto", "true", "false"):
+        raise ValueError(f"--ray.single_process {cfg.ray.single_process}: expected auto, true or false")
+    if setting == "false":
+        return False
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    reasons = []
+    if processes != 1:
+        reasons.append(f"the run needs {processes} worker processes (one per training rank, reference model, "
+                       "critic, reward model and rollout engine that cannot share the actor rank's process)")
+    if not backend_can:
+        reasons.append(f"--train.backend {cfg.train.backend} cannot run its rank in the driver's process")
+    if address:
+        reasons.append(f"a Ray cluster is named ({'--ray.address' if cfg.ray.address else '$RAY_ADDRESS'} {address})")
+    if cfg.ray.dashboard:
+        reasons.append("--ray.dashboard asks for a Ray cluster")
+    if setting == "true" and reasons:
+        raise ValueError("--ray.single_process true cannot be honoured: " + "; ".join(reasons))
+    ray = sys.modules.get("ray")
+    return not reasons and not (setting == "auto" and ray is not None and ray.is_initialized())

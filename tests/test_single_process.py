@@ -1,0 +1,213 @@
+"""Single-process runs (`--ray.single_process`): a run whose one training rank hosts everything else lives in
+the driver's process and starts no Ray, and computes what the same run computes on Ray.
+
+The end-to-end cases run the real command in subprocesses (an inline rank changes its process: torch threads,
+the process group, the allocator), once in the driver and once on a local Ray cluster, and compare.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core import inline
+from rlhf_core.config import RLConfig
+
+# counts ray.init calls made by the command (ray_launch and the trainers call it through the module)
+WRAPPER = """
+import json, sys
+import ray
+calls = []
+real_init = ray.init
+def counting_init(*args, **kwargs):
+    calls.append(kwargs.get("address"))
+    return real_init(*args, **kwargs)
+ray.init = counting_init
+from rlhf_cli.main import main
+code = main(sys.argv[2:])
+json.dump({"code": code, "ray_init_calls": len(calls)}, open(sys.argv[1], "w"))
+"""
+
+
+class Counter:
+    def __init__(self):
+        self.calls = []
+
+    def add(self, x, y=0):
+        self.calls.append((x, y))
+        return x + y
+
+    def fail(self):
+        raise KeyError("the worker's own error")
+
+
+def test_inline_actor_runs_calls_in_order_and_defers_errors_to_get():
+    actor = inline.InlineActor(Counter())
+    first = actor.add.remote(1, y=2)
+    second = actor.add.remote(first, y=first)  # refs as arguments are resolved, as Ray resolves ObjectRefs
+    failed = actor.fail.remote()  # does not raise here: Ray raises a worker's error at get()
+    assert actor.obj.calls == [(1, 2), (3, 3)]
+    assert inline.get(first) == 3 and inline.get([first, second]) == [3, 6]
+    with pytest.raises(KeyError, match="the worker's own error"):
+        inline.get([second, failed])
+    bad_arg = actor.add.remote(failed)  # a failed ref passed on fails the call that receives it
+    with pytest.raises(KeyError):
+        inline.get(bad_arg)
+    assert len(actor.obj.calls) == 2
+    with pytest.raises(AttributeError):
+        actor._private  # noqa: B018 - private names are not methods to call
+
+
+def _cfg(setting="auto", address=None, dashboard=False):
+    cfg = RLConfig()
+    cfg.ray.single_process, cfg.ray.address, cfg.ray.dashboard = setting, address, dashboard
+    return cfg
+
+
+def test_single_process_decision(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert inline.single_process(_cfg(), 1)
+    assert not inline.single_process(_cfg(), 2)
+    assert not inline.single_process(_cfg("false"), 1)
+    assert not inline.single_process(_cfg(), 1, backend_can=False)
+    assert not inline.single_process(_cfg(address="ray://head:10001"), 1)
+    assert not inline.single_process(_cfg(dashboard=True), 1)
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    assert not inline.single_process(_cfg(), 1)
+    with pytest.raises(ValueError, match=r"\$RAY_ADDRESS head:6379") as err:
+        inline.single_process(_cfg("true"), 3)
+    assert "needs 3 worker processes" in str(err.value)
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(ValueError, match="--train.backend deepspeed cannot run its rank"):
+        inline.single_process(_cfg("true"), 1, backend_can=False)
+    with pytest.raises(ValueError, match="expected auto, true or false"):
+        inline.single_process(_cfg("yes"), 1)
+
+
+def test_auto_uses_a_ray_session_the_process_already_has(monkeypatch):
+    class FakeRay:
+        @staticmethod
+        def is_initialized():
+            return True
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setitem(sys.modules, "ray", FakeRay)
+    assert not inline.single_process(_cfg(), 1)  # a test's or notebook's session: the run uses it
+    assert inline.single_process(_cfg("true"), 1)
+
+
+def rlhf(*args, timeout=600):
+    env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([sys.executable, "-m", "rlhf_cli.main", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more(tmp_path, tiny_model):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * len(queries)\n")
+    common = ["train", "ppo", "--dry-run", "--actor.model_name_or_path", tiny_model, "--reward.remote_url",
+              str(reward), "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
+              "--ckpt.output_dir", str(tmp_path / "run")]
+    out = rlhf(*common, "--train.colocate_all", "--algo.kl.init_coef", "0.01")
+    assert out.returncode == 0, out.stderr
+    assert "single process: the one training rank runs in this process; no Ray cluster starts" in out.stdout
+    out = rlhf(*common)  # the engine gets a process of its own: Ray
+    assert out.returncode == 0, out.stderr
+    assert "single process" not in out.stdout
+    out = rlhf(*common, "--ray.single_process", "true", "--actor.num_gpus_per_node", "2", "--train.colocate_all")
+    assert out.returncode != 0
+    assert "--ray.single_process true cannot be honoured: the run needs 2 worker processes" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def run_wrapped(tmp_path, name, args) -> dict:
+    report = tmp_path / f"{name}.json"
+    env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", WRAPPER, str(report), *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0 and report.is_file(), done.stderr[-3000:]
+    result = json.loads(report.read_text())
+    assert result["code"] == 0, done.stderr[-3000:]
+    result["stderr"] = done.stderr
+    return result
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def metric_rows(out: Path, keys) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r.get(k) for k in keys} for r in rows if "policy/loss" in r or "loss" in r]
+
+
+REWARD = '''
+def reward_func(queries, prompts, labels, **kwargs):
+    return [sum(w.startswith("w") and int(w[1:]) < 50 for w in q[len(p):].split()) / 4 for q, p in zip(queries, prompts)]
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(tmp_path):
+    """One rank hosting the reference model and the HF engine (colocate_all on CPU), with a KL loss: the
+    same seed gives the same steps and the same final weights, bit for bit, with and without Ray (both run
+    the rank with 2 torch threads on this machine)."""
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model", num_words=100, hidden_size=32, intermediate_size=64)
+    (tmp_path / "prompts.jsonl").write_text("".join(
+        json.dumps({"input": f"w{i} w{(i * 7) % 100}", "label": "0"}) + "\n" for i in range(32)))
+    (tmp_path / "reward.py").write_text(REWARD)
+    args = ["train", "ppo", "--actor.model_name_or_path", model, "--reward.remote_url", str(tmp_path / "reward.py"),
+            "--data.prompt_dataset", str(tmp_path / "prompts.jsonl"), "--data.label_key", "label",
+            "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
+            "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4", "--data.max_len", "16",
+            "--train.batch_size", "16", "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8",
+            "--ds.param_dtype", "fp32", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0",
+            "--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+            "--train.colocate_all", "--train.max_steps", "3"]
+    single = run_wrapped(tmp_path, "single", [*args, "--ckpt.output_dir", str(tmp_path / "single")])
+    on_ray = run_wrapped(tmp_path, "ray", [*args, "--ray.single_process", "false",
+                                           "--ckpt.output_dir", str(tmp_path / "ray")])
+    assert single["ray_init_calls"] == 0 and on_ray["ray_init_calls"] == 1
+    assert "the worker in this process (no Ray) up in" in single["stderr"]
+    assert "1 worker processes up in" in on_ray["stderr"]
+    keys = ["step", "policy/loss", "policy/kl_loss", "policy/grad_norm", "reward/mean", "response_length/mean"]
+    rows = metric_rows(tmp_path / "single", keys)
+    assert len(rows) == 3 and all(r["policy/grad_norm"] > 0 for r in rows)
+    assert rows[-1]["policy/kl_loss"] != 0  # the reference model hosted in the rank took part
+    assert rows == metric_rows(tmp_path / "ray", keys)
+    a, b = weights(tmp_path / "single" / "model"), weights(tmp_path / "ray" / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], v) for k, v in weights(Path(model)).items())  # it trained
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_sft_in_the_driver_computes_what_the_same_run_computes_on_ray(tmp_path):
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "model", num_words=50, hidden_size=32, intermediate_size=64)
+    (tmp_path / "sft.jsonl").write_text("".join(
+        json.dumps({"input": f"w{i} w{i + 1}", "output": f"w{(i * 3) % 50}"}) + "\n" for i in range(40)))
+    args = ["train", "sft", "--model.model_name_or_path", model, "--data.dataset", str(tmp_path / "sft.jsonl"),
+            "--data.input_key", "input", "--data.output_key", "output", "--data.max_len", "8",
+            "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.max_epochs", "1",
+            "--model.adam.lr", "1e-3", "--ds.param_dtype", "fp32", "--ds.zero_stage", "2"]
+    single = run_wrapped(tmp_path, "single", [*args, "--ckpt.output_dir", str(tmp_path / "single")])
+    on_ray = run_wrapped(tmp_path, "ray", [*args, "--ray.single_process", "false",
+                                           "--ckpt.output_dir", str(tmp_path / "ray")])
+    assert single["ray_init_calls"] == 0 and on_ray["ray_init_calls"] == 1
+    keys = ["step", "train/loss", "train/grad_norm"]
+    rows = metric_rows(tmp_path / "single", keys)
+    assert len(rows) == 5 and rows == metric_rows(tmp_path / "ray", keys)
+    a, b = weights(tmp_path / "single"), weights(tmp_path / "ray")
+    assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

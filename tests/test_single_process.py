@@ -7,8 +7,10 @@ the process group, the allocator), once in the driver and once on a local Ray cl
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,26 +159,33 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("ray")
-def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(tmp_path):
-    """One rank hosting the reference model and the HF engine (colocate_all on CPU), with a KL loss: the
-    same seed gives the same steps and the same final weights, bit for bit, with and without Ray (both run
-    the rank with 2 torch threads on this machine)."""
+@pytest.fixture(scope="module")
+def ppo_args(tmp_path_factory) -> list[str]:
+    """A GRPO run whose one rank hosts the reference model and the HF engine (colocate_all on CPU), with a
+    KL loss: it fits one process."""
     from rlhf_core.testing.tiny import make_tiny_llama
 
-    model = make_tiny_llama(tmp_path / "model", num_words=100, hidden_size=32, intermediate_size=64)
-    (tmp_path / "prompts.jsonl").write_text("".join(
+    root = tmp_path_factory.mktemp("single_ppo")
+    model = make_tiny_llama(root / "model", num_words=100, hidden_size=32, intermediate_size=64)
+    (root / "prompts.jsonl").write_text("".join(
         json.dumps({"input": f"w{i} w{(i * 7) % 100}", "label": "0"}) + "\n" for i in range(32)))
-    (tmp_path / "reward.py").write_text(REWARD)
-    args = ["train", "ppo", "--actor.model_name_or_path", model, "--reward.remote_url", str(tmp_path / "reward.py"),
-            "--data.prompt_dataset", str(tmp_path / "prompts.jsonl"), "--data.label_key", "label",
+    (root / "reward.py").write_text(REWARD)
+    return ["train", "ppo", "--actor.model_name_or_path", model, "--reward.remote_url", str(root / "reward.py"),
+            "--data.prompt_dataset", str(root / "prompts.jsonl"), "--data.label_key", "label",
             "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
             "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4", "--data.max_len", "16",
             "--train.batch_size", "16", "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8",
             "--ds.param_dtype", "fp32", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0",
             "--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
-            "--train.colocate_all", "--train.max_steps", "3"]
+            "--train.colocate_all"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(ppo_args, tmp_path):
+    """The same seed gives the same steps and the same final weights, bit for bit, with and without Ray
+    (both run the rank with 2 torch threads)."""
+    args = [*ppo_args, "--train.max_steps", "3"]
     single = run_wrapped(tmp_path, "single", [*args, "--ckpt.output_dir", str(tmp_path / "single")])
     on_ray = run_wrapped(tmp_path, "ray", [*args, "--ray.single_process", "false",
                                            "--ckpt.output_dir", str(tmp_path / "ray")])
@@ -190,7 +199,36 @@ def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(tmp_path):
     assert rows == metric_rows(tmp_path / "ray", keys)
     a, b = weights(tmp_path / "single" / "model"), weights(tmp_path / "ray" / "model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert not all(torch.equal(a[k], v) for k, v in weights(Path(model)).items())  # it trained
+    model = Path(ppo_args[ppo_args.index("--actor.model_name_or_path") + 1])
+    assert not all(torch.equal(a[k], v) for k, v in weights(model).items())  # it trained
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("ray")
+def test_a_killed_single_process_run_resumes_exactly(ppo_args, tmp_path):
+    """SIGKILL the whole run (driver and rank are one process) after its second checkpoint; resuming ends on
+    the weights of the run that was never stopped."""
+    env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
+
+    def cmd(out):
+        return [sys.executable, "-m", "rlhf_cli.main", *ppo_args, "--train.max_steps", "6", "--ckpt.save_steps", "2",
+                "--ckpt.output_dir", str(out)]
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    done = subprocess.run(cmd(a), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.Popen(cmd(b), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (b / "checkpoints" / "step_00000004").is_dir():
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    done = subprocess.run(cmd(b) + ["--ckpt.load_enable"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr
+    wa, wb = weights(a / "model"), weights(b / "model")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 @pytest.mark.slow

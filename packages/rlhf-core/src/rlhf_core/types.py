@@ -489,8 +489,10 @@ class TrainBackend(Protocol):
     (``pool``, or None) and returns a :class:`TrainGroup`. Options the driver passes: ``total_steps``
     (optimizer steps of the run), ``bundle_indices`` (rank ``r`` goes to bundle ``bundle_indices[r]``),
     ``num_gpus_per_worker``, ``num_cpus_per_worker``, ``num_threads`` (torch threads per rank), ``wait``
-    (False: return while the ranks still start, see ``TrainGroup.wait_ready``), and for a backend with
-    ``hosts_roles = True`` also ``with_ref`` (the actor's ranks hold the reference model too).
+    (False: return while the ranks still start, see ``TrainGroup.wait_ready``), for a backend with
+    ``hosts_roles = True`` also ``with_ref`` (the actor's ranks hold the reference model too), and for one
+    with ``single_process = True`` also ``inline_rank`` (the group's one rank lives in the driver's process,
+    no Ray, ``pool`` None; its actor is an ``rlhf_core.inline.InlineActor``).
     ``run_trainer(mode, cfg)`` runs ``sft``, ``rm``, ``dpo``, ``kto``, ``prm`` or ``kd``.
     ``rlhf_core.testing.TrainBackendConformance`` checks a backend against this contract.
     """
@@ -510,7 +512,7 @@ class TrainGroup(Protocol):
     """
 
     actors: list
-    """The Ray actor of each rank (the driver counts processes with it)."""
+    """The Ray actor of each rank (the driver counts processes with it), or an ``rlhf_core.inline.InlineActor``."""
     dp_size: int
     """Data-parallel ranks: micro-batches of one optimizer step are split this many ways."""
     ring_size: int

@@ -129,6 +129,9 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     assert "--ray.single_process true cannot be honoured: the run needs 2 worker processes" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "run").exists()
+    out = rlhf("generate", "--ray.single_process", "true", "--dry-run")  # generate always runs on Ray workers
+    assert out.returncode != 0
+    assert "--ray.single_process is an option of 'rlhf train ppo|sft|rm|dpo|kto|prm|kd' only" in out.stderr
 
 
 def run_wrapped(tmp_path, name, args) -> dict:

@@ -553,7 +553,7 @@ class RayConfig:
     """Join this Ray cluster (default: ``$RAY_ADDRESS``, else start a local one)."""
     dashboard: bool = False
     """Start the dashboard of a local cluster (bound to 127.0.0.1)."""
-    single_process: str = "auto"
+    single_process: str = option("auto", modes=(*RL_MODES, *SUPERVISED_MODES))
     """Run a job that fits one process (one training rank hosting its reference model and HF engine) in the
     driver's process without starting Ray: ``auto`` (when it fits and no cluster or dashboard is asked for),
     ``true`` (refuse the run when it does not fit), ``false`` (always Ray)."""

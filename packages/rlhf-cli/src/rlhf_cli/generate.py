@@ -330,7 +330,10 @@ def append_records(path: Path, records: list[dict], chunk_number: int) -> None:
     blob = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")
     with path.open("ab") as f:
         if os.environ.get("RLHF_FAULT") == f"generate_mid_write:{chunk_number}":  # crash tests
-            f.write(blob[: len(blob) // 2])
+            cut = len(blob) // 2
+            if blob[cut - 1 : cut] == b"\n":  # a cut just after a record would leave no partial line to test
+                cut -= 1
+            f.write(blob[:cut])
             f.flush()
             print(f"RLHF_FAULT: exiting in the write of micro-batch {chunk_number}", flush=True)
             os._exit(137)

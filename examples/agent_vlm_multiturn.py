@@ -10,8 +10,8 @@ one (Qwen-VL: ``<|vision_start|><|image_pad|><|vision_end|>``); rlhf repeats it 
         --actor.model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct --data.image_key images \\
         --data.max_images_per_prompt 4 --actor.freeze_visual_encoder --data.apply_chat_template ...
 
-This is the API of OpenRLHF's ``vlm_multiturn_agent.py``: an agent written for it runs after changing
-``from openrlhf.utils.agent import ...`` to the import below.
+This is the API of OpenRLHF's ``vlm_multiturn_agent.py``: an agent written for it runs as it is (its
+``from openrlhf.utils.agent import ...`` is served by rlhf); new files import from ``rlhf_agents`` as below.
 """
 
 import random

@@ -382,3 +382,24 @@ def test_a_broken_plugin_is_named_with_how_to_skip_it(tmp_path, tiny_model, sour
     assert out.returncode == 2
     assert message in out.stderr and "RLHF_DISABLE_PLUGINS=median-dist" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("mode", ["ppo", "sft"])
+@pytest.mark.parametrize("flags,message", [
+    (["--deepcompile"], "--ds.deepcompile"),
+    (["--use_liger_kernel"], "--ds.use_liger_kernel"),
+    (["--ds_tensor_parallel_size", "2"], "--ds.tensor_parallel_size"),
+    (["--use_ds_universal_ckpt"], "--ds.use_universal_ckpt"),
+])
+def test_deepspeed_features_a_rank_cannot_run_are_refused_by_the_dry_run(tmp_path, capsys, tiny_model, mode,
+                                                                           flags, message):
+    """These once passed --dry-run and failed inside a training rank; the driver now refuses them, by name."""
+    if mode == "ppo":
+        args = ppo(tiny_model, tmp_path / "run", "--remote_rm_url", "http://127.0.0.1:9/x", *flags)
+    else:
+        data = tmp_path / "sft.jsonl"
+        data.write_text(json.dumps({"input": "w1", "output": "w2"}) + "\n")
+        args = ["sft", "--pretrain", tiny_model, "--dataset", str(data), "--ckpt.output_dir", str(tmp_path / "run"),
+                *flags]
+    code, err = train_in_process(capsys, *args, "--dry-run")
+    assert code == 2 and message in err and ("not wired into" in err or "not written by" in err) and "Traceback" not in err

@@ -375,3 +375,22 @@ def test_async_trainers_sleep_while_they_wait_for_a_batch():
     for i, e in enumerate(events):
         if e.startswith("train"):
             assert events[:i].count("sleep") == events[:i].count("wake")  # awake whenever it trains
+
+
+def test_a_plugin_policy_loss_without_a_default_aggregation_gets_token_mean(register_plugin):
+    """``default_loss_agg_mode`` is optional in the policy-loss contract (it once raised AttributeError here)."""
+    from rlhf_algos import ppo_loss
+    from rlhf_core import hookimpl
+
+    class Plugin:
+        @staticmethod
+        @hookimpl
+        def rlhf_register_policy_losses(register):
+            register("bare_ppo", lambda batch: ppo_loss(batch))
+
+    register_plugin(Plugin, "bare-loss-plugin")
+    cfg = config()
+    cfg.actor.policy_loss_type = "bare_ppo"
+    assert controller(cfg, 3).policy_step_config().agg_mode == "token_mean"
+    cfg.actor.policy_loss_type = "gspo"
+    assert controller(cfg, 3).policy_step_config().agg_mode == "seq_mean_token_mean"

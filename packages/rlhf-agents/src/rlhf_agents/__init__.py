@@ -12,9 +12,9 @@
 - :func:`extract_boxed_answer` and :func:`grade_answer` (:mod:`rlhf_agents.math_answers`) verify math answers
   in reward functions.
 
-An OpenRLHF agent file works after changing ``from openrlhf.utils.agent import ...`` to
-``from rlhf_agents import ...``; its math reward file after changing ``from openrlhf.utils import
-extract_boxed_answer, grade_answer`` to ``from rlhf_agents import extract_boxed_answer, grade_answer``.
+OpenRLHF's agent and math reward files run as they are: their ``from openrlhf.utils.agent import ...`` and
+``from openrlhf.utils import extract_boxed_answer, grade_answer`` get these classes and functions when
+OpenRLHF is not installed (:mod:`rlhf_agents.openrlhf_compat`).
 """
 
 import importlib.metadata

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from rlhf_agents import openrlhf_compat
 from rlhf_core.errors import UserError
 
 
@@ -37,6 +38,7 @@ def load_module(path: str | Path, flag: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise UserCodeError(f"{flag} {path}: cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
+    openrlhf_compat.install()  # OpenRLHF's files import its base classes and math helpers from openrlhf
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)

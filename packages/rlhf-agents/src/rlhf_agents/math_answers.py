@@ -1,7 +1,7 @@
 """A verifier of math answers for reward functions: find the final answer, decide whether it equals a label.
 
-The names and signatures are those OpenRLHF's ``math_reward_func.py`` imports from ``openrlhf.utils``, so
-such a file runs after changing that one import::
+The names and signatures are those OpenRLHF's ``math_reward_func.py`` imports from ``openrlhf.utils``; such a
+file runs as it is (:mod:`rlhf_agents.openrlhf_compat` serves the import), and new files write::
 
     from rlhf_agents import extract_boxed_answer, grade_answer
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.types import LossAggregation
-
-AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from rlhf_core.types import AGGREGATION_MODES, LossAggregation
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAggregation | None = None) -> torch.Tensor:

@@ -387,10 +387,11 @@ class DSConfig:
     """Overlap gradient reduction with the backward pass."""
     grad_accum_dtype: str | None = None
     """Gradient accumulation dtype (default: the parameter dtype)."""
-    deepcompile: bool = False
-    """DeepSpeed deepcompile."""
-    tensor_parallel_size: int = 1
-    """DeepSpeed AutoTP degree."""
+    deepcompile: bool = option(False, refused="DeepSpeed deepcompile is not wired into rlhf-train-deepspeed")
+    """DeepSpeed deepcompile (OpenRLHF's; refused here)."""
+    tensor_parallel_size: int = option(1, refused=(
+        "DeepSpeed AutoTP is not wired into rlhf-train-deepspeed; shard with ZeRO-3 (--ds.zero_stage 3)"))
+    """DeepSpeed AutoTP degree (OpenRLHF's; any value but 1 is refused here)."""
     ring_attn_size: int = 1
     """Ranks per ring-attention group: each packed micro-batch is split over them (needs packing; on CUDA
     also ring-flash-attn and flash-attn; on CPU an exact all-gather attention is used)."""
@@ -410,15 +411,17 @@ class DSConfig:
     experts_implementation: str | None = None
     """MoE experts implementation of the trained and reference models, passed to transformers
     (``eager``, ``grouped_mm``, ``batched_mm``; default: transformers' choice)."""
-    use_liger_kernel: bool = False
-    """Liger fused kernels (GPU)."""
+    use_liger_kernel: bool = option(False, refused="Liger kernels are not wired into rlhf-train-deepspeed")
+    """Liger fused kernels (OpenRLHF's; refused here)."""
     load_in_4bit: bool = False
     """QLoRA: load the base model in 4 bits (bitsandbytes, GPU)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     value_head_prefix: str = option("score", modes=("ppo", "rm"))
     """Name of the value head of critic and reward models."""
-    use_universal_ckpt: bool = False
-    """Save DeepSpeed universal checkpoints (resumable at another world size)."""
+    use_universal_ckpt: bool = option(False, refused=(
+        "DeepSpeed universal checkpoints are not written by rlhf-train-deepspeed; its checkpoints resume at "
+        "the world size that saved them"))
+    """Save DeepSpeed universal checkpoints (OpenRLHF's; refused here)."""
 
 
 @dataclass

@@ -346,9 +346,12 @@ class AdvantageEstimator(Protocol):
     def __call__(self, batch: AdvantageInput) -> AdvantageOutput: ...
 
 
+AGGREGATION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
 @dataclass
 class LossAggregation:
-    """How per-token losses become one scalar.
+    """How per-token losses become one scalar (``mode`` is one of :data:`AGGREGATION_MODES`).
 
     ``mode``:
 
@@ -400,7 +403,11 @@ class LossOutput:
 
 @runtime_checkable
 class PolicyLoss(Protocol):
-    """The object registered under ``rlhf_register_policy_losses``."""
+    """The object registered under ``rlhf_register_policy_losses``.
+
+    It may carry ``default_loss_agg_mode``: the :class:`LossAggregation` mode the trainer uses when
+    ``--actor.loss_agg_mode`` is not set (``gspo`` aggregates per sequence). Without it, ``token_mean``.
+    """
 
     def __call__(self, batch: PolicyLossInput) -> LossOutput: ...
 

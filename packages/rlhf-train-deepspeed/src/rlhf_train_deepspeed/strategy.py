@@ -71,14 +71,6 @@ def check_features(ds) -> None:
             raise ConfigError("--ds.load_in_4bit (QLoRA) needs a CUDA device and the bitsandbytes package")
         if ds.lora.rank <= 0:
             raise ConfigError("--ds.load_in_4bit (QLoRA) trains LoRA adapters: set --ds.lora.rank > 0")
-    for flag, on in (
-        ("--ds.use_liger_kernel", ds.use_liger_kernel),
-        ("--ds.tensor_parallel_size > 1 (AutoTP)", ds.tensor_parallel_size > 1),
-        ("--ds.deepcompile", ds.deepcompile),
-        ("--ds.use_universal_ckpt", ds.use_universal_ckpt),
-    ):
-        if on:
-            raise ConfigError(f"{flag} is not supported by this version of rlhf-train-deepspeed")
 
 
 def lr_multiplier(step: int, name: str, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:

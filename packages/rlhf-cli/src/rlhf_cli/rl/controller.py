@@ -298,7 +298,7 @@ class RLController:
             loss=a.policy_loss_type, temperature=c.rollout.temperature, eps_clip_low=low, eps_clip_high=high,
             dual_clip=a.dual_clip, is_correction=adv.is_correction_type if adv.is_correction_enable else None,
             is_threshold=tuple(adv.is_correction_threshold),
-            agg_mode=a.loss_agg_mode or self.policy_loss.default_loss_agg_mode,
+            agg_mode=a.loss_agg_mode or getattr(self.policy_loss, "default_loss_agg_mode", "token_mean"),
             max_len=c.rollout.max_new_tokens, entropy_coef=a.entropy_coef,
             kl_coef=self.kl_ctl.value if c.algo.kl.use_loss else 0.0, kl_estimator=c.algo.kl.estimator,
         )

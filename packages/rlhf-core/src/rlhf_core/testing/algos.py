@@ -12,7 +12,14 @@ from typing import Any, ClassVar
 import torch
 
 from rlhf_core.plugins import get_plugin_manager, resolve
-from rlhf_core.types import AdvantageInput, AdvantageOutput, LossAggregation, LossOutput, PolicyLossInput
+from rlhf_core.types import (
+    AGGREGATION_MODES,
+    AdvantageInput,
+    AdvantageOutput,
+    LossAggregation,
+    LossOutput,
+    PolicyLossInput,
+)
 
 
 def _random_mask(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
@@ -158,6 +165,15 @@ class PolicyLossConformance:
             b.advantages[~b.action_mask] = 9.0
         la, lb = self.loss()(a).loss, self.loss()(b).loss
         torch.testing.assert_close(la, lb)
+
+    def test_default_aggregation_is_a_known_mode(self):
+        """``default_loss_agg_mode`` is optional; when set it must be a mode the trainer can aggregate with."""
+        mode = getattr(self.loss(), "default_loss_agg_mode", "token_mean")
+        assert mode in AGGREGATION_MODES, (
+            f"policy loss {self.name!r}: default_loss_agg_mode {mode!r} is not a LossAggregation mode")
+        batch = self.make_batch(seed=5)
+        batch.aggregation = LossAggregation(mode=mode, max_len=batch.action_mask.shape[1])
+        assert torch.isfinite(self.loss()(batch).loss)
 
     def test_token_mean_splits_add_up(self):
         """With the step's global token count, two half-batches sum to the whole batch."""

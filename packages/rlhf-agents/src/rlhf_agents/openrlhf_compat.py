@@ -1,0 +1,71 @@
+"""OpenRLHF's reward and agent files, run as they are: the few ``openrlhf`` names they import, served by rlhf.
+
+OpenRLHF's example files import their base classes and math helpers from OpenRLHF itself::
+
+    from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor   # or AgentExecutorBase
+    from openrlhf.utils import extract_boxed_answer, grade_answer
+
+rlhf has the same names with the same contracts (:mod:`rlhf_agents.executors`, :mod:`rlhf_agents.math_answers`).
+When OpenRLHF is not installed, :func:`install` puts a finder at the end of ``sys.meta_path`` that answers
+for ``openrlhf``, ``openrlhf.utils`` and ``openrlhf.utils.agent`` with modules holding only those names; any
+other ``openrlhf`` module stays missing, and a missing name says which ones are offered. A real OpenRLHF
+install wins: the finder is consulted last, after the one that finds installed packages.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+
+
+def _exports() -> dict[str, dict[str, object]]:
+    from rlhf_agents.executors import AgentExecutorBase, AgentInstanceBase, MultiTurnAgentExecutor
+    from rlhf_agents.math_answers import extract_boxed_answer, grade_answer
+
+    return {
+        "openrlhf": {},
+        "openrlhf.utils": {"extract_boxed_answer": extract_boxed_answer, "grade_answer": grade_answer},
+        "openrlhf.utils.agent": {"AgentInstanceBase": AgentInstanceBase, "AgentExecutorBase": AgentExecutorBase,
+                                 "MultiTurnAgentExecutor": MultiTurnAgentExecutor},
+    }
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent"):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname != "openrlhf.utils.agent")
+
+    def create_module(self, spec):
+        return None  # the default module object
+
+    def exec_module(self, module: ModuleType) -> None:
+        names = _exports()[module.__name__]
+        module.__doc__ = f"rlhf's stand-in for {module.__name__} (OpenRLHF is not installed): {', '.join(names)}"
+        module.__dict__.update(names)
+
+        def __getattr__(attr: str):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            # ImportError, not AttributeError: `from m import x` would replace an AttributeError's message
+            raise ImportError(
+                f"{module.__name__}.{attr} is OpenRLHF's, which is not installed; rlhf provides only "
+                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names"
+            )
+
+        module.__getattr__ = __getattr__
+
+
+_FINDER = _Finder()
+
+
+def install() -> None:
+    """Serve OpenRLHF's names to user files, unless OpenRLHF itself is importable. Idempotent."""
+    if _FINDER in sys.meta_path or "openrlhf" in sys.modules:
+        return
+    if importlib.util.find_spec("openrlhf") is not None:
+        return
+    sys.meta_path.append(_FINDER)

@@ -22,6 +22,10 @@ Measured per run (one JSON file per run under bench/results/):
   polled every 50 ms with psutil. Shared pages (torch libraries mapped by each Ray worker, the object
   store) are counted once per process, so peak_pss (proportional set size, polled every 5 s) is kept too.
 
+With ``--device cuda`` both sides train in bf16 on one GPU (rlhf: ``--ds.param_dtype bf16``; TRL: bf16
+autocast) and each child also reports its peak of allocated GPU memory (``peak_gpu_mib``, from torch's
+allocator; ``scripts/gpu-check`` runs it so).
+
     DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --quick        # smoke run, seconds per side
     DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py                # grid row M: rlhf-single, rlhf-dp2, TRL
     DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size S --runs rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl
@@ -116,7 +120,8 @@ def rlhf_flags(args, root: Path, out: Path, variant: str) -> list[str]:
         "--algo.advantage.estimator", "group_norm", "--actor.loss_agg_mode", "token_mean",
         "--actor.adam.lr", "1e-4", "--actor.adam.betas", "0.9", "0.999", "--actor.adam.weight_decay", "0",
         "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--actor.max_norm", "1.0",
-        "--ds.param_dtype", "fp32", "--vllm.num_engines", "1", "--rollout.engine", "hf",
+        "--ds.param_dtype", "bf16" if args.device == "cuda" else "fp32", "--vllm.num_engines", "1",
+        "--rollout.engine", "hf",
         "--ckpt.output_dir", str(out),
     ]
     if args.beta > 0:
@@ -142,8 +147,11 @@ def child_rlhf(args, root: Path, out: Path) -> dict:
             return out
         return timed
 
-    for name in ("init_ray", "build_groups"):  # start-up phases: Ray's daemons, then the workers
-        setattr(run, name, marking(name, getattr(run, name)))
+    run.build_groups = marking("build_groups", run.build_groups)  # start-up phases: the workers, and Ray's
+    if args.who != "rlhf-single":  # daemons (a single-process run imports no Ray)
+        import rlhf_cli.ray_launch as ray_launch
+
+        ray_launch.init_ray = marking("init_ray", ray_launch.init_ray)
 
     def timed_fit(self):
         marks["fit_start"] = time.time()
@@ -223,7 +231,8 @@ def child_trl(args, root: Path, out: Path) -> dict:
     ds = load_dataset("json", data_files=str(root / "prompts.jsonl"), split="train").rename_column("input", "prompt")
     seqs = args.prompts * args.n
     config = GRPOConfig(
-        output_dir=str(out), report_to="none", use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=str(out), report_to="none", use_cpu=args.device == "cpu", bf16=args.device == "cuda", fp16=False,
+        gradient_checkpointing=False,
         per_device_train_batch_size=seqs, gradient_accumulation_steps=1, num_generations=args.n,
         max_completion_length=lc, generation_kwargs={"min_new_tokens": lc}, use_vllm=False,
         temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", beta=args.beta, num_iterations=1,
@@ -260,6 +269,8 @@ def child(args) -> None:
     root = Path(args.workdir) / args.size
     out = root / f"out-{args.who}-{os.getpid()}"
     result = (child_trl if args.who == "trl" else child_rlhf)(args, root, out)
+    if args.device == "cuda":
+        result["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -407,7 +418,8 @@ def run_child(args, who: str, env: dict, rep: int) -> dict:
         env = {**env, **code_at(who.split("@")[1], Path(args.workdir))}
     cmd = [sys.executable, __file__, "--child", "--who", who, "--size", args.size,
            "--beta", str(args.beta), "--prompts", str(args.prompts), "--n", str(args.n), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads), "--workdir", args.workdir]
+           "--warmup", str(args.warmup), "--threads", str(args.threads), "--workdir", args.workdir,
+           "--device", args.device]
     quiet = wait_for_quiet(args.max_busy)
     load_before = os.getloadavg()[0]
     spawned = time.time()
@@ -452,6 +464,7 @@ def run_child(args, who: str, env: dict, rep: int) -> dict:
         "load_before": load_before, "load_after": os.getloadavg()[0], "other_busy_cores_before": quiet,
         "other_busy_cores_during": foreign,
         "completion_len_seen": r["completion_len"], "grad_norm": r["grad_norm"],
+        "device": args.device, "peak_gpu_mib": r.get("peak_gpu_mib"),
     }
     if "step_total" in r:
         summary["step_total_median"] = statistics.median(r["step_total"][w:])
@@ -738,12 +751,17 @@ def main() -> None:
     p.add_argument("--max-busy", type=float, default=0.5,
                    help="before each run, wait (up to 15 min) until other processes use fewer cores than this")
     p.add_argument("--workdir", default="/tmp/rlhf-bench-grpo")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: both sides in bf16 on one GPU")
+    p.add_argument("--results", help="directory for the per-run JSON files (default: bench/results)")
     p.add_argument("--report", action="store_true", help="rebuild bench/grpo_vs_trl.md from bench/results/*.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--who", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.results:
+        global RESULTS
+        RESULTS = Path(args.results)
     if args.report:
         command = ("DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size {M,L,M128} [--beta 0.04] "
                    "--runs rlhf-single,rlhf-dp2,trl --reps 3; ... --size S --runs "
@@ -758,7 +776,7 @@ def main() -> None:
     hidden, layers, lp, _ = GRID[args.size]
     make_workload(root, hidden, layers, lp, args.prompts * (args.warmup + args.steps) * 2)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0",
+           "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": args.device, "RAY_USAGE_STATS_ENABLED": "0",
            "HF_HUB_OFFLINE": "1", "RLHF_NO_PROGRESS": "1"}
     for rep in range(args.reps):
         for who in args.runs.split(","):  # A B A B

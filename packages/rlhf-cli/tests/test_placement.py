@@ -52,7 +52,7 @@ def test_cpu_plans_use_cpu_bundles():
         "actor": 0.5, "rollout": 0.5}
 
 
-def test_roles_in_the_actors_pool_on_cpu_run_inside_the_actor_ranks():
+def test_roles_in_the_actors_pool_run_inside_the_actor_ranks():
     from rlhf_cli.placement import roles_in_actor
 
     def hosted(strategy="colocate_all", engines=2, engine="hf", gpus=False, **flags):
@@ -60,7 +60,7 @@ def test_roles_in_the_actors_pool_on_cpu_run_inside_the_actor_ranks():
         for k, v in flags.items():
             setattr(cfg.vllm if k == "sync_with_ray" else cfg.train, k, v)
         roles = {"actor": RoleDemand(2), "ref": RoleDemand(1), "critic": RoleDemand(1), "rollout": RoleDemand(engines)}
-        return roles_in_actor(STRATEGIES[strategy].plan(roles, cfg, gpus), engine, cfg, gpus)
+        return roles_in_actor(STRATEGIES[strategy].plan(roles, cfg, gpus), engine, cfg)
 
     assert hosted() == {"ref", "rollout"}  # the critic trains beside the policy: it keeps its ranks
     assert hosted(engines=1) == {"ref", "rollout"}
@@ -68,7 +68,7 @@ def test_roles_in_the_actors_pool_on_cpu_run_inside_the_actor_ranks():
     assert hosted("colocate_actor_ref") == {"ref"}
     assert hosted(engines=3) == {"ref"}  # more engines than ranks
     assert hosted(engine="vllm") == {"ref"}
-    assert hosted(gpus=True) == set()
+    assert hosted(gpus=True) == {"ref", "rollout"}  # the same GPUs: one process per rank, as on CPU
     assert hosted(async_enable=True) == {"ref"}  # generation and training at once: not on one thread
     assert hosted(sync_with_ray=True) == {"ref"}  # the object-store path was asked for
 

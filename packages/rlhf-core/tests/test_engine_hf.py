@@ -285,3 +285,54 @@ def test_direct_decode_steps_aside_for_what_it_does_not_cover():
     dynamic = tiny_decoder("llama")
     dynamic.model.rotary_emb.rope_type = "dynamic"
     assert decode_plan(dynamic) is None
+
+
+# --- on a GPU (scripts/gpu-check runs these; skipped elsewhere) ------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+class TestHFEngineOnCUDA(RolloutEngineConformance):
+    """The whole suite on a GPU, in fp32 (torch's matmuls do not use TF32 unless asked, so the 1e-4
+    log-prob tolerance against the CPU reference holds)."""
+
+    def make_engine(self, model_dir):
+        engine = HFEngine(model_dir, dtype="float32", device="cuda")
+        assert engine.fast_path and engine.device.type == "cuda"
+        return engine
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_decode_on_cuda_matches_a_bf16_forward_and_sleep_frees_the_weights(tmp_path):
+    """bf16 on a GPU, as RL runs there: the engine's sampled-token log-probs against one full forward of the
+    same bf16 weights (different kernels: KV-cached decode against a full pass), within 0.05 nats on average
+    (log-probs here are ~-5.3 = -ln(200); one bf16 rounding moves such a value by up to 5.3 * 2^-9 = 0.01,
+    and the two sides round differently in every layer); then sleep level 1 gives the weights' GPU memory
+    back and wake-up brings them back unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_llama(tmp_path, seed=0, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    engine = HFEngine(model_dir, dtype="bfloat16", device="cuda")
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    prompt = list(range(5, 21))
+    (outs,) = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24, min_new_tokens=24,
+                                                                        seed=3, n=4))])
+    gaps = []
+    for out in outs:
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])
+        gaps.append((torch.tensor(out.logprobs) - want.squeeze(1).cpu()).abs().mean())
+    assert float(torch.stack(gaps).mean()) <= 0.05, gaps
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    before = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
+    awake = torch.cuda.memory_allocated()
+    engine.sleep(1)
+    assert awake - torch.cuda.memory_allocated() >= 0.9 * weight_bytes
+    engine.wake_up()
+    assert engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids == before

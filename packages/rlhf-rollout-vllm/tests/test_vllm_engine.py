@@ -5,7 +5,7 @@
   (the last tests of this file).
 - With a fake ``vllm`` module (inserted in sys.modules by a fixture; tests named ``..._fake_vllm``): what
   the CPU build cannot show, i.e. the GPU-only paths (sleep mode, ``load_weights`` on a CUDA worker, the
-  Ray executor for tensor parallel, CUDA IPC, NCCL). What the real engine shows (sampling parameters, n
+  Ray executor for tensor parallel, NCCL). What the real engine shows (sampling parameters, n
   samples and their seeds, request checks) is tested on it, not on the fake. The worker extension runs for real over a
   gloo group with a stand-in model."""
 

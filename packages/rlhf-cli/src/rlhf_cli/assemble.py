@@ -379,14 +379,14 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     if cfg.rollout.node_resource:
         pin_rollout_pool(asm.plan, cfg.rollout.node_resource)
     if getattr(backend, "hosts_roles", False):  # the optional part of the training contract (TrainGroup)
-        asm.in_actor = roles_in_actor(asm.plan, engine, cfg, gpus)
+        asm.in_actor = roles_in_actor(asm.plan, engine, cfg)
     processes = sum(g.num_workers for g in asm.plan.groups if g.role not in asm.in_actor)
     asm.single_process = _single_process(cfg, processes, backend)
     if (processes > 1 and strategy_name(cfg) != "colocate_all" and getattr(backend, "hosts_roles", False)
             and inline.single_process(cfg, 1, getattr(backend, "single_process", False))):
         together = plan_pools(roles, [set(ROLE_ORDER)], gpus)
         if sum(g.num_workers for g in together.groups
-               if g.role not in roles_in_actor(together, engine, cfg, gpus)) == 1:
+               if g.role not in roles_in_actor(together, engine, cfg)) == 1:
             asm.notes.append(f"this run starts Ray and {processes} worker processes; with --train.colocate_all it "
                              "would fit one process and start no Ray (seconds sooner, hundreds of MB less)")
     return asm

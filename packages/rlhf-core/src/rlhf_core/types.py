@@ -536,7 +536,7 @@ class TrainGroup(Protocol):
     def wait_ready(self) -> None:
         """Return once every rank is up (raising its set-up error): a no-op unless made with ``wait=False``."""
 
-    # Only with ``hosts_roles = True`` on the backend; the driver then places, on CPU, the reference model and
+    # Only with ``hosts_roles = True`` on the backend; the driver then places the reference model and
     # HF engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
     # ``host(name, cls, args)`` builds ``cls(*args[r])`` in rank ``r`` and returns handles that read like Ray
     # actor handles, ``hosted_ref()`` is the reference group the ranks hold (``with_ref``), and

@@ -1,6 +1,8 @@
 """Moving weights from the policy's rank 0 to the rollout engines.
 
-Every transport ends in the engine's ``update_weights(named tensors)`` with HF parameter names:
+Every transport ends in the engine's ``update_weights(named tensors)`` with HF parameter names. (An HF
+engine colocated with a rank lives in that rank's process and gets an in-process copy instead:
+``TrainWorker.push_weights_to_hosted``.)
 
 1. **A broadcast group** (:func:`init_sync_group`): rank 0 is the policy's rank 0, ranks 1.. are the
    engine processes (each vLLM tensor-parallel worker takes a rank). gloo on CPU, NCCL on GPU. The group
@@ -9,8 +11,6 @@ Every transport ends in the engine's ``update_weights(named tensors)`` with HF p
    bucket, and never holds more than one bucket.
 2. **The object store**: :func:`cpu_state_dict` makes a dict of CPU tensors; the controller puts it in
    Ray's object store once and calls ``engine.update_weights`` on every engine with the reference.
-3. **CUDA IPC** when an engine shares the trainer's GPU: :func:`share_ipc_tensors` on the trainer,
-   :func:`open_ipc_tensors` in the engine (GPU only).
 
 Wire format of one :meth:`SyncGroup.send`: per bucket, an int64 header ``(metadata bytes, payload bytes)``,
 then one uint8 buffer holding the metadata (JSON list of ``[name, dtype, shape, offset, nbytes]``, padded
@@ -221,36 +221,3 @@ def cpu_state_dict(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     if isinstance(named_tensors, Mapping):
         named_tensors = named_tensors.items()
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
-
-
-def gpu_uuid(device: str | torch.device | None = None) -> str:
-    """The UUID of a GPU: the key under which colocated processes exchange IPC handles."""
-    return str(torch.cuda.get_device_properties(torch.device(device or "cuda")).uuid)
-
-
-def share_ipc_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
-    """CUDA IPC, sender side: picklable handles to the tensors' GPU memory (no copy).
-
-    The sender must keep the tensors alive until every receiver has loaded them.
-    """
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return [(name, reduce_tensor(t.detach().contiguous())) for name, t in named_tensors]
-
-
-def open_ipc_tensors(
-    handles: Iterable[tuple[str, Any]] | Mapping[str, Iterable[tuple[str, Any]]], device: str | torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """CUDA IPC, receiver side: the sender's tensors, mapped into this process on ``device``.
-
-    ``handles`` is what :func:`share_ipc_tensors` returned, or a dict of those keyed by :func:`gpu_uuid`
-    (tensor-parallel engines: each worker opens the handles of its own GPU).
-    """
-    device = torch.device(device)
-    if isinstance(handles, Mapping):
-        handles = handles[gpu_uuid(device)]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    for name, (rebuild, args) in handles:
-        args = list(args)
-        args[6] = index  # the device ordinal in *this* process (CUDA_VISIBLE_DEVICES differs per actor)
-        yield name, rebuild(*args)

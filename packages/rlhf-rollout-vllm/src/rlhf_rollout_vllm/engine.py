@@ -227,11 +227,6 @@ class VLLMEngine(RolloutEngine):
         self.llm.collective_rpc("rlhf_receive_weights")
         self._weights_discarded = False
 
-    def update_weights_from_ipc(self, handles: Any) -> None:
-        """CUDA IPC from colocated trainer ranks: a list of handles, or a dict keyed by GPU UUID (TP>1)."""
-        self.llm.collective_rpc("rlhf_load_ipc", args=(handles,))
-        self._weights_discarded = False
-
     def close_weight_sync(self) -> None:
         self.llm.collective_rpc("rlhf_close_weight_sync")
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
-from rlhf_core.weight_sync import init_sync_group, open_ipc_tensors
+from rlhf_core.weight_sync import init_sync_group
 
 
 def reprocess_tied_layers(model: torch.nn.Module) -> int:
@@ -82,9 +81,6 @@ class WeightSyncWorkerExtension:
         if isinstance(named_tensors, bytes):
             named_tensors = torch.load(io.BytesIO(named_tensors), weights_only=True)
         self.rlhf_load(named_tensors)
-
-    def rlhf_load_ipc(self, handles: Any) -> None:
-        self.rlhf_load(open_ipc_tensors(handles, self.device))
 
     def rlhf_close_weight_sync(self) -> None:
         group = getattr(self, "rlhf_sync_group", None)

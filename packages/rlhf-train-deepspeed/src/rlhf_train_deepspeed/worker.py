@@ -43,7 +43,7 @@ from rlhf_train_deepspeed.models import (
     sequence_rewards,
     step_logits,
 )
-from rlhf_train_deepspeed.strategy import StepResult, Strategy, apply_lora, quantization_kwargs
+from rlhf_train_deepspeed.strategy import StepResult, Strategy, add_metrics, apply_lora, quantization_kwargs
 
 ENGINE_TAG = "engine"
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -177,6 +177,8 @@ class TrainWorker:
         """Objects of other roles living in this rank's process (:meth:`host`), by name."""
         self.ema: list[torch.Tensor] | None = None
         """fp32 EMA of this rank's local shards of the trainable parameters (``ModelSpec.ema_beta``)."""
+        self.gpu_memory: dict[str, float] = {}
+        """GiB this process had allocated on its GPU around the last :meth:`sleep` / :meth:`wake_up`."""
 
     # --- set-up ---
 
@@ -367,6 +369,9 @@ class TrainWorker:
         result = self.strategy.optimizer_step(self.engine, micro_batches, loss_fn)
         if self.ema is not None and not result.skipped and self.engine.was_step_applied():
             ema_update_(self.ema, self._local_shards(), self.spec.ema_beta)
+        if torch.cuda.is_available():  # the process's (a hosted engine's memory included)
+            add_metrics(result.metrics, {"gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                                         **self.gpu_memory}, 1.0)
         return result
 
     def train_critic(
@@ -704,12 +709,15 @@ class TrainWorker:
         if self.ema is not None:
             self.ema = [e.to("cpu") for e in self.ema]
         if torch.cuda.is_available() and self.strategy.ds.zero_stage == 3 and self.spec.trainable:
+            self.gpu_memory["gpu_before_sleep_gib"] = torch.cuda.memory_allocated() / 2**30
             self.engine.offload_states()
+            self.gpu_memory["gpu_asleep_gib"] = torch.cuda.memory_allocated() / 2**30
 
     def wake_up(self) -> None:
         """Undo :meth:`sleep` before the next training or forward call."""
         if torch.cuda.is_available() and self.strategy.ds.zero_stage == 3 and self.spec.trainable:
             self.engine.reload_states()
+            self.gpu_memory["gpu_woken_gib"] = torch.cuda.memory_allocated() / 2**30
         if self.ema is not None:
             self.ema = [e.to(s.device) for e, s in zip(self.ema, self._local_shards(), strict=True)]
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-import ray
 import torch
 
 from rlhf_algos.kl import make_kl_controller
@@ -72,11 +72,18 @@ class Batch:
     stream_state: dict | None = None
 
 
+def _worker_died() -> type[BaseException] | tuple:
+    """Ray's error for a dead worker, to catch; nothing where Ray was never imported (a single-process run,
+    whose workers live in this process, imports no Ray: the GPU image may not have it)."""
+    ray = sys.modules.get("ray")
+    return ray.exceptions.RayActorError if ray is not None else ()
+
+
 def _get(refs, what: str):
     """``ray.get`` that names the role whose worker died."""
     try:
         return inline.get(refs)
-    except ray.exceptions.RayActorError as exc:
+    except _worker_died() as exc:
         raise RLRunError(f"a {what} worker died: {exc}") from exc
 
 
@@ -254,7 +261,7 @@ class RLController:
         for key, (r, real) in refs.items():
             try:
                 got[key] = stack(role[key].gather_sharded(r, real))
-            except ray.exceptions.RayActorError as exc:
+            except _worker_died() as exc:
                 raise RLRunError(f"a {names[key]} worker died: {exc}") from exc
         mask = exp.action_mask & exp.valid[:, None]
         exp.old_logprobs = got["old"] * mask if "old" in got else None
@@ -366,7 +373,7 @@ class RLController:
     def _train_call(self, group, method: str, mbs: list, arg, what: str) -> dict[str, float]:
         try:
             metrics = getattr(group, method)(mbs, arg)
-        except ray.exceptions.RayActorError as exc:
+        except _worker_died() as exc:
             raise RLRunError(f"a {what} worker died: {exc}") from exc
         if metrics.get("skipped"):
             self.consecutive_nonfinite += 1
@@ -389,12 +396,17 @@ class RLController:
         if self.groups.rollout_in_actor:  # each rank copies its weights into the engine in its process
             try:
                 self.groups.actor.push_weights_to_hosted("rollout")
-            except ray.exceptions.RayActorError as exc:
+            except _worker_died() as exc:
                 raise RLRunError(f"a policy worker died during the weight sync: {exc}") from exc
             self.policy_version += 1
             return
+        import ray
+
         if self._sync_ranks is None:
-            self._sync_ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray else _get(
+            # NCCL cannot join two processes on one GPU: an engine colocated with the ranks on GPUs (vLLM) takes
+            # the object store (CUDA IPC would avoid the copy through host memory; untested, see docs/gpu.md)
+            same_gpu = self.cfg.train.colocate_all and torch.cuda.is_available()
+            self._sync_ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray or same_gpu else _get(
                 [a.weight_sync_ranks.remote() for a in engines], "rollout")
         if not all(self._sync_ranks):
             ref = ray.put(self.groups.actor.get_state_dict_for_engines())
@@ -417,7 +429,7 @@ class RLController:
             try:
                 _get(joins + receives, "rollout")
                 ray.get(sends)
-            except ray.exceptions.RayActorError as exc:
+            except _worker_died() as exc:
                 raise RLRunError(f"a policy worker died during the weight sync: {exc}") from exc
         self.policy_version += 1
 

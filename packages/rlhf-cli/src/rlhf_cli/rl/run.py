@@ -1,4 +1,8 @@
-"""``rlhf train ppo``: assemble the Ray job from an Assembly and run the controller."""
+"""``rlhf train ppo``: assemble the Ray job from an Assembly and run the controller.
+
+Ray is imported only where a run uses it: a single-process run (``--ray.single_process``) never does, so it
+runs where Ray is not installed (the GPU check's bare image, ``scripts/gpu-check``).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
-from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools, worker_options
 from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
@@ -73,6 +73,9 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
 
     reward_model = None
     if "reward" in made:  # on the driver's node, which has the train backend installed (inference nodes need not)
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         made["reward"].wait_ready()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         server = ray.remote(RewardModelWorkers).options(num_cpus=0, scheduling_strategy=here).remote(
@@ -84,6 +87,10 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         rollout = made["actor"].host("rollout", RolloutActor, [(cfg, engine, i, reward_model, None, True)
                                                                for i in range(rollout_spec.num_workers)])
     else:
+        import ray
+
+        from rlhf_cli.ray_launch import worker_options
+
         actor_cls = ray.remote(RolloutActor)
         # partial rollout: weights may land while a generation is running (a second concurrent call)
         concurrency = 2 if cfg.train.partial_rollout_enable else 1
@@ -152,9 +159,14 @@ def run_rl(asm: Assembly) -> int:
             return 2
 
     started = time.perf_counter()
-    own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
     pools = {}
+    own_ray = False
     if not asm.single_process:
+        import ray
+
+        from rlhf_cli.ray_launch import create_pools, init_ray
+
+        own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
         init_ray(cfg, asm.plan)
         pools = create_pools(asm.plan)
     groups = None
@@ -189,10 +201,15 @@ def run_rl(asm: Assembly) -> int:
                     g.shutdown()
             if not groups.rollout_in_actor:  # else they end with the actor's ranks
                 for a in groups.rollout:
-                    ray.kill(a)
-        remove_pools(pools)
-        if own_ray and not asm.single_process:
-            ray.shutdown()
+                    inline.kill(a)
+        if not asm.single_process:
+            import ray
+
+            from rlhf_cli.ray_launch import remove_pools
+
+            remove_pools(pools)
+            if own_ray:
+                ray.shutdown()
     from rlhf_cli.report import make_report
 
     print(f"report: {make_report(out)}", file=sys.stderr)

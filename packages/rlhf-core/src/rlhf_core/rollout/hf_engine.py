@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rlhf_core.rollout.sampling import check_requests, row_keys, sample_next, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine
 from rlhf_core.vision import count_image_tokens, image_forward_inputs, is_vision_language, load_model
-from rlhf_core.weight_sync import SyncGroup, init_sync_group, open_ipc_tensors
+from rlhf_core.weight_sync import SyncGroup, init_sync_group
 
 logger = logging.getLogger(__name__)
 
@@ -625,10 +625,6 @@ class HFEngine(RolloutEngine):
         if self._sync is None:
             raise RuntimeError("HFEngine.receive_weights: call init_weight_sync first")
         self.update_weights(self._sync.receive())
-
-    def update_weights_from_ipc(self, handles: Sequence[tuple[str, Any]]) -> None:
-        """Load weights shared through CUDA IPC by a colocated trainer (GPU only)."""
-        self.update_weights(open_ipc_tensors(handles, self.device))
 
     def close_weight_sync(self) -> None:
         if self._sync is not None:

@@ -813,7 +813,7 @@ system prompt: {prompt} tokens; rlhf `--data.apply_chat_template`, TRL conversat
 16 new tokens each (EOS suppressed until then), train batch 64 in micro-batches of 16 (TRL:
 `per_device_train_batch_size=16`, `gradient_accumulation_steps=4`), GRPO group-normalised advantages, no KL,
 token-mean loss, one AdamW step per RL step; the rest as the rows above. Precision: fp32 is fp32 on both
-sides; bf16 is each side's bf16 switch: rlhf `--ds.param_dtype bf16` (bf16 weights and engine, DeepSpeed's
+sides; bf16 is each side's bf16 switch: rlhf `--ds.param_dtype bf16` (DeepSpeed bf16: bf16 weights,
 fp32 master copy in the optimizer), TRL `bf16=True` (Trainer's mixed precision: fp32 weights, bf16
 autocast). {first['warmup']} warm-up + {first['steps']} measured steps per run, a fresh process per run, contenders interleaved per round. rlhf is `rlhf-single` (one
 process, `--train.colocate_all --ds.zero_stage 0`). Machine: {platform.machine()}, {os.cpu_count()} cores,
@@ -832,7 +832,13 @@ torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__v
     print(f"wrote row R into {md}")
 
 
-REAL_NOTES = ""
+REAL_NOTES = """
+These are "before" figures: they were taken before the chunked log-probs (rlhf's peak memory on a
+49k-token vocabulary) and the precision-default changes of issue 26 were merged, with few rounds and short
+runs on a 2-core machine shared with four other engineers' jobs (the last column; wall times are inflated
+by several times, ratios within a round less so, peak memory not at all). Rerun the command above on a
+quiet machine after those merges; it rewrites this section.
+"""
 
 
 def _p90(xs: list[float]) -> float:
@@ -876,8 +882,9 @@ def main() -> None:
                    "--runs rlhf-single,rlhf-dp2,trl --reps 3; ... --size S --runs "
                    "rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4; ... --report")
         results = load_results(RESULTS.glob("*.json"))
-        write_md([r for r in summarise(results) if r["size"] not in REAL_ROWS],
-                 command, [r for r in results if r["size"] not in REAL_ROWS])
+        grid = [r for r in results if r["size"] not in REAL_ROWS]
+        if grid:  # the grid rows' tables, rebuilt only from results that hold them
+            write_md(summarise(grid), command, grid)
         return write_real_section(results)
     if args.quick:
         args.size, args.reps, args.warmup, args.steps = "M", 1, 1, 2

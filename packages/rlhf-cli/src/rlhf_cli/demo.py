@@ -307,6 +307,7 @@ def main_real(work: Path, seed: int, quick: bool) -> int:
     limit = 16 if quick else None  # --quick checks that every stage runs, on 16 held-out questions
     acc, examples, timings = {}, {}, {}
     acc["before RL"], examples["before RL"] = real_accuracy(files["base"], files["eval"], limit)
+    print(f"[demo] held-out accuracy before RL: {acc['before RL']:.1%}", flush=True)
     timings["setup and evaluation"] = time.perf_counter() - t0
     for stage, cmd in real_commands(files, work, quick):
         print(f"\n[demo] {stage}:\n  " + shlex.join(cmd).replace(" --", " \\\n    --"), flush=True)

@@ -103,7 +103,7 @@ def test_quick_real_demo_trains_smollm2_and_evaluates_it_apart_from_training(smo
     for stage in ("before RL", "after RL"):
         replies = summary["replies"][stage]
         assert len(replies) == 16
-        right = sum(re.findall(r"[0-9]+", reply)[-1:] == [row["label"]] for reply, row in zip(replies, held_out))
+        right = sum(re.findall(r"-?[0-9]+", reply)[-1:] == [row["label"]] for reply, row in zip(replies, held_out))
         assert summary["accuracy"][stage] == right / 16
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)

@@ -72,6 +72,12 @@ def reward_func(queries, prompts, labels, **kwargs):
     return out
 '''
 
+REAL_REWARD_FILE = '''
+def reward_func(queries, prompts, labels, response_ids, **kwargs):
+    """Parity of the sum of the completion's token ids (row R: natural text has no word ids): TRL's reward."""
+    return [float(sum(ids) % 2) for ids in response_ids]
+'''
+
 
 def chat_questions(num_prompts: int) -> list[str]:
     """Row R's questions: short arithmetic questions that SmolLM2's chat template (with its default system
@@ -105,7 +111,7 @@ def make_workload(root: Path, hidden: int, layers: int, prompt_len: int, num_pro
         with (root / "prompts.jsonl").open("w") as f:
             for q in chat_questions(num_prompts):
                 f.write(json.dumps({"input": q}) + "\n")
-        (root / "reward.py").write_text(REWARD_FILE)
+        (root / "reward.py").write_text(REAL_REWARD_FILE)
         return
     if not (root / "model" / "config.json").exists():
         make_tiny_llama(root / "model", seed=0, num_words=VOCAB_WORDS, hidden_size=hidden,

@@ -30,6 +30,9 @@ allocator; ``scripts/gpu-check`` runs it so).
     DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py                # grid row M: rlhf-single, rlhf-dp2, TRL
     DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size S --runs rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl
                                                     # row S; rlhf-dp2 on the code before issue 21, same round
+    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size R --dtype fp32,bf16 --runs rlhf-single,trl
+                                                    # row R: the real SmolLM2-135M-Instruct, fp32 and bf16
+                                                    # in each round; writes its section of grpo_vs_trl.md
 """
 
 from __future__ import annotations
@@ -55,7 +58,11 @@ GRID = {
     "L": (256, 4, 32, 64),
     "M128": (128, 2, 16, 128),
     "S": (128, 2, 8, 32),  # small batches: 8 prompts x 4 samples, short prompts
+    "R": (576, 30, 45, 16),  # the real SmolLM2-135M-Instruct: ~45-token chat prompts, 16 new tokens (issue 26)
 }
+REAL_ROWS = {"R"}  # rows on the real model (rlhf_core.testing.smollm2) with chat-template prompts
+MICRO = {"R": 16}  # micro-batch of a row (TRL: gradient accumulation over 64 // micro); elsewhere all 64 at once
+STEPS = {"R": (1, 5)}  # (warm-up, measured) steps of a row unless --warmup / --steps; elsewhere (2, 10)
 SAMPLES = {"S": 4}  # samples per prompt of a row (--n overrides); 8 elsewhere
 VOCAB_WORDS = 1017  # + 7 special tokens = vocab 1024
 
@@ -69,11 +76,47 @@ def reward_func(queries, prompts, labels, **kwargs):
     return out
 '''
 
+REAL_REWARD_FILE = '''
+def reward_func(queries, prompts, labels, response_ids, **kwargs):
+    """Parity of the sum of the completion's token ids (row R: natural text has no word ids): TRL's reward."""
+    return [float(sum(ids) % 2) for ids in response_ids]
+'''
 
-def make_workload(root: Path, hidden: int, layers: int, prompt_len: int, num_prompts: int) -> None:
-    """The model (with its tokenizer), the prompts file and the reward file, under ``root``."""
+
+def chat_questions(num_prompts: int) -> list[str]:
+    """Row R's questions: short arithmetic questions that SmolLM2's chat template (with its default system
+    prompt) turns into 44-46-token prompts."""
+    rng = random.Random(0)
+    return [f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Answer with only the number."
+            for _ in range(num_prompts)]
+
+
+def chat_prompt_tokens(root: Path) -> str:
+    """The range of row R's prompt lengths in tokens, as the chat template renders them ("44-46")."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    lens = [len(tok.apply_chat_template([{"role": "user", "content": json.loads(line)["input"]}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False))
+            for line in (root / "prompts.jsonl").read_text().splitlines()]
+    return f"{min(lens)}-{max(lens)}"
+
+
+def make_workload(root: Path, hidden: int, layers: int, prompt_len: int, num_prompts: int, real: bool = False) -> None:
+    """The model (with its tokenizer), the prompts file and the reward file, under ``root``; ``real``: the
+    real SmolLM2-135M-Instruct (linked, built once in rlhf's cache) and chat questions instead of word ids."""
     from rlhf_core.testing.tiny import make_tiny_llama
 
+    if real:
+        from rlhf_core.testing.smollm2 import smollm2_dir
+
+        if not (root / "model").exists():
+            (root / "model").symlink_to(smollm2_dir())
+        with (root / "prompts.jsonl").open("w") as f:
+            for q in chat_questions(num_prompts):
+                f.write(json.dumps({"input": q}) + "\n")
+        (root / "reward.py").write_text(REAL_REWARD_FILE)
+        return
     if not (root / "model" / "config.json").exists():
         make_tiny_llama(root / "model", seed=0, num_words=VOCAB_WORDS, hidden_size=hidden,
                         intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
@@ -108,22 +151,25 @@ def variant_flags(variant: str, seqs: int) -> list[str]:
 def rlhf_flags(args, root: Path, out: Path, variant: str) -> list[str]:
     _, _, lp, lc = GRID[args.size]
     seqs = args.prompts * args.n
+    micro = MICRO.get(args.size, seqs)
+    real = args.size in REAL_ROWS
     flags = [
         "--actor.model_name_or_path", str(root / "model"), "--reward.remote_url", str(root / "reward.py"),
-        "--data.prompt_dataset", str(root / "prompts.jsonl"), "--data.max_len", str(lp + lc),
+        "--data.prompt_dataset", str(root / "prompts.jsonl"), "--data.max_len", str(2 * lp + lc if real else lp + lc),
         "--rollout.n_samples_per_prompt", str(args.n), "--rollout.batch_size", str(args.prompts),
         "--rollout.max_new_tokens", str(lc), "--rollout.min_new_tokens", str(lc),
         "--rollout.temperature", "1", "--rollout.top_p", "1", "--rollout.top_k", "0",
-        "--rollout.micro_batch_size", str(seqs), "--train.batch_size", str(seqs),
-        "--train.micro_batch_size", str(seqs), "--train.max_epochs", "1",
+        "--rollout.micro_batch_size", str(micro), "--train.batch_size", str(seqs),
+        "--train.micro_batch_size", str(micro), "--train.max_epochs", "1",
         "--train.max_steps", str(args.warmup + args.steps), "--train.seed", "0",
         "--algo.advantage.estimator", "group_norm", "--actor.loss_agg_mode", "token_mean",
         "--actor.adam.lr", "1e-4", "--actor.adam.betas", "0.9", "0.999", "--actor.adam.weight_decay", "0",
         "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--actor.max_norm", "1.0",
-        "--ds.param_dtype", "bf16" if args.device == "cuda" else "fp32", "--vllm.num_engines", "1",
-        "--rollout.engine", "hf",
+        "--ds.param_dtype", args.dtype, "--vllm.num_engines", "1", "--rollout.engine", "hf",
         "--ckpt.output_dir", str(out),
     ]
+    if real:
+        flags += ["--data.apply_chat_template"]
     if args.beta > 0:
         flags += ["--algo.kl.init_coef", str(args.beta), "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]
     else:
@@ -228,12 +274,19 @@ def child_trl(args, root: Path, out: Path) -> dict:
     imported = time.time()
     tok = AutoTokenizer.from_pretrained(str(root / "model"))
     model = AutoModelForCausalLM.from_pretrained(str(root / "model"), dtype=torch.float32, attn_implementation="sdpa")
-    ds = load_dataset("json", data_files=str(root / "prompts.jsonl"), split="train").rename_column("input", "prompt")
+    ds = load_dataset("json", data_files=str(root / "prompts.jsonl"), split="train")
+    if args.size in REAL_ROWS:  # conversational prompts: TRL applies the chat template, as --data.apply_chat_template
+        ds = ds.map(lambda row: {"prompt": [{"role": "user", "content": row["input"]}]}, remove_columns=["input"])
+    else:
+        ds = ds.rename_column("input", "prompt")
     seqs = args.prompts * args.n
+    micro = MICRO.get(args.size, seqs)
+    # bf16: TRL's (Trainer's) mixed precision, fp32 weights under bf16 autocast; rlhf's --ds.param_dtype bf16
+    # holds bf16 weights with DeepSpeed's fp32 master copy in the optimizer
     config = GRPOConfig(
-        output_dir=str(out), report_to="none", use_cpu=args.device == "cpu", bf16=args.device == "cuda", fp16=False,
-        gradient_checkpointing=False,
-        per_device_train_batch_size=seqs, gradient_accumulation_steps=1, num_generations=args.n,
+        output_dir=str(out), report_to="none", use_cpu=args.device == "cpu", bf16=args.dtype == "bf16", fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=seqs // micro, num_generations=args.n,
         max_completion_length=lc, generation_kwargs={"min_new_tokens": lc}, use_vllm=False,
         temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", beta=args.beta, num_iterations=1,
         learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, lr_scheduler_type="constant",
@@ -416,7 +469,7 @@ def code_at(rev: str, workdir: Path) -> dict:
 def run_child(args, who: str, env: dict, rep: int) -> dict:
     if "@" in who:  # Ray's daemons and workers inherit the path from the child
         env = {**env, **code_at(who.split("@")[1], Path(args.workdir))}
-    cmd = [sys.executable, __file__, "--child", "--who", who, "--size", args.size,
+    cmd = [sys.executable, __file__, "--child", "--who", who, "--size", args.size, "--dtype", args.dtype,
            "--beta", str(args.beta), "--prompts", str(args.prompts), "--n", str(args.n), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--threads", str(args.threads), "--workdir", args.workdir,
            "--device", args.device]
@@ -447,7 +500,8 @@ def run_child(args, who: str, env: dict, rep: int) -> dict:
     summary = {
         "who": who, "size": args.size, "hidden": hidden, "layers": layers,
         "prompt_len": lp, "completion_len": lc, "prompts": args.prompts, "n": args.n, "beta": args.beta,
-        "threads": args.threads, "rep": rep,
+        "threads": args.threads, "rep": rep, "dtype": args.dtype, "micro_batch": MICRO.get(args.size, seqs),
+        "warmup": args.warmup, "steps": args.steps, "prompt_tokens": getattr(args, "prompt_tokens", lp),
         "flags": None if who == "trl" else rlhf_flags(args, Path(args.workdir) / args.size, Path("OUT"),
                                                       who.split("@")[0]),
         "step_s": step_s, "step_s_p90": _p90(measured), "step_s_all": r["step_wall"],
@@ -471,7 +525,8 @@ def run_child(args, who: str, env: dict, rep: int) -> dict:
         # the controller's own clock against the driver's wall clock over all steps
         summary["step_total_sum"], summary["step_wall_sum"] = sum(r["step_total"]), sum(r["step_wall"])
     RESULTS.mkdir(exist_ok=True)
-    name = f"{args.size}-b{args.beta:g}-t{args.threads}-{who}-rep{rep}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    precision = "" if args.dtype == "fp32" else f"-{args.dtype}"
+    name = f"{args.size}-b{args.beta:g}-t{args.threads}{precision}-{who}-rep{rep}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     (RESULTS / name).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -504,11 +559,11 @@ def summarise(results: list[dict]) -> list[dict]:
     the throughput ratio against the TRL run of the same round."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["size"], r["beta"], r["threads"], r["who"]), []).append(r)
+        groups.setdefault((r["size"], r["beta"], r["threads"], r.get("dtype", "fp32"), r["who"]), []).append(r)
     rows = []
-    for (size, beta, threads, who), runs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2],
-                                                                                  kv[0][3] == "trl", kv[0][3])):
-        trl = _rounds(groups.get((size, beta, threads, "trl"), []))
+    for (size, beta, threads, dtype, who), runs in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2], kv[0][3], kv[0][4] == "trl", kv[0][4])):
+        trl = _rounds(groups.get((size, beta, threads, dtype, "trl"), []))
         ratios = [t["step_s"] / r["step_s"] for rep, mine in _rounds(runs).items()
                   for r, t in zip(mine, trl.get(rep, []))]
         ph = [r["phases_median"] for r in runs]
@@ -522,7 +577,7 @@ def summarise(results: list[dict]) -> list[dict]:
                       "sync": _med(p["broadcast"] for p in ph)}
         first = runs[0]
         rows.append({
-            "size": size, "beta": beta, "threads": threads, "who": who, "runs": len(runs),
+            "size": size, "beta": beta, "threads": threads, "dtype": dtype, "who": who, "runs": len(runs),
             "hidden": first["hidden"], "layers": first["layers"], "lp": first["prompt_len"], "lc": first["completion_len"],
             "n": first["n"],
             "step_s": _med(r["step_s"] for r in runs), "p90": _med(r["step_s_p90"] for r in runs),
@@ -726,6 +781,82 @@ rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4` (likewise `--size M`, `--
 
 NOTES = ""
 
+REAL_BEGIN, REAL_END = "<!-- row R: begin (written by bench/grpo_vs_trl.py --size R) -->", "<!-- row R: end -->"
+
+
+def write_real_section(results: list[dict]) -> None:
+    """Row R (the real SmolLM2-135M-Instruct, issue 26) as its own section of bench/grpo_vs_trl.md, between
+    markers, rewritten from every row-R result under bench/results/ after each row-R invocation: step time,
+    time to first step and peak memory per precision and contender, and issue 26's goals against the TRL runs
+    of the same rounds (step speed >= 3x TRL's, peak PSS <= 0.5x)."""
+    import platform
+
+    import torch
+    import transformers
+    import trl
+
+    real = [r for r in results if r["size"] in REAL_ROWS]
+    if not real:
+        return
+    rows = summarise(real)
+    trl_rows = {(r["dtype"], r["threads"]): r for r in rows if r["who"] == "trl"}
+    lines = []
+    for r in rows:
+        t = trl_rows.get((r["dtype"], r["threads"]))
+        p = r["phases"]
+        if r["who"] == "trl" or t is None or not r["ratio"]:
+            goals = speed = pss = "—"
+        else:
+            speed, pss = f"**{r['ratio']:.2f}x**", f"**{r['pss'] / t['pss']:.2f}x**"
+            goals = "yes" if r["ratio"] >= 3 and r["pss"] / t["pss"] <= 0.5 else "no"
+        lines.append(
+            f"| {r['dtype']} | {r['who']} | {r['runs']} | {r['step_s']:.2f} ({r['p90']:.2f}) | {p['generate']:.2f} / "
+            f"{p['logprob']:.2f} / {p['train']:.2f} / {p['sync']:.2f} | {r['startup']:.1f} | {r['rss']:.0f} "
+            f"({r['pss']:.0f}) | {speed} | {pss} | {goals} | {r['others']:.2f} |")
+    first = real[0]
+    prompt = f"{first.get('prompt_tokens', first['prompt_len'])}"
+    section = f"""{REAL_BEGIN}
+## The real model: SmolLM2-135M-Instruct (row R, issue 26)
+
+One command measures it, fp32 and bf16 interleaved in each round (`--size R` writes this section when it
+ends; `--reps`, `--steps` and `--max-busy` as above):
+
+    DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size R --dtype fp32,bf16 --runs rlhf-single,trl --reps 2
+
+Workload: SmolLM2-135M-Instruct (30 layers, hidden 576, vocabulary 49,152, tied embeddings; built offline by
+`rlhf_core.testing.smollm2`), both sides loading the same float32 directory; 8 chat prompts per step
+("What is 47 + 18? Answer with only the number." through the model's ChatML template with its default
+system prompt: {prompt} tokens; rlhf `--data.apply_chat_template`, TRL conversational prompts) x 8 samples,
+16 new tokens each (EOS suppressed until then), train batch 64 in micro-batches of 16 (TRL:
+`per_device_train_batch_size=16`, `gradient_accumulation_steps=4`), GRPO group-normalised advantages, no KL,
+token-mean loss, one AdamW step per RL step; the rest as the rows above. Precision: fp32 is fp32 on both
+sides; bf16 is each side's bf16 switch: rlhf `--ds.param_dtype bf16` (DeepSpeed bf16: bf16 weights,
+fp32 master copy in the optimizer), TRL `bf16=True` (Trainer's mixed precision: fp32 weights, bf16
+autocast). {first['warmup']} warm-up + {first['steps']} measured steps per run, a fresh process per run, contenders interleaved per round. rlhf is `rlhf-single` (one
+process, `--train.colocate_all --ds.zero_stage 0`). Machine: {platform.machine()}, {os.cpu_count()} cores,
+torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}.
+
+| precision | contender | runs | step s median (p90) | generate / logprob / train / sync s | first step s | peak RSS MiB (PSS) | step speed TRL/rlhf | PSS rlhf/TRL | goals (>= 3x, <= 0.5x) | other jobs, cores |
+|---|---|---|---|---|---|---|---|---|---|---|
+""" + "\n".join(lines) + "\n" + REAL_NOTES + f"\n{REAL_END}\n"
+    md = HERE / "grpo_vs_trl.md"
+    text = md.read_text()
+    if REAL_BEGIN in text:
+        text = text[: text.index(REAL_BEGIN)] + section + text[text.index(REAL_END) + len(REAL_END) + 1:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    md.write_text(text)
+    print(f"wrote row R into {md}")
+
+
+REAL_NOTES = """
+These are "before" figures: they were taken before the chunked log-probs (rlhf's peak memory on a
+49k-token vocabulary) and the precision-default changes of issue 26 were merged, with few rounds and short
+runs on a 2-core machine shared with four other engineers' jobs (the last column; wall times are inflated
+by several times, ratios within a round less so, peak memory not at all). Rerun the command above on a
+quiet machine after those merges; it rewrites this section.
+"""
+
 
 def _p90(xs: list[float]) -> float:
     xs = sorted(xs)
@@ -737,12 +868,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: size M, 1 rep, 1 warm-up + 2 steps")
     p.add_argument("--size", choices=sorted(GRID), default="M",
                    help="grid row (M: h128/2 layers, L: h256/4, M128: M with 128-token completions, S: M with "
-                        "8-token prompts and 4 samples per prompt)")
+                        "8-token prompts and 4 samples per prompt, R: the real SmolLM2-135M-Instruct with chat "
+                        "prompts, micro-batch 16)")
+    p.add_argument("--dtype", help="training precision, or several separated by commas (fp32,bf16), each run in "
+                                   "every round (default: fp32 on CPU, bf16 on cuda)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 runs a reference model)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
     p.add_argument("--n", type=int, help="samples per prompt (default: 4 on row S, else 8)")
-    p.add_argument("--steps", type=int, default=10, help="measured steps per run")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, help="measured steps per run (default 10; 5 on row R)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per run, dropped (default 2; 1 on row R)")
     p.add_argument("--reps", type=int, default=2, help="A B rounds")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", default="rlhf-single,rlhf-dp2,trl",
@@ -751,12 +885,16 @@ def main() -> None:
     p.add_argument("--max-busy", type=float, default=0.5,
                    help="before each run, wait (up to 15 min) until other processes use fewer cores than this")
     p.add_argument("--workdir", default="/tmp/rlhf-bench-grpo")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: both sides in bf16 on one GPU")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: both sides on one GPU")
     p.add_argument("--results", help="directory for the per-run JSON files (default: bench/results)")
     p.add_argument("--report", action="store_true", help="rebuild bench/grpo_vs_trl.md from bench/results/*.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--who", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    warmup, steps = STEPS.get(args.size, (2, 10))
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.steps = steps if args.steps is None else args.steps
     if args.child:
         return child(args)
     if args.results:
@@ -767,25 +905,39 @@ def main() -> None:
                    "--runs rlhf-single,rlhf-dp2,trl --reps 3; ... --size S --runs "
                    "rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4; ... --report")
         results = load_results(RESULTS.glob("*.json"))
-        return write_md(summarise(results), command, results)
+        grid = [r for r in results if r["size"] not in REAL_ROWS]
+        if grid:  # the grid rows' tables, rebuilt only from results that hold them
+            write_md(summarise(grid), command, grid)
+        return write_real_section(results)
     if args.quick:
         args.size, args.reps, args.warmup, args.steps = "M", 1, 1, 2
+    dtypes = args.dtype.split(",")
+    for dtype in dtypes:
+        if dtype not in ("fp32", "bf16"):
+            sys.exit(f"--dtype: {dtype!r} is not fp32 or bf16")
     args.n = args.n or SAMPLES.get(args.size, 8)
     root = Path(args.workdir) / args.size
     root.mkdir(parents=True, exist_ok=True)
     hidden, layers, lp, _ = GRID[args.size]
-    make_workload(root, hidden, layers, lp, args.prompts * (args.warmup + args.steps) * 2)
+    make_workload(root, hidden, layers, lp, args.prompts * (args.warmup + args.steps) * 2, args.size in REAL_ROWS)
+    if args.size in REAL_ROWS:
+        args.prompt_tokens = chat_prompt_tokens(root)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": args.device, "RAY_USAGE_STATS_ENABLED": "0",
            "HF_HUB_OFFLINE": "1", "RLHF_NO_PROGRESS": "1"}
     for rep in range(args.reps):
-        for who in args.runs.split(","):  # A B A B
-            s = run_child(args, who, env, rep)
-            ph = " ".join(f"{k}={v:.2f}" for k, v in s["phases_median"].items())
-            print(f"{args.size} beta={args.beta:g} t{args.threads} rep {rep} {who}: step {s['step_s']:.2f}s "
-                  f"(p90 {s['step_s_p90']:.2f}) [{ph}] gen {s['gen_tok_per_s']:.0f} tok/s  startup "
-                  f"{s['startup_s']:.1f}s  peak RSS {s['peak_rss_mib']:.0f} MiB (PSS {s['peak_pss_mib']:.0f}, "
-                  f"{s['max_procs']} procs)  others busy {s['other_busy_cores_during']:.2f} cores", flush=True)
+        for dtype in dtypes:
+            args.dtype = dtype
+            for who in args.runs.split(","):  # A B A B
+                s = run_child(args, who, env, rep)
+                ph = " ".join(f"{k}={v:.2f}" for k, v in s["phases_median"].items())
+                print(f"{args.size} {dtype} beta={args.beta:g} t{args.threads} rep {rep} {who}: step "
+                      f"{s['step_s']:.2f}s (p90 {s['step_s_p90']:.2f}) [{ph}] gen {s['gen_tok_per_s']:.0f} tok/s  "
+                      f"startup {s['startup_s']:.1f}s  peak RSS {s['peak_rss_mib']:.0f} MiB (PSS "
+                      f"{s['peak_pss_mib']:.0f}, {s['max_procs']} procs)  others busy "
+                      f"{s['other_busy_cores_during']:.2f} cores", flush=True)
+    if args.size in REAL_ROWS:
+        write_real_section(load_results(RESULTS.glob("*.json")))
 
 
 if __name__ == "__main__":

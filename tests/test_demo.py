@@ -4,6 +4,7 @@ run with the same seed on the same machine is identical bit for bit."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -82,3 +83,33 @@ def test_quick_demo_on_vllm(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["policy/rollout_train_logprob_gap"] for r in rows) <= 1e-5  # fp32: engine and trainer agree
+
+
+@pytest.mark.real_model
+def test_quick_real_demo_trains_smollm2_and_evaluates_it_apart_from_training(smollm2, tmp_path):
+    """`rlhf demo --real --quick`: 2 GRPO steps of SmolLM2-135M-Instruct through the printed `rlhf train ppo`
+    command, and the held-out evaluation before and after. What is checked is the pipeline and that the
+    evaluation stands apart from training (its questions are not training prompts, its accuracy is the
+    share of replies whose last number is the label, and it evaluates the trained model's directory); not the accuracy
+    gain, which takes the full run (README)."""
+    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "demo", "--real", "--quick", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "RLHF_NO_PROGRESS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rlhf train ppo" in done.stdout and "--data.apply_chat_template" in done.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    held_out = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    train = {json.loads(line)["input"] for line in (tmp_path / "prompts.jsonl").read_text().splitlines()}
+    assert not train & {row["input"] for row in held_out}
+    for stage in ("before RL", "after RL"):
+        replies = summary["replies"][stage]
+        assert len(replies) == 16
+        right = sum(re.findall(r"-?[0-9]+", reply)[-1:] == [row["label"]] for reply, row in zip(replies, held_out))
+        assert summary["accuracy"][stage] == right / 16
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+
+    assert summary["models"] == {"before RL": smollm2, "after RL": str(tmp_path / "rl" / "model")}
+    from PIL import Image
+
+    with Image.open(tmp_path / "rl" / "report" / "reward.png") as img:
+        assert img.format == "PNG" and img.size[0] > 100

@@ -67,6 +67,17 @@ def test_readme_demo_commands_are_the_ones_the_demo_runs(tmp_path):
             assert demo.get(flag) == value, f"README shows {flag} {value}, the demo runs {demo.get(flag)}"
 
 
+def test_readme_real_demo_command_is_the_one_rlhf_demo_real_runs():
+    from rlhf_cli.demo import real_commands
+
+    base = "~/.cache/rlhf/models/SmolLM2-135M-Instruct"
+    files = {"base": Path(base), **{k: Path("runs/real-demo") / v for k, v in
+                                    {"prompts": "prompts.jsonl", "eval": "eval.jsonl", "reward": "reward.py"}.items()}}
+    (shown,) = [shlex.split(c)[3:] for c in TRAIN if "runs/real-demo" in c]
+    ((_, ran),) = real_commands(files, Path("runs/real-demo"), quick=False)
+    assert flag_values(shown) == flag_values(ran[3:])
+
+
 def flag_values(argv: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for tok in argv:

@@ -258,6 +258,10 @@ def _tokenize(mode: str, f: dict, where: str, tokenizer, cfg, stats: DataStats):
                 text = _chat_response(tokenizer, messages, value, prompt_text, where)
             else:
                 text = value if not prompt_text else " " + value
+            if tokenizer.eos_token and text.rstrip().endswith(tokenizer.eos_token):
+                # a chat turn ends "<eos>\n": the response ends at its EOS (where a reward model is read), not
+                # at a second EOS appended after the newline
+                text = text.rstrip()
             responses.append(_with_eos(encode(tokenizer, text), tokenizer))
         fitted = _fit(_prompt_ids(tokenizer, prompt_text), responses, data, where, stats)
         if fitted is None:

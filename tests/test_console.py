@@ -1,0 +1,53 @@
+"""What a run prints: rlhf's bar and messages on the terminal; vLLM's, transformers' and DeepSpeed's output in the
+run's train.log, and on the terminal too with --debug (rlhf_core.console). Real commands in subprocesses, their
+stdout and stderr captured: a vLLM run on Ray workers (the e2e tests' smallest vLLM set-up) and single-process
+runs on the HF engine."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import test_rl_vllm
+from test_rl_e2e import base_args, without
+
+from rlhf_rollout_vllm.plugin import VLLMEngineFactory
+
+pytestmark = [pytest.mark.slow]
+assets = test_rl_vllm.assets  # the tiny Llama of head size 32 that vLLM's CPU kernel takes
+THIRD_PARTY = ("Initializing a V1 LLM engine", "non-default args", "Loading safetensors checkpoint shards",
+               "Loading weights", "Attempted to load weight", "Started a local Ray instance")
+
+
+def rlhf_train(args: list[str]) -> tuple[str, str]:
+    """The console (stdout and stderr together) of ``rlhf train ppo args``, which must succeed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RLHF_NO_PROGRESS", None)
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def run_args(assets, out) -> list[str]:
+    args = without(base_args(assets, out, steps=1), "--actor.num_gpus_per_node")
+    return args + ["--algo.advantage.estimator", "group_norm", "--ds.zero_stage", "0"]
+
+
+@pytest.mark.skipif(VLLMEngineFactory().available() is not None, reason="needs a runnable vLLM")
+def test_vllm_on_ray_workers_prints_rlhf_only(assets, tmp_path):
+    out = tmp_path / "vllm"
+    console = rlhf_train(run_args(assets, out) + ["--rollout.engine", "vllm", "--vllm.enforce_eager",
+                                                  "--ray.single_process", "false"])
+    log = (out / "train.log").read_text()
+    assert [s for s in THIRD_PARTY if s in console] == [], console[-3000:]
+    assert "Initializing a V1 LLM engine" in log and "Loading weights" in log  # vLLM's and transformers'
+    assert "worker processes up in" in console and "rlhf ppo" in console and "report:" in console
+
+
+def test_hf_single_process_quiet_and_debug(assets, tmp_path):
+    console = rlhf_train(run_args(assets, tmp_path / "quiet") + ["--train.colocate_all"])
+    assert "the worker in this process (no Ray)" in console
+    assert "Loading weights" not in console and "Started a local Ray instance" not in console, console[-3000:]
+    console = rlhf_train(run_args(assets, tmp_path / "debug") + ["--train.colocate_all", "--debug"])
+    assert "Loading weights" in console  # transformers' bar, as without rlhf's quieting

@@ -62,6 +62,10 @@ def run_log(out: Path, debug: bool = False) -> Iterator[Path]:
         for h in handlers:
             root.removeHandler(h)
             h.close()
+        if not debug:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.enable_progress_bar()
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -6,7 +6,8 @@ on the terminal too with ``--debug`` (``RLHF_DEBUG=1``):
 
 - in the driver's process (a single-process run included), their loggers reach the root logger, whose file
   handler takes them and whose terminal handler shows only rlhf's records (:class:`OwnRecords`); third-party
-  progress bars are turned off there (``TQDM_DISABLE``: a bar's default, so rlhf's bar, which sets it, stays);
+  progress bars are turned off there (``TQDM_DISABLE``: a bar's default, so rlhf's bar, which sets it, stays;
+  transformers' own switch for its bars), not written to the log;
 - a Ray worker (:func:`setup_ray_worker`, Ray's ``worker_process_setup_hook``) writes its stdout and stderr,
   file descriptors included (C++ warnings, ``print``, bars), to the log file, where Ray would have forwarded
   them to the terminal; records of rlhf's loggers at WARNING and up still reach the terminal.
@@ -32,11 +33,13 @@ class OwnRecords(logging.Filter):
 
 def library_loggers_to_root() -> None:
     """transformers' and DeepSpeed's loggers write to their own terminal handlers; make them use the root's.
-    (vLLM's does too unless ``VLLM_CONFIGURE_LOGGING=0``, which the run sets before vLLM is imported.)"""
+    (vLLM's does too unless ``VLLM_CONFIGURE_LOGGING=0``, which the run sets before vLLM is imported.)
+    transformers' bars are turned off: they set ``disable`` themselves, so ``TQDM_DISABLE`` misses them."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()
     for name in ("DeepSpeed", "vllm"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):

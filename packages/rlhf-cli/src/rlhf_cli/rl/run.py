@@ -182,11 +182,11 @@ def run_rl(asm: Assembly) -> int:
             controller.load_client_state(resume_state)
             controller.sync_weights()
             print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
-        logger = MetricsLogger(cfg, controller.total_steps(), controller.step)
         where = ("the worker in this process (no Ray)" if asm.single_process
                  else f"{worker_processes(groups)} worker processes")
         print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; {where} up in "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        logger = MetricsLogger(cfg, controller.total_steps(), controller.step)  # its bar after the line above
         controller.logger = logger
         controller.fit()
         groups.actor.export_hf(str(out / "model"))

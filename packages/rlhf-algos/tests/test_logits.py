@@ -75,3 +75,102 @@ def test_logprobs_and_entropy_in_one_pass_match_both_and_torch_autograd():
     lp, h = logprobs_and_entropy(z, labels)
     (lp.sum() + h.detach().sum()).backward()
     assert lp.dtype == h.dtype == torch.float32 and z.grad.dtype == torch.bfloat16
+
+
+def _head_problem(n=37, hidden=16, vocab=1000, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=gen) * 0.8)
+    h = torch.randn(n, hidden, generator=gen)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    return head, h, labels
+
+
+def test_head_logprobs_in_chunks_equal_a_full_log_softmax_with_gradients(monkeypatch):
+    """Chunks of 8 rows (5 chunks, the last one ragged) against a float64 log_softmax over all the logits at
+    once, computed here by hand, at temperatures 1 and 0.7; gradients in the hidden states and the head's
+    weight of a mix of log-probs and entropies; an entropy left out of the loss adds nothing.
+
+    Tolerance: an fp32 logit, a 16-term dot product with sum |w_i h_i| ~ 10 here, carries a rounding error
+    of at most 16 * 6e-8 * 10 ~ 1e-5; the log-softmax and entropy add at most one more such error, hence
+    2e-5 on values and on the gradients, built from the same terms. Against the same computation in a
+    single chunk the fp32 results agree to 1e-6 (the issue's bound): each row goes through the same ops."""
+    import rlhf_algos.logits as logits_mod
+    from rlhf_algos.logits import head_logprobs
+
+    head, h, labels = _head_problem()
+    vocab = head.weight.shape[0]
+    monkeypatch.setattr(logits_mod, "CHUNK_BYTES", 8 * 4 * vocab)
+    gen = torch.Generator().manual_seed(4)
+    w_lp, w_h = torch.randn(len(h), generator=gen), torch.randn(len(h), generator=gen)
+    for temperature in (1.0, 0.7):
+        w = head.weight.detach().double().requires_grad_(True)
+        x = h.double().requires_grad_(True)
+        logp = torch.log_softmax((x @ w.T) / temperature, -1)
+        want_lp = logp.gather(-1, labels[:, None]).squeeze(-1)
+        want_h = -(logp.exp() * logp).sum(-1)
+        ((want_lp * w_lp).sum() + 0.5 * (want_h * w_h).sum()).backward()
+
+        head.zero_grad()
+        hx = h.clone().requires_grad_(True)
+        lp, ent = head_logprobs(head, hx, labels, vocab, temperature, with_entropy=True)
+        ((lp * w_lp).sum() + 0.5 * (ent * w_h).sum()).backward()
+        torch.testing.assert_close(lp.double(), want_lp.detach(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(ent.double(), want_h.detach(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(hx.grad.double(), x.grad, atol=2e-5, rtol=0)
+        torch.testing.assert_close(head.weight.grad.double(), w.grad, atol=2e-5, rtol=0)
+
+        with torch.no_grad():  # forward-only (compute_logprobs): the same numbers
+            lp_ng, ent_ng = head_logprobs(head, h, labels, vocab, temperature, with_entropy=True)
+        assert torch.equal(lp_ng, lp.detach()) and torch.equal(ent_ng, ent.detach())
+        monkeypatch.setattr(logits_mod, "CHUNK_BYTES", 1 << 40)  # one chunk: the issue's "same numbers"
+        with torch.no_grad():
+            lp_one, ent_one = head_logprobs(head, h, labels, vocab, temperature, with_entropy=True)
+        monkeypatch.setattr(logits_mod, "CHUNK_BYTES", 8 * 4 * vocab)
+        torch.testing.assert_close(lp_one, lp_ng, atol=1e-6, rtol=0)
+        torch.testing.assert_close(ent_one, ent_ng, atol=1e-6, rtol=0)
+
+    # the entropy detached (no entropy bonus): the gradient is the log-probs' alone
+    head.zero_grad()
+    hx = h.clone().requires_grad_(True)
+    lp, ent = head_logprobs(head, hx, labels, vocab, with_entropy=True)
+    (lp.sum() + ent.detach().sum()).backward()
+    x = h.double().requires_grad_(True)
+    torch.log_softmax(x @ head.weight.detach().double().T, -1).gather(-1, labels[:, None]).sum().backward()
+    torch.testing.assert_close(hx.grad.double(), x.grad, atol=2e-5, rtol=0)
+    lp_only, none = head_logprobs(head, h, labels, vocab)
+    assert none is None
+    torch.testing.assert_close(lp_only, lp.detach(), atol=1e-6, rtol=0)
+
+
+def test_head_logprobs_keep_no_logits_for_backward(monkeypatch):
+    """What autograd saves for backward (counted with saved_tensors_hooks, parameters aside) stays far under
+    one chunk: the logits are recomputed per chunk in backward. Materialising the logits of all rows, as
+    the code before did, saves them (and the probabilities): 37 rows x 1000 x 4 bytes each."""
+    import rlhf_algos.logits as logits_mod
+    from rlhf_algos.logits import head_logprobs, logprobs_and_entropy
+
+    head, h, labels = _head_problem()
+    vocab = head.weight.shape[0]
+    monkeypatch.setattr(logits_mod, "CHUNK_BYTES", 8 * 4 * vocab)
+    params = {head.weight.data_ptr()}
+
+    def saved_bytes(fn) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            if t.data_ptr() not in params:
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return total
+
+    hx = h.clone().requires_grad_(True)
+    chunked = saved_bytes(lambda: head_logprobs(head, hx, labels, vocab, 0.7, with_entropy=True))
+    whole = saved_bytes(lambda: logprobs_and_entropy(head(hx) / 0.7, labels))
+    assert whole >= 2 * len(h) * vocab * 4  # the reference does keep logits and probabilities
+    assert chunked <= len(h) * h.shape[1] * 4 + len(h) * 8  # at most the hidden states and labels

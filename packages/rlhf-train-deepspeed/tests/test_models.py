@@ -154,3 +154,93 @@ def test_flash_attention_packed_matches_padded_on_gpu(tiny_llama, batch):
         packed = response_logprobs(model, b, packing=True)[0]
         padded = response_logprobs(ref, b, packing=False)[0]
     torch.testing.assert_close(packed, padded, atol=2e-2, rtol=0)
+
+
+WIDE_VOCAB = 3000
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def wide_vocab_llama(request):
+    """A tiny Llama whose vocabulary dwarfs its hidden size, with and without tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=WIDE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                         tie_word_embeddings=request.param, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_chunked_head_equals_full_logits_in_values_and_gradients(wide_vocab_llama, packing, monkeypatch):
+    """response_logprobs runs the LM head 3 rows at a time (so 3 chunks here); against each sequence run
+    alone through the model's own full logits and a plain log_softmax (at temperature 0.7): log-probs,
+    entropies and the gradients of every parameter (the tied embedding gets both of its uses) of a mix of
+    the two, with a masked-out response token in the middle.
+
+    Tolerance: the two sides are the same fp32 function evaluated in different orders (a padded or packed
+    batch against one sequence; attention over padding), which moves results by a few ulps of values up to
+    ~10, ~1e-6; 1e-5 (and 1e-5 relative on gradients, whose entries reach ~10) leaves room for the
+    accumulation over the 13 tokens in each gradient entry."""
+    import rlhf_algos.logits
+
+    model = wide_vocab_llama
+    monkeypatch.setattr(rlhf_algos.logits, "CHUNK_BYTES", 3 * 4 * WIDE_VOCAB)
+    prompts = [[1, 70, 800], [1, 2900], [1, 10, 1100, 12, 2999]]
+    responses = [[1400, 15, 1600, 2], [17], [1800, 19]]
+    seq = make_sequence_batch(prompts, responses, pad_token_id=0, action_masks=[[1, 1, 0, 1], [1], [1, 1]])
+    temperature, gen = 0.7, torch.Generator().manual_seed(6)
+    w_lp, w_h = torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+
+    model.zero_grad()
+    want_lp, want_h, loss = torch.zeros(3, 4), torch.zeros(3, 4), 0.0
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        logp = torch.log_softmax(model(torch.tensor([p + r])).logits[0, len(p) - 1 : -1] / temperature, -1)
+        lp = logp.gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        h = -(logp.exp() * logp).sum(-1)
+        m = seq.response_mask()[i, : len(r)]
+        loss = loss + (lp * w_lp[i, : len(r)] * m).sum() + (h * w_h[i, : len(r)] * m).sum()
+        want_lp[i, : len(r)], want_h[i, : len(r)] = (lp * m).detach(), (h * m).detach()
+    loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    lp, ent, mask = response_logprobs(model, seq, temperature, packing=packing, with_entropy=True)
+    ((lp * w_lp).sum() + (ent * w_h).sum()).backward()
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, want_h, atol=1e-5, rtol=0)
+    assert lp[0, 2] == ent[0, 2] == 0.0 and mask.sum() == 6
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, want_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_chunked_head_keeps_no_logits_for_backward(wide_vocab_llama, monkeypatch):
+    """The tensors autograd saves for backward (saved_tensors_hooks) with a vocabulary-sized last dimension,
+    parameters aside: none with the chunked head (each chunk's logits are recomputed in backward), where
+    materialising the response logits, as the code before did, keeps them and their softmax."""
+    import rlhf_algos.logits
+    from rlhf_algos.logits import logprobs_and_entropy
+
+    monkeypatch.setattr(rlhf_algos.logits, "CHUNK_BYTES", 3 * 4 * WIDE_VOCAB)
+    model = wide_vocab_llama
+    seq = make_sequence_batch([[1, 5, 6]] * 4, [[7, 8, 9, 10, 11]] * 4, pad_token_id=0)
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def vocab_bytes_saved(fn) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            if t.dim() and t.shape[-1] == WIDE_VOCAB and t.data_ptr() not in params:
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return total
+
+    chunked = vocab_bytes_saved(lambda: response_logprobs(model, seq, 0.7, with_entropy=True))
+    labels = seq.input_ids[:, 3:]
+    whole = vocab_bytes_saved(lambda: logprobs_and_entropy(model(seq.input_ids).logits[:, 2:-1] / 0.7, labels))
+    assert whole >= 2 * 20 * WIDE_VOCAB * 4
+    assert chunked == 0

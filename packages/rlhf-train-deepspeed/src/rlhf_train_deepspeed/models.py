@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlhf_algos.logits import logprobs_and_entropy, logprobs_from_logits
+from rlhf_algos.logits import head_logprobs
 from rlhf_core.batches import PRMBatch, SequenceBatch
 from rlhf_core.vision import image_forward_inputs
 from rlhf_train_deepspeed import ring_attn, shared_prefix
@@ -75,9 +75,10 @@ def response_logprobs(
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``, ``[B, T]``
     each and zero where masked, and the ``[B, T]`` mask. A temperature of 0 (greedy) is treated as 1.
 
-    Only response positions go through the softmax, so memory scales with ``B * T * V``. With
-    ``entropy_grad=False`` the entropy is a detached diagnostic (no second softmax kept for backward).
-    With ``ring`` (packing only) see :func:`_ring_logprobs`.
+    The model runs up to its LM head's input (:func:`head_inputs`); the head then runs on the real response
+    positions only, a chunk at a time (:func:`rlhf_algos.logits.head_logprobs`), so no more than one
+    chunk's logits exist at once, in forward or backward. With ``entropy_grad=False`` the entropy is a
+    detached diagnostic. With ``ring`` (packing only) see :func:`_ring_logprobs`.
     """
     kwargs, offsets = model_inputs(batch, packing)
     pos, mask = response_positions(batch, offsets)
@@ -88,33 +89,80 @@ def response_logprobs(
     if ring is not None:
         if not packing:
             raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
-        lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring)
-        return lp * mask, None if ent is None else ent * mask, mask
-    targets = kwargs["input_ids"].reshape(-1)[pos + 1]
-    layout = None
-    if not packing and shared_prefix.enabled(model):
-        layout = shared_prefix.plan(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu())
-    if layout is not None:  # rows with the same prompt run it once
-        layout = shared_prefix.to_device(layout, targets.device)
-        flat = shared_prefix.response_logits(model, layout)  # [G * K, V]
-        rows = torch.where(mask, layout.logit_rows, torch.zeros_like(pos))
+        lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring)
     else:
-        # The LM head skips the columns before the first one that predicts a response token (the shortest
-        # prompt's), as TRL does: with a 1024-word vocabulary and 16-token prompts that is 10% of a step.
-        width = kwargs["input_ids"].shape[1]
-        cols = pos % width
-        first = int(cols[mask].min()) if bool(mask.any()) else 0
-        keep = width - first
-        logits = model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [rows, keep, V]
-        flat = logits.reshape(-1, logits.shape[-1])
-        rows = torch.where(mask, (pos // width) * keep + cols - first, torch.zeros_like(pos))
-    logits = flat[rows].float()  # [B, T, V]: only response positions go through the softmax
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    if not with_entropy:
-        return logprobs_from_logits(logits, targets) * mask, None, mask
-    lp, ent = logprobs_and_entropy(logits, targets)
-    return lp * mask, (ent if entropy_grad else ent.detach()) * mask, mask
+        targets = kwargs["input_ids"].reshape(-1)[pos + 1][mask]
+        layout = None
+        if not packing and shared_prefix.enabled(model):
+            layout = shared_prefix.plan(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu())
+        if layout is not None:  # rows with the same prompt run it once
+            layout = shared_prefix.to_device(layout, targets.device)
+            hidden = head_inputs(model, shared_prefix.forward_inputs(layout), layout.columns)  # [G, K, H]
+            rows = layout.logit_rows[mask]
+        else:
+            # Only the columns from the first one that predicts a response token (the shortest prompt's)
+            # reach the head's input, as TRL keeps logits: with a 1024-word vocabulary and 16-token prompts
+            # the LM head over every column was 10% of a step.
+            width = kwargs["input_ids"].shape[1]
+            cols = pos % width
+            first = int(cols[mask].min()) if bool(mask.any()) else 0
+            keep = width - first
+            hidden = head_inputs(model, kwargs, keep)  # [rows, keep, H]
+            rows = ((pos // width) * keep + cols - first)[mask]
+        hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [M, H]: the M real response positions
+        lp, ent = _head_logprobs(model, hidden, targets, temperature, with_entropy)
+    lp = lp.new_zeros(mask.shape).index_put((mask,), lp)
+    if ent is not None:
+        ent = ent.new_zeros(mask.shape).index_put((mask,), ent if entropy_grad else ent.detach())
+    return lp, ent, mask
+
+
+def head_inputs(model: nn.Module, kwargs: dict, logits_to_keep) -> torch.Tensor:
+    """The LM head's input at the kept columns, ``[rows, K, H]``: the causal LM's forward with
+    ``logits_to_keep`` (a count of last columns, or a ``[K]`` index tensor), whose head is handed an empty
+    slice of it instead (a forward pre-hook), so the forward builds no logits. Going through the model's
+    own forward keeps what wraps it working: DeepSpeed (ZeRO-3 gathers the head's weight in its hooks), PEFT,
+    vision-language inputs, the shared-prompt attention."""
+    head = _output_embeddings(model)
+    captured = []
+
+    def take(module, args):
+        captured.append(args[0])
+        return (args[0][..., :0, :],)
+
+    handle = head.register_forward_pre_hook(take)
+    try:
+        model(**kwargs, use_cache=False, logits_to_keep=logits_to_keep)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module:
+    """The LM head of a causal LM, possibly wrapped by DeepSpeed (``.module``) or PEFT (forwards the call)."""
+    return getattr(model, "module", model).get_output_embeddings()
+
+
+def _head_logprobs(model, hidden, labels, temperature, with_entropy):
+    """:func:`rlhf_algos.logits.head_logprobs` with ``model``'s LM head and the scaling some architectures
+    apply to its output in their forward (``logit_scale``: Cohere; ``logits_scaling``: Granite;
+    ``final_logit_softcapping``: Gemma 2/3), as their ``*ForCausalLM`` forward does."""
+    config = getattr(model, "module", model).config.get_text_config()
+    head = _output_embeddings(model)
+    multiplier = getattr(config, "logit_scale", None) or 1.0
+    if getattr(config, "logits_scaling", None):
+        multiplier = 1.0 / config.logits_scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        z = head(h)
+        if multiplier != 1.0:
+            z = z * multiplier
+        if cap:
+            z = torch.tanh(z.float() / cap) * cap
+        return z
+
+    return head_logprobs(logits, hidden, labels, config.vocab_size, temperature, with_entropy)
 
 
 def response_logits(model: nn.Module, batch: SequenceBatch, packing: bool = False):
@@ -135,30 +183,26 @@ def step_logits(model: nn.Module, batch: PRMBatch, packing: bool = False) -> tor
     return logits.reshape(-1, logits.shape[-1])[offsets[batch.rows] + batch.cols]
 
 
-def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, entropy_grad, ring):
-    """``[B, T]`` log-probs (and entropies, else None) with this rank running only its ring slice.
+def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring):
+    """``[M]`` log-probs (and entropies, else None) of the ``M`` real response positions, with this rank
+    running only its ring slice.
 
-    The local tokens that predict a response token go through the softmax (labels: the next token of the
-    full packed row); their results are written into a ``[n]`` vector of the slice, all-gathered into
-    ``[N']`` over the ring group and read at the response positions ``pos`` like the unsliced path.
+    The local tokens that predict a response token go through the head (labels: the next token of the full
+    packed row); their results are written into a ``[n]`` vector of the slice, all-gathered into ``[N']``
+    over the ring group and read at the response positions ``pos[mask]`` like the unsliced path.
     """
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
-    logits = model(**sl.inputs, use_cache=False).logits[0]  # [n, V]
     wanted = torch.zeros(sl.total, dtype=torch.bool, device=pos.device)
     wanted[pos[mask]] = True
     rows = wanted[sl.start : sl.end].nonzero().squeeze(-1)
-    logits = logits[rows].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
+    hidden = head_inputs(model, sl.inputs, rows)[0]  # [r, H]
+    lp, ent = _head_logprobs(model, hidden, sl.labels[rows], temperature, with_entropy)
 
     def whole_row(x: torch.Tensor) -> torch.Tensor:
         local = x.new_zeros(sl.end - sl.start).index_put((rows,), x)
-        return ring_attn.gather_tokens(local, ring)[pos]
+        return ring_attn.gather_tokens(local, ring)[pos[mask]]
 
-    if not with_entropy:
-        return whole_row(logprobs_from_logits(logits, sl.labels[rows])), None
-    lp, ent = logprobs_and_entropy(logits, sl.labels[rows])
-    return whole_row(lp), whole_row(ent if entropy_grad else ent.detach())
+    return whole_row(lp), None if ent is None else whole_row(ent)
 
 
 def token_values(model: nn.Module, kwargs: dict, batch: SequenceBatch, ring=None) -> torch.Tensor:

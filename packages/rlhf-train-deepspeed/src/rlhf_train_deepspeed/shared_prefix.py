@@ -90,7 +90,8 @@ class Layout:
     """``[K]`` columns of a row whose outputs predict a response token: the last prompt slot, then every
     slot's first ``R - 1`` positions (``K = 1 + S*(R-1)``; all ``W`` of them unless ``R`` is 1)."""
     logit_rows: torch.Tensor
-    """``[B, T]`` index into the ``[G*K]`` flattened logits for response token ``t`` of sequence ``i``."""
+    """``[B, T]`` index into the ``[G*K]`` flattened outputs at :attr:`columns` for response token ``t`` of
+    sequence ``i``."""
 
 
 def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> Layout | None:
@@ -181,12 +182,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return torch.cat([out_prompt.transpose(1, 2), out_slots], 1).contiguous(), None
 
 
-def response_logits(model, layout: Layout) -> torch.Tensor:
-    """``[G*K, V]`` logits at the layout's :attr:`Layout.columns`; index them with :attr:`Layout.logit_rows`."""
+def forward_inputs(layout: Layout) -> dict:
+    """The causal LM's keyword arguments that run a layout; keep the columns :attr:`Layout.columns`."""
     # a 4-D mask is passed through untouched; the attention ignores it (the layout holds the real masks)
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=layout.input_ids.device)
-    logits = model(
-        input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=placeholder,
-        logits_to_keep=layout.columns, use_cache=False, shared_prefix=layout,
-    ).logits
-    return logits.reshape(-1, logits.shape[-1])
+    return {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "attention_mask": placeholder,
+            "shared_prefix": layout}

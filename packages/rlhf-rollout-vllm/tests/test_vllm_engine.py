@@ -631,3 +631,34 @@ def test_real_engine_tests_in_their_own_process():
     summary = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stdout[-5000:]
     assert "skipped" not in summary and " passed" in summary, summary
+
+
+GENERATE_ON_A_WORKER_THREAD = """
+import asyncio, sys, torch
+from rlhf_core.testing.tiny import make_tiny_llama
+from rlhf_core.types import GenerationRequest, SamplingParams
+from rlhf_rollout_vllm.engine import VLLMEngine
+
+model = make_tiny_llama(sys.argv[1], hidden_size=128, intermediate_size=256, num_attention_heads=4)
+torch.set_num_threads(1)  # as a rollout actor does with its share of the cores
+engine = VLLMEngine(model, dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20)
+reqs = [GenerationRequest(list(range(5, 45)), SamplingParams(n=4, max_new_tokens=8, seed=i)) for i in range(4)]
+here = engine.generate(reqs)
+there = asyncio.run(asyncio.to_thread(engine.generate, reqs))  # how the rollout worker calls it
+assert [o.token_ids for r in here for o in r] == [o.token_ids for r in there for o in r]
+print("same tokens")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(factory_available() is not None, reason=f"needs a runnable vLLM: {factory_available()}")
+def test_generate_on_a_worker_thread_with_openmp_at_its_default(tmp_path):
+    """With OMP_NUM_THREADS unset, a worker thread's OpenMP team has one thread per core while the engine was built
+    on one thread: vLLM's CPU attention aborted (Check failed: metadata->thread_num == thread_num, 2 vs. 1)
+    on the rollout actor's first generate. Its own process: the variable is read when OpenMP starts."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: OpenMP's default team is the engine's")
+    out = subprocess.run([sys.executable, "-c", GENERATE_ON_A_WORKER_THREAD, str(tmp_path / "model")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "same tokens" in out.stdout, (out.stdout + out.stderr)[-3000:]

@@ -161,6 +161,10 @@ class VLLMEngine(RolloutEngine):
         torch.set_num_threads = set_num_threads
         os.environ.clear()
         os.environ.update(environ)
+        # vLLM's CPU attention plans its work for the OpenMP team of the thread that built the engine, and its
+        # kernel checks the team of the thread that runs it (thread_num mismatch, 1 vs. 2). A caller may call
+        # generate from another thread (asyncio.to_thread) whose team has OpenMP's default size: use this one's.
+        self._cpu_threads = torch.get_num_threads() if self.on_cpu else None
         try:
             self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
@@ -176,6 +180,8 @@ class VLLMEngine(RolloutEngine):
         if self._weights_discarded:
             raise RuntimeError("VLLMEngine.generate: sleep(level=2) discarded the weights; call update_weights first")
         check_requests(requests, self.vocab_size)
+        if self._cpu_threads is not None:
+            torch.set_num_threads(self._cpu_threads)  # per thread under OpenMP; see __init__
         prompts, params, owners = [], [], []
         for i, req in enumerate(requests):
             prompt = self._prompt(req)

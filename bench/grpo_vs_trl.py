@@ -58,12 +58,13 @@ GRID = {
     "L": (256, 4, 32, 64),
     "M128": (128, 2, 16, 128),
     "S": (128, 2, 8, 32),  # small batches: 8 prompts x 4 samples, short prompts
+    "S48": (128, 2, 8, 48),  # S with 48-token completions (issue 26's 8 x 4 x 48 shape)
     "R": (576, 30, 45, 16),  # the real SmolLM2-135M-Instruct: ~45-token chat prompts, 16 new tokens (issue 26)
 }
 REAL_ROWS = {"R"}  # rows on the real model (rlhf_core.testing.smollm2) with chat-template prompts
 MICRO = {"R": 16}  # micro-batch of a row (TRL: gradient accumulation over 64 // micro); elsewhere all 64 at once
 STEPS = {"R": (1, 5)}  # (warm-up, measured) steps of a row unless --warmup / --steps; elsewhere (2, 10)
-SAMPLES = {"S": 4}  # samples per prompt of a row (--n overrides); 8 elsewhere
+SAMPLES = {"S": 4, "S48": 4}  # samples per prompt of a row (--n overrides); 8 elsewhere
 VOCAB_WORDS = 1017  # + 7 special tokens = vocab 1024
 
 REWARD_FILE = '''
@@ -137,9 +138,11 @@ def variant_flags(variant: str, seqs: int) -> list[str]:
     two rollout engines (one core each), ZeRO-0; ``rlhf-hybrid``: the same with every role on the same
     bundles (``--train.colocate_all``), so each engine runs inside a policy rank's process;
     ``rlhf-single``: one rank (both cores) hosting the reference model and the engine, ZeRO-0, all in the
-    driver's process without Ray (``--ray.single_process true``)."""
+    driver's process without Ray (``--ray.single_process true``); ``rlhf-default``: no placement, precision
+    or ZeRO flag at all, what a new user runs (since issue 26: fp32 and one process on CPU)."""
     return {
         "rlhf": [],
+        "rlhf-default": [],
         "rlhf-single": ["--ds.zero_stage", "0", "--train.colocate_all", "--ray.single_process", "true"],
         "rlhf-zero0": ["--ds.zero_stage", "0"],
         "rlhf-dp2": ["--actor.num_gpus_per_node", "2", "--ds.zero_stage", "0", "--vllm.num_engines", "2",
@@ -165,9 +168,10 @@ def rlhf_flags(args, root: Path, out: Path, variant: str) -> list[str]:
         "--algo.advantage.estimator", "group_norm", "--actor.loss_agg_mode", "token_mean",
         "--actor.adam.lr", "1e-4", "--actor.adam.betas", "0.9", "0.999", "--actor.adam.weight_decay", "0",
         "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--actor.max_norm", "1.0",
-        "--ds.param_dtype", args.dtype, "--vllm.num_engines", "1", "--rollout.engine", "hf",
-        "--ckpt.output_dir", str(out),
+        "--vllm.num_engines", "1", "--rollout.engine", "hf", "--ckpt.output_dir", str(out),
     ]
+    if variant != "rlhf-default":  # the workload's precision; rlhf-default keeps the default (auto)
+        flags += ["--ds.param_dtype", args.dtype]
     if real:
         flags += ["--data.apply_chat_template"]
     if args.beta > 0:
@@ -868,8 +872,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: size M, 1 rep, 1 warm-up + 2 steps")
     p.add_argument("--size", choices=sorted(GRID), default="M",
                    help="grid row (M: h128/2 layers, L: h256/4, M128: M with 128-token completions, S: M with "
-                        "8-token prompts and 4 samples per prompt, R: the real SmolLM2-135M-Instruct with chat "
-                        "prompts, micro-batch 16)")
+                        "8-token prompts and 4 samples per prompt, S48: S with 48-token completions, R: the real "
+                        "SmolLM2-135M-Instruct with chat prompts, micro-batch 16)")
     p.add_argument("--dtype", help="training precision, or several separated by commas (fp32,bf16), each run in "
                                    "every round (default: fp32 on CPU, bf16 on cuda)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 runs a reference model)")
@@ -880,8 +884,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2, help="A B rounds")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", default="rlhf-single,rlhf-dp2,trl",
-                   help="contenders of each round, in order: trl and rlhf variants (rlhf, rlhf-zero0, rlhf-dp2, "
-                        "rlhf-hybrid, rlhf-single); VARIANT@REV runs the variant on the packages of git revision REV")
+                   help="contenders of each round, in order: trl and rlhf variants (rlhf, rlhf-default, rlhf-zero0, "
+                        "rlhf-dp2, rlhf-hybrid, rlhf-single); VARIANT@REV runs the variant on the packages of git revision REV")
     p.add_argument("--max-busy", type=float, default=0.5,
                    help="before each run, wait (up to 15 min) until other processes use fewer cores than this")
     p.add_argument("--workdir", default="/tmp/rlhf-bench-grpo")

@@ -118,10 +118,22 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     out = rlhf(*common, "--train.colocate_all", "--algo.kl.init_coef", "0.01")
     assert out.returncode == 0, out.stderr
     assert "single process: the one training rank runs in this process; no Ray cluster starts" in out.stdout
-    out = rlhf(*common)  # reference model and engine get processes of their own: Ray, and a note says how to avoid it
+    # no placement or precision flag on CPU: colocated into one process, in fp32, and the plan says both
+    out = rlhf(*common, "--algo.kl.init_coef", "0.01")
     assert out.returncode == 0, out.stderr
-    assert "single process" not in out.stdout
+    assert "# placement: colocate_all by default (no placement flag; on CPU" in out.stdout
+    assert "single process: the one training rank runs in this process" in out.stdout
+    assert "# precision: fp32 (--ds.param_dtype auto on CPU: bf16 on GPUs, fp32 on CPU)" in out.stdout
+    assert "  param_dtype: fp32\n" in out.stdout and "colocate_all: true" in out.stdout
+    assert "note:" not in out.stderr
+    # asked for: processes of their own (Ray, and a note says how to avoid it), and bf16 with what it costs
+    out = rlhf(*common, "--algo.kl.init_coef", "0.01", "--train.placement", "separate", "--bf16")
+    assert out.returncode == 0, out.stderr
+    assert "single process" not in out.stdout and "by default" not in out.stdout
     assert "this run starts Ray and 3 worker processes; with --train.colocate_all it would fit one" in out.stderr
+    assert "# precision: bf16 (--ds.param_dtype)" in out.stdout
+    assert out.stderr.count("--ds.param_dtype bf16: the rollout engine and the trainer both compute in bf16") == 1
+    assert "expect their log-probs of the same token to differ by ~1e-2" in out.stderr
     out = rlhf(*common, "--actor.num_gpus_per_node", "2")  # two ranks: Ray whatever the placement, no note
     assert out.returncode == 0 and "would fit one process" not in out.stderr
     out = rlhf(*common, "--ray.single_process", "true", "--actor.num_gpus_per_node", "2", "--train.colocate_all")

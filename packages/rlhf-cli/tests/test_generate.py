@@ -90,6 +90,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(assets, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "# prompts: 16 from" in out and "# generation: 4 sample(s) per prompt with the hf engine" in out
     assert "# reward: reward_func in" in out and "# post-processor: rs" in out
+    assert "# precision: fp32 (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)" in out  # --param_dtype fp32
     assert not (tmp_path / "out.jsonl.samples.jsonl").exists()
 
 

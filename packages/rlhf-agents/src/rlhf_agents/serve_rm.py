@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="Interface to listen on. Anything but loopback needs --api_key or --insecure.")
     p.add_argument("--batch_size", type=int, default=16, help="Queries per forward pass.")
-    p.add_argument("--ds.param_dtype", "--param_dtype", dest="param_dtype", default="bf16",
-                   choices=["bf16", "fp16", "fp32"], help="Model precision.")
+    p.add_argument("--ds.param_dtype", "--param_dtype", dest="param_dtype", default="auto",
+                   choices=["auto", "bf16", "fp16", "fp32"],
+                   help="Model precision (auto: bf16 on a GPU, fp32 on CPU).")
     p.add_argument("--bf16", dest="param_dtype", action="store_const", const="bf16", help="Same as --ds.param_dtype bf16.")
     p.add_argument("--ds.attn_implementation", "--attn_implementation", dest="attn_implementation", default="sdpa",
                    help="HF attention implementation: eager, sdpa, flash_attention_2.")
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from rlhf_agents.reward_model import RewardModelScorer
+    from rlhf_core.config import resolve_param_dtype
 
     scorer = RewardModelScorer(
         args.model_name_or_path,
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         normalize=args.normalize,
         max_len=args.max_len,
         batch_size=args.batch_size,
-        dtype=args.param_dtype,
+        dtype=resolve_param_dtype(args.param_dtype),
         attn_implementation=args.attn_implementation,
         use_fast_tokenizer=not args.disable_fast_tokenizer,
         model_kwargs={"experts_implementation": args.experts_implementation} if args.experts_implementation else None,

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlhf_cli.placement import ROLE_ORDER, plan_pools, roles_in_actor, strategy_name
 from rlhf_core import inline, plugins
-from rlhf_core.config import RewardConfig
+from rlhf_core.config import RewardConfig, resolve_param_dtype
 from rlhf_core.config_parser import config_to_yaml
 from rlhf_core.errors import UserError
 from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, is_prm_model, preflight
@@ -45,11 +45,20 @@ class Assembly:
     """Roles whose workers run inside the actor ranks' processes (``rlhf_cli.placement.roles_in_actor``)."""
     single_process: bool = False
     """The run's one worker lives in the driver's process and no Ray starts (``--ray.single_process``)."""
+    precision: str = ""
+    """The precision every model of the run computes in, and why (``--ds.param_dtype``)."""
+    default_placement: bool = False
+    """No placement flag was given and the run was colocated, because that fits it in one process."""
 
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
         for seam, name in self.chosen.items():
             lines.append(f"  {seam:<22} {name:<20} ({self.provenance[seam]})")
+        if self.precision:
+            lines.append(f"precision: {self.precision}")
+        if self.default_placement:
+            lines.append("placement: colocate_all by default (no placement flag; on CPU, colocating every role fits "
+                         "this run in one process; --train.placement separate keeps them apart)")
         if self.plan is not None:
             lines.append("placement plan:")
             lines += ["  " + line for line in self.plan.describe().splitlines()]
@@ -312,6 +321,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     pm = pm or plugins.get_plugin_manager()
     gpus = gpus_available() if gpus is None else gpus
     asm = Assembly(mode, cfg)
+    _resolve_precision(asm, gpus)
     backend = _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
     if mode != "ppo":
         models = [("--model.model_name_or_path", cfg.model.model_name_or_path)]
@@ -371,6 +381,12 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         roles["reward"] = RoleDemand(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
     roles["rollout"] = RoleDemand(cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1)
     asm.roles = roles
+    hosts_roles = getattr(backend, "hosts_roles", False)  # the optional part of the training contract (TrainGroup)
+    can_single = inline.single_process(cfg, 1, getattr(backend, "single_process", False))
+    if (not gpus and strategy_name(cfg) == "separate" and not cfg.train.placement and hosts_roles and can_single
+            and not cfg.rollout.node_resource and _fits_one_process(roles, engine, cfg, gpus)):
+        cfg.train.colocate_all = True  # on CPU every pool is the same cores: colocating costs nothing
+        asm.default_placement = True
     strategy = _use(asm, pm, "placement_strategies", strategy_name(cfg), "--train.placement")
     try:
         asm.plan = strategy.plan(roles, cfg, gpus)
@@ -378,18 +394,46 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         raise RunConfigError(str(exc)) from None
     if cfg.rollout.node_resource:
         pin_rollout_pool(asm.plan, cfg.rollout.node_resource)
-    if getattr(backend, "hosts_roles", False):  # the optional part of the training contract (TrainGroup)
+    if hosts_roles:
         asm.in_actor = roles_in_actor(asm.plan, engine, cfg)
     processes = sum(g.num_workers for g in asm.plan.groups if g.role not in asm.in_actor)
     asm.single_process = _single_process(cfg, processes, backend)
-    if (processes > 1 and strategy_name(cfg) != "colocate_all" and getattr(backend, "hosts_roles", False)
-            and inline.single_process(cfg, 1, getattr(backend, "single_process", False))):
-        together = plan_pools(roles, [set(ROLE_ORDER)], gpus)
-        if sum(g.num_workers for g in together.groups
-               if g.role not in roles_in_actor(together, engine, cfg)) == 1:
-            asm.notes.append(f"this run starts Ray and {processes} worker processes; with --train.colocate_all it "
-                             "would fit one process and start no Ray (seconds sooner, hundreds of MB less)")
+    if (processes > 1 and strategy_name(cfg) != "colocate_all" and hosts_roles and can_single
+            and _fits_one_process(roles, engine, cfg, gpus)):
+        asm.notes.append(f"this run starts Ray and {processes} worker processes; with --train.colocate_all it "
+                         "would fit one process and start no Ray (seconds sooner, hundreds of MB less)")
     return asm
+
+
+def _fits_one_process(roles: dict[str, RoleDemand], engine: str, cfg, gpus: bool) -> bool:
+    """Whether ``--train.colocate_all`` would leave the run one worker process (one rank hosting the rest)."""
+    together = plan_pools(roles, [set(ROLE_ORDER)], gpus)
+    in_actor = roles_in_actor(together, engine, cfg)
+    return sum(g.num_workers for g in together.groups if g.role not in in_actor) == 1
+
+
+# bf16 keeps 8 significant bits: each rounding is off by up to 2^-9 (relative), and a logit of size ~10 that
+# went through a few dozen roundings in a different order on each side differs by ~1e-2 from its twin.
+BF16_GAP_NOTE = (
+    "--ds.param_dtype bf16: the rollout engine and the trainer both compute in bf16 but in a different order "
+    "(token by token with a KV cache, against one forward pass), and bf16 keeps 8 significant bits, so expect "
+    "their log-probs of the same token to differ by ~1e-2 (policy/rollout_train_logprob_gap; 0.04 on "
+    "SmolLM2-135M, ~1e-5 in fp32): importance ratios are off by about that much per token, and "
+    "--algo.advantage.is_correction_enable corrects for it"
+)
+
+
+def _resolve_precision(asm: Assembly, gpus: bool) -> None:
+    """Make ``--ds.param_dtype auto`` concrete (bf16 on GPUs, fp32 on CPU) before anything reads it, say why in
+    the plan, and note what bf16 does to an RL run's engine-trainer agreement."""
+    ds = asm.cfg.ds
+    asked = ds.param_dtype
+    ds.param_dtype = resolve_param_dtype(asked, gpus)
+    where = "GPUs" if gpus else "CPU"
+    asm.precision = ds.param_dtype + (f" (--ds.param_dtype auto on {where}: bf16 on GPUs, fp32 on CPU)"
+                                      if asked == "auto" else " (--ds.param_dtype)")
+    if asm.mode == "ppo" and ds.param_dtype == "bf16":
+        asm.notes.append(BF16_GAP_NOTE)
 
 
 def _single_process(cfg, processes: int, backend) -> bool:

@@ -84,6 +84,7 @@ def load(cfg: ChatConfig) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlhf_core.config import resolve_param_dtype
     from rlhf_core.rollout.hf_engine import parse_dtype
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
@@ -92,7 +93,7 @@ def load(cfg: ChatConfig) -> tuple[Any, Any]:
     if cfg.data.apply_chat_template and not tokenizer.chat_template:
         raise ChatError(f"--data.apply_chat_template: the tokenizer of {cfg.model.model_name_or_path} has no chat "
                         "template (give --data.tokenizer_chat_template)")
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.model_name_or_path, dtype=parse_dtype(cfg.ds.param_dtype),
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.model_name_or_path, dtype=parse_dtype(resolve_param_dtype(cfg.ds.param_dtype)),
                                                  attn_implementation=cfg.ds.attn_implementation)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return tokenizer, model.to(device).eval()

@@ -95,6 +95,7 @@ class Plan:
             lines.append(f"generation: {self.n} sample(s) per prompt with the {self.engine} engine on "
                          f"{c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call")
         lines.append(f"reward: {self.reward or 'none (samples are not scored)'}")
+        lines.append(f"precision: {c.ds.param_dtype} (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)")
         lines.append(f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}")
         lines.append(f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}")
         return "\n".join(lines)
@@ -201,10 +202,12 @@ def check_reward(cfg: GenerateConfig, pm) -> str | None:
 
 def plan(cfg: GenerateConfig, pm=None) -> Plan:
     """Check everything and read the prompts; raises GenerateError (or DataError) naming what is wrong."""
-    from rlhf_cli.assemble import choose_engine
+    from rlhf_cli.assemble import choose_engine, gpus_available
+    from rlhf_core.config import resolve_param_dtype
 
     pm = pm or plugins.get_plugin_manager()
     g, r = cfg.generate, cfg.rollout
+    cfg.ds.param_dtype = resolve_param_dtype(cfg.ds.param_dtype, gpus_available())  # as rlhf train does
     problems = []
     if g.task not in TASKS:
         problems.append(f"--generate.task {g.task}: choose one of {', '.join(TASKS)}")

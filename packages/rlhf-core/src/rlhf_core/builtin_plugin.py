@@ -26,9 +26,11 @@ class HFEngineFactory:
         """Constructor arguments from an :class:`rlhf_core.config.RLConfig`."""
         if not cfg.actor.model_name_or_path:
             raise ValueError("the hf rollout engine needs --actor.model_name_or_path")
+        from rlhf_core.config import resolve_param_dtype
+
         return {
             "model_name_or_path": cfg.actor.model_name_or_path,
-            "dtype": cfg.ds.param_dtype,
+            "dtype": resolve_param_dtype(cfg.ds.param_dtype),
             "attn_implementation": cfg.ds.attn_implementation,
         }
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core import hookimpl
+from rlhf_core.config import resolve_param_dtype
 from rlhf_rollout_vllm.engine import CPU_INSTALL_HINT, DTYPES, INSTALL_HINT
 
 
@@ -110,9 +111,10 @@ class VLLMEngineFactory:
         if not cfg.actor.model_name_or_path:
             raise ValueError("the vllm rollout engine needs --actor.model_name_or_path")
         v = cfg.vllm
+        precision = resolve_param_dtype(cfg.ds.param_dtype)
         kwargs = {
             "model_name_or_path": cfg.actor.model_name_or_path,
-            "dtype": cfg.ds.param_dtype,
+            "dtype": precision,
             "tensor_parallel_size": v.tensor_parallel_size,
             "gpu_memory_utilization": v.gpu_memory_utilization,
             "enable_prefix_caching": v.enable_prefix_caching,
@@ -130,7 +132,7 @@ class VLLMEngineFactory:
             heads = model.num_attention_heads
             max_len = min(cfg.data.max_len, model.max_position_embeddings)
             seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-            dtype = getattr(torch, DTYPES.get(cfg.ds.param_dtype, cfg.ds.param_dtype))
+            dtype = getattr(torch, DTYPES.get(precision, precision))
             kwargs["max_model_len"] = max_len
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                 model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,

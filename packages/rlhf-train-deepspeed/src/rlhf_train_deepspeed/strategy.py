@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_core.config import resolve_param_dtype
 from rlhf_core.errors import UserError
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -33,12 +34,14 @@ class ConfigError(UserError, ValueError):
 
 
 def param_dtype(name: str) -> torch.dtype:
-    """The training dtype of ``--ds.param_dtype``; fp16 is refused (no loss scaling here)."""
+    """The training dtype of ``--ds.param_dtype`` (``auto``: bf16 on a GPU, fp32 on CPU); fp16 is refused (no
+    loss scaling here)."""
     if name == "fp16":
         raise ConfigError(
             "--ds.param_dtype fp16 is not supported: fp16 needs loss scaling, which this backend does not do. "
-            "Use bf16 (default; also works on CPU) or fp32."
+            "Use bf16 (also works on CPU), fp32 or auto (the default: bf16 on a GPU, fp32 on CPU)."
         )
+    name = resolve_param_dtype(name)
     if name not in PRECISIONS:
         raise ConfigError(f"--ds.param_dtype must be one of {sorted(PRECISIONS)}, got {name!r}")
     return PRECISIONS[name]

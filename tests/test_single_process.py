@@ -125,6 +125,8 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     assert "single process: the one training rank runs in this process" in out.stdout
     assert "# precision: fp32 (--ds.param_dtype auto on CPU: bf16 on GPUs, fp32 on CPU)" in out.stdout
     assert "  param_dtype: fp32\n" in out.stdout and "colocate_all: true" in out.stdout
+    assert "# ZeRO stage: 0 (default: 0 with one rank per training group, else 2)" in out.stdout
+    assert "  zero_stage: 0\n" in out.stdout
     assert "note:" not in out.stderr
     # asked for: processes of their own (Ray, and a note says how to avoid it), and bf16 with what it costs
     out = rlhf(*common, "--algo.kl.init_coef", "0.01", "--train.placement", "separate", "--bf16")
@@ -136,6 +138,9 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     assert "expect their log-probs of the same token to differ by ~1e-2" in out.stderr
     out = rlhf(*common, "--actor.num_gpus_per_node", "2")  # two ranks: Ray whatever the placement, no note
     assert out.returncode == 0 and "would fit one process" not in out.stderr
+    assert "# ZeRO stage: 2 (default" in out.stdout  # two ranks have state to partition
+    out = rlhf(*common, "--ds.zero_stage", "3")
+    assert out.returncode == 0 and "# ZeRO stage: 3 (--ds.zero_stage)" in out.stdout
     out = rlhf(*common, "--ray.single_process", "true", "--actor.num_gpus_per_node", "2", "--train.colocate_all")
     assert out.returncode != 0
     assert "--ray.single_process true cannot be honoured: the run needs 2 worker processes" in out.stderr

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlhf_cli.placement import ROLE_ORDER, plan_pools, roles_in_actor, strategy_name
 from rlhf_core import inline, plugins
-from rlhf_core.config import RewardConfig, resolve_param_dtype
+from rlhf_core.config import RewardConfig, resolve_param_dtype, resolve_zero_stage
 from rlhf_core.config_parser import config_to_yaml
 from rlhf_core.errors import UserError
 from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, is_prm_model, preflight
@@ -47,6 +47,8 @@ class Assembly:
     """The run's one worker lives in the driver's process and no Ray starts (``--ray.single_process``)."""
     precision: str = ""
     """The precision every model of the run computes in, and why (``--ds.param_dtype``)."""
+    zero: str = ""
+    """The ZeRO stage of the training groups, and why (``--ds.zero_stage``)."""
     default_placement: bool = False
     """No placement flag was given and the run was colocated, because that fits it in one process."""
 
@@ -56,6 +58,8 @@ class Assembly:
             lines.append(f"  {seam:<22} {name:<20} ({self.provenance[seam]})")
         if self.precision:
             lines.append(f"precision: {self.precision}")
+        if self.zero:
+            lines.append(f"ZeRO stage: {self.zero}")
         if self.default_placement:
             lines.append("placement: colocate_all by default (no placement flag; on CPU, colocating every role fits "
                          "this run in one process; --train.placement separate keeps them apart)")
@@ -339,6 +343,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         ranks = cfg.model.num_nodes * cfg.model.num_gpus_per_node
         asm.roles = {"actor": RoleDemand(ranks)}
         asm.single_process = _single_process(cfg, ranks, backend)
+        _resolve_zero_stage(asm, [ranks])
         return asm
 
     estimator = _use(asm, pm, "advantage_estimators", cfg.algo.advantage.estimator,
@@ -398,6 +403,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         asm.in_actor = roles_in_actor(asm.plan, engine, cfg)
     processes = sum(g.num_workers for g in asm.plan.groups if g.role not in asm.in_actor)
     asm.single_process = _single_process(cfg, processes, backend)
+    _resolve_zero_stage(asm, [r.num_workers for role, r in roles.items() if role != "rollout"])
     if (processes > 1 and strategy_name(cfg) != "colocate_all" and hosts_roles and can_single
             and _fits_one_process(roles, engine, cfg, gpus)):
         asm.notes.append(f"this run starts Ray and {processes} worker processes; with --train.colocate_all it "
@@ -434,6 +440,15 @@ def _resolve_precision(asm: Assembly, gpus: bool) -> None:
                                       if asked == "auto" else " (--ds.param_dtype)")
     if asm.mode == "ppo" and ds.param_dtype == "bf16":
         asm.notes.append(BF16_GAP_NOTE)
+
+
+def _resolve_zero_stage(asm: Assembly, group_ranks: list[int]) -> None:
+    """Make the default ``--ds.zero_stage`` concrete in the driver (:func:`resolve_zero_stage`), and say so."""
+    ds = asm.cfg.ds
+    asked = ds.zero_stage
+    ds.zero_stage = resolve_zero_stage(asked, max(group_ranks, default=1))
+    asm.zero = f"{ds.zero_stage}" + (" (--ds.zero_stage)" if asked is not None else
+                                     " (default: 0 with one rank per training group, else 2)")
 
 
 def _single_process(cfg, processes: int, backend) -> bool:

@@ -42,6 +42,15 @@ def resolve_param_dtype(name: str, cuda: bool | None = None) -> str:
     return "bf16" if cuda else "fp32"
 
 
+def resolve_zero_stage(stage: int | None, ranks: int) -> int:
+    """``--ds.zero_stage`` made concrete for training groups of at most ``ranks`` ranks: the stage asked for,
+    else 0 with one rank (ZeRO partitions state across ranks; alone it only adds a flat copy of the weights and
+    time to every step: 1.5 GB and 18% of a SmolLM2-135M GRPO step on CPU), else 2 (OpenRLHF's default)."""
+    if stage is not None:
+        return stage
+    return 0 if ranks <= 1 else 2
+
+
 # --- shared pieces ---------------------------------------------------------------------------------------
 
 
@@ -389,8 +398,9 @@ class LoraConfig:
 
 @dataclass
 class DSConfig:
-    zero_stage: int = 2
-    """DeepSpeed ZeRO stage 0-3."""
+    zero_stage: int | None = None
+    """DeepSpeed ZeRO stage 0-3. Default: 0 when every training group has one rank (ZeRO partitions state
+    across ranks; with one rank it only adds a copy of the weights and time to each step), else 2 (OpenRLHF's)."""
     param_dtype: str = "auto"
     """Precision of every model of the run (policy, rollout engine, reference, critic, reward): ``bf16``,
     ``fp32`` (``fp16`` is refused), or ``auto``: ``bf16`` on a GPU, ``fp32`` on CPU, where bf16 steps are

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf_core.config import resolve_param_dtype
+from rlhf_core.config import resolve_param_dtype, resolve_zero_stage
 from rlhf_core.errors import UserError
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -235,6 +235,8 @@ class Strategy:
     def __init__(self, ds, seed: int = 42, full_determinism: bool = False):
         self.ds = ds
         self.seed = seed
+        # the driver resolves the default; a strategy built without it (tests, the Python API) does the same
+        ds.zero_stage = resolve_zero_stage(ds.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
         self.dtype = param_dtype(ds.param_dtype)
         check_features(ds)
         if full_determinism:

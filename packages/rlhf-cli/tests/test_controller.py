@@ -270,10 +270,13 @@ class FakeEngineActor:
 @pytest.mark.parametrize("ranks,with_ray", [([2, 1], False), ([1, 0], False), ([1, 1], True)],
                          ids=["tp2-and-hf", "one-engine-cannot-join", "sync-with-ray"])
 def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
-    import rlhf_cli.rl.controller as controller_module
+    import sys
 
-    monkeypatch.setattr(controller_module, "ray", SimpleNamespace(get=lambda refs: refs, put=lambda x: x,
-                                                                  exceptions=controller_module.ray.exceptions))
+    import ray
+
+    # the controller imports Ray where a run uses it (a single-process run never does): fake it there
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=lambda refs: refs, put=lambda x: x,
+                                                            exceptions=ray.exceptions))
     calls, sends = [], []
     engines = [FakeEngineActor(r, calls) for r in ranks]
     actor = SimpleNamespace(weight_sync_address=lambda: ("10.0.0.1", 29500),

@@ -274,13 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     acc = {"before SFT": accuracy(files["base"], files["eval"])}
     timings["setup"] = time.perf_counter() - t0
     for stage, cmd in commands(files, work, args.quick, args.engine):
-        print(f"\n[demo] {stage}:\n  " + shlex.join(cmd).replace(" --", " \\\n    --"), flush=True)
-        t = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", *cmd[1:]])
-        timings[stage] = time.perf_counter() - t
-        if done.returncode != 0:
-            print(f"[demo] {stage} failed (exit {done.returncode})", file=sys.stderr)
-            return done.returncode
+        code = run_stage(stage, cmd, timings)
+        if code:
+            return code
         model = work / "sft" if stage == "SFT" else work / "rl" / "model"
         acc[f"after {stage.split()[0]}"] = accuracy(model, files["eval"])
     total = time.perf_counter() - t0
@@ -293,6 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] report: {work / 'rl' / 'report' / 'index.html'}")
     (work / "summary.json").write_text(json.dumps({"accuracy": acc, "seconds": timings, "total_s": total}, indent=2))
     return 0
+
+
+def run_stage(stage: str, cmd: list[str], timings: dict[str, float]) -> int:
+    """Print one stage's ``rlhf`` command, run it in a child process and time it; its exit code."""
+    print(f"\n[demo] {stage}:\n  " + shlex.join(cmd).replace(" --", " \\\n    --"), flush=True)
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", *cmd[1:]])
+    timings[stage] = time.perf_counter() - t
+    if done.returncode != 0:
+        print(f"[demo] {stage} failed (exit {done.returncode})", file=sys.stderr)
+    return done.returncode
 
 
 def cpu_seconds() -> float:
@@ -314,13 +321,9 @@ def main_real(work: Path, seed: int, quick: bool) -> int:
     print(f"[demo] held-out accuracy before RL: {acc['before RL']:.1%}", flush=True)
     timings["setup and evaluation"] = time.perf_counter() - t0
     for stage, cmd in real_commands(files, work, quick):
-        print(f"\n[demo] {stage}:\n  " + shlex.join(cmd).replace(" --", " \\\n    --"), flush=True)
-        t = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", *cmd[1:]])
-        timings[stage] = time.perf_counter() - t
-        if done.returncode != 0:
-            print(f"[demo] {stage} failed (exit {done.returncode})", file=sys.stderr)
-            return done.returncode
+        code = run_stage(stage, cmd, timings)
+        if code:
+            return code
     t = time.perf_counter()
     acc["after RL"], examples["after RL"] = real_accuracy(work / "rl" / "model", files["eval"], limit)
     timings["evaluation"] = time.perf_counter() - t

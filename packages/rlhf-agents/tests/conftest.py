@@ -83,7 +83,8 @@ def cfg_factory():
 
 @pytest.fixture
 def check_tokens(hf_model):
-    return lambda traj, **kw: check_trajectory_tokens(traj, hf_model, **kw)
+    """Checks a trajectory's log-probs against ``model`` (default: the tiny Llama of the engine fixtures)."""
+    return lambda traj, model=None, **kw: check_trajectory_tokens(traj, model or hf_model, **kw)
 
 
 @pytest.fixture

@@ -11,13 +11,21 @@ That only works when each call's input extends the previous call's input and out
 it does not (a chat template that renders earlier replies differently, text that re-tokenizes
 differently), the session records a *prefix violation*: the sample is marked unscorable with a message
 giving the position and both token strings, and counted in ``error/prefix_violation``.
+
+Tool calls: a request's ``tools`` reach the model through the chat template (or, for a template that ignores
+them, through a system block in the Hermes format); a reply holding ``<tool_call>{json}</tool_call>`` blocks
+comes back with OpenAI ``tool_calls`` and finish reason ``tool_calls``. When the agent sends such an assistant
+message back, the server renders the reply's original text in its place, so the next call's tokens still
+extend the conversation's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import re
 import socket
 import time
 import uuid
@@ -30,6 +38,7 @@ from rlhf_core.types import GenerationRequest, SamplingParams, Trajectory, deriv
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class _BadRequest(Exception):
@@ -50,6 +59,8 @@ class _Session:
     finish: str = "stop"
     calls: int = 0
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    replies: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The text of each reply that made tool calls, by its first call's id."""
 
 
 def _usage(ids: list[int], out_ids: list[int]) -> dict:
@@ -61,6 +72,48 @@ def _content_text(content: Any) -> Any:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     return content
+
+
+def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict]]:
+    """Split a reply in the Hermes/Qwen tool-call format into OpenAI ``(content, tool_calls)``.
+
+    Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block (a JSON object, or a list of
+    them) becomes a ``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}`` entry, ids
+    ``f"{call_id}_{k}"``; the text outside the blocks is the content (None when blank). A block that is not such
+    JSON stays in the content, so a malformed call reads as text, as it would to a user.
+    """
+    calls: list[dict] = []
+    kept: list[str] = []
+    end = 0
+    for match in TOOL_CALL_BLOCK.finditer(text):
+        try:
+            parsed = json.loads(match.group(1))
+        except ValueError:
+            continue
+        items = parsed if isinstance(parsed, list) else [parsed]
+        if not items or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in items):
+            continue
+        kept.append(text[end : match.start()])
+        end = match.end()
+        for c in items:
+            arguments = c.get("arguments", c.get("parameters", {}))
+            calls.append({
+                "id": f"{call_id}_{len(calls)}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
+            })
+    content = ("".join(kept) + text[end:]).strip() if calls else text
+    return (content or None), calls
+
+
+def hermes_tools_block(tools: list) -> str:
+    """The system text that describes ``tools`` to a model whose chat template ignores them."""
+    listed = "\n".join(json.dumps(t) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
+        f"{listed}\n</tools>\nTo call a function, reply with a JSON object inside tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 class OpenAIServerAgentExecutor(AgentExecutorBase):
@@ -164,36 +217,82 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise _BadRequest("'messages' must be a non-empty list")
-            messages = [{**m, "content": _content_text(m.get("content"))} for m in messages if isinstance(m, dict)]
             if session.tokenizer.chat_template is None:
                 raise _BadRequest("the tokenizer has no chat template; use /v1/completions")
-            try:
-                text = session.tokenizer.apply_chat_template(
-                    messages, tools=body.get("tools"), tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:
-                raise _BadRequest(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
+            tools, parse_calls = self._tools(body)
+            text = self._render(session, [m for m in messages if isinstance(m, dict)], tools)
             ids, out_ids, finish = await self._generate(session, encode(session.tokenizer, text), body)
         except _BadRequest as exc:
             return self._json_error(exc.status, str(exc))
         content = self._reply_text(session, out_ids, finish, body)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if parse_calls:
+            call_id = f"call_{uuid.uuid4().hex[:12]}"
+            parsed, tool_calls = parse_tool_calls(content, call_id)
+            if tool_calls:
+                session.replies[tool_calls[0]["id"]] = content
+                message = {"role": "assistant", "content": parsed, "tool_calls": tool_calls}
+                finish = "tool_calls" if finish == "stop" else finish
         return web.json_response(
             {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": body.get("model", "policy"),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": finish,
-                        "token_ids": out_ids,
-                    }
-                ],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "token_ids": out_ids}],
                 "usage": _usage(ids, out_ids),
             }
         )
+
+    @staticmethod
+    def _tools(body: dict) -> tuple[list | None, bool]:
+        """The request's tools and whether to parse tool calls out of the reply. ``tool_choice`` "required"
+        or a named function would need constrained decoding, which changes the distribution the samples come
+        from (the trainer's log-probs would not match), so it is refused."""
+        tools = body.get("tools") or None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise _BadRequest("'tools' must be a list of tool objects")
+        choice = body.get("tool_choice", "auto" if tools else "none")
+        if choice not in ("auto", "none"):
+            raise _BadRequest(
+                f"tool_choice={json.dumps(choice)} is not supported: forcing a call would sample the policy off its "
+                "own distribution; use 'auto' (the model decides) or 'none'"
+            )
+        return tools, bool(tools) and choice == "auto"
+
+    @staticmethod
+    def _render(session: _Session, messages: list[dict], tools: list | None) -> str:
+        """The chat template's text for ``messages``: an assistant message that carries tool calls this
+        session returned is rendered as the reply's original text (token-exact, whatever the template does
+        with ``tool_calls``); ``tools`` go to the template, or into the system message as a Hermes block when
+        the template ignores them."""
+        rendered = []
+        for m in messages:
+            calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+            first_id = calls[0].get("id") if isinstance(calls, list) and calls and isinstance(calls[0], dict) else None
+            if first_id in session.replies:
+                m = {"role": "assistant", "content": session.replies[first_id]}
+            else:
+                m = {**m, "content": _content_text(m.get("content")) or ""}
+            rendered.append(m)
+
+        def template(msgs: list[dict], with_tools: list | None) -> str:
+            try:
+                return session.tokenizer.apply_chat_template(
+                    msgs, tools=with_tools, tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:
+                raise _BadRequest(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
+
+        text = template(rendered, tools)
+        if tools and text == template(rendered, None):  # the template ignores tools: describe them itself
+            block = hermes_tools_block(tools)
+            if rendered[0].get("role") == "system":
+                rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{block}"}
+            else:
+                rendered.insert(0, {"role": "system", "content": block})
+            text = template(rendered, None)
+        return text
 
     async def _handle_completions(self, request: Any) -> Any:
         from aiohttp import web

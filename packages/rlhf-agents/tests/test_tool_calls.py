@@ -1,0 +1,123 @@
+"""Tool calls on the OpenAI endpoint: agent code using the real ``openai`` client offers tools, gets
+``tool_calls`` back, answers with ``role: "tool"`` messages, and the episode is still one token-exact
+trajectory (``examples/agent_tool_calculator.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from rlhf_agents import OpenAIServerAgentExecutor, RolloutWorker
+from rlhf_agents.loading import load_module
+from rlhf_agents.openai_server import hermes_tools_block, parse_tool_calls
+from rlhf_core.rollout.async_engine import AsyncEngine
+from rlhf_core.rollout.hf_engine import HFEngine
+from rlhf_core.types import SamplingParams
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "agent_tool_calculator.py"
+QUESTION = "What is 37 * 12?"
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12"}}\n</tool_call>'
+FINAL = "37 * 12 = 444"
+
+
+def test_parse_tool_calls_reads_hermes_blocks_and_leaves_the_rest_as_content():
+    text = 'Let me compute.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>[{"name": "g", "arguments": "{}"}]</tool_call>'
+    content, calls = parse_tool_calls(text, "call_a")
+    assert content == "Let me compute."
+    assert [(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("call_a_0", "f", {"x": 1}),
+        ("call_a_1", "g", {}),
+    ]
+    assert all(c["type"] == "function" for c in calls)
+    # a block that is not a call stays text; a reply without blocks is unchanged
+    bad = "<tool_call>{not json}</tool_call> and <tool_call>{\"arguments\": {}}</tool_call>"
+    assert parse_tool_calls(bad, "c") == (bad, [])
+    assert parse_tool_calls("just text", "c") == ("just text", [])
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>', "c")[0] is None  # nothing but the call
+
+
+@pytest.fixture(scope="module")
+def tool_policy(tmp_path_factory, smollm2):
+    """A tiny Llama with SmolLM2's tokenizer and chat template, trained until its greedy replies are the
+    calculator call and then, after the tool's result, ``FINAL``: a policy whose tool use is known."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tool_policy")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(smollm2) / name, path / name)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    agent = load_module(str(EXAMPLE), "tool_example")
+    system = {"role": "system", "content": hermes_tools_block(agent.TOOLS)}
+    turns = [system, {"role": "user", "content": QUESTION}]
+    first = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    turns += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "444"}]
+    second = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    ids = enc(second) + enc(FINAL) + [tok.eos_token_id]
+    reply_spans = [(len(enc(first)), len(enc(first)) + len(enc(CALL)) + 1), (len(enc(second)), len(ids))]
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    x = torch.tensor([ids])
+    labels = torch.full_like(x, -100)
+    for a, b in reply_spans:
+        labels[0, a:b] = x[0, a:b]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    targets = labels[0, 1:] != -100
+    for step in range(200):
+        out = model(x, labels=labels)
+        if step >= 10 and (out.logits[0, :-1].argmax(-1) == x[0, 1:])[targets].all():
+            break  # greedy decoding now replays both replies
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    model.save_pretrained(str(path))
+    return path, model.eval(), tok, ids
+
+
+@pytest.mark.real_model
+def test_the_openai_client_calls_a_tool_and_the_episode_stays_token_exact(tool_policy, cfg_factory, check_tokens):
+    path, model, tok, ids = tool_policy
+    engine = AsyncEngine(HFEngine(str(path), dtype="float32"))
+    cfg = cfg_factory(train={"agent_func_path": str(EXAMPLE)}, data={"max_len": 256})
+    worker = RolloutWorker.from_config(cfg, engine, tok)
+    (traj,) = worker.rollout([{"prompt_text": QUESTION, "label": "444", "prompt_uid": 0}],
+                             SamplingParams(n=1, max_new_tokens=48, temperature=0.0), step=0)
+    worker.close()
+
+    assert traj.error is None, traj.error
+    assert traj.reward == 1.0 and traj.extra_logs["tool_calls"] == 1.0 and traj.extra_logs["num_turns"] == 2.0
+    # the prompt carries the tools (this template ignores them, so the endpoint's Hermes block does), and
+    # the episode is the whole conversation: call, the tool's answer as feedback, final reply
+    assert traj.prompt_ids + traj.response_ids == ids
+    mask = traj.action_mask
+    feedback = [k for k in range(len(mask)) if mask[k] == 0]
+    assert tok.decode([traj.response_ids[k] for k in feedback]) == "\n<|im_start|>tool\n444<|im_end|>\n<|im_start|>assistant\n"
+    check_tokens(traj, model)
+    assert worker.last_metrics.get("error/prefix_violation", 0.0) == 0.0
+
+
+class AsksForAForcedCall(OpenAIServerAgentExecutor):
+    async def run_agent(self, base_url, prompt, label):
+        body = {"messages": [{"role": "user", "content": prompt}], "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required"}
+        async with aiohttp.ClientSession() as http, http.post(f"{base_url}/chat/completions", json=body) as resp:
+            self.seen = (resp.status, (await resp.json())["error"]["message"])
+        return 0.0
+
+
+def test_a_forced_tool_choice_is_refused_with_the_reason(async_engine, tokenizer, cfg_factory):
+    executor = AsksForAForcedCall()
+    worker = RolloutWorker(async_engine, tokenizer, executor, None, cfg_factory(reward={"max_failure_fraction": 1.0}))
+    worker.rollout([{"prompt_text": "w5", "label": "1", "prompt_uid": 0}], SamplingParams(n=1, max_new_tokens=4), step=0)
+    worker.close()
+    status, message = executor.seen
+    assert status == 400 and "tool_choice=\"required\" is not supported" in message and "'auto'" in message

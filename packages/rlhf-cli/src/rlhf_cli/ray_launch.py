@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhf_cli import reaper
 from rlhf_core import console
 from rlhf_core.types import PlacementPlan, WorkerGroupSpec
 
@@ -27,7 +28,8 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     A local cluster gets as many logical CPUs as the plan's bundles need (they are bookkeeping, not
     cores), its dashboard only when asked and then bound to 127.0.0.1, and no idle workers started ahead:
     Ray starts one per CPU for the first driver, but every rlhf actor asks for its own environment, so
-    none was ever used (two processes, ~80 MB and ~1.5 CPU-seconds of a 2-core machine's start-up).
+    none was ever used (two processes, ~80 MB and ~1.5 CPU-seconds of a 2-core machine's start-up). A
+    :mod:`rlhf_cli.reaper` ends the cluster's processes if the driver dies without shutting it down.
     """
     if ray.is_initialized():
         return
@@ -59,6 +61,7 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
         logging_level=logging.INFO if os.environ.get(console.DEBUG_ENV, "1") == "1" else logging.WARNING,
         _system_config={"prestart_worker_first_driver": False},
     )
+    reaper.start()  # the cluster is this driver's: it goes when the driver goes, even by SIGKILL
 
 
 def _cuda() -> bool:

@@ -1,0 +1,73 @@
+"""Ends what a driver leaves behind when it dies without cleaning up (SIGKILL, OOM kill).
+
+A local Ray cluster's daemons outlive a killed driver: Ray's dashboard and runtime-env agents linger for
+minutes, and so can actors. ``python -m rlhf_cli.reaper PID`` runs in a session of its own, notes every
+descendant of process PID once a second while it lives, and SIGKILLs the ones still running when it is gone.
+Processes are named by (pid, start time), so a reused pid is never killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 1.0
+_reaper: subprocess.Popen | None = None
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a running process, from ``/proc/PID/stat``."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ..., starttime is 20th
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of every process below ``root``."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            children.setdefault(stat[0], []).append((int(entry), stat[1]))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child[0])
+    return found
+
+
+def start() -> None:
+    """Start this process's reaper, once (a process that starts several clusters needs one); nothing where
+    there is no ``/proc``."""
+    global _reaper
+    if _reaper is None and Path("/proc/self/stat").exists():
+        _reaper = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_cli.reaper", str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+
+
+def main(driver_pid: int) -> None:
+    driver = _stat(driver_pid)
+    seen: set[tuple[int, int]] = set()
+    # the start time, not the parent: a driver whose shell exits is re-parented and still alive
+    while driver is not None and (now := _stat(driver_pid)) is not None and now[1] == driver[1]:
+        seen |= descendants(driver_pid)
+        time.sleep(POLL_S)
+    for pid, started in seen:
+        if pid != os.getpid() and (stat := _stat(pid)) is not None and stat[1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

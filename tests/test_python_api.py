@@ -101,6 +101,7 @@ def test_a_run_stopped_by_its_reward_function_resumes_through_the_api_exactly(ex
                                      "--rollout.batch_size"),
     ({"rollout": {"batch_size": "four"}}, "--rollout.batch_size: invalid int value: 'four'"),
     ({"ds": {"tensor_parallel_size": 2}}, "--ds.tensor_parallel_size: DeepSpeed AutoTP is not wired"),
+    ({"rollout": {"vllm_generate_batch_size": None}}, "--rollout.vllm_generate_batch_size None: an override cannot"),
     ({"reward_func": 42}, "reward_func= is a int (42), not a function"),
     ({"reward_func": lambda texts: texts}, "reward_func= <lambda>(texts) cannot be called as reward_func(queries, "
                                            "prompts, labels, **kwargs)"),
@@ -112,7 +113,8 @@ def test_a_run_stopped_by_its_reward_function_resumes_through_the_api_exactly(ex
      "dataset= and --data.prompt_dataset both give the data"),
     ({"config": RLConfig(), "mode": "sft"}, "config= is a RLConfig: rlhf train sft takes a SupervisedConfig"),
     ({"mode": "sft", "reward_func": small_words}, "reward_func= is the reward of 'rlhf train ppo'"),
-], ids=lambda v: "" if isinstance(v, str) else "-".join(v))
+], ids=["misspelled", "mistyped", "refused", "none", "not-callable", "signature", "two-rewards", "row-not-dict",
+       "row-not-json", "two-datasets", "config-of-another-mode", "reward-for-sft"])
 def test_mistakes_are_refused_naming_the_field_before_anything_is_written(kwargs, message, tiny_model, tmp_path):
     kwargs = {"mode": "ppo", "reward_func": small_words, "actor": {"model_name_or_path": tiny_model},
               "ckpt": {"output_dir": str(tmp_path / "run")}, **kwargs}
@@ -136,3 +138,28 @@ def test_a_dry_run_checks_and_plans_from_a_config_object_without_changing_it(tin
     assert result.config.reward.func is small_words
     assert result.config.data.prompt_dataset == [str(tmp_path / "run" / "data" / "dataset.jsonl")]
     assert cfg.ds.param_dtype == "auto" and cfg.reward.func is None and cfg.rollout.n_samples_per_prompt == 1
+
+
+def test_a_datasets_dataset_is_written_as_a_list_is_and_a_resume_on_other_rows_is_refused(tmp_path):
+    import datasets
+
+    from rlhf_cli.api import _data_files
+    from rlhf_core.config_parser import ConfigError
+
+    rows = [{"input": "w1 w2", "label": 3}, {"input": "w4", "label": None}]
+    cfg = RLConfig()
+    cfg.ckpt.output_dir = str(tmp_path)
+    files = _data_files("ppo", cfg, datasets.Dataset.from_list(rows), rows[:1])
+    assert files == {tmp_path / "data" / "dataset.jsonl": '{"input": "w1 w2", "label": 3}\n{"input": "w4", "label": null}\n',
+                     tmp_path / "data" / "eval_dataset.jsonl": '{"input": "w1 w2", "label": 3}\n'}
+    assert cfg.data.prompt_dataset == [str(tmp_path / "data" / "dataset.jsonl")]
+    assert cfg.eval.dataset == [str(tmp_path / "data" / "eval_dataset.jsonl")]
+    for path, text in files.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    cfg = RLConfig()
+    cfg.ckpt.output_dir, cfg.ckpt.load_enable = str(tmp_path), True
+    assert _data_files("ppo", cfg, rows, None)  # the same rows: the resume reads what the run read
+    cfg.data.prompt_dataset = None
+    with pytest.raises(ConfigError, match="dataset=: the rows differ from .*dataset.jsonl, which the run being resumed"):
+        _data_files("ppo", cfg, rows[::-1], None)

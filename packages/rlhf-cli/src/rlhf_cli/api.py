@@ -1,10 +1,5 @@
-"""The Python API: a run built from Python objects, checked, run, and its metrics and directory returned.
-
-    from rlhf_cli import train
-
-    result = train("ppo", actor={"model_name_or_path": "my-model"}, reward_func=my_reward, dataset=rows,
-                   rollout={"batch_size": 8, "n_samples_per_prompt": 4}, algo={"advantage": {"estimator": "group_norm"}})
-    result.metrics[-1]["reward/mean"], result.output_dir
+"""The Python API: a run built from Python objects, checked, run, and its directory and metrics returned
+(:func:`train`; the README's "Python API" section, ``examples/python_api.py``).
 
 ``rlhf train <mode>`` is a thin layer over it: it parses its flags into the same config
 (:func:`rlhf_core.config_parser.parse_config`) and calls :func:`check` and :func:`run`, as :func:`train` does.
@@ -69,7 +64,7 @@ def train(mode: str, config: Any = None, *, reward_func: Any = None, dataset: It
     """
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
-    cfg, notes = parse_config(mode, _config_flags(mode, config) + dict_tokens(overrides),
+    cfg, notes = parse_config(mode, _config_flags(mode, config) + dict_tokens(overrides, none_is_default=False),
                               config if type(config) is MODES[mode] else None)
     if reward_func is not None:
         if mode not in RL_MODES:

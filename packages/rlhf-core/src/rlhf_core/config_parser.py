@@ -269,11 +269,15 @@ def yaml_tokens(path: str | Path) -> list[str]:
     return dict_tokens(data)
 
 
-def dict_tokens(data: dict) -> list[str]:
+def dict_tokens(data: dict, none_is_default: bool = True) -> list[str]:
     """The flags a mapping stands for: nested sections or dotted keys (a YAML file's, or the Python API's
-    ``config=`` and overrides); None means the default."""
+    ``config=`` and overrides). None means the default, or is refused where it would be ignored (an override
+    of a value given below it: no flag says None)."""
     tokens: list[str] = []
     for key, value in _flatten_yaml(data).items():
+        if value is None and not none_is_default:
+            raise ConfigError(f"--{key} None: an override cannot set a field to None; leave it out for the value "
+                              "below it, or set it on the config object")
         if value is None:
             continue
         if isinstance(value, bool):

@@ -138,6 +138,9 @@ def test_a_dry_run_checks_and_plans_from_a_config_object_without_changing_it(tin
     assert result.config.reward.func is small_words
     assert result.config.data.prompt_dataset == [str(tmp_path / "run" / "data" / "dataset.jsonl")]
     assert cfg.ds.param_dtype == "auto" and cfg.reward.func is None and cfg.rollout.n_samples_per_prompt == 1
+    cfg.data.dataset = ["sft.jsonl"]  # a field of the supervised modes, which a flag of ppo cannot set
+    with pytest.raises(UserError, match=r"--data.dataset is an option of 'rlhf train sft\|rm\|dpo\|kto\|prm\|kd' only"):
+        train("ppo", cfg, reward_func=small_words, dry_run=True)
 
 
 def test_a_datasets_dataset_is_written_as_a_list_is_and_a_resume_on_other_rows_is_refused(tmp_path):

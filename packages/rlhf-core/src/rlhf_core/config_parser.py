@@ -326,9 +326,13 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
     values.update(_parse_tokens(mode, rewrite_aliases(mode, cli, notes), ""))
     cfg = build_config(mode, values, base)
     refused = []
-    for path, leaf in leaves(mode).items():
+    for path, leaf in all_leaves(COMMANDS[mode]).items():
         value = _get(cfg, path)
-        if leaf.secret and value == REDACTED:
+        if path not in leaves(mode):
+            if value != leaf.default:  # only a config object (``base``) can hold it: flags of other modes are refused
+                refused.append(f"--{path} is an option of 'rlhf train {'|'.join(leaf.modes)}' only: the code of "
+                               f"'{command_name(mode)}' does not use it")
+        elif leaf.secret and value == REDACTED:
             refused.append(f"--{path} is {REDACTED!r}, the placeholder of a saved config that hides it: give the "
                            "real value on the command line")
         elif value != leaf.default and leaf.refused:

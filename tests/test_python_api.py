@@ -48,6 +48,7 @@ def weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+@pytest.mark.slow
 def test_the_example_trains_from_python_objects_and_prints_its_metrics(example_run):
     run, printed = example_run
     rows = metric_rows(run)
@@ -65,6 +66,7 @@ def test_the_example_trains_from_python_objects_and_prints_its_metrics(example_r
     assert (run / "train.log").is_file() and (run / "model" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_its_reward_function_resumes_through_the_api_exactly(example_run, tmp_path):
     """The example's run again, from the config it saved, with an async reward function that fails from the third
     step on: the run stops naming it, after its step-2 checkpoint. Calling ``train`` again with

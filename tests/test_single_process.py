@@ -30,8 +30,15 @@ def counting_init(*args, **kwargs):
     calls.append(kwargs.get("address"))
     return real_init(*args, **kwargs)
 ray.init = counting_init
-from rlhf_cli.main import main
-code = main(sys.argv[2:])
+if sys.argv[2] == "--api":  # argv: --api REWARD_FILE FLAGS: reward_func a function of this script, as in a notebook
+    from rlhf_cli import train
+    from rlhf_core.config_parser import parse_config
+    exec(open(sys.argv[3]).read())
+    train("ppo", parse_config("ppo", sys.argv[4:])[0], reward_func=reward_func)
+    code = 0
+else:
+    from rlhf_cli.main import main
+    code = main(sys.argv[2:])
 json.dump({"code": code, "ray_init_calls": len(calls)}, open(sys.argv[1], "w"))
 """
 
@@ -204,10 +211,13 @@ def ppo_args(tmp_path_factory) -> list[str]:
 @pytest.mark.xdist_group("ray")
 def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(ppo_args, tmp_path):
     """The same seed gives the same steps and the same final weights, bit for bit, with and without Ray
-    (both run the rank with 2 torch threads)."""
+    (both run the rank with 2 torch threads). The Ray run goes through the Python API with the reward as a
+    function of the driver's script, which reaches the rollout worker by value."""
     args = [*ppo_args, "--train.max_steps", "3"]
     single = run_wrapped(tmp_path, "single", [*args, "--ckpt.output_dir", str(tmp_path / "single")])
-    on_ray = run_wrapped(tmp_path, "ray", [*args, "--ray.single_process", "false",
+    reward_file = args[args.index("--reward.remote_url") + 1]
+    api_args = [a for a in args[2:] if a not in ("--reward.remote_url", reward_file)]
+    on_ray = run_wrapped(tmp_path, "ray", ["--api", reward_file, *api_args, "--ray.single_process", "false",
                                            "--ckpt.output_dir", str(tmp_path / "ray")])
     assert single["ray_init_calls"] == 0 and on_ray["ray_init_calls"] == 1
     assert "the worker in this process (no Ray) up in" in single["stderr"]

@@ -137,7 +137,8 @@ def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
 
 
 class PythonFileRewardSource(RewardSource):
-    """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file, sync or async, called on batches.
+    """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file (or the function itself, ``func``:
+    the Python API's ``reward_func=``), sync or async, called on batches.
 
     Besides the three lists, it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and
     ``responses`` that its signature names (all of them when it takes ``**kwargs``). When a call raises, the
@@ -146,14 +147,21 @@ class PythonFileRewardSource(RewardSource):
 
     KWARGS = ("prompt_ids", "response_ids", "finish_reasons", "responses")
 
-    def __init__(self, path: str, timeout: float | None = None, flag: str = "--reward.remote_url"):
+    def __init__(self, path: str | None, timeout: float | None = None, flag: str = "--reward.remote_url",
+                 func: Any = None):
         self.path = path
         self.timeout = timeout
-        self.func = load_symbol(path, "reward_func", flag)
-        self.description = f"reward_func in {path}"
-        if not callable(self.func):
-            raise UserCodeError(f"{flag} {path}: reward_func is a {describe(self.func)}, not a function")
-        sig = inspect.signature(self.func)
+        if func is None:
+            func = load_symbol(path, "reward_func", flag)
+            where, self.description = f"{flag} {path}: reward_func", f"reward_func in {path}"
+        elif callable(func):
+            where = self.description = f"reward_func= {getattr(func, '__qualname__', type(func).__qualname__)}"
+        else:
+            where = "reward_func="
+        if not callable(func):
+            raise UserCodeError(f"{where} is a {describe(func)}, not a function")
+        self.func = func
+        sig = inspect.signature(func)
         params = sig.parameters.values()
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             self.kwargs = list(self.KWARGS)
@@ -164,8 +172,8 @@ class PythonFileRewardSource(RewardSource):
             sig.bind([], [], [], **dict.fromkeys(self.kwargs, []))
         except TypeError as exc:
             raise UserCodeError(
-                f"{flag} {path}: reward_func{sig} cannot be called as reward_func(queries, prompts, labels, "
-                f"**kwargs) with kwargs from {list(self.KWARGS)}: {exc}"
+                f"{where}{sig} cannot be called as reward_func(queries, prompts, labels, **kwargs) with kwargs "
+                f"from {list(self.KWARGS)}: {exc}"
             ) from None
 
     async def score(self, request: RewardRequest) -> RewardResult:
@@ -425,14 +433,15 @@ def is_http(entry: str) -> bool:
 
 
 class PythonFileRewardFactory:
-    """``--reward.remote_url path/to/reward.py``."""
+    """``--reward.remote_url path/to/reward.py``, or the Python API's ``reward_func=`` (``reward.func``)."""
 
     def accepts(self, cfg: Any) -> bool:
         entries = remote_entries(cfg.reward)
-        return len(entries) == 1 and entries[0].endswith(".py")
+        return cfg.reward.func is not None or (len(entries) == 1 and entries[0].endswith(".py"))
 
     def create(self, cfg: Any) -> RewardSource:
-        return PythonFileRewardSource(remote_entries(cfg.reward)[0], timeout=cfg.reward.timeout)
+        path = None if cfg.reward.func is not None else remote_entries(cfg.reward)[0]
+        return PythonFileRewardSource(path, timeout=cfg.reward.timeout, func=cfg.reward.func)
 
     def check(self, cfg: Any) -> None:
         self.create(cfg)  # imports the file and checks reward_func's signature: cheap, starts nothing
@@ -521,6 +530,12 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
     """
     pm = pm if pm is not None else get_plugin_manager()
     reward = cfg.reward
+    if reward.func is not None:
+        other = [f"--reward.{k}" for k in ("remote_url", "model_name_or_path", "source") if getattr(reward, k)]
+        if other:
+            raise ConfigError(f"reward_func= and {other[0]} both give the reward: give one (a reward function may "
+                              "call another source itself)")
+        return [(None, None, _pick(collect(pm, "reward_sources"), cfg), cfg)]
     if reward.source:
         return [(None, None, resolve(pm, "reward_sources", reward.source, flag="--reward.source"), cfg)]
     entries: list[str | None] = list(remote_entries(reward))

@@ -190,10 +190,10 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
             f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})"
         )
     if not (c.reward.remote_url or c.reward.model_name_or_path or c.train.agent_func_path or c.train.env
-            or c.reward.source):
+            or c.reward.source or c.reward.func is not None):
         problems.append(
             "no reward: give --reward.remote_url (a reward .py file or HTTP URL), "
-            "--reward.model_name_or_path, --train.agent_func_path or --train.env"
+            "--reward.model_name_or_path, --train.agent_func_path or --train.env (Python API: reward_func=)"
         )
     if c.algo.dynamic_filtering_enable and n < 2:
         problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "
@@ -473,12 +473,18 @@ def pin_rollout_pool(plan: PlacementPlan, resource: str) -> None:
             pool.bundles = [{**b, resource: 1.0} for b in pool.bundles]
 
 
-def write_run_dir(asm: Assembly) -> Path:
-    """Create the run directory with the resolved config and the plugin versions used."""
+def write_run_dir(asm: Assembly, files: dict[Path, str] | None = None) -> Path:
+    """Create the run directory with the resolved config, the plugin versions used and ``files`` (path: text)."""
     out = Path(asm.cfg.ckpt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg, asm.mode))
     meta = {"mode": asm.mode, "plugins": {s: {"name": n, "from": asm.provenance[s]} for s, n in asm.chosen.items()},
             "pid": os.getpid()}
+    func = getattr(getattr(asm.cfg, "reward", None), "func", None)
+    if func is not None:  # not in config.yaml: a Python object has no flag
+        meta["reward_func"] = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
+    for path, text in (files or {}).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     return out

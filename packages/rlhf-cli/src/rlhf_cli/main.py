@@ -12,83 +12,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
-import os
 import sys
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
-from rlhf_cli.assemble import assemble, write_run_dir
-from rlhf_core import console, plugins
+from rlhf_cli import api
+from rlhf_core import plugins
 from rlhf_core.config import MODES
 from rlhf_core.config_parser import build_argparser, config_to_yaml, parse_config
 from rlhf_core.errors import UserError, find_user_error
 
 USAGE = __doc__.split("\n", 2)[2]
-RUN_LOG = "train.log"
-
-
-@contextlib.contextmanager
-def run_log(out: Path, debug: bool = False) -> Iterator[Path]:
-    """``out/train.log`` receives this process's log records (INFO and up) while the run lasts, and the
-    traceback of an error that ends it; the terminal still shows warnings and errors, as before. Third-party
-    output (vLLM, transformers, DeepSpeed: their records, bars and prints, also from Ray workers) goes to the log
-    file only, unless ``debug`` (see :mod:`rlhf_core.console`)."""
-    root = logging.getLogger()
-    handlers = [logging.FileHandler(out / RUN_LOG)]
-    handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    if not root.handlers:  # what logging's last-resort handler did: warnings and errors on stderr
-        handlers.append(logging.StreamHandler(sys.stderr))
-        handlers[1].setLevel(logging.WARNING)
-        if not debug:
-            handlers[1].addFilter(console.OwnRecords())
-    env = {console.RUN_LOG_ENV: str((out / RUN_LOG).resolve()), console.DEBUG_ENV: "1" if debug else "0"}
-    if not debug:
-        env.update(console.QUIET_ENV)
-        console.library_loggers_to_root()
-    saved_env = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    level = root.level
-    root.setLevel(logging.INFO)
-    for h in handlers:
-        root.addHandler(h)
-    try:
-        yield out / RUN_LOG
-    finally:
-        root.setLevel(level)
-        for h in handlers:
-            root.removeHandler(h)
-            h.close()
-        if not debug:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.enable_progress_bar()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def log_traceback(log: Path, title: str, exc: BaseException) -> None:
-    """Append ``exc``'s traceback to the run's log file only (not through logging, which also reaches the
-    terminal)."""
-    with log.open("a") as f:
-        f.write(f"{title}\n{''.join(traceback.format_exception(exc))}")
 
 
 def fail(mode: str, exc: Exception, debug: bool, code: int, log: Path | None = None) -> int:
-    """Print the message of the user error behind ``exc`` alone (the traceback goes to the run's log, and to
-    the terminal on ``--debug``); returns ``code``."""
-    message = find_user_error(exc) or exc
-    if log is not None:
-        log_traceback(log, f"rlhf train {mode} stopped: {message}", exc)
+    """Print the message of the user error behind ``exc`` alone (the traceback went to the run's log, and goes
+    to the terminal on ``--debug``); returns ``code``."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    print(f"rlhf train {mode}: {message}", file=sys.stderr)
+    print(f"rlhf train {mode}: {find_user_error(exc) or exc}", file=sys.stderr)
     if log is not None and not debug:
         print(f"(the traceback is in {log}; --debug prints it)", file=sys.stderr)
     return code
@@ -109,11 +52,9 @@ def cmd_train(argv: list[str]) -> int:
     rest = [a for a in rest if a not in ("--dry-run", "--debug")]
     try:
         cfg, notes = parse_config(mode, rest)
-        asm = assemble(mode, cfg)
+        asm = api.check(mode, cfg, notes)
     except UserError as exc:
         return fail(mode, exc, debug, 2)
-    for note in notes + asm.notes:
-        print(f"note: {note}", file=sys.stderr)
     if dry_run:
         print(f"# rlhf train {mode} --dry-run: resolved configuration (nothing was started)")
         print(config_to_yaml(cfg, mode), end="")
@@ -121,26 +62,17 @@ def cmd_train(argv: list[str]) -> int:
         if cfg.ckpt.load_enable:
             return dry_run_resume(mode, cfg)
         return 0
-    with run_log(write_run_dir(asm), debug) as log:
-        try:
-            if mode == "ppo":
-                from rlhf_cli.rl.run import run_rl
-
-                return run_rl(asm)
-            backend = plugins.resolve(plugins.get_plugin_manager(), "train_backends", cfg.train.backend)
-            backend.run_trainer(mode, cfg)
-            return 0
-        except Exception as exc:
-            if find_user_error(exc) is None:  # a bug, not a user mistake: the whole traceback is what a report needs
-                log_traceback(log, f"rlhf train {mode} crashed", exc)
-                raise
-            return fail(mode, exc, debug, 1, log)  # also when a Ray worker raised it
+    try:
+        api.run(asm, debug=debug)
+    except Exception as exc:
+        if find_user_error(exc) is None:
+            raise
+        return fail(mode, exc, debug, 1, Path(cfg.ckpt.output_dir) / api.RUN_LOG)  # also when a Ray worker raised it
+    return 0
 
 
 def dry_run_resume(mode: str, cfg) -> int:
     """Say which checkpoint ``--ckpt.load_enable`` would resume from, or why none can be (exit 1)."""
-    from pathlib import Path
-
     from rlhf_core.checkpoint import CheckpointError, resume_point
 
     root = Path(cfg.ckpt.path or Path(cfg.ckpt.output_dir) / "checkpoints")

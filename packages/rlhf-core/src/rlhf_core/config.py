@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import MISSING, dataclass, field
+from typing import Any
 
 RL_MODES = ("ppo",)
 SUPERVISED_MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
@@ -178,6 +179,9 @@ class RewardConfig:
     comma-separated."""
     source: str | None = None
     """Pick a registered reward source by name instead of inferring it from the fields above."""
+    func: Any = field(default=None, repr=False, metadata={"python_only": True})
+    """The Python API's ``reward_func=``: a function called as a reward file's ``reward_func`` is (sync or
+    async); no flag, and not in the saved config."""
     # rlhf generate: each generation worker loads its own reward model
     num_nodes: int = option(1, modes=RL_MODES)
     """Nodes for the reward model."""

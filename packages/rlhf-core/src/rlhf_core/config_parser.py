@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import difflib
 import functools
@@ -98,6 +99,8 @@ def all_leaves(root: type) -> dict[str, Leaf]:
         hints = typing.get_type_hints(cls)
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
+            if f.metadata.get("python_only"):  # a Python object (``reward.func``): no flag, not saved
+                continue
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
@@ -263,13 +266,23 @@ def yaml_tokens(path: str | Path) -> list[str]:
         return []
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of sections, got {type(data).__name__}")
+    return dict_tokens(data)
+
+
+def dict_tokens(data: dict, none_is_default: bool = True) -> list[str]:
+    """The flags a mapping stands for: nested sections or dotted keys (a YAML file's, or the Python API's
+    ``config=`` and overrides). None means the default, or is refused where it would be ignored (an override
+    of a value given below it: no flag says None)."""
     tokens: list[str] = []
     for key, value in _flatten_yaml(data).items():
+        if value is None and not none_is_default:
+            raise ConfigError(f"--{key} None: an override cannot set a field to None; leave it out for the value "
+                              "below it, or set it on the config object")
         if value is None:
             continue
         if isinstance(value, bool):
             value = ["true" if value else "false"]
-        elif not isinstance(value, list):
+        elif not isinstance(value, (list, tuple)):
             value = [value]
         tokens += [f"--{key}", *(str(v) for v in value)]
     return tokens
@@ -286,8 +299,10 @@ def _parse_tokens(mode: str, tokens: list[str], where: str) -> dict[str, Any]:
     return vars(ns)
 
 
-def parse_config(mode: str, argv: list[str]) -> tuple[Any, list[str]]:
-    """Parse ``argv`` (flags only, no subcommand) for ``mode``; returns the config and notes to print."""
+def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, list[str]]:
+    """Parse ``argv`` (flags only, no subcommand) for ``mode``; returns the config and notes to print. The flags
+    apply to a copy of ``base`` (a config object of ``mode``) when given, else to the defaults; either way the
+    whole result is checked against the fields' rules."""
     if mode not in COMMANDS:
         raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(COMMANDS)}")
     notes: list[str] = []
@@ -309,11 +324,15 @@ def parse_config(mode: str, argv: list[str]) -> tuple[Any, list[str]]:
     for f in files:
         values.update(_parse_tokens(mode, rewrite_aliases(mode, yaml_tokens(f), notes), f" (in {f})"))
     values.update(_parse_tokens(mode, rewrite_aliases(mode, cli, notes), ""))
-    cfg = build_config(mode, values)
+    cfg = build_config(mode, values, base)
     refused = []
-    for path, leaf in leaves(mode).items():
+    for path, leaf in all_leaves(COMMANDS[mode]).items():
         value = _get(cfg, path)
-        if leaf.secret and value == REDACTED:
+        if path not in leaves(mode):
+            if value != leaf.default:  # only a config object (``base``) can hold it: flags of other modes are refused
+                refused.append(f"--{path} is an option of 'rlhf train {'|'.join(leaf.modes)}' only: the code of "
+                               f"'{command_name(mode)}' does not use it")
+        elif leaf.secret and value == REDACTED:
             refused.append(f"--{path} is {REDACTED!r}, the placeholder of a saved config that hides it: give the "
                            "real value on the command line")
         elif value != leaf.default and leaf.refused:
@@ -338,9 +357,9 @@ def _get(cfg: Any, path: str) -> Any:
     return cfg
 
 
-def build_config(mode: str, values: dict[str, Any]) -> Any:
-    """A config of ``mode`` with defaults, updated by ``{dotted path: value}``."""
-    cfg = COMMANDS[mode]()
+def build_config(mode: str, values: dict[str, Any], base: Any = None) -> Any:
+    """A config of ``mode`` with defaults (or a copy of ``base``), updated by ``{dotted path: value}``."""
+    cfg = COMMANDS[mode]() if base is None else copy.deepcopy(base)
     table = leaves(mode)
     for path, value in values.items():
         leaf = table[path]

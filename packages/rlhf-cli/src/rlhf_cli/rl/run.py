@@ -123,8 +123,8 @@ def worker_processes(groups: Groups) -> int:
     return len(ranks) + (0 if groups.rollout_in_actor else len(groups.rollout))
 
 
-def run_rl(asm: Assembly) -> int:
-    """Run the RL job; returns the process exit code."""
+def run_rl(asm: Assembly) -> None:
+    """Run the RL job."""
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
     from rlhf_core.checkpoint import CheckpointError, CheckpointManager
@@ -144,19 +144,14 @@ def run_rl(asm: Assembly) -> int:
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     resume, resume_state = None, None
     if cfg.ckpt.load_enable:  # damaged checkpoints are found here, before any worker starts
-        try:
-            resume = checkpoints.latest()
-            resume_state = checkpoints.load_client_state(resume) if resume is not None else None
-        except CheckpointError as exc:
-            print(f"rlhf train ppo: {exc}", file=sys.stderr)
-            return 1
+        resume = checkpoints.latest()
+        resume_state = checkpoints.load_client_state(resume) if resume is not None else None
         if resume is None:
             print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
                   file=sys.stderr)
         elif not resume_state.get("has_ds_state", True):
-            print(f"rlhf train ppo: cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
-                  "only, no optimizer state)", file=sys.stderr)
-            return 2
+            raise CheckpointError(f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
+                                  "only, no optimizer state)")
 
     started = time.perf_counter()
     pools = {}
@@ -213,4 +208,3 @@ def run_rl(asm: Assembly) -> int:
     from rlhf_cli.report import make_report
 
     print(f"report: {make_report(out)}", file=sys.stderr)
-    return 0

@@ -34,7 +34,7 @@ def check_seam(register_plugin, seam, hook, builtins, distribution):
 
 def test_hook_rlhf_register_advantage_estimators(register_plugin):
     found = check_seam(register_plugin, "advantage_estimators", "rlhf_register_advantage_estimators",
-                       ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"], "rlhf-algos")
+                       ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "opd"], "rlhf-algos")
     assert found["gae"].obj.needs_critic and not found["group_norm"].obj.needs_critic
 
 

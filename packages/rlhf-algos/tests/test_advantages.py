@@ -18,6 +18,7 @@ from rlhf_algos.advantages import (
     gae_advantages,
     group_shaped_rewards,
     normalize_advantages,
+    opd_advantages,
     token_level_rewards,
 )
 from rlhf_core.types import AdvantageInput
@@ -316,6 +317,38 @@ def test_group_norm_end_to_end_with_kl_in_reward():
     torch.testing.assert_close(out.advantages, expected)
 
 
+def test_opd_hand_computed():
+    """Each action token's advantage is -kl_coef times its own KL (no sum over later tokens), plus the task
+    reward's group-normalised advantage times its coefficient; padding and invalid rows get 0."""
+    student = t([[-1.0, -2.0, -0.5], [-0.2, -3.0, 0.0], [-1.0, -1.0, -1.0], [-0.1, -0.1, 0.0]])
+    teacher = t([[-1.5, -0.5, -0.5], [-0.2, -1.0, 0.0], [-2.0, -0.5, -1.0], [-0.3, -0.2, 0.0]])
+    kl = student - teacher  # k1: [[.5, -1.5, 0], [0, -2, 0], [1, -.5, 0], [.2, .1, 0]]
+    mask = b([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]])
+    only_kl = opd_advantages(kl, 2.0, mask)
+    torch.testing.assert_close(only_kl, t([[-1.0, 3.0, 0.0], [0.0, 4.0, 0.0], [-2.0, 1.0, 0.0], [-0.4, -0.2, 0.0]]))
+    # two groups of 2: rewards (1, 0) and (1, 1); group_norm gives +-0.5 / sqrt(0.5) = +-sqrt(0.5), and 0
+    g = math.sqrt(0.5)
+    mixed = opd_advantages(kl, 2.0, mask, t([1.0, 0.0, 1.0, 1.0]), 2, task_reward_coef=0.5)
+    want = t([[-1.0 + g / 2, 3.0 + g / 2, g / 2], [-g / 2, 4.0 - g / 2, 0.0], [-2.0, 1.0, 0.0], [-0.4, -0.2, 0.0]])
+    torch.testing.assert_close(mixed, want)
+    # an invalid sample: its row is 0, and its group has one valid sample left (no task advantage)
+    invalid = opd_advantages(kl, 2.0, mask, t([1.0, NAN, 1.0, 0.0]), 2, 0.5, valid=b([1, 0, 1, 1]))
+    torch.testing.assert_close(invalid[:2], t([[-1.0, 3.0, 0.0], [0.0, 0.0, 0.0]]))
+    # --reward.clip_range clamps the group-normalised task reward (+-0.707 -> +-0.5), not the KL term
+    clipped = opd_advantages(kl, 2.0, mask, t([1.0, 0.0, 1.0, 1.0]), 2, 0.5, reward_clip=(-0.5, 0.5))
+    torch.testing.assert_close(clipped[0], t([-1.0 + 0.25, 3.0 + 0.25, 0.25]))
+    # through the registered estimator: the same numbers, returns equal to the advantages
+    out = ADVANTAGE_ESTIMATORS["opd"](AdvantageInput(
+        rewards=t([1.0, 0.0, 1.0, 1.0]), action_mask=mask, n_samples_per_prompt=2, kl=kl, kl_coef=2.0,
+        task_reward_coef=0.5, gamma=0.5))  # gamma is not read: there is no return over tokens
+    torch.testing.assert_close(out.advantages, want)
+    torch.testing.assert_close(out.returns, want)
+    assert not ADVANTAGE_ESTIMATORS["opd"].needs_critic
+    with pytest.raises(ValueError, match=r"n_samples_per_prompt >= 2 \(got 1\)"):  # a task reward needs groups
+        compute_advantages(AdvantageInput(rewards=t([0.0]), action_mask=mask[:1], kl=kl[:1], kl_coef=1.0,
+                                          task_reward_coef=1.0), "opd")
+
+
 def test_dr_grpo_is_mean_centred_without_any_scaling():
     batch = AdvantageInput(
         rewards=t([3.0, 1.0, 0.0, 0.0]),
@@ -402,9 +435,10 @@ def test_padding_and_invalid_rows_do_not_leak(name, n, groups, t_, holes, seed):
 
 def test_nan_reward_counts_as_invalid_even_if_marked_valid():
     mask = torch.ones(4, 2, dtype=torch.bool)
-    marked = AdvantageInput(rewards=t([1.0, NAN, 0.0, 0.5]), action_mask=mask, n_samples_per_prompt=4)
+    kl = dict(kl=torch.full((4, 2), 0.3), kl_coef=0.1, task_reward_coef=0.5)  # opd reads all three
+    marked = AdvantageInput(rewards=t([1.0, NAN, 0.0, 0.5]), action_mask=mask, n_samples_per_prompt=4, **kl)
     explicit = AdvantageInput(
-        rewards=t([1.0, 0.0, 0.0, 0.5]), action_mask=mask, n_samples_per_prompt=4, valid=b([1, 0, 1, 1])
+        rewards=t([1.0, 0.0, 0.0, 0.5]), action_mask=mask, n_samples_per_prompt=4, valid=b([1, 0, 1, 1]), **kl
     )
     for name in ADVANTAGE_ESTIMATORS:
         if name == "gae":

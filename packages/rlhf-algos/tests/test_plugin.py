@@ -17,7 +17,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "rlhf_algos"
 def test_names_and_provenance():
     pm = get_plugin_manager()
     expected = {
-        "advantage_estimators": {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"},
+        "advantage_estimators": {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "opd"},
         "policy_losses": {"ppo", "gspo"},
         "kl_estimators": {"k1", "k2", "k3"},
     }
@@ -33,6 +33,7 @@ def test_names_and_provenance():
         "rloo": (False, 2),
         "group_norm": (False, 2),
         "dr_grpo": (False, 2),
+        "opd": (False, 1),
     }
     assert all(isinstance(f, PolicyLoss) for f in POLICY_LOSSES.values())
     assert all(isinstance(f, KLEstimator) for f in KL_ESTIMATORS.values())

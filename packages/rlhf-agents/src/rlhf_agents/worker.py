@@ -18,6 +18,7 @@ from typing import Any
 from rlhf_agents.checks import describe
 from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
+from rlhf_core.config import distills_only
 from rlhf_core.errors import UserError
 from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
 from rlhf_core.vision import collapse_image_tokens
@@ -96,6 +97,7 @@ class RolloutWorker:
         self.max_failure_fraction = cfg.reward.max_failure_fraction
         self.check_retokenization = cfg.train.check_retokenization
         self.agent_file = cfg.train.agent_func_path
+        self.distills_only = distills_only(cfg)
         self.last_metrics: dict[str, float] = {}
         self._drift_warned = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -196,6 +198,10 @@ class RolloutWorker:
         """Score, in one batched call, every sample that has neither a reward nor an error yet."""
         pending = [t for t in trajectories if t.reward is None and t.error is None]
         if not pending:
+            return
+        if self.reward_source is None and self.distills_only:
+            for traj in pending:  # on-policy distillation without a task reward: the teacher is the signal
+                traj.reward = traj.score = 0.0
             return
         if self.reward_source is None:
             raise ValueError(

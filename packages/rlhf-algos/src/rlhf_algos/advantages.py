@@ -1,5 +1,5 @@
 """Advantage estimators: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``,
-``dr_grpo``.
+``dr_grpo``, and ``opd`` (on-policy distillation, :func:`opd_advantages`, which skips steps 1-4 below).
 
 All follow OpenRLHF's order of operations (``docs/algorithms.md`` has the formulas and the deviations):
 
@@ -28,7 +28,7 @@ from rlhf_core.types import AdvantageInput, AdvantageOutput
 
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 BATCH_NORMALIZED = ("gae", "reinforce", "reinforce_baseline")
-ESTIMATOR_NAMES = ("gae", "reinforce", *GROUP_ESTIMATORS)
+ESTIMATOR_NAMES = ("gae", "reinforce", *GROUP_ESTIMATORS, "opd")
 
 
 def check_n_samples_per_prompt(name: str, min_samples_per_prompt: int, n_samples_per_prompt: int) -> None:
@@ -180,6 +180,42 @@ def normalize_advantages(
     return torch.where(mask, out, 0.0)
 
 
+def opd_advantages(
+    kl: torch.Tensor,
+    kl_coef: float,
+    action_mask: torch.Tensor,
+    rewards: torch.Tensor | None = None,
+    n_samples_per_prompt: int = 1,
+    task_reward_coef: float = 0.0,
+    valid: torch.Tensor | None = None,
+    reward_clip: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """On-policy distillation: per-token advantages ``[B, T]`` from the student's reverse KL to a teacher::
+
+        A_t = -kl_coef * kl_t + task_reward_coef * clamp(group_norm(r)_i, lo, hi)     on action tokens of valid rows
+        A_t = 0                                                            elsewhere
+
+    ``kl`` ``[B, T]`` is the k1 estimate ``log pi_student(y_t) - log pi_teacher(y_t)`` of the sampled token
+    ``y_t``; each token's own KL is its advantage, with no sum over later tokens (a discount of 0), as in
+    on-policy distillation (Agarwal et al. 2023, https://arxiv.org/abs/2306.13649; Lu and Thinking Machines
+    2025). ``rewards`` ``[B]`` is an optional task reward, group-normalised as ``group_norm`` does
+    (:func:`group_shaped_rewards`, groups of ``n_samples_per_prompt`` rows), clamped into ``reward_clip`` as
+    the other estimators clamp theirs, and added to every action token; it is read only when
+    ``task_reward_coef`` is not 0. There is no batch whitening: the KL's scale is the
+    signal. Rows with ``valid`` False get 0.
+    """
+    mask = action_mask.bool()
+    if valid is not None:
+        mask = mask & valid.bool()[:, None]
+    adv = -kl_coef * kl.float()
+    if task_reward_coef:
+        shaped = group_shaped_rewards(rewards, n_samples_per_prompt, "group_norm", valid)
+        if reward_clip is not None:
+            shaped = shaped.clamp(reward_clip[0], reward_clip[1])
+        adv = adv + task_reward_coef * shaped[:, None]
+    return torch.where(mask, adv, 0.0)
+
+
 def compute_advantages(batch: AdvantageInput, estimator: str) -> AdvantageOutput:
     """Advantages and returns ``[B, T]`` for the built-in ``estimator`` (see the module docstring).
 
@@ -188,7 +224,7 @@ def compute_advantages(batch: AdvantageInput, estimator: str) -> AdvantageOutput
     changes nothing for ``rloo``, ``group_norm`` and ``dr_grpo``, as in OpenRLHF. A sample whose reward is
     not finite counts as invalid even when ``batch.valid`` says otherwise. The input is not modified.
     """
-    if estimator in GROUP_ESTIMATORS:
+    if estimator in GROUP_ESTIMATORS or (estimator == "opd" and batch.task_reward_coef):
         check_n_samples_per_prompt(estimator, 2, batch.n_samples_per_prompt)
     if estimator == "gae" and batch.values is None:
         raise ValueError("advantage estimator 'gae' needs critic values (AdvantageInput.values)")
@@ -198,6 +234,11 @@ def compute_advantages(batch: AdvantageInput, estimator: str) -> AdvantageOutput
     if batch.valid is not None:
         valid &= batch.valid.bool()
     live = mask & valid[:, None]
+    if estimator == "opd":
+        kl = torch.zeros(mask.shape) if batch.kl is None else batch.kl  # no teacher: the task reward alone
+        advantages = opd_advantages(kl, batch.kl_coef, mask, batch.rewards, batch.n_samples_per_prompt,
+                                    batch.task_reward_coef, valid, batch.reward_clip)
+        return AdvantageOutput(advantages=advantages, returns=advantages.clone())
 
     shaped = group_shaped_rewards(batch.rewards, batch.n_samples_per_prompt, estimator, valid)
     token_rewards = token_level_rewards(shaped, live, batch.kl, batch.kl_coef, batch.reward_clip)
@@ -230,4 +271,5 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
         name: AdvantageEstimator(name, needs_critic=False, min_samples_per_prompt=2)
         for name in GROUP_ESTIMATORS
     },
+    "opd": AdvantageEstimator("opd", needs_critic=False, min_samples_per_prompt=1),
 }

@@ -17,10 +17,10 @@ from typing import Any
 
 from rlhf_cli.placement import ROLE_ORDER, plan_pools, roles_in_actor, strategy_name
 from rlhf_core import inline, plugins
-from rlhf_core.config import RewardConfig, resolve_param_dtype, resolve_zero_stage
+from rlhf_core.config import RewardConfig, distills_only, resolve_param_dtype, resolve_zero_stage
 from rlhf_core.config_parser import config_to_yaml
 from rlhf_core.errors import UserError
-from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, is_prm_model, preflight
+from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, check_same_tokenizer, is_prm_model, preflight
 from rlhf_core.types import PlacementPlan, RoleDemand
 
 
@@ -190,7 +190,7 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
             f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})"
         )
     if not (c.reward.remote_url or c.reward.model_name_or_path or c.train.agent_func_path or c.train.env
-            or c.reward.source or c.reward.func is not None):
+            or c.reward.source or c.reward.func is not None or distills_only(c)):
         problems.append(
             "no reward: give --reward.remote_url (a reward .py file or HTTP URL), "
             "--reward.model_name_or_path, --train.agent_func_path or --train.env (Python API: reward_func=)"
@@ -237,6 +237,45 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
         problems.append("--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')")
     if problems:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
+
+
+def _check_opd(cfg, problems: list[str]) -> None:
+    """``--algo.advantage.estimator opd``: the reference group is the teacher, scoring every sampled token; the
+    per-token k1 KL folded into the reward is the signal (``rlhf_algos.advantages.opd_advantages``)."""
+    c = cfg
+    if c.algo.advantage.estimator != "opd":
+        if c.algo.opd.task_reward_coef:
+            problems.append("--algo.opd.task_reward_coef applies to --algo.advantage.estimator opd only")
+        return
+    teacher = c.ref.model_name_or_path
+    if not teacher:
+        problems.append("--algo.advantage.estimator opd distils from a teacher: give it as --ref.model_name_or_path "
+                        "(the reference group loads it and scores every sampled token)")
+    elif not problems:  # the model paths are sound (check_models found nothing)
+        try:
+            check_same_tokenizer("--ref.model_name_or_path", teacher, c.actor.model_name_or_path,
+                                 "on-policy distillation scores the student's sampled token ids with the teacher")
+        except SetupError as exc:
+            problems.append(str(exc))
+    if c.algo.kl.init_coef <= 0:
+        problems.append(f"--algo.kl.init_coef {c.algo.kl.init_coef}: with opd it weights the teacher's per-token "
+                        "signal and must be > 0 (0 loads no teacher)")
+    if c.algo.kl.use_loss:
+        problems.append("--algo.kl.use_loss: opd's signal is the KL to the teacher as a per-token reward; drop the flag")
+    if c.algo.kl.estimator != "k1":
+        problems.append(f"--algo.kl.estimator {c.algo.kl.estimator}: opd's per-token signal is the reverse KL's k1 "
+                        "estimate log pi_student - log pi_teacher of the sampled token; use k1")
+    if c.algo.advantage.gamma != 1.0:
+        problems.append(f"--algo.advantage.gamma {c.algo.advantage.gamma}: opd gives each token its own KL, with no "
+                        "return over later tokens, so there is nothing to discount")
+    if c.algo.opd.task_reward_coef < 0:
+        problems.append(f"--algo.opd.task_reward_coef {c.algo.opd.task_reward_coef}: must be >= 0")
+    if c.algo.opd.task_reward_coef and c.rollout.n_samples_per_prompt < 2:
+        problems.append("--algo.opd.task_reward_coef > 0 group-normalises the task reward over the samples of a "
+                        "prompt, so it needs --rollout.n_samples_per_prompt >= 2")
+    if distills_only(c) and c.algo.dynamic_filtering_enable:
+        problems.append("--algo.dynamic_filtering_enable filters on the task score, which opd with "
+                        "--algo.opd.task_reward_coef 0 does not compute")
 
 
 def _check_vision(cfg, estimator, engine: str) -> list[str]:
@@ -362,6 +401,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     models = [(f"--{role}.model_name_or_path", getattr(cfg, role).model_name_or_path)
               for role in ("actor", "critic", "ref", "reward")]
     problems = check_models(models, "--actor.model_name_or_path", asm)
+    _check_opd(cfg, problems)
     from rlhf_agents.executors import executor_class
     from rlhf_agents.rewards import check_reward_config
 

@@ -161,7 +161,8 @@ class CriticConfig(OptimizerFields):
 @dataclass
 class RefConfig:
     model_name_or_path: str | None = None
-    """The frozen reference model (default: the actor's initial weights)."""
+    """The frozen reference model (default: the actor's initial weights); the teacher of
+    ``--algo.advantage.estimator opd``."""
     num_nodes: int = option(1, modes=RL_MODES)
     """Nodes for the reference model (DPO/KTO run it on the trained model's ranks)."""
     num_gpus_per_node: int = option(1, modes=RL_MODES)
@@ -345,7 +346,7 @@ class TrainConfig:
 class AdvantageConfig:
     estimator: str = "gae"
     """Registered advantage estimator: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``,
-    ``group_norm``, ``dr_grpo``."""
+    ``group_norm``, ``dr_grpo``, ``opd`` (on-policy distillation from ``--ref.model_name_or_path``)."""
     gamma: float = 1.0
     """Discount factor."""
     lambd: float = 1.0
@@ -375,9 +376,24 @@ class KLConfig:
 
 
 @dataclass
+class OPDConfig:
+    task_reward_coef: float = 0.0
+    """``--algo.advantage.estimator opd``: weight of the task reward's group-normalised advantage added to
+    the teacher's per-token signal; 0 distils only, and needs no reward source."""
+
+
+def distills_only(cfg: Any) -> bool:
+    """Whether an RL run is on-policy distillation with no task reward (``--algo.advantage.estimator opd`` and
+    ``--algo.opd.task_reward_coef 0``): it needs no reward source, and its samples get reward 0."""
+    algo = getattr(cfg, "algo", None)
+    return algo is not None and algo.advantage.estimator == "opd" and not algo.opd.task_reward_coef
+
+
+@dataclass
 class AlgoConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     kl: KLConfig = field(default_factory=KLConfig)
+    opd: OPDConfig = field(default_factory=OPDConfig)
     dynamic_filtering_enable: bool = False
     """Keep a prompt group only when its mean score lies strictly inside ``dynamic_filtering_range``;
     filtered groups are replaced by new prompts."""

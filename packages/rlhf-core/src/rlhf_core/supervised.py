@@ -82,31 +82,40 @@ def prm_tokens(tokenizer: Any, placeholder: str | None, reward_tokens: list[str]
 
 def check_teacher(cfg: Any) -> None:
     """``rlhf train kd``: a teacher is given and shares the student's vocabulary, word for word."""
-    from transformers import AutoConfig, AutoTokenizer
-
     teacher, student = cfg.teacher.model_name_or_path, cfg.model.model_name_or_path
     if not teacher:
         raise SetupError("rlhf train kd needs a teacher: --teacher.model_name_or_path (OpenRLHF: --teacher_model)")
     if not student:
         raise SetupError("rlhf train kd needs the student: --model.model_name_or_path (OpenRLHF: --pretrain)")
+    check_same_tokenizer("--teacher.model_name_or_path", teacher, student,
+                         "distillation compares the logits entry by entry")
+
+
+def check_same_tokenizer(flag: str, teacher: str, student: str, why: str) -> None:
+    """Refuse a teacher (given by ``flag``) whose vocabulary size, tokens or special-token ids (eos, pad, bos)
+    differ from the student's; ``why`` says what needs them equal. Raises SetupError naming both models."""
+    from transformers import AutoConfig, AutoTokenizer
+
     try:
         t_cfg, s_cfg = AutoConfig.from_pretrained(teacher), AutoConfig.from_pretrained(student)
     except (OSError, ValueError) as exc:
-        raise SetupError(f"--teacher.model_name_or_path {teacher}: cannot read the model config: {exc}") from None
+        raise SetupError(f"{flag} {teacher}: cannot read the model config: {exc}") from None
     if t_cfg.vocab_size != s_cfg.vocab_size:
         raise SetupError(
-            f"--teacher.model_name_or_path {teacher} has {t_cfg.vocab_size} vocabulary entries, the student "
-            f"{student} {s_cfg.vocab_size}: distillation compares the logits entry by entry"
+            f"{flag} {teacher} has {t_cfg.vocab_size} vocabulary entries, the student {student} "
+            f"{s_cfg.vocab_size}: {why}"
         )
     try:
-        same = AutoTokenizer.from_pretrained(teacher).get_vocab() == AutoTokenizer.from_pretrained(student).get_vocab()
+        t_tok, s_tok = AutoTokenizer.from_pretrained(teacher), AutoTokenizer.from_pretrained(student)
     except (OSError, ValueError):
-        same = True  # a teacher directory without a tokenizer: the matching vocabulary size is all we can check
-    if not same:
-        raise SetupError(
-            f"--teacher.model_name_or_path {teacher}: its tokenizer differs from the student's ({student}); "
-            "distillation needs the same tokens at the same ids"
-        )
+        return  # a teacher directory without a tokenizer: the matching vocabulary size is all we can check
+    if t_tok.get_vocab() != s_tok.get_vocab():
+        raise SetupError(f"{flag} {teacher}: its tokenizer differs from the student's ({student}); {why}, "
+                         "so it needs the same tokens at the same ids")
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if getattr(t_tok, name) != getattr(s_tok, name):
+            raise SetupError(f"{flag} {teacher}: its {name} is {getattr(t_tok, name)}, the student's ({student}) "
+                             f"{getattr(s_tok, name)}; {why}, so it needs the same special tokens")
 
 
 def preflight(mode: str, cfg: Any) -> PRMTokens | None:

@@ -325,6 +325,9 @@ class AdvantageInput:
     last token (``--reward.clip_range``; nothing else applies it)."""
     no_std_norm: bool = False
     """Subtract the mean but do not divide by the std in the estimator's normalisation step."""
+    task_reward_coef: float = 0.0
+    """``opd``: weight of the task reward's group-normalised advantage beside the teacher's KL
+    (``--algo.opd.task_reward_coef``); other estimators ignore it."""
 
 
 @dataclass

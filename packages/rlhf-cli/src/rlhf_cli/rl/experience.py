@@ -119,4 +119,5 @@ def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: floa
         lambd=a.lambd,
         reward_clip=tuple(cfg.reward.clip_range),
         no_std_norm=a.no_std_norm,
+        task_reward_coef=cfg.algo.opd.task_reward_coef,
     )

@@ -129,20 +129,29 @@ def test_opd_moves_the_student_towards_the_teacher(task, tmp_path):
 def test_opd_driver_checks(task, tmp_path, capsys):
     """``--dry-run`` accepts OPD without a reward source, with the async pipeline and with the vLLM engine;
     it refuses a missing teacher, a teacher with another tokenizer, and KL settings that are not the signal."""
+    from transformers import AutoTokenizer
+
     from rlhf_cli.main import main
     from rlhf_core.testing.tiny import make_tiny_llama
 
     base = [*opd_args(task, tmp_path / "dry", 1), "--dry-run"]
-    for extra in ([], ["--train.async_enable"], ["--rollout.engine", "vllm"]):
+    wider = make_tiny_llama(tmp_path / "wider", num_words=NUM_WORDS, vocab_size=32)  # padded embeddings, same tokens
+    for extra in ([], ["--train.async_enable"], ["--rollout.engine", "vllm"], ["--ref.model_name_or_path", wider]):
         code, out = main([*base, *extra]), capsys.readouterr()
         assert code == 0, (extra, out.err[-3000:])
         assert "estimator: opd" in out.out
     other = make_tiny_llama(tmp_path / "other", num_words=NUM_WORDS + 1)
+    other_eos = make_tiny_llama(tmp_path / "other_eos", num_words=NUM_WORDS)
+    tok = AutoTokenizer.from_pretrained(other_eos)
+    tok.eos_token = "<|system|>"  # the same tokens, another end-of-sequence id
+    tok.save_pretrained(other_eos)
     i = base.index("--ref.model_name_or_path")
     cases = {
         "opd distils from a teacher: give it as --ref.model_name_or_path": base[:i] + base[i + 2:],
-        r"--ref.model_name_or_path \S*other has 28 vocabulary entries, the student \S*student 27":
+        r"--ref.model_name_or_path \S*other: its tokenizer differs from the student's \(\S*student\)":
             base[:i + 1] + [other] + base[i + 2:],
+        r"other_eos: its eos_token_id is 4, the student's \(\S*student\) 2; on-policy distillation":
+            base[:i + 1] + [other_eos] + base[i + 2:],
         "--algo.kl.use_loss: opd's signal": [*base, "--algo.kl.use_loss"],
         "--algo.kl.estimator k3: opd's per-token signal": [*base, "--algo.kl.estimator", "k3"],
         "--algo.kl.init_coef 0.0: with opd": [*base, "--algo.kl.init_coef", "0"],

@@ -254,7 +254,8 @@ def _check_opd(cfg, problems: list[str]) -> None:
     elif not problems:  # the model paths are sound (check_models found nothing)
         try:
             check_same_tokenizer("--ref.model_name_or_path", teacher, c.actor.model_name_or_path,
-                                 "on-policy distillation scores the student's sampled token ids with the teacher")
+                                 "on-policy distillation scores the student's sampled token ids with the teacher",
+                                 same_logits_width=False)
         except SetupError as exc:
             problems.append(str(exc))
     if c.algo.kl.init_coef <= 0:

@@ -88,26 +88,29 @@ def check_teacher(cfg: Any) -> None:
     if not student:
         raise SetupError("rlhf train kd needs the student: --model.model_name_or_path (OpenRLHF: --pretrain)")
     check_same_tokenizer("--teacher.model_name_or_path", teacher, student,
-                         "distillation compares the logits entry by entry")
+                         "distillation compares the logits entry by entry", same_logits_width=True)
 
 
-def check_same_tokenizer(flag: str, teacher: str, student: str, why: str) -> None:
-    """Refuse a teacher (given by ``flag``) whose vocabulary size, tokens or special-token ids (eos, pad, bos)
-    differ from the student's; ``why`` says what needs them equal. Raises SetupError naming both models."""
+def check_same_tokenizer(flag: str, teacher: str, student: str, why: str, same_logits_width: bool) -> None:
+    """Refuse a teacher (given by ``flag``) whose tokens or special-token ids (eos, pad, bos) differ from the
+    student's, and, with ``same_logits_width`` (logits compared entry by entry), whose vocabulary size (the
+    embedding rows, padding included) differs; ``why`` says what needs them equal. Without a tokenizer to
+    compare, equal vocabulary sizes are all that can be checked. Raises SetupError naming both models."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
         t_cfg, s_cfg = AutoConfig.from_pretrained(teacher), AutoConfig.from_pretrained(student)
     except (OSError, ValueError) as exc:
         raise SetupError(f"{flag} {teacher}: cannot read the model config: {exc}") from None
-    if t_cfg.vocab_size != s_cfg.vocab_size:
-        raise SetupError(
-            f"{flag} {teacher} has {t_cfg.vocab_size} vocabulary entries, the student {student} "
-            f"{s_cfg.vocab_size}: {why}"
-        )
+    sizes = SetupError(f"{flag} {teacher} has {t_cfg.vocab_size} vocabulary entries, the student {student} "
+                       f"{s_cfg.vocab_size}: {why}")
+    if same_logits_width and t_cfg.vocab_size != s_cfg.vocab_size:
+        raise sizes
     try:
         t_tok, s_tok = AutoTokenizer.from_pretrained(teacher), AutoTokenizer.from_pretrained(student)
     except (OSError, ValueError):
+        if t_cfg.vocab_size != s_cfg.vocab_size:
+            raise sizes from None
         return  # a teacher directory without a tokenizer: the matching vocabulary size is all we can check
     if t_tok.get_vocab() != s_tok.get_vocab():
         raise SetupError(f"{flag} {teacher}: its tokenizer differs from the student's ({student}); {why}, "

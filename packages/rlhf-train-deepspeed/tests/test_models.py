@@ -22,6 +22,7 @@ from rlhf_train_deepspeed.strategy import (
     ConfigError,
     check_features,
     lr_multiplier,
+    make_optimizer,
     make_scheduler,
     param_dtype,
 )
@@ -245,3 +246,49 @@ def test_chunked_head_keeps_no_logits_for_backward(wide_vocab_llama, monkeypatch
     whole = vocab_bytes_saved(lambda: logprobs_and_entropy(model(seq.input_ids).logits[:, 2:-1] / 0.7, labels))
     assert whole >= 2 * 20 * WIDE_VOCAB * 4
     assert chunked == 0
+
+
+def test_the_fused_adamw_steps_like_the_per_tensor_one_and_a_float64_adamw():
+    """``make_optimizer``'s AdamW is the fused kernel (no full-size temporaries); after 5 steps its fp32
+    parameters are the default per-tensor AdamW's (the optimizer before) and a float64 AdamW written out here
+    (decay on matrices only), to fp32 rounding: each step rounds the parameter and its update a few times,
+    so 5 steps stay within 5 x 4 units in the last place of the largest |parameter| (0.5: 1.5e-7 each)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 3), torch.nn.LayerNorm(3))
+    for p in model.parameters():
+        p.data = torch.empty_like(p).uniform_(-0.5, 0.5)
+    grads = [[torch.randn_like(p) * 10.0 ** -k for k, p in enumerate(model.parameters())] for _ in range(5)]
+    opt = OptimizerFields()
+    opt.adam.lr, opt.adam.weight_decay = 1e-2, 0.1
+    (beta1, beta2), eps = opt.adam.betas, opt.adam.eps
+
+    def run(make) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        optimizer = make(torch.nn.ParameterList(params))
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            optimizer.step()
+        return [p.detach() for p in params]
+
+    fused = run(lambda m: make_optimizer(m, opt, offload=False))
+    per_tensor = run(lambda m: torch.optim.AdamW(
+        [{"params": [p for p in m if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in m if p.dim() < 2], "weight_decay": 0.0}],
+        lr=1e-2, betas=(beta1, beta2), eps=eps, foreach=False))
+    assert make_optimizer(torch.nn.Linear(2, 2), opt, offload=False).defaults["fused"]
+    exact = []
+    for k, p in enumerate(model.parameters()):
+        x, m, v = p.detach().double(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)
+        decay = 0.1 if p.dim() >= 2 else 0.0
+        for t, step_grads in enumerate(grads, start=1):
+            g = step_grads[k].double()
+            x = x * (1 - 1e-2 * decay)
+            m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+            x = x - 1e-2 * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps)
+        exact.append(x)
+    tol = 5 * 4 * 2.0**-24 * 0.5 * 2  # 5 steps x 4 ulps of |p| <= 1 (0.5 plus 5 updates of at most 1e-2 each)
+    for f, d, e, p in zip(fused, per_tensor, exact, model.parameters(), strict=True):
+        assert float((f - d).abs().max()) <= tol
+        assert float((f.double() - e).abs().max()) <= tol
+        assert float((f - p).abs().max()) > 1e-3  # the steps moved it

@@ -12,7 +12,7 @@ import torch
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
-from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
+from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWorker
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 
@@ -352,3 +352,61 @@ def test_experts_implementation_reaches_the_trained_and_reference_moe_models(gro
         (chosen[experts],) = group.call("__ray_call__", lambda w: (w.hf_config._experts_implementation,
                                         w.ref_engine.module.config._experts_implementation))
     assert chosen == {None: ("grouped_mm", "grouped_mm"), "batched_mm": ("batched_mm", "batched_mm")}
+
+
+# A one-rank ZeRO-0 fp32 run (a single-process CPU run's default) saves memory without changing its numbers: an HF
+# engine hosted in the rank decodes from the trainer's own parameters (no copy), and the lone rank skips
+# DeepSpeed's all-reduce (the identity, through a flat copy of every gradient). One rank in this process, no Ray.
+
+
+def inline_rank(path: str) -> TrainWorker:
+    worker = TrainWorker(0, 1)
+    worker.init_distributed(worker.master_address())
+    worker.init_model(spec(path, 4), DSConfig(zero_stage=0, param_dtype="fp32"))
+    return worker
+
+
+def samples(engine) -> list:
+    from rlhf_core.types import GenerationRequest, SamplingParams
+
+    request = GenerationRequest([5, 9, 13, 7], SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=3))
+    return [(o.token_ids, o.logprobs) for o in engine.generate([request])[0]]
+
+
+def test_a_hosted_engine_decodes_from_the_trainers_tensors_with_the_numbers_of_its_own_copy(tiny_llama):
+    """The hosted engine's parameters are the trainer's tensors (same storage), and its samples, before and
+    after a training step, are bitwise those of an engine owning a copy that gets the weights by
+    ``update_weights`` (the path before sharing): the same fused and packed weights, the same kernels.
+    The step without DeepSpeed's all-reduce gives bitwise the parameters of the step with it (x1.0 and a
+    one-rank all-reduce are exact)."""
+    from rlhf_core.rollout.hf_engine import HFEngine
+
+    worker = inline_rank(tiny_llama)
+    try:
+        worker.host("engine", HFEngine, tiny_llama, pack_weights=True)
+        hosted = worker._hosted["engine"]
+        owned = HFEngine(tiny_llama, pack_weights=True)
+        trainer = dict(worker._module().named_parameters())
+        assert hosted.borrowed and not worker.engine.enable_backward_allreduce
+        assert all(p.data_ptr() == trainer[n].data_ptr() for n, p in hosted.model.named_parameters())
+        assert samples(hosted) == samples(owned)
+
+        before = samples(hosted)
+        mbs = global_batch()
+        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+        assert worker.push_weights_to_hosted("engine") == 0  # nothing copied
+        owned.update_weights(dict(worker.named_weights()))
+        after = samples(hosted)
+        assert after == samples(owned) and after != before
+        stepped = {n: p.detach().clone() for n, p in worker._module().named_parameters()}
+    finally:
+        worker.close()
+
+    worker = inline_rank(tiny_llama)  # the same step through DeepSpeed's all-reduce
+    try:
+        worker.engine.enable_backward_allreduce = True
+        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+        for n, p in worker._module().named_parameters():
+            assert torch.equal(p, stepped[n]), n
+    finally:
+        worker.close()

@@ -98,6 +98,17 @@ class RolloutActor:
         self.engine.reset_prefix_cache()
         return len(state_dict)
 
+    def share_weights(self, named_tensors: dict) -> bool:
+        """Let the engine decode from the hosting rank's own parameters instead of a copy (an HF engine in a
+        training rank's process); False where the engine cannot (then weights come by :meth:`update_weights`)."""
+        share = getattr(self.engine, "share_weights", None)
+        return bool(share is not None and self._on_engine_thread(share, named_tensors))
+
+    @property
+    def borrowed(self) -> bool:
+        """The engine decodes from the hosting rank's parameters: a weight sync has nothing to copy."""
+        return bool(getattr(self.engine, "borrowed", False))
+
     def weight_sync_ranks(self) -> int:
         """Ranks the engine takes in the weight-broadcast group (one per tensor-parallel worker), or 0 for an
         engine without ``init_weight_sync``, whose weights then come through the object store."""

@@ -743,8 +743,16 @@ class TrainWorker:
 
     def host(self, name: str, cls: type, *args, **kwargs) -> None:
         """Build ``cls(*args, **kwargs)`` in this rank's process under ``name`` (a rollout engine colocated with
-        this rank on CPU), instead of in a process of its own; :meth:`call_hosted` reaches it."""
-        self._hosted[name] = cls(*args, **kwargs)
+        this rank on CPU), instead of in a process of its own; :meth:`call_hosted` reaches it. An object that
+        can decode from this rank's parameters themselves (``share_weights``: the HF engine) is given them
+        where they are whole fp32 tensors in HF layout that the optimizer updates in place (ZeRO-0 with torch's
+        AdamW, no LoRA to merge): one copy of the policy in the process instead of two, and no packed decode
+        copies kept through training (SmolLM2-135M: 1.1 GB less at the peak)."""
+        obj = self._hosted[name] = cls(*args, **kwargs)
+        if hasattr(obj, "share_weights") and self.engine is not None and self.spec.trainable \
+                and self.strategy.ds.zero_stage == 0 and self.strategy.dtype == torch.float32 \
+                and not self.strategy.ds.adam_offload and not self._is_peft():
+            obj.share_weights(dict(self._module().named_parameters()))
 
     def call_hosted(self, name: str, method: str, *args, **kwargs) -> Any:
         return getattr(self._hosted[name], method)(*args, **kwargs)
@@ -753,8 +761,11 @@ class TrainWorker:
         """Load this rank's weights into the object hosted under ``name`` (its ``update_weights``), in process:
         no broadcast, no object store. Collective under ZeRO-3 like :meth:`named_weights`: every rank calls
         it, and ranks that host nothing only take part in the gathers. Returns the number of tensors loaded."""
-        weights = dict(self.named_weights())
         target = self._hosted.get(name)
+        # it decodes from our parameters: nothing to copy (pointed at them again, should they have been replaced)
+        if getattr(target, "borrowed", False) and target.share_weights(dict(self._module().named_parameters())):
+            return 0
+        weights = dict(self.named_weights())
         if target is None:
             return 0
         target.update_weights(weights)

@@ -169,12 +169,18 @@ def decode_plan(model) -> dict | None:
     return {"inner": inner, "lm_head": model.lm_head, "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn}
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) tensor stacking the outputs of ``linears``; their parameters become views of it."""
+def _stack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy)."""
     weight = torch.cat([m.weight.detach() for m in linears])
     bias = None
     if any(m.bias is not None for m in linears):
         bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
+    return weight, bias
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_stack`, the parameters of ``linears`` becoming views of the stacked tensors."""
+    weight, bias = _stack(linears)
     start = 0
     for m in linears:
         end = start + m.out_features
@@ -185,17 +191,19 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def fuse_projections(plan: dict) -> list[tuple]:
-    """Lay out each layer's q/k/v weights in one tensor and its gate/up weights in another, the modules'
-    parameters becoming views of them, so that a decode step runs one matmul for each group instead of
-    three and two (batch 32, one thread: 3-12% off a step). No memory is added and nothing
-    needs refreshing, as long as the weights change only in place (``copy_``), as :class:`HFEngine` does.
+def fuse_projections(plan: dict, in_place: bool = True) -> list[tuple]:
+    """Lay out each layer's q/k/v weights in one tensor and its gate/up weights in another, so that a decode
+    step runs one matmul for each group instead of three and two (batch 32, one thread: 3-12% off a step).
+    ``in_place``: the modules' parameters become views of them, so no memory is added and nothing needs
+    refreshing as long as the weights change only in place (``copy_``), as :class:`HFEngine` does; else
+    the groups are copies (an engine borrowing a trainer's weights builds them per ``generate`` call).
     Returns per layer ``(qkv weight, qkv bias, gate_up weight, gate_up bias)``; a bias is None when no
     projection of the group has one."""
+    group = _fuse if in_place else _stack
     fused = []
     for layer in plan["inner"].layers:
         at, mlp = layer.self_attn, layer.mlp
-        fused.append((*_fuse([at.q_proj, at.k_proj, at.v_proj]), *_fuse([mlp.gate_proj, mlp.up_proj])))
+        fused.append((*group([at.q_proj, at.k_proj, at.v_proj]), *group([mlp.gate_proj, mlp.up_proj])))
     return fused
 
 
@@ -304,7 +312,8 @@ class HFEngine(RolloutEngine):
             in float32 for models of hidden size :data:`PACK_MIN_HIDDEN` or more.
 
     The engine owns the model it loads: its q/k/v and gate/up weights are laid out fused
-    (:func:`fuse_projections`) and change only through :meth:`update_weights`.
+    (:func:`fuse_projections`) and change only through :meth:`update_weights`, until
+    :meth:`share_weights` makes it borrow a trainer's tensors in the same process.
     """
 
     def __init__(
@@ -367,6 +376,8 @@ class HFEngine(RolloutEngine):
         self.pack_weights = (pack_weights and self.own_weights and self.device.type == "cpu"
                              and model.lm_head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self._weights: dict | None = None  # decode_weights of an owned model; dropped whenever they change
+        self.borrowed = False
+        """The parameters are a trainer's own tensors (:meth:`share_weights`), which change behind our back."""
         # Every name a trainer may send (tied weights appear under both names) -> the tensor to fill.
         self._targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -412,7 +423,10 @@ class HFEngine(RolloutEngine):
         weights = self._weights
         if rows and self.plan is not None and weights is None:
             pack_rows = min(len(rows), self.max_batch_size) if self.pack_weights else 0
-            weights = decode_weights(self.plan, self._fused, pack_rows)
+            # borrowed weights: the fused groups (and packed copies) of this call only, freed when it returns
+            fused = fuse_projections(self.plan, in_place=False) if self.borrowed else self._fused
+            weights = decode_weights(self.plan, fused, pack_rows)
+            del fused
             if self.own_weights:  # else rebuilt per call: a module we do not own may change between calls
                 self._weights = weights
         saved_attention = self.model.config._attn_implementation
@@ -606,6 +620,27 @@ class HFEngine(RolloutEngine):
             target.copy_(tensor)
             self._missing.discard(canonical)
 
+    @torch.no_grad()
+    def share_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Decode from ``named_tensors`` themselves (a trainer's parameters in this process, by HF name) instead
+        of a copy: the engine's own weights are freed, and the trainer's in-place updates reach the engine
+        without :meth:`update_weights`. Each generate call then lays out its fused groups and packed copies
+        afresh (the same values and layout as an owned engine's, so the same numbers) and frees them when it
+        returns. Returns False, sharing nothing, unless the engine owns its weights (loaded from a path) or
+        already shares, and every parameter has a tensor of the same name, shape, dtype and device.
+        :meth:`sleep` ends the sharing: after :meth:`wake_up` the engine owns its weights again and needs
+        :meth:`update_weights`."""
+        if self._asleep or not (self.own_weights or self.borrowed) or not all(
+            (t := named_tensors.get(name)) is not None and t.shape == p.shape and t.dtype == p.dtype
+            and t.device == p.device for name, p in self._params.items()
+        ):
+            return False
+        for name, p in self._params.items():
+            p.data = named_tensors[name].detach()
+        self._weights = self._fused = None
+        self.own_weights, self.borrowed = False, True
+        return True
+
     def init_weight_sync(
         self,
         master_addr: str,
@@ -641,6 +676,8 @@ class HFEngine(RolloutEngine):
         if self._asleep:
             return
         self._weights = self._fused = None  # level 2 frees the fused tensors; wake_up lays them out again
+        if self.borrowed:  # moved or discarded: after wake_up the weights are this engine's own again
+            self.borrowed, self.own_weights = False, True
         for p in self._params.values():
             if level == 2:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)

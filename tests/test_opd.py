@@ -29,21 +29,22 @@ def prompts(seed: int, n: int) -> list[str]:
             for k in torch.randint(1, 5, (n,), generator=gen)]
 
 
-def make_teacher(path: Path) -> str:
-    """A tiny Llama trained for 60 Adam steps to answer ``w7 </s>`` after any prompt of 1-4 words."""
+def make_teacher(path: Path, answers: tuple[str, ...] = (ANSWER,), **model: int) -> str:
+    """A tiny Llama trained for 60 Adam steps to answer ``w7 </s>`` (or each of ``answers`` in turn) after any
+    prompt of 1-4 words."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core.testing.tiny import make_tiny_llama
 
-    make_tiny_llama(path, seed=1, num_words=NUM_WORDS, hidden_size=64, intermediate_size=128)
+    make_tiny_llama(path, **{"seed": 1, "num_words": NUM_WORDS, "hidden_size": 64, "intermediate_size": 128, **model})
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
     for step in range(60):
         ids, labels = [], []
-        for text in prompts(1000 + step, 16):
+        for i, text in enumerate(prompts(1000 + step, 16)):
             p = tok(text)["input_ids"]
-            a = tok(ANSWER)["input_ids"] + [tok.eos_token_id]
+            a = tok(answers[i % len(answers)])["input_ids"] + [tok.eos_token_id]
             ids.append(p + a + [tok.pad_token_id] * (6 - len(p)))
             labels.append([-100] * len(p) + a + [-100] * (6 - len(p)))
         loss = model(input_ids=torch.tensor(ids), labels=torch.tensor(labels)).loss
@@ -55,13 +56,14 @@ def make_teacher(path: Path) -> str:
 
 
 @torch.no_grad()
-def held_out(student: str | Path, teacher: str | Path, texts: list[str]) -> tuple[float, float]:
-    """(greedy accuracy, mean reverse KL at the first answer position) of ``student`` against ``teacher``."""
+def held_out(student: str | Path, teacher: str | Path, texts: list[str], word: str = ANSWER) -> tuple[float, float]:
+    """(greedy accuracy, mean reverse KL at the first answer position) of ``student`` against ``teacher``,
+    whose answer is ``word``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(teacher)
     s, t = AutoModelForCausalLM.from_pretrained(student), AutoModelForCausalLM.from_pretrained(teacher)
-    answer = tok(ANSWER)["input_ids"][0]
+    answer = tok(word)["input_ids"][0]
     hits, kls = [], []
     for text in texts:
         ids = torch.tensor([tok(text)["input_ids"]])
@@ -160,6 +162,69 @@ def test_opd_driver_checks(task, tmp_path, capsys):
         "--algo.opd.task_reward_coef applies to --algo.advantage.estimator opd only":
             [*base, "--algo.opd.task_reward_coef", "0.5", "--algo.advantage.estimator", "group_norm"],
     }
+    # multi-teacher: the teachers replace --ref.model_name_or_path, and each prompt names one in its column
+    tagged = tmp_path / "tagged.jsonl"
+    tagged.write_text(json.dumps({"input": "w1 w2", "teacher": "a"}) + "\n" + json.dumps({"input": "w3", "teacher": "c"}) + "\n")
+    multi = [*base[:i], *base[i + 2:], "--algo.opd.teachers", f"a={task['teacher']}", f"b={task['teacher']}",
+             "--algo.opd.teacher_key", "teacher"]
+    code, out = main(multi), capsys.readouterr()
+    assert code == 0 and "estimator: opd" in out.out, out.err[-3000:]
+    k = multi.index("--algo.opd.teacher_key")
+    cases.update({
+        "--ref.model_name_or_path: with --algo.opd.teachers every teacher is given there": [*multi, *base[i:i + 2]],
+        "--algo.opd.teachers: one teacher is --ref.model_name_or_path": multi[:k - 1] + multi[k:],
+        "--algo.opd.teachers needs --algo.opd.teacher_key": multi[:k],
+        "--algo.opd.teacher_key names a teacher of --algo.opd.teachers": [*base, "--algo.opd.teacher_key", "t"],
+        "--algo.opd.teachers 'b': give each teacher as NAME=PATH": multi[:k - 1] + ["b"] + multi[k:],
+        "the name 'a' is given twice": multi[:k - 1] + [f"a={task['teacher']}"] + multi[k:],
+        r"--algo.opd.teachers b \S*nowhere": multi[:k - 1] + [f"b={tmp_path / 'nowhere'}"] + multi[k:],
+        r"--algo.opd.teachers b \S*other: its tokenizer differs": multi[:k - 1] + [f"b={other}"] + multi[k:],
+        "--algo.opd.teachers applies to --algo.advantage.estimator opd only":
+            [*multi, "--algo.advantage.estimator", "group_norm"],
+    })
     for message, args in cases.items():
         code, out = main(args), capsys.readouterr()
         assert code == 2 and re.search(message, out.err), (message, out.err[-2000:])
+    # the prompts are read in the driver before any worker starts (not by --dry-run)
+    unknown = [a for a in multi if a != "--dry-run"] + ["--data.prompt_dataset", str(tagged)]
+    code, out = main(unknown), capsys.readouterr()
+    assert code != 0 and re.search(r"tagged.jsonl row 1: teacher 'c' \(key 'teacher'\) is not one of "
+                                   "--algo.opd.teachers: a, b", out.err), out.err[-2000:]
+    assert "up in" not in out.err  # no worker was started
+
+
+@torch.no_grad()
+def answer_probs(model_dir: str | Path, texts: list[str], words: list[str]) -> list[float]:
+    """The mean probability of each of ``words`` as the first answer token after ``texts``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    p = torch.stack([model(torch.tensor([tok(t)["input_ids"]])).logits[0, -1].softmax(-1) for t in texts]).mean(0)
+    return [float(p[tok(w)["input_ids"][0]]) for w in words]
+
+
+@pytest.mark.slow
+def test_multi_teacher_opd_distils_each_prompt_from_the_teacher_its_column_names(task, tmp_path):
+    """Two teachers, one answering ``w7`` and one ``w3`` whatever the prompt; each prompt's ``teacher`` column
+    names one, and its last word (``w0`` or ``w1``) says which, so the student can tell them apart. After
+    one pass of OPD the student's first answer leans to ``w7`` after ``w0`` and to ``w3`` after ``w1``
+    (held-out prompts, computed here): each prompt was scored by its own teacher. One teacher for all would
+    move both kinds of prompt the same way; swapped teachers, the other way round."""
+    three = make_teacher(tmp_path / "three", ("w3",))
+    rows = [{"input": f"{text} {('w0', 'w1')[i % 2]}", "teacher": ("seven", "three")[i % 2]}
+            for i, text in enumerate(prompts(3, 64))]
+    data = tmp_path / "tagged.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [*opd_args({**task, "data": str(data)}, tmp_path / "run", 8), "--actor.adam.lr", "1e-2"]
+    i = args.index("--ref.model_name_or_path")
+    args[i:i + 2] = ["--algo.opd.teachers", f"seven={task['teacher']}", f"three={three}", "--algo.opd.teacher_key",
+                     "teacher"]
+    done = run_cli(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (w7_after_w0, w3_after_w0), (w7_after_w1, w3_after_w1) = (
+        answer_probs(tmp_path / "run" / "model", [f"{t} {marker}" for t in task["held_out"]], ["w7", "w3"])
+        for marker in ("w0", "w1"))
+    # measured on three seeds: p(w7 | w0) / p(w7 | w1) 2.2-6.4 and p(w3 | w1) / p(w3 | w0) 1.8-11 (the random
+    # student starts at about 1 for both); at lr 3e-2 its first token collapsed to end-of-sequence
+    assert w7_after_w0 > 1.5 * w7_after_w1 and w3_after_w1 > 1.5 * w3_after_w0, \
+        (w7_after_w0, w7_after_w1, w3_after_w1, w3_after_w0)

@@ -17,7 +17,13 @@ from typing import Any
 
 from rlhf_cli.placement import ROLE_ORDER, plan_pools, roles_in_actor, strategy_name
 from rlhf_core import inline, plugins
-from rlhf_core.config import RewardConfig, distills_only, resolve_param_dtype, resolve_zero_stage
+from rlhf_core.config import (
+    RewardConfig,
+    distills_only,
+    opd_teachers,
+    resolve_param_dtype,
+    resolve_zero_stage,
+)
 from rlhf_core.config_parser import config_to_yaml
 from rlhf_core.errors import UserError
 from rlhf_core.supervised import PRM_AGGREGATIONS, SetupError, check_same_tokenizer, is_prm_model, preflight
@@ -239,21 +245,44 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
         raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
 
-def _check_opd(cfg, problems: list[str]) -> None:
+def _check_opd(cfg, problems: list[str], asm: Assembly) -> None:
     """``--algo.advantage.estimator opd``: the reference group is the teacher, scoring every sampled token; the
     per-token k1 KL folded into the reward is the signal (``rlhf_algos.advantages.opd_advantages``)."""
     c = cfg
     if c.algo.advantage.estimator != "opd":
-        if c.algo.opd.task_reward_coef:
-            problems.append("--algo.opd.task_reward_coef applies to --algo.advantage.estimator opd only")
+        for flag, value in (("task_reward_coef", c.algo.opd.task_reward_coef), ("teachers", c.algo.opd.teachers),
+                            ("teacher_key", c.algo.opd.teacher_key)):
+            if value:
+                problems.append(f"--algo.opd.{flag} applies to --algo.advantage.estimator opd only")
         return
-    teacher = c.ref.model_name_or_path
-    if not teacher:
+    try:
+        teachers = {f"--algo.opd.teachers {name}": path for name, path in opd_teachers(c).items()}
+    except ValueError as exc:
+        problems.append(str(exc))
+        return
+    if teachers:
+        if c.ref.model_name_or_path:
+            problems.append("--ref.model_name_or_path: with --algo.opd.teachers every teacher is given there (the "
+                            "reference group loads them all); drop one of the two")
+        if len(teachers) < 2:
+            problems.append("--algo.opd.teachers: one teacher is --ref.model_name_or_path; give two or more")
+        if not c.algo.opd.teacher_key:
+            problems.append("--algo.opd.teachers needs --algo.opd.teacher_key: the prompt column naming each "
+                            "prompt's teacher")
+        problems += check_models(list(teachers.items()), "--actor.model_name_or_path", asm)
+    elif c.algo.opd.teacher_key:
+        problems.append("--algo.opd.teacher_key names a teacher of --algo.opd.teachers per prompt: give the teachers")
+    elif c.ref.model_name_or_path:
+        teachers = {"--ref.model_name_or_path": c.ref.model_name_or_path}
+    else:
         problems.append("--algo.advantage.estimator opd distils from a teacher: give it as --ref.model_name_or_path "
-                        "(the reference group loads it and scores every sampled token)")
-    elif not problems:  # the model paths are sound (check_models found nothing)
+                        "(the reference group loads it and scores every sampled token), or several as "
+                        "--algo.opd.teachers")
+    for flag, teacher in teachers.items():
+        if problems:  # the model paths must be sound (check_models found nothing) to read their tokenizers
+            break
         try:
-            check_same_tokenizer("--ref.model_name_or_path", teacher, c.actor.model_name_or_path,
+            check_same_tokenizer(flag, teacher, c.actor.model_name_or_path,
                                  "on-policy distillation scores the student's sampled token ids with the teacher",
                                  same_logits_width=False)
         except SetupError as exc:
@@ -402,7 +431,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     models = [(f"--{role}.model_name_or_path", getattr(cfg, role).model_name_or_path)
               for role in ("actor", "critic", "ref", "reward")]
     problems = check_models(models, "--actor.model_name_or_path", asm)
-    _check_opd(cfg, problems)
+    _check_opd(cfg, problems, asm)
     from rlhf_agents.executors import executor_class
     from rlhf_agents.rewards import check_reward_config
 

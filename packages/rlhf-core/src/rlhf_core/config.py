@@ -380,6 +380,28 @@ class OPDConfig:
     task_reward_coef: float = 0.0
     """``--algo.advantage.estimator opd``: weight of the task reward's group-normalised advantage added to
     the teacher's per-token signal; 0 distils only, and needs no reward source."""
+    teachers: list[str] | None = None
+    """Multi-teacher OPD: ``NAME=PATH`` per teacher (instead of ``--ref.model_name_or_path``); the
+    reference group loads them all and scores each sample with the teacher its prompt names in the
+    ``--algo.opd.teacher_key`` column."""
+    teacher_key: str = ""
+    """The prompt dataset's column naming each prompt's teacher (a NAME of ``--algo.opd.teachers``)."""
+
+
+def opd_teachers(cfg: Any) -> dict[str, str]:
+    """``--algo.opd.teachers`` as ``{name: path}``, in the order given (the first is the reference group's own
+    model); empty without the flag. A ``ValueError`` naming the flag for an item that is not ``NAME=PATH``
+    or a name given twice."""
+    algo = getattr(cfg, "algo", None)
+    out: dict[str, str] = {}
+    for item in (algo.opd.teachers if algo is not None else None) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--algo.opd.teachers {item!r}: give each teacher as NAME=PATH")
+        if name in out:
+            raise ValueError(f"--algo.opd.teachers: the name {name!r} is given twice")
+        out[name] = path
+    return out
 
 
 def distills_only(cfg: Any) -> bool:

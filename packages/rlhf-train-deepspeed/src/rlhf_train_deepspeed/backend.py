@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_core.config import opd_teachers
 from rlhf_train_deepspeed.worker import ModelSpec
 
 ROLES = ("actor", "critic", "ref", "reward")
+
+
+def reference_paths(cfg) -> list[str]:
+    """The frozen models of the reference group: multi-teacher OPD's teachers in order (``--algo.opd.teachers``),
+    else ``--ref.model_name_or_path`` (default: the policy's initial weights)."""
+    return list(opd_teachers(cfg).values()) or [cfg.ref.model_name_or_path or cfg.actor.model_name_or_path]
 
 
 def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = None) -> ModelSpec:
@@ -30,7 +37,8 @@ def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = No
         path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or actor_path
         return ModelSpec(path, "value", True, cfg.critic, micro, grad_accum, steps, cfg.critic.gradient_checkpointing_enable)
     if role == "ref":
-        return ModelSpec(cfg.ref.model_name_or_path or actor_path, "causal", False, offload=cfg.ref.offload)
+        first, *more = reference_paths(cfg)
+        return ModelSpec(first, "causal", False, offload=cfg.ref.offload, teacher_paths=more)
     if role == "reward":
         if not cfg.reward.model_name_or_path:
             raise ValueError("a reward-model group needs --reward.model_name_or_path")
@@ -63,7 +71,7 @@ class DeepSpeedBackend:
 
         spec = spec_for_role(role, cfg, num_workers, kwargs.pop("total_steps", None))
         if kwargs.pop("with_ref", False):
-            spec.ref_path = cfg.ref.model_name_or_path or cfg.actor.model_name_or_path
+            spec.ref_path, *spec.teacher_paths = reference_paths(cfg)
             spec.ref_offload = cfg.ref.offload
         return create_worker_group(
             role, spec, cfg.ds, num_workers, seed=cfg.train.seed,

@@ -14,7 +14,7 @@ import os
 import random
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,9 @@ class ModelSpec:
     ref_path: str | None = None
     """DPO/KTO: a frozen reference model hosted in the same worker; KD: the teacher."""
     ref_offload: bool = False
+    teacher_paths: list[str] = field(default_factory=list)
+    """Multi-teacher OPD: the teachers after the first (the group's own model, or ``ref_path`` where the
+    policy's ranks host the reference), each loaded frozen beside it; ``compute_logprobs(teacher=i)``."""
     init_value_head: bool = True
     ema_beta: float | None = None
     """Trained models: keep an EMA of the weights with this decay (``--train.enable_ema``,
@@ -170,6 +173,7 @@ class TrainWorker:
             keep_freed_memory()
         self.engine = None
         self.ref_engine = None
+        self.teacher_engines: list = []
         self.spec: ModelSpec | None = None
         self._sync_group = None
         self._plugins = None
@@ -248,6 +252,11 @@ class TrainWorker:
             zero3 = self.strategy.zero3_init_context(False)  # noqa: F841
             ref = load_causal_lm(spec.ref_path, dtype, causal_attn(spec.ref_path, ds, attn), **experts)
             self.ref_engine = self.strategy.prepare_eval(ref, spec.ref_offload)
+        self.teacher_engines = []
+        for path in spec.teacher_paths:
+            zero3 = self.strategy.zero3_init_context(False)  # noqa: F841
+            teacher = load_causal_lm(path, dtype, causal_attn(path, ds, attn), **experts)
+            self.teacher_engines.append(self.strategy.prepare_eval(teacher, spec.ref_offload or spec.offload))
         del zero3
         return {"rank": self.rank, "num_parameters": sum(p.numel() for p in model.parameters())}
 
@@ -272,11 +281,13 @@ class TrainWorker:
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False, ref: bool = False
+        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False, ref: bool = False,
+        teacher: int = 0,
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
         """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU; with ``ref``,
-        those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``)."""
-        engine = self.ref_engine if ref else self.engine
+        those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``); ``teacher`` i > 0:
+        those of multi-teacher OPD's teacher i (``ModelSpec.teacher_paths[i - 1]``)."""
+        engine = self.teacher_engines[teacher - 1] if teacher else self.ref_engine if ref else self.engine
         engine.eval()
         out = []
         for b in batches:
@@ -729,6 +740,7 @@ class TrainWorker:
         of a rank that lives in the driver's process (a single-process run, ``rlhf_core.inline``), where no
         process exit does it. The process group stays: a later rank in this process uses it again."""
         self.engine = self.ref_engine = self.ema = None
+        self.teacher_engines = []
         self._hosted.clear()
         gc.collect()
         env, threads = self._saved

@@ -29,6 +29,7 @@ from rlhf_core.batches import (
     make_sequence_batch,
     token_budget_micro_batches,
 )
+from rlhf_core.config import opd_teachers
 from rlhf_core.errors import UserError
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import SamplingParams, TrainGroup, Trajectory, derive_seed
@@ -107,6 +108,8 @@ class RLController:
         self.waiting: list[WaitingGroup] = []  # generated groups, oldest first (over-generation)
         self.policy_version = 0
         self.best_metric: float | None = None
+        # multi-teacher OPD: each prompt's teacher (a column of the prompt data), by prompt uid
+        self.teacher_of = {p.uid: p.teacher for p in stream.prompts} if opd_teachers(cfg) else None
         self.consecutive_nonfinite = 0
         self.max_queue_size_seen = 0
         self._sync_address: tuple[str, int] | None = None
@@ -237,10 +240,10 @@ class RLController:
             cuts = [slice(s, s + size) for s in range(0, b, size)]
         mbs = self.micro_batches(exp, cuts)
         width = exp.action_mask.shape[1]
-        # the stacked results hold the rows in the order of ``cuts``; this puts row i back at position i
-        restore = torch.cat([torch.arange(b)[c] for c in cuts]).argsort()
+        # the stacked results hold the rows in the order of the cuts; ``restore`` puts row i back at position i
 
-        def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+        def stack(parts: list[torch.Tensor], order=cuts) -> torch.Tensor:
+            restore = torch.cat([torch.arange(b)[c] for c in order]).argsort()
             return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])[restore]
 
         # On-policy step (one epoch, one optimizer step over the whole batch, no KL folded into the reward):
@@ -251,7 +254,16 @@ class RLController:
         refs = {}
         if not on_policy:
             refs["old"] = self.groups.actor.call_sharded_async("compute_logprobs", mbs, cfg.rollout.temperature, False)
-        if self.groups.ref is not None:
+        teacher_calls = []  # multi-teacher OPD: each teacher scores the rows of its prompts, cut on their own
+        if self.groups.ref is not None and self.teacher_of:
+            teacher = torch.tensor([self.teacher_of[t.prompt_uid] for t in batch.trajectories])
+            for k in teacher.unique().tolist():
+                rows = (teacher == k).nonzero().flatten().tolist()
+                size = cfg.rollout.micro_batch_size
+                tcuts = [rows[s:s + size] for s in range(0, len(rows), size)]
+                teacher_calls.append((tcuts, self.groups.ref.call_sharded_async(
+                    "compute_logprobs", self.micro_batches(exp, tcuts), cfg.rollout.temperature, False, teacher=k)))
+        elif self.groups.ref is not None:
             refs["ref"] = self.groups.ref.call_sharded_async("compute_logprobs", mbs, cfg.rollout.temperature, False)
         if self.groups.critic is not None:
             refs["values"] = self.groups.critic.call_sharded_async("compute_values", mbs)
@@ -263,6 +275,14 @@ class RLController:
                 got[key] = stack(role[key].gather_sharded(r, real))
             except _worker_died() as exc:
                 raise RLRunError(f"a {names[key]} worker died: {exc}") from exc
+        if teacher_calls:
+            parts = []
+            try:
+                for _, (r, real) in teacher_calls:
+                    parts += self.groups.ref.gather_sharded(r, real)
+            except _worker_died() as exc:
+                raise RLRunError(f"a teacher worker died: {exc}") from exc
+            got["ref"] = stack(parts, [c for tcuts, _ in teacher_calls for c in tcuts])
         mask = exp.action_mask & exp.valid[:, None]
         exp.old_logprobs = got["old"] * mask if "old" in got else None
         exp.ref_logprobs = got["ref"] * mask if "ref" in got else None

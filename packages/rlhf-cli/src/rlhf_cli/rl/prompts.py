@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from rlhf_core import data, vision
+from rlhf_core.config import opd_teachers
 from rlhf_core.types import ImageInput, derive_seed
 
 
@@ -21,6 +22,8 @@ class Prompt:
     label: Any = None
     images: tuple[vision.ImageRef, ...] = ()
     """Where the prompt's images are (``--data.image_key``); read and processed when the prompt is served."""
+    teacher: int = 0
+    """Multi-teacher OPD: which of ``--algo.opd.teachers`` scores this prompt's samples (its column)."""
 
     def image_inputs(self, processing: vision.ImageProcessing | None) -> list[ImageInput]:
         """The prompt's images as the model's image processor makes them (one object per image, which every
@@ -58,6 +61,7 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
     rows = data.load_rows(paths or d.prompt_dataset or [], probs if paths else d.prompt_probs,
                           split or d.prompt_split, seed=cfg.train.seed, max_samples=max_samples or d.max_samples)
     budget = prompt_budget(cfg)
+    teachers = list(opd_teachers(cfg))
     stats = stats if stats is not None else data.DataStats()
     prompts: list[Prompt] = []
     for row in rows:
@@ -71,6 +75,13 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
             elif refs and d.apply_chat_template:
                 raw = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": raw}]}]
             label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None
+            teacher = 0
+            if teachers and paths is None:  # training prompts; evaluation computes no teacher log-probs
+                name = data.get_field(row, cfg.algo.opd.teacher_key, str, "--algo.opd.teacher_key")
+                if name not in teachers:
+                    raise data.DataError(f"{row.where()}: teacher {name!r} (key {cfg.algo.opd.teacher_key!r}) is not "
+                                         f"one of --algo.opd.teachers: {', '.join(teachers)}")
+                teacher = teachers.index(name)
             text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
             ids = data.encode(tokenizer, text)
             if d.image_key:
@@ -94,7 +105,7 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
         ids = data.fit_prompt(ids, budget, d.overlong_prompt_policy, row.where(), stats)
         if ids is None:
             continue
-        prompts.append(Prompt(len(prompts), ids, text, label, tuple(refs)))
+        prompts.append(Prompt(len(prompts), ids, text, label, tuple(refs), teacher))
     if not prompts:
         raise data.DataError(f"no usable prompts in {', '.join(paths or d.prompt_dataset or [])}")
     return prompts

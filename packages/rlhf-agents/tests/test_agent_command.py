@@ -88,7 +88,7 @@ def test_failing_programs_are_counted_logged_once_and_killed_at_the_timeout(tmp_
     agent = tmp_path / "flaky.py"
     agent.write_text(FLAKY_AGENT)
     pid_file = tmp_path / "child.pid"
-    cfg = cfg_factory(train={"agent_command": command(agent, pid_file), "env_step_timeout": 4.0},
+    cfg = cfg_factory(train={"agent_command": command(agent, pid_file), "env_step_timeout": 6.0},
                       reward={"max_failure_fraction": 1.0})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
     rows = [{"prompt_text": "w5", "label": kind, "prompt_uid": i} for i, kind in enumerate(["ok", "exit", "hang", "talk"])]
@@ -98,7 +98,7 @@ def test_failing_programs_are_counted_logged_once_and_killed_at_the_timeout(tmp_
     assert time.perf_counter() - start < 30  # not the 60 s the program wanted
     assert (ok.reward, ok.score, ok.error) == (0.25, 1.0, None) and ok.extra_logs["num_turns"] == 1.0
     assert crashed.reward is None and "exited with status 3" in crashed.error
-    assert hung.reward is None and "longer than --train.env_step_timeout 4 s" in hung.error
+    assert hung.reward is None and "longer than --train.env_step_timeout 6 s" in hung.error
     assert talked.reward is None and "'the answer is probably 4'" in talked.error
     for t in (crashed, hung, talked):  # the tokens of the call the program made are kept
         assert t.error.startswith(f"--train.agent_command {cfg.train.agent_command!r}")

@@ -3,10 +3,12 @@ OpenAI-compatible endpoint, printing its reward. The programs here are real proc
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shlex
+import shutil
 import sys
 import time
 
@@ -159,3 +161,45 @@ def test_parse_agent_output():
     for bad in ("", "\n \n", "true", '{"score": 1}', "[1]", "0.5 points"):
         with pytest.raises(ValueError):
             parse_agent_output(bad)
+
+
+def test_a_long_lived_agent_service_through_a_forwarding_command(async_engine, tokenizer, cfg_factory):
+    """The README's recipe for an agent service: ``bash -c 'curl ...'`` forwards the row (stdin) and the episode's
+    endpoint (a header) to the service, whose answer is the program's stdout. The service is a thread here."""
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    seen = []
+
+    class AgentService(BaseHTTPRequestHandler):
+        def do_POST(self):
+            row = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = json.dumps({"messages": [{"role": "user", "content": row["prompt"]}], "max_tokens": 2}).encode()
+            request = urllib.request.Request(self.headers["X-Base-URL"] + "/chat/completions", body,
+                                             {"Content-Type": "application/json"})
+            reply = json.load(urllib.request.urlopen(request))["choices"][0]["message"]["content"]
+            seen.append((row, reply))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"reward": len(reply.split()) / 10}).encode() + b"\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), AgentService)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    forward = (f"""bash -c 'curl -sf -H "X-Base-URL: $OPENAI_BASE_URL" --data-binary @- """
+               f"""http://127.0.0.1:{server.server_address[1]}/run'""")
+    try:
+        cfg = cfg_factory(train={"agent_command": forward})
+        worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
+        (t,) = worker.rollout([{"prompt_text": "w5 w6", "label": "7", "prompt_uid": 0}], SamplingParams(max_new_tokens=2), step=0)
+        worker.close()
+    finally:
+        server.shutdown()
+    ((row, reply),) = seen
+    assert row == {"prompt": "w5 w6", "label": "7"} and t.error is None
+    assert t.reward == len(reply.split()) / 10 and sum(t.action_mask) >= 1

@@ -138,7 +138,7 @@ def episode_positions(action_mask: torch.Tensor, episode_of: torch.Tensor) -> tu
     num_episodes = int(episode_of.max()) + 1 if episode_of.numel() else 0
     counts = torch.bincount(episode, minlength=num_episodes)
     k = torch.arange(len(hits)) - (counts.cumsum(0) - counts)[episode]
-    width = int(counts.max()) if num_episodes else 0
+    width = max(int(counts.max()) if num_episodes else 0, 1)  # an estimator needs one position
     rows = torch.zeros(num_episodes, width, dtype=torch.long)
     cols = torch.zeros(num_episodes, width, dtype=torch.long)
     mask = torch.zeros(num_episodes, width, dtype=torch.bool)

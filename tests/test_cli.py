@@ -300,6 +300,14 @@ def test_an_agent_file_without_a_usable_agent_executor_is_refused(tmp_path, caps
     assert code == 2 and f"--train.agent_func_path {agent}: {message}" in err and "Traceback" not in err
 
 
+def test_an_agent_command_whose_program_is_missing_is_refused(tmp_path, capsys, tiny_model):
+    agent = tmp_path / "agent.sh"
+    code, err = train_in_process(capsys, *ppo(tiny_model, tmp_path / "run", "--train.agent_command", f"{agent} --fast"),
+                                 "--dry-run")
+    assert code == 2 and f"--train.agent_command '{agent} --fast': {agent} does not exist" in err
+    assert "Traceback" not in err
+
+
 def test_model_paths_that_are_not_model_directories_are_named(tmp_path, capsys, tiny_model, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "empty").mkdir()

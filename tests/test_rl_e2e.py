@@ -146,6 +146,34 @@ def test_multi_turn_agent_file(assets, ray_session, tmp_path):
     assert len(rows) == 2 and rows[-1]["reward/unscorable"] == 0
 
 
+PER_CALL_AGENT = r'''
+import json, os, sys, urllib.request
+row = json.load(sys.stdin)
+def complete(prompt):
+    body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/completions", body, {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(req))["choices"][0]["text"]
+first = complete(row["prompt"])
+second = complete(row["prompt"] + " w1")  # without the first reply: the second call does not extend the first
+words = (first + " " + second).replace("</s>", " ").split()
+print(sum(w[1:].isdigit() and int(w[1:]) < 50 for w in words) / max(len(words), 1))
+'''
+
+
+def test_an_agent_program_whose_calls_do_not_extend_one_another(assets, ray_session, tmp_path):
+    """--train.agent_command runs a program per episode (a process started by the rollout actor); its two calls
+    do not extend one another, so each episode trains as two per-call samples."""
+    agent = tmp_path / "agent.py"
+    agent.write_text(PER_CALL_AGENT)
+    out = tmp_path / "command"
+    args = without(base_args(assets, out, steps=1), "--reward.remote_url")  # the program gives the reward
+    args += ["--algo.advantage.estimator", "group_norm", "--train.agent_command", f"{sys.executable} {agent}"]
+    assert train(args) == 0
+    (row,) = metrics(out)
+    assert row["per_call/samples"] == 2.0 and row["reward/unscorable"] == 0
+    assert row["train/skipped_rows"] == 0.0  # 16 episodes, 32 samples: two optimizer steps of 16
+
+
 def test_grpo_raises_the_reward(assets, ray_session, tmp_path):
     out = tmp_path / "learn"
     args = base_args(assets, out, steps=12) + ["--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "2e-2",

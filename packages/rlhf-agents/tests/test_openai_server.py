@@ -60,8 +60,11 @@ class EditsHistory(OpenAIServerAgentExecutor):
 
 
 def test_a_turn_that_does_not_extend_the_prefix_is_reported(async_engine, tokenizer, cfg_factory):
+    """With --train.per_call_samples never (auto trains such episodes per call: test_per_call_samples.py)."""
     cfg = cfg_factory(reward={"max_failure_fraction": 1.0})
-    worker = RolloutWorker(async_engine, tokenizer, EditsHistory(), None, cfg)
+    agent = EditsHistory()
+    agent.per_call_samples = "never"
+    worker = RolloutWorker(async_engine, tokenizer, agent, None, cfg)
     (t,) = worker.rollout([{"prompt_text": "w5 w6", "prompt_uid": 0}], SamplingParams(max_new_tokens=4), step=0)
     worker.close()
     assert t.reward is None

@@ -57,7 +57,8 @@ try:
         out = source.func(["Q: 1+1? \\\\boxed{2}", "Q: 1+1? \\\\boxed{3}"], ["Q: 1+1? ", "Q: 1+1? "], ["2", "2"])
         result = [float(x) for x in out["rewards"]]
     else:
-        cfg = SimpleNamespace(train=SimpleNamespace(agent_func_path=path, agent_executor=None, env=None))
+        cfg = SimpleNamespace(train=SimpleNamespace(agent_func_path=path, agent_executor=None, env=None, agent_command=None,
+                                                 per_call_samples="auto"))
         cls, args = executor_class(cfg)
         result = [cls.__mro__[1].__module__, type(cls(*args)).__name__]
     print(json.dumps({"ok": result, "openrlhf": sys.modules["openrlhf"].__doc__ or sys.modules["openrlhf"].__file__}))

@@ -397,3 +397,83 @@ def test_a_plugin_policy_loss_without_a_default_aggregation_gets_token_mean(regi
     assert controller(cfg, 3).policy_step_config().agg_mode == "token_mean"
     cfg.actor.policy_loss_type = "gspo"
     assert controller(cfg, 3).policy_step_config().agg_mode == "seq_mean_token_mean"
+
+
+def per_call_batch():
+    """Two prompts x two episodes; three episodes are per-call samples (segments), one a plain trajectory.
+    Row r's prompt starts with token r + 1, its response tokens are 10 (r + 1) + t."""
+    from rlhf_cli.rl.controller import Batch
+
+    shapes = {0: [(2, 2), (3, 3)], 1: [(2, 2)], 2: [(2, 1), (4, 2), (5, 2)], 3: [(3, 2), (2, 3)]}  # (prompt, response)
+    rewards = {0: 1.0, 1: 0.0, 2: 2.0, 3: 0.5}
+    row = 0
+    trajs = []
+    for e, parts in shapes.items():
+        segs = []
+        for p, r in parts:
+            row += 1
+            segs.append(Trajectory([row] * p, [10 * row + t for t in range(r)], [1] * r, [-0.1] * r))
+        last = segs[-1]
+        trajs.append(Trajectory(last.prompt_ids, last.response_ids, last.action_mask, last.rollout_logprobs,
+                                prompt_uid=e // 2, sample_index=e % 2, reward=rewards[e],
+                                segments=segs if len(segs) > 1 else []))
+    return Batch(trajs, prompts_used=2), shapes, rewards
+
+
+def test_per_call_samples_are_trained_with_their_episodes_advantage():
+    """Each segment is a row of its own, trained, with the advantage its episode gets in its group: group_norm
+    over two episodes gives +-1/sqrt(2) on every action token of every call (float32, 1e-9 epsilon: 1e-6),
+    whatever the number of calls; counting the calls as samples would not."""
+    ranks = [FakeRank(), FakeRank()]
+    cfg = config()
+    cfg.rollout.micro_batch_size = 2
+    cfg.train.batch_size, cfg.train.micro_batch_size = 8, 2
+    batch, shapes, rewards = per_call_batch()
+    ctl = controller(cfg, 2)
+    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
+    exp = ctl.make_experience(batch)
+    assert len(exp.sequences) == 8 and exp.episode_of.tolist() == [0, 0, 1, 2, 2, 2, 3, 3]
+    assert exp.info["reward/mean"] == pytest.approx(sum(rewards.values()) / 4)  # episodes counted once
+    ctl.train(exp, step=1)
+    sign = {0: 1, 1: -1, 2: 1, 3: -1}
+    want = {}
+    row = 0
+    for e, parts in shapes.items():
+        for _ in parts:
+            row += 1
+            want[row] = sign[e] * 2 ** -0.5
+    trained = {}
+    for mb in ranks[0].trained[0] + ranks[1].trained[0]:
+        for i, (first, rl) in enumerate(zip(mb.seq.input_ids[:, 0].tolist(), mb.seq.response_lens.tolist())):
+            trained[first] = mb.advantages[i, :rl]
+    assert sorted(trained) == list(range(1, 9))
+    for r, adv in trained.items():
+        torch.testing.assert_close(adv, torch.full_like(adv, want[r]), atol=1e-6, rtol=0)
+
+
+def test_per_call_advantages_with_kl_in_the_reward_are_those_of_the_whole_episode():
+    """``reinforce`` with KL folded into the reward: token t of an episode gets r - c * (KL of the episode's
+    action tokens from t on, across its calls), then whitening over all action tokens (hand-computed below in
+    float64; float32 sums of ~10 terms: 1e-5)."""
+    from rlhf_algos.advantages import ADVANTAGE_ESTIMATORS
+    from rlhf_cli.rl.experience import build_experience, estimate_advantages
+
+    cfg = config()
+    cfg.algo.advantage.estimator = "reinforce"
+    batch, _, rewards = per_call_batch()
+    exp = build_experience(batch.trajectories, cfg)
+    kl = (torch.arange(exp.action_mask.numel(), dtype=torch.float32).view(exp.action_mask.shape) % 7) / 10
+    kl = kl * exp.action_mask
+    coef = 0.3
+    out = estimate_advantages(ADVANTAGE_ESTIMATORS["reinforce"], exp, cfg, kl, coef)
+    expected = {}
+    for e in range(4):
+        tokens = [(r, c) for r in (exp.episode_of == e).nonzero().flatten().tolist()
+                  for c in exp.action_mask[r].nonzero().flatten().tolist()]
+        for k, (r, c) in enumerate(tokens):
+            expected[r, c] = rewards[e] - coef * sum(float(kl[q]) for q in tokens[k:])
+    values = torch.tensor(list(expected.values()), dtype=torch.float64)
+    mean, std = values.mean(), values.var(unbiased=False).sqrt()
+    for (r, c), v in expected.items():
+        assert float(out.advantages[r, c]) == pytest.approx(float((v - mean) / std), abs=1e-5)
+    assert float(out.advantages[~exp.action_mask].abs().sum()) == 0.0

@@ -229,7 +229,7 @@ class AgentInstanceBase(ABC):
     async def step(self, states: dict, **kwargs: Any) -> dict: ...
 
 
-class _EpisodeFailure(Exception):
+class EpisodeFailure(Exception):
     """Ends one episode; the sample becomes unscorable with this message, counted under ``error/<kind>``."""
 
     def __init__(self, kind: str, message: str):
@@ -257,7 +257,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         try:
             return await asyncio.wait_for(call_user(fn, *args), self.env_step_timeout)
         except asyncio.TimeoutError:
-            raise _EpisodeFailure(
+            raise EpisodeFailure(
                 "env_timeout",
                 f"{self.where}.{method} took longer than --train.env_step_timeout "
                 f"{self.env_step_timeout:g} s; the episode was ended",
@@ -265,12 +265,12 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         except Exception as exc:
             message = f"{method} raised {type(exc).__name__}: {exc}"
             log_failure_once(logger, self.where, message, exc)
-            raise _EpisodeFailure("env_error", f"{self.where}.{message}") from exc
+            raise EpisodeFailure("env_error", f"{self.where}.{message}") from exc
 
-    def _invalid(self, method: str, what: str) -> _EpisodeFailure:
+    def _invalid(self, method: str, what: str) -> EpisodeFailure:
         message = f"{self.where}.{method} {what}"
         log_failure_once(logger, self.where, message)
-        return _EpisodeFailure("env_invalid", message)
+        return EpisodeFailure("env_invalid", message)
 
     async def execute(
         self,
@@ -294,7 +294,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             await self._run(
                 instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine
             )
-        except _EpisodeFailure as failure:
+        except EpisodeFailure as failure:
             return trace.to_trajectory(
                 finish_reason=state["finish"],
                 truncated=state["truncated"],
@@ -349,7 +349,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                                         f"{exc}") from None
         if len(trace) >= max_length:
             state["truncated"], state["finish"] = True, "length"
-            raise _EpisodeFailure(
+            raise EpisodeFailure(
                 "overlong_prompt",
                 f"the prompt has {len(trace)} tokens, which leaves no room under max_len {max_length}",
             )
@@ -503,6 +503,7 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
     """The executor class the config asks for and the arguments it is built with, checked without building it
     (the driver calls this before any worker starts, and ``--dry-run`` too).
 
+    - ``--train.agent_command "..."``: ``CommandAgentExecutor`` with the command's argv (its program must exist).
     - ``--train.agent_func_path file.py``: the file's ``AgentExecutor`` class (the file is imported), no arguments.
     - ``--train.env NAME``: ``--train.agent_executor`` (default ``multi_turn``) with the registered environment.
     - otherwise ``--train.agent_executor NAME`` (default ``single_turn``), no arguments.
@@ -510,10 +511,24 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
     Raises a UserError naming the flag or file when the class is missing, abstract, or cannot take the arguments.
     """
     from rlhf_agents.loading import UserCodeError, load_symbol
+    from rlhf_agents.openai_server import PER_CALL_SAMPLES, OpenAIServerAgentExecutor
     from rlhf_core.config_parser import ConfigError
     from rlhf_core.plugins import get_plugin_manager, resolve
 
     train = cfg.train
+    if train.per_call_samples not in PER_CALL_SAMPLES:
+        raise ConfigError(f"--train.per_call_samples {train.per_call_samples!r}: choose one of "
+                          f"{', '.join(PER_CALL_SAMPLES)}")
+    if train.agent_command:
+        from rlhf_agents.command_agent import CommandAgentExecutor, command_argv
+
+        others = [f for f in ("agent_func_path", "agent_executor", "env") if getattr(train, f)]
+        if others:
+            raise ConfigError(f"--train.agent_command is the agent; drop {', '.join('--train.' + f for f in others)}")
+        try:
+            return CommandAgentExecutor, (command_argv(train.agent_command),)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     pm = pm if pm is not None else get_plugin_manager()
     if train.agent_func_path:
         path = train.agent_func_path
@@ -531,6 +546,10 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
         where, error = f"--train.agent_executor {name}", ConfigError
     if inspect.isabstract(cls):
         raise error(f"{where} leaves {', '.join(sorted(cls.__abstractmethods__))} unimplemented")
+    if train.per_call_samples != "auto" and not issubclass(cls, OpenAIServerAgentExecutor):
+        raise ConfigError(f"--train.per_call_samples {train.per_call_samples} applies to agents on the OpenAI "
+                          f"endpoint (--train.agent_command, or an OpenAIServerAgentExecutor); {where} records "
+                          f"its episodes as one trajectory by construction")
     try:
         inspect.signature(cls).bind(*args)
     except TypeError as exc:
@@ -554,4 +573,5 @@ def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
         raise UserCodeError(f"--train.agent_func_path {path}: AgentExecutor() raised {type(exc).__name__}: {exc}") from exc
     executor.env_step_timeout = cfg.train.env_step_timeout
     executor.max_images = cfg.data.max_images_per_prompt
+    executor.per_call_samples = cfg.train.per_call_samples  # read by the OpenAI-endpoint executors only
     return executor

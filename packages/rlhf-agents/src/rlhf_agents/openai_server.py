@@ -8,9 +8,13 @@ input and output token ids. The episode's trajectory is the first call's input a
 call's output (action_mask 1) and whatever the next call's input adds in between (action_mask 0).
 
 That only works when each call's input extends the previous call's input and output token by token. When
-it does not (a chat template that renders earlier replies differently, text that re-tokenizes
-differently), the session records a *prefix violation*: the sample is marked unscorable with a message
-giving the position and both token strings, and counted in ``error/prefix_violation``.
+it does not (a chat template that drops earlier reasoning, text that re-tokenizes differently), the calls
+cannot form one trajectory. With ``per_call_samples`` ``auto`` (the default) the episode is then trained as
+per-call samples (``Trajectory.segments``): each run of calls that do extend one another is one sample, a
+call that does not starts the next, and all share the episode's reward; a message says so once. With
+``never`` the session records a *prefix violation* instead: the sample is marked unscorable with a message
+giving the position and both token strings, and counted in ``error/prefix_violation``. ``always`` makes
+every call its own sample.
 
 Tool calls: a request's ``tools`` reach the model through the chat template (or, for a template that ignores
 them, through a system block in the Hermes format); a reply holding ``<tool_call>{json}</tool_call>`` blocks
@@ -32,12 +36,13 @@ import uuid
 from typing import Any
 
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
-from rlhf_agents.executors import AgentExecutorBase, TokenTrace, describe_class, encode
+from rlhf_agents.executors import AgentExecutorBase, EpisodeFailure, TokenTrace, describe_class, encode
 from rlhf_core.types import GenerationRequest, SamplingParams, Trajectory, derive_seed
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+PER_CALL_SAMPLES = ("auto", "always", "never")
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -53,7 +58,10 @@ class _Session:
     engine: Any
     params: SamplingParams
     max_length: int
-    trace: TokenTrace | None = None
+    per_call: str = "auto"
+    segments: list[TokenTrace] = dataclasses.field(default_factory=list)
+    """The episode's token traces: one while each call extends the conversation so far, else one per run of
+    calls that do (``per_call`` ``auto``) or one per call (``always``)."""
     violation: str | None = None
     truncated: bool = False
     finish: str = "stop"
@@ -128,6 +136,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     """
 
     host = "127.0.0.1"
+    per_call_samples: str = "auto"
+    """``auto``, ``always`` or ``never`` (set from ``--train.per_call_samples``; see the module docstring)."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
@@ -338,19 +348,15 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return session.tokenizer.decode(ids, skip_special_tokens=bool(body.get("skip_special_tokens", False)))
 
     async def _generate(self, session: _Session, ids: list[int], body: dict) -> tuple[list[int], list[int], str]:
-        """Generate for one call and record it in the session's token trace."""
+        """Generate for one call and record it in the session's token traces."""
         async with session.lock:
-            trace = session.trace
-            if trace is not None and session.violation is None:
-                so_far = trace.all_ids()
-                if ids[: len(so_far)] != so_far:
-                    session.violation = self._violation(session, so_far, ids)
             room = session.max_length - len(ids)
-            if room <= 0:  # the context budget is spent: answer empty, as a length stop
+            if room <= 0:  # the context budget is spent: answer empty, as a length stop (and record nothing)
                 session.truncated, session.finish = True, "length"
-                if session.trace is None:
-                    session.trace = TokenTrace(prompt_ids=list(ids))
+                if not session.segments:
+                    session.segments.append(TokenTrace(prompt_ids=list(ids)))
                 return ids, [], "length"
+            self._record_input(session, ids)
             asked = body.get("max_completion_tokens") or body.get("max_tokens") or session.params.max_new_tokens
             if not isinstance(asked, int) or asked < 1:
                 raise _BadRequest("max_tokens must be a positive integer")
@@ -365,12 +371,34 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             session.finish = out.finish_reason
             session.truncated = out.finish_reason == "length"
             if session.violation is None:
-                if session.trace is None:
-                    session.trace = TokenTrace(prompt_ids=list(ids))
-                else:
-                    session.trace.add_feedback(ids[len(session.trace) :])
-                session.trace.add_action(out)
+                session.segments[-1].add_action(out)
             return ids, list(out.token_ids), out.finish_reason
+
+    def _record_input(self, session: _Session, ids: list[int]) -> None:
+        """Append a call's input to the session's last trace when it extends it, else start a new trace (a
+        per-call sample) or, with ``per_call`` ``never``, record the prefix violation."""
+        if session.violation is not None:
+            return
+        if not session.segments:
+            session.segments.append(TokenTrace(prompt_ids=list(ids)))
+            return
+        last = session.segments[-1]
+        so_far = last.all_ids()
+        if session.per_call != "always" and ids[: len(so_far)] == so_far:
+            last.add_feedback(ids[len(so_far) :])
+            return
+        if session.per_call == "never":
+            session.violation = self._violation(session, so_far, ids)
+            return
+        if session.per_call == "auto" and "per_call" not in self._warned:
+            self._warned.add("per_call")
+            logger.warning(
+                "%s: model call %d of an episode does not extend the conversation so far (a chat template that "
+                "drops earlier turns' content, or edited history), so such episodes are trained as one sample per "
+                "call, all sharing the episode's reward (--train.per_call_samples auto; 'never' makes them "
+                "unscorable). This is logged once.", type(self).__name__, session.calls + 1,
+            )
+        session.segments.append(TokenTrace(prompt_ids=list(ids)))
 
     def _violation(self, session: _Session, so_far: list[int], ids: list[int]) -> str:
         pos = next((k for k, (a, b) in enumerate(zip(so_far, ids)) if a != b), min(len(so_far), len(ids)))
@@ -387,6 +415,20 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
     # --- the episode ---------------------------------------------------------------------------------
 
+    def agent_name(self) -> str:
+        """How errors name the agent: ``Class (path/to/file.py).run_agent``."""
+        return f"{describe_class(type(self))}.run_agent"
+
+    async def run_bounded(self, base_url: str, prompt: str, label: Any) -> Any:
+        """:meth:`run_agent` within ``--train.env_step_timeout``."""
+        try:
+            return await asyncio.wait_for(self.run_agent(base_url, prompt, label), self.env_step_timeout)
+        except asyncio.TimeoutError:
+            raise EpisodeFailure(
+                "env_timeout",
+                f"{self.agent_name()} took longer than --train.env_step_timeout {self.env_step_timeout:g} s",
+            ) from None
+
     async def execute(
         self,
         prompt: str,
@@ -401,34 +443,37 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     ) -> Trajectory:
         await self._start()
         sid = uuid.uuid4().hex
-        session = _Session(hf_tokenizer, llm_engine, sampling_params, max_length)
+        session = _Session(hf_tokenizer, llm_engine, sampling_params, max_length, self.per_call_samples)
         self._sessions[sid] = session
-        where = describe_class(type(self))
+        where = self.agent_name()
         reward = score = error = kind = None
         extra: dict[str, float] = {}
         try:
-            result = await asyncio.wait_for(self.run_agent(self.session_url(sid), prompt, label), self.env_step_timeout)
+            result = await self.run_bounded(self.session_url(sid), prompt, label)
             reward, score, extra, error = self._read_result(result, where)
             kind = "agent_invalid" if error else None
-        except asyncio.TimeoutError:
-            error = f"{where}.run_agent took longer than --train.env_step_timeout {self.env_step_timeout:g} s"
-            kind = "env_timeout"
+        except EpisodeFailure as failure:
+            error, kind = str(failure), failure.kind
         except Exception as exc:
-            error, kind = f"{where}.run_agent raised {type(exc).__name__}: {exc}", "agent_error"
+            error, kind = f"{where} raised {type(exc).__name__}: {exc}", "agent_error"
             log_failure_once(logger, where, error, exc)
         finally:
             del self._sessions[sid]
         if session.violation is not None:
             error, kind = session.violation, "prefix_violation"
-        trace = session.trace
-        if trace is None:
-            trace = TokenTrace(prompt_ids=list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt))
+        if not session.segments:
+            ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
+            session.segments.append(TokenTrace(prompt_ids=ids))
             if error is None:
-                error, kind = f"{where}.run_agent made no completion request", "agent_invalid"
+                error, kind = f"{where} made no completion request", "agent_invalid"
         if error is not None:
             reward = score = None
             extra[f"error/{kind}"] = 1.0
-        return trace.to_trajectory(
+        segments = []
+        if len(session.segments) > 1:
+            segments = [s.to_trajectory() for s in session.segments]
+            extra["per_call/samples"] = float(len(segments))
+        return session.segments[-1].to_trajectory(
             reward=reward,
             score=score,
             finish_reason=session.finish,
@@ -437,6 +482,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             label=label,
             error=error,
             extra_logs={**extra, "num_turns": float(session.calls)},
+            segments=segments,
         )
 
     @staticmethod
@@ -456,11 +502,11 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             return None, None, extra, None
         reward, why = check_reward_value(raw)
         if why is not None:
-            return None, None, extra, f"{where}.run_agent returned a bad reward: {why}"
+            return None, None, extra, f"{where} returned a bad reward: {why}"
         raw_score = result.get("score", result.get("scores"))
         if raw_score is None:
             return reward, reward, extra, None
         score, why = check_reward_value(raw_score)
         if why is not None:
-            return None, None, extra, f"{where}.run_agent returned a bad score: {why.replace('reward', 'score', 1)}"
+            return None, None, extra, f"{where} returned a bad score: {why.replace('reward', 'score', 1)}"
         return reward, score, extra, None

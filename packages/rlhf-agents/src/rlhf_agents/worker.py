@@ -97,6 +97,7 @@ class RolloutWorker:
         self.max_failure_fraction = cfg.reward.max_failure_fraction
         self.check_retokenization = cfg.train.check_retokenization
         self.agent_file = cfg.train.agent_func_path
+        self.agent_command = cfg.train.agent_command
         self.distills_only = distills_only(cfg)
         self.last_metrics: dict[str, float] = {}
         self._drift_warned = False
@@ -311,6 +312,8 @@ class RolloutWorker:
             sources.append(f"reward source: {self._reward_source_name()}")
         if self.agent_file:
             sources.append(f"agent file: {self.agent_file}")
+        if self.agent_command:
+            sources.append(f"agent command: {self.agent_command}")
         raise RolloutFailureError(
             f"step {step}: {len(failed)} of {len(trajectories)} samples could not be scored, more than "
             f"--reward.max_failure_fraction {self.max_failure_fraction:g}"

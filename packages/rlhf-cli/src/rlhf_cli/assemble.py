@@ -195,11 +195,12 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
             f"--algo.advantage.estimator {c.algo.advantage.estimator} compares samples of the same prompt, so "
             f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})"
         )
-    if not (c.reward.remote_url or c.reward.model_name_or_path or c.train.agent_func_path or c.train.env
-            or c.reward.source or c.reward.func is not None or distills_only(c)):
+    if not (c.reward.remote_url or c.reward.model_name_or_path or c.train.agent_func_path or c.train.agent_command
+            or c.train.env or c.reward.source or c.reward.func is not None or distills_only(c)):
         problems.append(
             "no reward: give --reward.remote_url (a reward .py file or HTTP URL), "
-            "--reward.model_name_or_path, --train.agent_func_path or --train.env (Python API: reward_func=)"
+            "--reward.model_name_or_path, --train.agent_func_path, --train.agent_command or --train.env (Python API: "
+            "reward_func=)"
         )
     if c.algo.dynamic_filtering_enable and n < 2:
         problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "

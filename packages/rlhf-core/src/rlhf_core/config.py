@@ -318,8 +318,19 @@ class TrainConfig:
     """A registered agent executor by name (default: ``single_turn``, or the agent file's)."""
     env: str | None = option(None, modes=RL_MODES)
     """A registered multi-turn environment by name (driven by the ``multi_turn`` executor)."""
+    agent_command: str | None = option(None, modes=RL_MODES)
+    """A program run once per episode as the agent, in any language (split into argv like a shell line, but
+    run without a shell): it gets the episode's OpenAI-compatible endpoint in ``OPENAI_BASE_URL`` and the
+    prompt row as JSON on stdin, and prints its reward as the last line of stdout (a number, or a JSON
+    object with ``reward``). Bounded by ``--train.env_step_timeout``."""
+    per_call_samples: str = option("auto", modes=RL_MODES)
+    """OpenAI-endpoint agents (``--train.agent_command`` or an ``OpenAIServerAgentExecutor``): ``auto`` trains
+    an episode whose model calls do not extend one another (a chat template that drops earlier reasoning)
+    as one sample per call, all sharing its reward; ``always`` does that for every episode; ``never`` makes
+    such an episode unscorable."""
     env_step_timeout: float = option(300.0, modes=RL_MODES)
-    """Seconds an environment step may take before it is ended and counted."""
+    """Seconds an environment step (or a whole OpenAI-endpoint agent episode) may take before it is ended
+    and counted."""
     check_retokenization: bool = option(False, modes=RL_MODES)
     """Debug: re-tokenize each finished sample's text and report drift from its token ids (metric
     ``tokenize/drift_samples`` and one warning)."""

@@ -185,6 +185,12 @@ class Trajectory:
     images: list[ImageInput] = field(default_factory=list)
     """The images whose tokens appear in ``prompt_ids + response_ids``, in order: the prompt's, then any an
     environment returned (vision-language models only; shared with the prompt, not copied)."""
+    segments: list[Trajectory] = field(default_factory=list)
+    """Per-call samples: when not empty, the episode is trained as these samples instead of its own ids,
+    all sharing its reward. Each holds one model call's input as its prompt and the call's output as its
+    response (or a run of calls whose inputs extend one another, with the feedback between them masked
+    out). The episode's own ids are then its last segment's, the final conversation that a reward
+    function scores. Set by agents whose calls do not extend one another (``--train.per_call_samples``)."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

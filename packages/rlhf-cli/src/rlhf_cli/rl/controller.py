@@ -19,7 +19,7 @@ import torch
 
 from rlhf_algos.kl import make_kl_controller
 from rlhf_algos.shaping import dynamic_filter
-from rlhf_cli.rl.experience import Experience, advantage_input, build_experience
+from rlhf_cli.rl.experience import Experience, build_experience, estimate_advantages
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_core import inline
 from rlhf_core.batches import (
@@ -293,14 +293,15 @@ class RLController:
             # this KL is only reported, and steers an adaptive coefficient)
             policy = exp.rollout_logprobs if exp.old_logprobs is None else exp.old_logprobs
             kl = self.kl_fn(policy, exp.ref_logprobs) * mask
-        out = self.estimator(advantage_input(exp, cfg, kl, self.kl_ctl.value))
+        out = estimate_advantages(self.estimator, exp, cfg, kl, self.kl_ctl.value)
         exp.advantages, exp.returns = out.advantages, out.returns
         lengths = exp.action_mask.sum(-1).float()
-        valid = exp.valid
+        episodes = exp.episode_rows()  # reward statistics count an episode of per-call samples once
+        rewards, valid = exp.rewards[episodes], exp.valid[episodes]
         exp.info = {
-            "reward/mean": _nanmean(exp.rewards),
-            "reward/std": float(exp.rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
-            "score/mean": _nanmean(exp.scores),
+            "reward/mean": _nanmean(rewards),
+            "reward/std": float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
+            "score/mean": _nanmean(exp.scores[episodes]),
             "reward/unscorable": float((~valid).sum()),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
@@ -350,7 +351,7 @@ class RLController:
         pcfg = self.policy_step_config()
         # with --ds.shared_prefix whole groups are shuffled, so that a micro-batch runs each prompt once
         n = cfg.rollout.n_samples_per_prompt
-        group = n if cfg.ds.shared_prefix and b % n == 0 else 1
+        group = n if cfg.ds.shared_prefix and b % n == 0 and exp.episode_of is None else 1
         totals: dict[str, list[float]] = {}
         for epoch in range(cfg.train.max_epochs):
             seed = derive_seed(cfg.train.seed, step, epoch) % 2**62
@@ -494,10 +495,11 @@ class RLController:
             total = time.perf_counter() - t0 + batch.rollout_metrics.get("timing/generation", 0.0)
             metrics["timing/step_total"] = total
             # verl-style throughput: prompt + response tokens of the step over its wall time
-            metrics["perf/tokens_per_s"] = sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories) / total
+            rows = [p for t in batch.trajectories for p in (t.segments or [t])]
+            metrics["perf/tokens_per_s"] = sum(len(p.prompt_ids) + len(p.response_ids) for p in rows) / total
             gen = batch.rollout_metrics.get("timing/generation")
             if gen:
-                metrics["perf/gen_tokens_per_s"] = sum(sum(t.action_mask) for t in batch.trajectories) / gen
+                metrics["perf/gen_tokens_per_s"] = sum(sum(p.action_mask) for p in rows) / gen
             metrics["async/max_queue_size"] = float(self.max_queue_size_seen)
             metrics.update(self.maybe_evaluate())
             self.maybe_checkpoint(batch)

@@ -1,0 +1,148 @@
+"""Agents that are programs: ``--train.agent_command "..."`` runs one process per episode, in any language.
+
+The program talks to the episode's OpenAI-compatible endpoint (:class:`OpenAIServerAgentExecutor`), which
+records the tokens, and prints the episode's reward. The contract:
+
+- argv: the flag's value split like a shell line (``shlex``) and run without a shell; write
+  ``bash -c '...'`` to get one. The working directory and environment are the rollout process's, plus
+  ``OPENAI_BASE_URL`` (the session URL, which the ``openai`` clients read), ``OPENAI_API_KEY`` (any value
+  works; ``rlhf``), and ``RLHF_EPISODE_ID``.
+- stdin: the prompt row as one JSON object, ``{"prompt": ..., "label": ...}``, then end of file.
+- stdout: the last non-blank line is the result: a number (the reward), or a JSON object
+  ``{"reward": r, "score": s, "extra_logs": {name: number}}`` (``score`` and ``extra_logs`` optional;
+  ``"reward": null`` lets the run's reward source score the final conversation). Earlier lines are
+  ignored; logs belong on stderr.
+- The process must exit 0 within ``--train.env_step_timeout`` seconds; else its whole process group is
+  killed.
+
+A failure (non-zero exit, timeout, a last line that is not such a result) makes the episode unscorable,
+as any failing agent does: it is counted in ``error/agent_exit``, ``error/agent_timeout`` or
+``error/agent_output``, and the first one of each kind is logged with the tail of the program's stderr. A
+run stops only when more than ``--reward.max_failure_fraction`` of a step's samples are unscorable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+from typing import Any
+
+from rlhf_agents.executors import EpisodeFailure
+from rlhf_agents.openai_server import OpenAIServerAgentExecutor
+
+logger = logging.getLogger(__name__)
+
+STDERR_TAIL = 2000
+
+
+def command_argv(command: str) -> list[str]:
+    """``--train.agent_command``'s argv, checked: it parses and its program exists and is executable.
+    Raises ValueError naming the flag (the driver calls this before any worker starts)."""
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(f"--train.agent_command {command!r} does not parse as a command line: {exc}") from None
+    if not argv:
+        raise ValueError("--train.agent_command is empty")
+    program = argv[0]
+    if os.sep in program:
+        if not os.path.isfile(program):
+            raise ValueError(f"--train.agent_command {command!r}: {program} does not exist")
+        if not os.access(program, os.X_OK):
+            raise ValueError(f"--train.agent_command {command!r}: {program} is not executable (chmod +x it, or "
+                             f"name its interpreter first: python {program})")
+    elif shutil.which(program) is None:
+        raise ValueError(f"--train.agent_command {command!r}: no program {program!r} on PATH")
+    return argv
+
+
+def parse_agent_output(stdout: str) -> Any:
+    """The result in an agent program's stdout (see the module docstring): a float, or a dict with
+    ``reward``. Raises ValueError saying what the last line was."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("printed nothing on stdout; the last line must be the reward")
+    last = lines[-1].strip()
+    try:
+        result = json.loads(last)
+    except ValueError:
+        result = None
+    if isinstance(result, (int, float)) and not isinstance(result, bool):
+        return float(result)
+    if isinstance(result, dict) and "reward" in result:
+        return result
+    raise ValueError(f"printed {last[:200]!r} last; expected a number or a JSON object with \"reward\"")
+
+
+class CommandAgentExecutor(OpenAIServerAgentExecutor):
+    """Runs ``argv`` once per episode against the episode's endpoint (see the module docstring)."""
+
+    def __init__(self, argv: list[str]):
+        super().__init__()
+        self.argv = list(argv)
+        self._logged_kinds: set[str] = set()
+
+    def agent_name(self) -> str:
+        return f"--train.agent_command {shlex.join(self.argv)!r}"
+
+    def _fail(self, kind: str, message: str, stderr: bytearray) -> EpisodeFailure:
+        """The episode's failure; the first one of each kind is logged with the program's stderr tail."""
+        tail = stderr.decode("utf-8", "replace")[-STDERR_TAIL:].rstrip()
+        if kind not in self._logged_kinds:
+            self._logged_kinds.add(kind)
+            logger.error("%s: %s (further such failures are counted in error/%s, not logged); its stderr ended "
+                         "with:\n%s", self.agent_name(), message, kind, tail or "(nothing)")
+        return EpisodeFailure(kind, f"{self.agent_name()} {message}")
+
+    async def run_bounded(self, base_url: str, prompt: str, label: Any) -> Any:
+        """Run the program for one episode and read its result (it bounds its own time, so that a program
+        that runs too long is killed and its stderr logged)."""
+        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "rlhf",
+               "RLHF_EPISODE_ID": base_url.rsplit("/", 2)[-2]}
+        row = json.dumps({"prompt": prompt, "label": label}, default=str).encode() + b"\n"
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,  # its own process group, to kill
+        )
+        stdout, stderr = bytearray(), bytearray()  # what was read survives a timeout
+        finished = False
+        try:
+            await asyncio.wait_for(asyncio.gather(
+                _feed(proc.stdin, row), _drain(proc.stdout, stdout), _drain(proc.stderr, stderr), proc.wait()
+            ), self.env_step_timeout)
+            finished = True
+        except asyncio.TimeoutError:
+            raise self._fail("agent_timeout", f"ran longer than --train.env_step_timeout {self.env_step_timeout:g} s "
+                             "and was killed", stderr) from None
+        finally:
+            if not finished:  # timed out (perhaps a child kept its pipes open), or the episode was abandoned
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the program and whatever it started
+                except ProcessLookupError:
+                    pass
+                await proc.wait()
+        if proc.returncode != 0:
+            raise self._fail("agent_exit", f"exited with status {proc.returncode}", stderr)
+        try:
+            return parse_agent_output(stdout.decode("utf-8", "replace"))
+        except ValueError as exc:
+            raise self._fail("agent_output", str(exc), stderr) from None
+
+
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        stdin.write(data)
+        await stdin.drain()
+        stdin.close()
+    except (BrokenPipeError, ConnectionResetError):  # the program did not read its row: its business
+        pass
+
+
+async def _drain(stream: asyncio.StreamReader, into: bytearray) -> None:
+    while chunk := await stream.read(1 << 16):
+        into += chunk

@@ -257,6 +257,8 @@ class RLController:
         teacher_calls = []  # multi-teacher OPD: each teacher scores the rows of its prompts, cut on their own
         if self.groups.ref is not None and self.teacher_of:
             teacher = torch.tensor([self.teacher_of[t.prompt_uid] for t in batch.trajectories])
+            if exp.episode_of is not None:  # per-call samples: rows of one episode share its prompt's teacher
+                teacher = teacher[exp.episode_of]
             for k in teacher.unique().tolist():
                 rows = (teacher == k).nonzero().flatten().tolist()
                 size = cfg.rollout.micro_batch_size

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+# its own group: one test process holds this module's Ray session while the other runs the rest, Ray included
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_e2e")]
 REPO = Path(__file__).resolve().parents[1]
 
 REWARD = '''
@@ -330,7 +331,7 @@ def test_kill_a_training_worker_then_resume_exactly(assets, tmp_path):
     error within a minute, and resuming from its last checkpoint must end on A's weights and prompts."""
     import psutil
 
-    common = base_args(assets, "X", steps=10) + ["--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2",
+    common = base_args(assets, "X", steps=6) + ["--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2",
                                                  "--actor.adam.lr", "1e-3"]
     env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
 

@@ -191,6 +191,24 @@ def test_weights_and_sleep_go_through_worker_rpcs_fake_vllm_untested_here_needs_
     assert ("sleep", 2) in llm.calls and ("wake_up", None) in llm.calls
 
 
+def test_a_lora_engine_enables_vllms_lora_and_others_refuse_adapters_fake_vllm(fake_vllm, tmp_path):
+    """``lora_rank`` turns on vLLM's LoRA with the smallest max_lora_rank it accepts; an engine without it refuses
+    an adapter sync (whose base it would otherwise silently keep) and says why; ranks above vLLM's 512 are
+    refused by the driver. (The real LoRA path runs in test_a_lora_policy_is_served_as_a_new_adapter_after_every_sync.)"""
+    VLLMEngine("/models/tiny", lora_rank=12)
+    assert {k: FakeLLM.instances[-1].kwargs[k] for k in ("enable_lora", "max_loras", "max_lora_rank")} == {
+        "enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
+    engine = VLLMEngine("/models/tiny")
+    assert "enable_lora" not in FakeLLM.instances[-1].kwargs
+    with pytest.raises(RuntimeError, match="lora_rank=0"):
+        engine.update_weights([("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(4, 8)),
+                               ("model.layers.0.self_attn.q_proj.lora_B", torch.zeros(8, 4))])
+    cfg = RLConfig()
+    cfg.actor.model_name_or_path = str(tmp_path)
+    cfg.ds.lora.rank = 1024
+    assert VLLMEngineFactory().config_problem(cfg).startswith("--ds.lora.rank 1024: vLLM serves LoRA adapters of rank 512")
+
+
 def test_sleep_needs_sleep_mode_fake_vllm(fake_vllm):
     with pytest.raises(RuntimeError, match="enable_sleep"):
         VLLMEngine("/models/tiny").sleep(1)
@@ -206,6 +224,7 @@ def test_registered_and_available_where_vllm_can_run_fake_vllm(fake_vllm, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no model config read: GPU arguments only
     kwargs = factory.engine_kwargs(cfg, index=2)
     assert kwargs["seed"] == 42 and kwargs["tensor_parallel_size"] == 2 and kwargs["enable_prefix_caching"]
+    assert kwargs["lora_rank"] == 0  # --ds.lora.rank: the policy's syncs send full weights
     assert kwargs["dtype"] == "bf16" and kwargs["model_name_or_path"] == "/models/tiny"  # auto on a GPU
     assert "kv_cache_memory_bytes" not in kwargs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

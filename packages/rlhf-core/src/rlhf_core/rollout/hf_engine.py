@@ -647,7 +647,7 @@ class HFEngine(RolloutEngine):
                 raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA adapter "
                                    "needs the base weight under it; send the full weights first")
             base = self._lora_base.setdefault(name, target.detach().clone())
-            target.copy_(merge_lora_pair(base, lora_a, lora_b))
+            merge_lora_pair(base, lora_a, lora_b, out=target)
 
     @torch.no_grad()
     def share_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:

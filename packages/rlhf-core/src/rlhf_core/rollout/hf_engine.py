@@ -646,8 +646,9 @@ class HFEngine(RolloutEngine):
             if name in self._missing:
                 raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA adapter "
                                    "needs the base weight under it; send the full weights first")
-            base = self._lora_base.setdefault(name, target.detach().clone())
-            merge_lora_pair(base, lora_a, lora_b, out=target)
+            if name not in self._lora_base:  # the first adapter on this weight: what it holds now is the base
+                self._lora_base[name] = target.detach().clone()
+            merge_lora_pair(self._lora_base[name], lora_a, lora_b, out=target)
 
     @torch.no_grad()
     def share_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:

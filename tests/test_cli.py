@@ -63,7 +63,8 @@ def test_conflicting_options_are_refused_with_reasons(tiny_model, monkeypatch):
     cfg, _ = parse_config("ppo", ["--pretrain", tiny_model, "--advantage_estimator", "rloo", "--n_samples_per_prompt",
                                   "1", "--train.partial_rollout_enable", "--vllm.enable_sleep", "--use_dynamic_batch",
                                   "--train_max_tokens_per_gpu", "0", "--rollout_max_tokens_per_gpu", "-5",
-                                  "--enable_ema", "--ema_beta", "1.5", "--logger.wandb.key", "k"])
+                                  "--enable_ema", "--ema_beta", "1.5", "--logger.wandb.key", "k",
+                                  "--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj,lm_head"])
     assert cfg.train.dynamic_batch_enable  # the OpenRLHF names map to the dotted ones
     with pytest.raises(RunConfigError) as err:
         assemble("ppo", cfg, gpus=False)
@@ -76,6 +77,7 @@ def test_conflicting_options_are_refused_with_reasons(tiny_model, monkeypatch):
     assert "--rollout.max_tokens_per_gpu -5: a token budget" in msg
     assert "--train.ema_beta 1.5: the EMA decay must be in [0, 1)" in msg
     assert "--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')" in msg
+    assert "--ds.lora.target_modules lm_head: a LoRA policy's weight sync sends adapters of linear decoder" in msg
 
 
 def test_missing_estimator_says_which_package_to_install(tiny_model):

@@ -94,9 +94,14 @@ def metrics(out) -> list[dict]:
     # make_experience puts a row's results back in the wrong place
     ("gae", ["--critic.adam.lr", "1e-3", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "24"]),
     ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: a reference group runs
-    ("reinforce_baseline", ["--vllm.sync_with_ray"]),  # weights through the object store, not a group
+    # weights through the object store, not a group; a LoRA policy: only its adapter goes (ZeRO-2: a LoRA step
+    # under ZeRO-3 fails today in rlhf_algos.logits' checkpointed chunks)
+    ("reinforce_baseline", ["--vllm.sync_with_ray", "--ds.lora.rank", "4", "--ds.lora.alpha", "8",
+                            "--ds.zero_stage", "2"]),
     ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
-    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28", "--vllm.num_engines", "2"]),  # 2 engine processes
+    # 2 engine processes, which a LoRA policy's adapter reaches through the sync group
+    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28", "--vllm.num_engines", "2", "--ds.lora.rank", "4",
+                    "--ds.zero_stage", "2"]),
     # hybrid engine: every role and the engines on the same bundles, taking turns (sleep/wake); on CPU the
     # reference model and each engine live in the policy ranks' processes (engines get their weights by an
     # in-process copy)
@@ -125,7 +130,8 @@ def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, c
         assert rows[-1]["kl/mean"] != 0.0  # the policy moved away from the reference after step 1
     placement = json.loads((out / "run.json").read_text())["plugins"]["placement_strategies"]["name"]
     assert placement == ("colocate_all" if "--train.colocate_all" in extra else "separate")
-    assert (out / "model" / "config.json").is_file() and (out / "report" / "reward.png").is_file()
+    exported = "adapter_config.json" if "--ds.lora.rank" in extra else "config.json"  # LoRA exports the adapter
+    assert (out / "model" / exported).is_file() and (out / "report" / "reward.png").is_file()
 
 
 def test_multi_turn_environment_from_a_plugin(assets, ray_session, tmp_path):

@@ -336,3 +336,40 @@ def test_bf16_decode_on_cuda_matches_a_bf16_forward_and_sleep_frees_the_weights(
     assert awake - torch.cuda.memory_allocated() >= 0.9 * weight_bytes
     engine.wake_up()
     assert engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids == before
+
+
+def test_a_lora_adapter_is_merged_over_the_base_the_engine_loaded(tiny_dir):
+    """A LoRA policy's sync carries only adapter pairs (scaling folded into B). The engine keeps the base it
+    loaded and sets W = W0 + B @ A: after two syncs of different adapters its log-probs equal the peft model's
+    forward, x W0^T + s (x A^T) B^T, to 1e-5 (the same fp32 products summed in another order: ~1e-6 here), so the
+    second adapter replaced the first instead of adding to it. A full weight sent later becomes the new base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.testing.engines import forward_logprobs
+    from rlhf_core.weight_sync import lora_adapter_tensors
+
+    engine = HFEngine(tiny_dir, device="cpu")
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    trainer = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    prompt = [10, 11, 12]
+    request = GenerationRequest(prompt, SamplingParams(n=2, max_new_tokens=8, seed=0))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        with torch.no_grad():
+            for name, p in trainer.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        sent = list(lora_adapter_tensors(trainer))
+        assert len(sent) == 2 * 3 * 2 and all(n.endswith((".lora_A", ".lora_B")) for n, _ in sent)  # layers x targets x A/B
+        engine.update_weights(sent)
+        for out in engine.generate([request])[0]:
+            torch.testing.assert_close(out.logprobs, forward_logprobs(trainer, prompt, out.token_ids, 1.0), atol=1e-5, rtol=0)
+    out = engine.generate([request])[0][0]
+    assert max(abs(a - b) for a, b in zip(out.logprobs, forward_logprobs(base, prompt, out.token_ids, 1.0))) > 1e-2
+    engine.update_weights(dict(base.named_parameters()))  # full weights again: the adapters' bases are dropped
+    engine.update_weights(sent[:2])  # one layer's pair, merged over the new base
+    assert not engine._lora_base.keys() - {sent[0][0].removesuffix(".lora_A") + ".weight"}
+    with pytest.raises(Exception, match="not the next half of a LoRA pair"):
+        engine.update_weights(sent[1:3])

@@ -202,3 +202,22 @@ def test_after_a_sync_engine_and_sender_compute_the_same_logprobs(tmp_path):
         engine.close_weight_sync()
         if sender.is_alive():
             sender.terminate()
+
+
+def test_lora_pairs_merge_into_the_base_and_out_of_order_tensors_are_refused():
+    """W = W0 + B @ A written into the target, in float32 and (computed in float32, then cast) in bf16; exact
+    here (small integers). Pairs come as consecutive A then B of one layer; anything else is an error."""
+    from rlhf_core.weight_sync import lora_pairs, merge_lora_pair
+
+    base = torch.ones(2, 3)
+    a, b = torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0], [2.0]])
+    want = torch.tensor([[2.0, 3.0, 4.0], [3.0, 5.0, 7.0]])
+    assert torch.equal(merge_lora_pair(base, a, b, out=torch.empty(2, 3)), want)
+    assert torch.equal(merge_lora_pair(base.bfloat16(), a, b, out=torch.empty(2, 3, dtype=torch.bfloat16)).float(), want)
+    with pytest.raises(WeightSyncError, match=r"does not fit a weight of shape \(3, 2\)"):
+        merge_lora_pair(torch.ones(3, 2), a, b, out=torch.empty(3, 2))
+    assert [n for n, _, _ in lora_pairs([("l.lora_A", a), ("l.lora_B", b)])] == ["l"]
+    with pytest.raises(WeightSyncError, match="'m.lora_B' is not the next half of a LoRA pair"):
+        list(lora_pairs([("l.lora_A", a), ("m.lora_B", b)]))
+    with pytest.raises(WeightSyncError, match="arrived without its .lora_B"):
+        list(lora_pairs([("l.lora_A", a)]))

@@ -69,7 +69,7 @@ class FakeLLM:
             get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)))
         FakeLLM.instances.append(self)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
         self.calls.append(("generate", prompts, sampling_params))
         outputs = []
         for prompt, sp in zip(prompts, sampling_params, strict=True):
@@ -191,6 +191,24 @@ def test_weights_and_sleep_go_through_worker_rpcs_fake_vllm_untested_here_needs_
     assert ("sleep", 2) in llm.calls and ("wake_up", None) in llm.calls
 
 
+def test_a_lora_engine_enables_vllms_lora_and_others_refuse_adapters_fake_vllm(fake_vllm, tmp_path):
+    """``lora_rank`` turns on vLLM's LoRA with the smallest max_lora_rank it accepts; an engine without it refuses
+    an adapter sync (whose base it would otherwise silently keep) and says why; ranks above vLLM's 512 are
+    refused by the driver. (The real LoRA path runs in test_a_lora_policy_is_served_as_a_new_adapter_after_every_sync.)"""
+    VLLMEngine("/models/tiny", lora_rank=12)
+    assert {k: FakeLLM.instances[-1].kwargs[k] for k in ("enable_lora", "max_loras", "max_lora_rank")} == {
+        "enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
+    engine = VLLMEngine("/models/tiny")
+    assert "enable_lora" not in FakeLLM.instances[-1].kwargs
+    with pytest.raises(RuntimeError, match="lora_rank=0"):
+        engine.update_weights([("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(4, 8)),
+                               ("model.layers.0.self_attn.q_proj.lora_B", torch.zeros(8, 4))])
+    cfg = RLConfig()
+    cfg.actor.model_name_or_path = str(tmp_path)
+    cfg.ds.lora.rank = 1024
+    assert VLLMEngineFactory().config_problem(cfg).startswith("--ds.lora.rank 1024: vLLM serves LoRA adapters of rank 512")
+
+
 def test_sleep_needs_sleep_mode_fake_vllm(fake_vllm):
     with pytest.raises(RuntimeError, match="enable_sleep"):
         VLLMEngine("/models/tiny").sleep(1)
@@ -206,6 +224,7 @@ def test_registered_and_available_where_vllm_can_run_fake_vllm(fake_vllm, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no model config read: GPU arguments only
     kwargs = factory.engine_kwargs(cfg, index=2)
     assert kwargs["seed"] == 42 and kwargs["tensor_parallel_size"] == 2 and kwargs["enable_prefix_caching"]
+    assert kwargs["lora_rank"] == 0  # --ds.lora.rank: the policy's syncs send full weights
     assert kwargs["dtype"] == "bf16" and kwargs["model_name_or_path"] == "/models/tiny"  # auto on a GPU
     assert "kv_cache_memory_bytes" not in kwargs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -662,3 +681,48 @@ def test_generate_on_a_worker_thread_with_openmp_at_its_default(tmp_path):
     out = subprocess.run([sys.executable, "-c", GENERATE_ON_A_WORKER_THREAD, str(tmp_path / "model")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "same tokens" in out.stdout, (out.stdout + out.stderr)[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("vllm")
+@pytest.mark.skipif(REAL_REASON is not None, reason=str(REAL_REASON))
+def test_a_lora_policy_is_served_as_a_new_adapter_after_every_sync(tmp_path):
+    """An engine built with ``lora_rank`` serves each sync's adapter pairs (object store, sync group, object
+    store) through vLLM's LoRA support, as a new adapter each time (the old one removed); after each sync its
+    log-probs equal the peft trainer's to 1e-5 (fp32: vLLM adds (x A^T) B^T to x W0^T as peft does)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.weight_sync import lora_adapter_tensors
+
+    model_dir = save_tiny_decoder(tmp_path, "llama", tied=True)
+    trainer = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    trainer.eval()
+    engine = VLLMEngine(model_dir, dtype="float32", enforce_eager=True, max_model_len=256, lora_rank=4,
+                        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}))
+    try:
+        gaps = []
+        gen = torch.Generator().manual_seed(3)
+        for step in range(3):
+            with torch.no_grad():
+                for name, p in trainer.named_parameters():
+                    if "lora_" in name:
+                        p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            named = list(lora_adapter_tensors(trainer))
+            if step == 1:
+                port = free_port()
+                sender = threading.Thread(target=send_weights, args=(port, named))
+                sender.start()
+                engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60.0)
+                engine.receive_weights()
+                sender.join()
+                engine.close_weight_sync()
+            else:
+                engine.update_weights(named)
+            engine.reset_prefix_cache()
+            gaps.append(logprob_gap(engine, trainer))
+        assert engine.llm.llm_engine.list_loras() == {3}
+        assert max(gaps) <= 1e-5, gaps
+    finally:
+        engine.shutdown()

@@ -202,6 +202,11 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
             "--reward.model_name_or_path, --train.agent_func_path, --train.agent_command or --train.env (Python API: "
             "reward_func=)"
         )
+    embedding_targets = [t for t in c.ds.lora.target_modules if t.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")]
+    if c.ds.lora.rank > 0 and embedding_targets:
+        problems.append(f"--ds.lora.target_modules {','.join(embedding_targets)}: a LoRA policy's weight sync sends "
+                        "adapters of linear decoder layers only (the HF engine merges them, vLLM serves them); "
+                        "LoRA on the embeddings or the LM head (tied to them in many models) is refused")
     if c.algo.dynamic_filtering_enable and n < 2:
         problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "
                         "--rollout.n_samples_per_prompt >= 2")

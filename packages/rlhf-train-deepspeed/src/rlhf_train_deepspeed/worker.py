@@ -634,10 +634,28 @@ class TrainWorker:
         if bucket:
             yield from flush()
 
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA policy's adapters in the sync's wire format (:func:`rlhf_core.weight_sync.lora_adapter_tensors`):
+        per adapted layer ``<HF layer name>.lora_A`` and ``.lora_B`` (scaling folded in); the frozen base never
+        moves. Collective under ZeRO-3 (only the adapters are gathered)."""
+        import deepspeed
+
+        from rlhf_core.weight_sync import lora_adapter_tensors
+
+        module = self._module()
+        with deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if "lora_" in n]):
+            yield from lora_adapter_tensors(module)
+
+    def engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends: a LoRA policy's adapters (:meth:`adapter_weights`), else every trained
+        weight (:meth:`named_weights`). Collective under ZeRO-3."""
+        return self.adapter_weights() if self._is_peft() else self.named_weights(trainable_only=True)
+
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor] | None:
-        """Every trained weight as a CPU tensor on rank 0 (None on the others), for the object-store sync path."""
+        """What the engines get (:meth:`engine_weights`) as CPU tensors on rank 0 (None on the others), for the
+        object-store sync path."""
         out = {}
-        for name, t in self.named_weights(trainable_only=True):
+        for name, t in self.engine_weights():
             if self.rank == 0:
                 out[name] = t.cpu()
         return out if self.rank == 0 else None
@@ -648,14 +666,15 @@ class TrainWorker:
         """Send the weights to the rollout engines through ``rlhf_core.weight_sync``: rank 0 is rank 0 of the
         sync group (hosting its store at ``master_addr:master_port``; the engines take ranks 1..world_size-1
         and call ``receive``). The group is joined on the first call and kept. Other trainer ranks only take
-        part in the ZeRO-3 gathers. Returns the number of tensors sent (0 on ranks other than 0)."""
+        part in the ZeRO-3 gathers. A LoRA policy sends only its adapters (:meth:`engine_weights`). Returns the
+        number of tensors sent (0 on ranks other than 0)."""
         from rlhf_core import weight_sync
 
         if self.rank == 0 and self._sync_group is None:
             self._sync_group = weight_sync.init_sync_group(
                 master_addr, master_port, 0, world_size, backend, timeout_s
             )
-        weights = self.named_weights(trainable_only=True)
+        weights = self.engine_weights()
         if self.rank == 0:
             return self._sync_group.send(weights)["tensors"]
         for _ in weights:
@@ -772,12 +791,13 @@ class TrainWorker:
     def push_weights_to_hosted(self, name: str) -> int:
         """Load this rank's weights into the object hosted under ``name`` (its ``update_weights``), in process:
         no broadcast, no object store. Collective under ZeRO-3 like :meth:`named_weights`: every rank calls
-        it, and ranks that host nothing only take part in the gathers. Returns the number of tensors loaded."""
+        it, and ranks that host nothing only take part in the gathers. A LoRA policy's engine gets only the
+        adapters (:meth:`adapter_weights`). Returns the number of tensors loaded."""
         target = self._hosted.get(name)
         # it decodes from our parameters: nothing to copy (pointed at them again, should they have been replaced)
         if getattr(target, "borrowed", False) and target.share_weights(dict(self._module().named_parameters())):
             return 0
-        weights = dict(self.named_weights())
+        weights = dict(self.adapter_weights() if self._is_peft() else self.named_weights())
         if target is None:
             return 0
         target.update_weights(weights)

@@ -25,6 +25,7 @@ samples of a prompt share its prefill as text prompts do, and decode steps conti
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 import time
@@ -40,7 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rlhf_core.rollout.sampling import check_requests, row_keys, sample_next, sample_seeds
 from rlhf_core.types import GenerationOutput, GenerationRequest, RolloutEngine
 from rlhf_core.vision import count_image_tokens, image_forward_inputs, is_vision_language, load_model
-from rlhf_core.weight_sync import SyncGroup, init_sync_group
+from rlhf_core.weight_sync import SyncGroup, init_sync_group, is_adapter, lora_pairs, merge_lora_pair
 
 logger = logging.getLogger(__name__)
 
@@ -385,6 +386,7 @@ class HFEngine(RolloutEngine):
         self._shapes = {name: p.shape for name, p in self._params.items()}
         self._canonical = {id(p): name for name, p in self._params.items()}  # a tied alias -> its unique name
         self._missing: set[str] = set()  # parameters not received since a level-2 sleep
+        self._lora_base: dict[str, torch.Tensor] = {}  # weight name -> the base W0 its LoRA adapter is merged into
         self._asleep = 0
         self._sync: SyncGroup | None = None
 
@@ -602,11 +604,23 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
-        """Copy tensors into the parameters or buffers of the same HF names (cast to the engine's dtype)."""
+        """Copy tensors into the parameters or buffers of the same HF names (cast to the engine's dtype). A LoRA
+        policy's adapters (``<layer>.lora_A``/``.lora_B`` pairs, :mod:`rlhf_core.weight_sync`) are merged instead:
+        the layer's weight becomes ``W0 + B @ A``, ``W0`` the base weight the engine held before its first
+        adapter (kept as a copy of each adapted weight)."""
         if isinstance(named_tensors, Mapping):
             named_tensors = named_tensors.items()
         self._weights = None  # packed copies are snapshots
+        named_tensors = iter(named_tensors)
+        first = next(named_tensors, None)
+        if first is None:
+            return
+        named_tensors = itertools.chain([first], named_tensors)
+        if is_adapter(first[0]):
+            self._merge_adapters(named_tensors)
+            return
         for name, tensor in named_tensors:
+            self._lora_base.pop(name, None)  # a full weight replaces the base an adapter was merged into
             target = self._targets.get(name)
             if target is None:
                 some = ", ".join(list(self._params)[:3])
@@ -619,6 +633,22 @@ class HFEngine(RolloutEngine):
                 )
             target.copy_(tensor)
             self._missing.discard(canonical)
+
+    def _merge_adapters(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Merged rather than run as extra matmuls: decode keeps its fused, packed fast path (decode_token).
+        for layer, lora_a, lora_b in lora_pairs(pairs):
+            name = layer + ".weight"
+            target = self._params.get(name)
+            if target is None:
+                some = ", ".join(list(self._params)[:3])
+                raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this model "
+                               f"(names look like {some}, ...)")
+            if name in self._missing:
+                raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA adapter "
+                                   "needs the base weight under it; send the full weights first")
+            if name not in self._lora_base:  # the first adapter on this weight: what it holds now is the base
+                self._lora_base[name] = target.detach().clone()
+            merge_lora_pair(self._lora_base[name], lora_a, lora_b, out=target)
 
     @torch.no_grad()
     def share_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -683,6 +713,8 @@ class HFEngine(RolloutEngine):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             elif self.device.type != "cpu":
                 p.data = p.data.to("cpu")
+        # the bases of LoRA-merged weights go with the weights (discarded: the next sync must send full weights)
+        self._lora_base = {} if level == 2 else {k: v.to("cpu") for k, v in self._lora_base.items()}
         self._asleep = level
         gc.collect()
         if self.device.type == "cuda":
@@ -696,6 +728,7 @@ class HFEngine(RolloutEngine):
                 p.data = p.data.to(self.device)
         if self._asleep == 2:
             self._missing = set(self._params)
+        self._lora_base = {k: v.to(self.device) for k, v in self._lora_base.items()}
         if self.own_weights and self._asleep:  # the parameters are separate tensors again
             self._fused = fuse_projections(self.plan)
         self._asleep = 0

@@ -94,10 +94,8 @@ def metrics(out) -> list[dict]:
     # make_experience puts a row's results back in the wrong place
     ("gae", ["--critic.adam.lr", "1e-3", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "24"]),
     ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: a reference group runs
-    # weights through the object store, not a group; a LoRA policy: only its adapter goes (ZeRO-2: a LoRA step
-    # under ZeRO-3 fails today in rlhf_algos.logits' checkpointed chunks)
-    ("reinforce_baseline", ["--vllm.sync_with_ray", "--ds.lora.rank", "4", "--ds.lora.alpha", "8",
-                            "--ds.zero_stage", "2"]),
+    # weights through the object store, not a group; a LoRA policy: only its adapter goes
+    ("reinforce_baseline", ["--vllm.sync_with_ray", "--ds.lora.rank", "4", "--ds.lora.alpha", "8"]),
     ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
     # 2 engine processes, which a LoRA policy's adapter reaches through the sync group
     ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28", "--vllm.num_engines", "2", "--ds.lora.rank", "4",

@@ -87,6 +87,24 @@ def _head_problem(n=37, hidden=16, vocab=1000, seed=3):
     return head, h, labels
 
 
+def test_head_logprobs_reentrant_recompute_gives_the_same_values_and_gradients(monkeypatch):
+    """``reentrant=True`` (a frozen ZeRO-3 head) only changes how backward recomputes the chunks: the values and
+    the hidden states' gradients are bitwise those of the default."""
+    import rlhf_algos.logits as logits_mod
+    from rlhf_algos.logits import head_logprobs
+
+    head, h, labels = _head_problem()
+    head.requires_grad_(False)  # frozen, as under LoRA
+    monkeypatch.setattr(logits_mod, "CHUNK_BYTES", 8 * 4 * head.weight.shape[0])
+    got = []
+    for reentrant in (False, True):
+        hx = h.clone().requires_grad_(True)
+        lp, ent = head_logprobs(head, hx, labels, head.weight.shape[0], 0.7, with_entropy=True, reentrant=reentrant)
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        got.append((lp.detach(), ent.detach(), hx.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
 def test_head_logprobs_in_chunks_equal_a_full_log_softmax_with_gradients(monkeypatch):
     """Chunks of 8 rows (5 chunks, the last one ragged) against a float64 log_softmax over all the logits at
     once, computed here by hand, at temperatures 1 and 0.7; gradients in the hidden states and the head's

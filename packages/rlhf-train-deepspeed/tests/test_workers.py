@@ -413,7 +413,7 @@ def test_a_hosted_engine_decodes_from_the_trainers_tensors_with_the_numbers_of_i
 
 
 def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained_policy(groups, tiny_llama, tmp_path):
-    """A LoRA policy (rank 4 on q/v/down, ZeRO-2 over 2 ranks), trained two steps and synced after each, sends
+    """A LoRA policy (rank 4 on q/v/down, ZeRO-3 over 2 ranks), trained two steps and synced after each, sends
     the engines its adapter pairs only: the bytes are counted (the base, 14x more, would fail it). An engine
     hosted in each rank (in-process copy) and one loaded from the path (the object-store path) then give the
     trainer's log-probs to 1e-5 (fp32: W0 + B @ A merged vs. peft's extra matmuls, ~1e-6 apart), and
@@ -429,9 +429,8 @@ def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained
 
     group = groups[2]
     lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    # ZeRO-2: under ZeRO-3 a LoRA step fails today (the frozen LM head is released before the checkpointed
-    # log-prob chunks of rlhf_algos.logits recompute with it)
-    group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=2, param_dtype="fp32", lora=lora))
+    # ZeRO-3: the frozen LM head is partitioned, and the checkpointed log-prob chunks recompute with it in backward
+    group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="fp32", lora=lora))
     hosted = group.host("engine", HFEngine, [(tiny_llama,), (tiny_llama,)])
     engine = HFEngine(tiny_llama, device="cpu")
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()

@@ -79,7 +79,7 @@ heap and stayed resident (measured: +110 MiB on a SmolLM2 training micro-batch).
 
 def head_logprobs(
     head, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool = False, reentrant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and entropies) under ``softmax(head(hidden) / temperature)``, never holding
     the logits of more than :data:`CHUNK_BYTES` at once: ``[N, H]`` hidden states and ``[N]`` labels ->
@@ -90,6 +90,11 @@ def head_logprobs(
     :func:`logprobs_and_entropy` and drops its logits; under autograd the chunk is checkpointed, so backward
     recomputes its logits rather than keeping all of them (the head's matmul runs twice, as with activation
     checkpointing). A temperature of 0 (greedy) is treated as 1.
+
+    ``reentrant``: recompute through the reentrant checkpoint, for a ``head`` whose weight is present only while
+    its module runs (a frozen LM head partitioned by ZeRO-3, as under LoRA): DeepSpeed gathers it again when
+    backward reaches the module, while the non-reentrant checkpoint checks the recomputed tensors before that
+    and raises ``CheckpointError``. Same numbers either way.
     """
     scale = temperature if temperature > 0 else 1.0
 
@@ -103,7 +108,7 @@ def head_logprobs(
 
     rows = max(1, CHUNK_BYTES // (4 * vocab_size))
     grad = torch.is_grad_enabled()
-    out = [torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=False) if grad else chunk(h, y)
+    out = [torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=reentrant) if grad else chunk(h, y)
            for h, y in zip(hidden.split(rows), labels.split(rows), strict=True)]
     lp = torch.cat([o[0] for o in out])  # split gives at least one (maybe empty) chunk
     return lp, torch.cat([o[1] for o in out]) if with_entropy else None

@@ -162,7 +162,9 @@ def _head_logprobs(model, hidden, labels, temperature, with_entropy):
             z = torch.tanh(z.float() / cap) * cap
         return z
 
-    return head_logprobs(logits, hidden, labels, config.vocab_size, temperature, with_entropy)
+    # a frozen ZeRO-3 head (LoRA) is gathered only while its module runs: see head_logprobs(reentrant=)
+    frozen_zero3 = any(hasattr(p, "ds_id") and not p.requires_grad for p in head.parameters())
+    return head_logprobs(logits, hidden, labels, config.vocab_size, temperature, with_entropy, frozen_zero3)
 
 
 def response_logits(model: nn.Module, batch: SequenceBatch, packing: bool = False):

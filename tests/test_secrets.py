@@ -19,7 +19,7 @@ KEY, PASSWORD, TOKEN = "sk-live-0123456789", "hunter2pw", "tok-9876"
 URL = f"http://rm:{PASSWORD}@127.0.0.1:9/get_reward?token={TOKEN}"
 # fields whose names look like secrets but hold dataset column names, a metric name or a PRM's step marker
 NOT_SECRETS = {"input_key", "output_key", "label_key", "prompt_key", "chosen_key", "rejected_key", "label_kto_key",
-               "image_key", "best_metric_key", "placeholder_token"}
+               "image_key", "best_metric_key", "placeholder_token", "teacher_key"}
 
 
 @pytest.fixture

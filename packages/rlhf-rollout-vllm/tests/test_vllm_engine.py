@@ -471,6 +471,20 @@ def send_weights(port: int, named: list, world_size: int = 2) -> None:
     group.close()
 
 
+def sync_weights(engine, named: list, through_group: bool) -> None:
+    """``named`` into ``engine`` through the object-store path, or through a one-sender gloo sync group."""
+    if not through_group:
+        engine.update_weights(named)
+        return
+    port = free_port()
+    sender = threading.Thread(target=send_weights, args=(port, named))
+    sender.start()
+    engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60.0)
+    engine.receive_weights()
+    sender.join()
+    engine.close_weight_sync()
+
+
 def logprob_gap(engine, model) -> float:
     """Largest |engine log-prob - trainer log-prob| over sampled tokens of four prompts (T = 1)."""
     from rlhf_core.testing.engines import PROMPTS, forward_logprobs
@@ -507,16 +521,7 @@ def test_logprobs_equal_the_trainers_after_every_sync(tmp_path, family, tied):
                 for p in trainer.parameters():
                     p.add_(0.05 * torch.randn(p.shape, generator=gen))
             named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]  # tied: embed_tokens only
-            if step == 1:
-                port = free_port()
-                sender = threading.Thread(target=send_weights, args=(port, named))
-                sender.start()
-                engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60.0)
-                engine.receive_weights()
-                sender.join()
-                engine.close_weight_sync()
-            else:
-                engine.update_weights(named)
+            sync_weights(engine, named, through_group=step == 1)
             engine.reset_prefix_cache()
             gaps.append(logprob_gap(engine, trainer))
         assert max(gaps) <= 1e-5, gaps
@@ -710,16 +715,7 @@ def test_a_lora_policy_is_served_as_a_new_adapter_after_every_sync(tmp_path):
                     if "lora_" in name:
                         p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             named = list(lora_adapter_tensors(trainer))
-            if step == 1:
-                port = free_port()
-                sender = threading.Thread(target=send_weights, args=(port, named))
-                sender.start()
-                engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60.0)
-                engine.receive_weights()
-                sender.join()
-                engine.close_weight_sync()
-            else:
-                engine.update_weights(named)
+            sync_weights(engine, named, through_group=step == 1)
             engine.reset_prefix_cache()
             gaps.append(logprob_gap(engine, trainer))
         assert engine.llm.llm_engine.list_loras() == {3}

@@ -499,14 +499,17 @@ class RLController:
         t2 = time.perf_counter()
         if self.cfg.train.colocate_all and self.cfg.vllm.enable_sleep:
             _get([a.wake_up.remote() for a in self.groups.rollout], "rollout")
+        waited = time.perf_counter()
         if not self.cfg.train.partial_rollout_enable:  # the batches due from the weights before this step's
             self._wait_generated(self.step + self.cfg.train.async_queue_size)
+        waited = time.perf_counter() - waited
         self.sync_weights()
         t3 = time.perf_counter()
         self.kl_ctl.update(exp.info["kl/mean"], len(exp.sequences))
         tokens = sum(len(s) for s in exp.sequences)
         return {**exp.info, **batch.rollout_metrics, **train_metrics,
-                "timing/make_experience": t1 - t0, "timing/ppo_train": t2 - t1, "timing/broadcast": t3 - t2,
+                "timing/make_experience": t1 - t0, "timing/ppo_train": t2 - t1, "timing/broadcast": t3 - t2 - waited,
+                "timing/sync_wait": waited,
                 "perf/tokens_per_s_train": tokens / max(t2 - t0, 1e-9),
                 "rollout/prompts_used": batch.prompts_used}
 

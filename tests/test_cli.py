@@ -170,6 +170,15 @@ def test_over_generation_needs_async_and_at_least_a_batch(tiny_model):
         assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "4", "--async_train"])[0],
                  gpus=False)
     assemble("ppo", parse_config("ppo", base + ["--vllm_generate_batch_size", "16", "--async_train"])[0], gpus=False)
+    # the staleness limit: async only, and no lower than the schedule's own lag
+    with pytest.raises(RunConfigError, match="--train.max_staleness limits .* add --train.async_enable"):
+        assemble("ppo", parse_config("ppo", base + ["--train.max_staleness", "2"])[0], gpus=False)
+    with pytest.raises(RunConfigError, match=r"max_staleness 1 is below --train.async_queue_size \(2\)"):
+        assemble("ppo", parse_config("ppo", base + ["--async_train", "--async_queue_size", "2",
+                                                    "--train.max_staleness", "1"])[0], gpus=False)
+    with pytest.raises(RunConfigError, match="--train.async_queue_size 0: the async pipeline generates at least"):
+        assemble("ppo", parse_config("ppo", base + ["--async_train", "--async_queue_size", "0"])[0], gpus=False)
+    assemble("ppo", parse_config("ppo", base + ["--async_train", "--train.max_staleness", "1"])[0], gpus=False)
 def test_prm_and_kd_dry_runs_check_their_tokens_and_teacher(tmp_path, capsys):
     from rlhf_cli.main import main
     from rlhf_core.testing.tiny import make_tiny_llama

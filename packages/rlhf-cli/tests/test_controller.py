@@ -2,6 +2,7 @@
 keeping accepted ones when the data runs out, stopping on repeated non-finite steps, resumable state,
 micro-batches (fixed or token-budget) that keep each row with its own results."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ from rlhf_cli.rl.controller import Groups, RLController, RLRunError
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_core.config import RLConfig
 from rlhf_core.inline import InlineRef
-from rlhf_core.types import Trajectory
+from rlhf_core.types import Trajectory, derive_seed
 
 
 def config(**rollout) -> RLConfig:
@@ -88,10 +89,10 @@ def test_client_state_round_trip():
     cfg.algo.kl.target = 0.1
     ctl = controller(cfg, 10)
     ctl.generate, _ = fake_generate(pass_uids=set(range(10)))
-    batch = ctl.collect(step=1)
+    ctl.collect(step=1)
     ctl.step, ctl.best_metric, ctl.policy_version = 1, 0.7, 1
     ctl.kl_ctl.update(0.5, 64)
-    state = ctl.client_state(batch)
+    state = ctl.client_state()
     other = controller(cfg, 10)
     other.load_client_state(state)
     assert (other.step, other.best_metric, other.policy_version) == (1, 0.7, 1)
@@ -320,16 +321,17 @@ def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
     assert [(r["step"], r["reward/mean"]) for r in before] == [(1, 1.0), (2, 1.0)]
 
 
-def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_skipping():
+def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_regenerating():
     """--rollout.vllm_generate_batch_size 7 with batches of 3: one round of 7 prompts feeds steps 1 and 2,
-    step 3 takes the last group and starts the next round. A checkpoint of step 1 resumes after step 1's
-    prompts: the 4 prompts still waiting are generated again, none is skipped."""
+    step 3 takes the last group and starts the next round. A checkpoint of step 1 holds the 4 groups still
+    waiting: the resumed controller trains them as they were, generating nothing until step 3."""
     cfg = config(vllm_generate_batch_size=7)
     cfg.algo.dynamic_filtering_enable = False
     ctl = controller(cfg, num_prompts=20)
     ctl.generate, calls = fake_generate(pass_uids=set())
     order = [p.uid for p in PromptStream(ctl.stream.prompts, seed=0).take(20)]
     b1 = ctl.collect(step=1)
+    state = ctl.client_state()
     ctl.policy_version = 1
     b2 = ctl.collect(step=2)
     assert calls == [order[:7]]  # one round so far
@@ -338,10 +340,169 @@ def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_s
     uids = [sorted({t.prompt_uid for t in b.trajectories}, key=order.index) for b in (b1, b2, b3)]
     assert uids == [order[:3], order[3:6], order[6:9]]
     assert [b.prompts_used for b in (b1, b2, b3)] == [7, 0, 7]
-    assert b3.policy_version == 0  # its oldest group came from the first round
+    # step 3 (policy version 2) trains order[6] of the first round (version 0) and two groups of version 1
+    assert [b.rollout_metrics["policy_version_lag"] for b in (b1, b2, b3)] == [0, 1, 2]
+    assert b3.rollout_metrics["policy_version_lag_mean"] == pytest.approx((2 + 1 + 1) / 3)
     resumed = controller(cfg, num_prompts=20)
-    resumed.stream.load_state_dict(b1.stream_state)
-    assert [p.uid for p in resumed.stream.take(4)] == order[3:7]
+    resumed.load_client_state(state)
+    resumed.generate, resumed_calls = fake_generate(pass_uids=set())
+    resumed.policy_version = 1
+    assert resumed.collect(step=2).trajectories == b2.trajectories and resumed_calls == []
+    assert resumed.collect(step=3).trajectories == b3.trajectories and resumed_calls == [order[7:14]]
+
+
+def test_stale_groups_are_dropped_and_their_prompts_generated_again():
+    """--train.max_staleness 1, one round of 9 prompts for batches of 3: step 3 trains policy version 2, and
+    the round's last 3 groups (version 0) are 2 versions old: they are dropped, and their prompts generated
+    again first in step 3's round (version 2), not lost."""
+    cfg = config(vllm_generate_batch_size=9)
+    cfg.algo.dynamic_filtering_enable = False
+    cfg.train.async_enable, cfg.train.max_staleness = True, 1
+    ctl = controller(cfg, num_prompts=30)
+    ctl.generate, calls = fake_generate(pass_uids=set())
+    order = [p.uid for p in PromptStream(ctl.stream.prompts, seed=0).take(30)]
+    batches = []
+    for step in (1, 2, 3, 4):
+        ctl.policy_version = step - 1  # as one weight sync per step leaves it
+        batches.append(ctl.collect(step))
+    assert calls == [order[:9], order[6:9] + order[9:15]]
+    uids = [sorted({t.prompt_uid for t in b.trajectories}, key=order.index) for b in batches]
+    assert uids == [order[:3], order[3:6], order[6:9], order[9:12]]
+    m = [b.rollout_metrics for b in batches]
+    assert [x["async/stale_groups_requeued"] for x in m] == [0, 0, 3, 0]
+    assert [x["policy_version_lag"] for x in m] == [0, 1, 0, 1]
+    assert [b.prompts_used for b in batches] == [9, 0, 9, 0]
+
+
+def test_filtered_groups_come_back_once_in_a_later_round():
+    """Dynamic filtering drops the groups of X and Y at step 1; both are generated again at step 2 (after the
+    data ran out), before anything else: Y passes then, X is dropped a second time and lost (counted). A
+    checkpoint between the steps holds the re-queued prompts."""
+    cfg = config()
+    ctl = controller(cfg, num_prompts=5)
+    order = [p.uid for p in PromptStream(ctl.stream.prompts, seed=0).take(5)]
+    x, y = order[0], order[1]
+    calls = []
+
+    def generate(prompts, step, eval_mode=False):  # a score of 0.5 passes the (0, 1) filter, 1.0 does not
+        calls.append([p.uid for p in prompts])
+        passes = {p.uid: p.uid != x and (p.uid != y or step != 1) for p in prompts}
+        return [Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i,
+                           reward=0.5 if passes[p.uid] else 1.0) for p in prompts for i in range(2)], {}
+
+    ctl.generate = generate
+    b1 = ctl.collect(step=1)
+    state = ctl.client_state()
+    assert calls == [order[:3], order[3:5]]  # the refill of the same round takes new prompts
+    assert {t.prompt_uid for t in b1.trajectories} == set(order[2:5])
+    assert ctl.requeued == [(x, True), (y, True)]
+    m = b1.rollout_metrics
+    assert (m["rollout/filtered_requeued"], m["rollout/filtered_lost"], m["dynamic_filtering_pass_rate"]) == (2, 0, 3 / 5)
+    b2 = ctl.collect(step=2)
+    assert calls[2:] == [[x, y]] and {t.prompt_uid for t in b2.trajectories} == {y}
+    assert (b2.rollout_metrics["rollout/filtered_requeued"], b2.rollout_metrics["rollout/filtered_lost"]) == (0, 1)
+    assert ctl.collect(step=3) is None
+    resumed = controller(cfg, num_prompts=5)
+    resumed.load_client_state(state)
+    resumed.generate = generate
+    assert resumed.collect(step=2).trajectories == b2.trajectories
+
+
+class FakeTrainer:
+    """The policy and the engine of an async run, in plain numbers: ``trained`` lists each step's prompts
+    and rewards, and the engine's weights are the count of steps trained when they were last synced."""
+
+    def __init__(self):
+        self.trained: list = []
+        self.engine_weights = 0
+
+    def push_weights_to_hosted(self, name):
+        self.engine_weights = len(self.trained)
+
+    def save_checkpoint(self, path):
+        torch.save(self.trained, path)
+
+    def load_checkpoint(self, path):
+        self.trained = torch.load(path)
+
+
+def async_run(tmp_path, ahead, max_steps, resume=None, stop_after=None):
+    """Fit a controller of 30 prompts (batches of 3, over-generation of 5, 2 samples) with a fake trainer and
+    engine that sleep at random (a seeded 0-20 ms) to shuffle the threads' timing; a sample's reward is a
+    function of its prompt, step and the engine's weights. Returns the trainer and, per step, the policy
+    version each of its generate calls ran on."""
+    import random
+
+    cfg = config(vllm_generate_batch_size=5)
+    cfg.algo.dynamic_filtering_enable = False
+    cfg.train.async_enable, cfg.train.async_queue_size, cfg.train.max_steps = True, ahead, max_steps
+    cfg.ckpt.save_steps = 2
+    from rlhf_core.checkpoint import CheckpointManager
+
+    checkpoints = CheckpointManager(tmp_path / "ckpt", max_num=10)
+    trainer = FakeTrainer()
+    prompts = [Prompt(i, [1, 2], f"p{i}") for i in range(30)]
+    ctl = RLController(cfg, Groups(actor=trainer, rollout=[], rollout_in_actor=True), PromptStream(prompts, 0), 0,
+                       checkpoints)
+    jitter = random.Random(resume or 0)
+    generated_on: dict = {}
+
+    def generate(prompts, step, eval_mode=False):
+        time.sleep(jitter.random() / 50)
+        generated_on[step] = trainer.engine_weights
+        return [Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i,
+                           reward=float(derive_seed(p.uid, step, trainer.engine_weights) % 97)) for p in prompts
+                for i in range(2)], {}
+
+    def train(exp, step):
+        time.sleep(jitter.random() / 50)
+        trainer.trained.append([(t.prompt_uid, t.reward) for t in exp])
+        return {}
+
+    ctl.generate, ctl.train = generate, train
+    ctl.make_experience = lambda batch: _Exp(batch.trajectories)
+    if resume is not None:
+        path = checkpoints.latest()
+        trainer.load_checkpoint(path / "actor")
+        ctl.sync_weights()
+        ctl.load_client_state(checkpoints.load_client_state(path))
+
+    class Logger:
+        def log(self, step, metrics):
+            if step == stop_after:
+                raise KeyboardInterrupt("killed")  # after the step's checkpoint, as a kill would
+
+    ctl.logger = Logger()
+    try:
+        ctl.fit()
+    except KeyboardInterrupt:
+        pass
+    return trainer, generated_on
+
+
+class _Exp(list):
+    def __init__(self, trajectories):
+        super().__init__(trajectories)
+        self.info = {"kl/mean": 0.0}
+        self.sequences = [[1]]
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_async_schedule_fixes_each_batchs_policy_and_a_checkpoint_resumes_exactly(tmp_path, ahead):
+    """Whatever the threads' timing, batch k is generated by the weights after step k-1-Q (Q =
+    --train.async_queue_size), so two runs train the same samples; a run stopped after the checkpoint of step
+    4 and resumed from it trains what the uninterrupted run trains, step for step (over-generated groups
+    and the batches generated ahead come from the checkpoint, not generated again by newer weights)."""
+    full, generated_on = async_run(tmp_path / "full", ahead, max_steps=8)
+    assert len(full.trained) == 8
+    # one round of 5 prompts every 5 groups: rounds at steps 1, 2, 4, 6, 7 (5 groups feed 1 2/3 steps of 3)
+    assert generated_on == {k: max(0, k - 1 - ahead) for k in (1, 2, 4, 6, 7)}
+    again, _ = async_run(tmp_path / "again", ahead, max_steps=8, resume=None)
+    assert again.trained == full.trained
+    stopped, _ = async_run(tmp_path / "b", ahead, max_steps=8, stop_after=4)
+    assert stopped.trained == full.trained[:4]
+    resumed, _ = async_run(tmp_path / "b", ahead, max_steps=8, resume=1)
+    assert resumed.trained == full.trained
 
 
 def test_async_trainers_sleep_while_they_wait_for_a_batch():

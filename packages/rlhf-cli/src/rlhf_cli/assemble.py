@@ -223,6 +223,16 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if (c.vllm.enable_sleep or c.ds.enable_sleep) and not c.train.colocate_all:
         problems.append("--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
                         "--train.colocate_all")
+    if c.train.async_enable and c.train.async_queue_size < 1:
+        problems.append(f"--train.async_queue_size {c.train.async_queue_size}: the async pipeline generates at "
+                        "least one batch ahead of training; use 1 or more (or drop --train.async_enable)")
+    if c.train.max_staleness is not None and not c.train.async_enable:
+        problems.append("--train.max_staleness limits how old the async pipeline's samples may be; a sync run "
+                        "trains each batch on the policy that generated it: add --train.async_enable")
+    elif c.train.max_staleness is not None and c.train.max_staleness < c.train.async_queue_size:
+        problems.append(f"--train.max_staleness {c.train.max_staleness} is below --train.async_queue_size "
+                        f"({c.train.async_queue_size}): every batch is generated that many policy versions before "
+                        "it is trained, so every group would be dropped as stale")
     if c.train.partial_rollout_enable and not c.train.async_enable:
         problems.append("--train.partial_rollout_enable only applies to the async pipeline "
                         "(--train.async_enable)")

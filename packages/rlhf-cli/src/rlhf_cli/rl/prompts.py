@@ -151,13 +151,6 @@ class PromptStream:
     def state_dict(self) -> dict:
         return {"episode": self.episode, "position": self.position, "num_prompts": len(self.prompts)}
 
-    def state_after(self, state: dict, k: int) -> dict:
-        """The state of a stream at ``state`` after it served ``k`` more prompts."""
-        other = PromptStream(self.prompts, self.seed, self.num_episodes)
-        other.load_state_dict(state)
-        other.take(k)
-        return other.state_dict()
-
     def load_state_dict(self, state: dict) -> None:
         if state["num_prompts"] != len(self.prompts):
             raise ValueError(

@@ -339,7 +339,7 @@ _reward_func = reward_func
 
 def reward_func(queries, prompts, labels, **kwargs):
     """Step 2's rollout in the first engine process to get there stops here, with its pid written down, until
-    the test kills it; the engines after it find the file and go on."""
+    the test kills it; the engine replacing it finds the file and goes on."""
     global _calls
     _calls += 1
     if _calls == 2 and not os.path.exists(MARK):
@@ -353,8 +353,8 @@ def reward_func(queries, prompts, labels, **kwargs):
 
 @pytest.mark.xdist_group("ray2")  # subprocesses with their own Ray: can run beside the in-process group
 def test_kill_an_engine_and_a_training_worker_then_resume_exactly(assets, tmp_path):
-    """Uninterrupted run A; in run B one of two engine processes is SIGKILLed in the middle of step 2's rollout
-    and must be replaced (current weights, same seeds: same samples), then one policy rank is SIGKILLed, which
+    """Uninterrupted run A; in run B the engine process is SIGKILLed in the middle of step 2's rollout and must
+    be replaced (current weights, same seeds: same samples), then one policy rank is SIGKILLed, which
     must stop the run with a clear error within a minute; resuming from its last checkpoint (step 2 or later)
     must end on A's weights and prompts."""
     import psutil
@@ -363,8 +363,8 @@ def test_kill_an_engine_and_a_training_worker_then_resume_exactly(assets, tmp_pa
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD + f"\nMARK = {str(mark)!r}\n" + KILL_HOOK)
     common = without(base_args(assets, "X", steps=6), "--reward.remote_url") + [
-        "--reward.remote_url", str(reward), "--algo.advantage.estimator", "group_norm", "--vllm.num_engines", "2",
-        "--ckpt.save_steps", "2", "--actor.adam.lr", "1e-3"]
+        "--reward.remote_url", str(reward), "--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2",
+        "--actor.adam.lr", "1e-3"]
     env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
 
     def cmd(out):

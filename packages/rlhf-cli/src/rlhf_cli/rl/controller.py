@@ -169,6 +169,9 @@ class RLController:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if self.groups.new_engine is None:
             raise RLRunError(f"rollout engine {i} died: {cause}") from exc
+        if self.max_engine_restarts == 0:
+            raise RLRunError(f"rollout engine {i} died: {cause} (--rollout.max_engine_restarts 0: a dead engine "
+                             "stops the run)") from exc
         if self.engine_restarts >= self.max_engine_restarts:
             raise RLRunError(f"rollout engine {i} died after {self.engine_restarts} engine restart(s), the most "
                              f"--rollout.max_engine_restarts allows ({self.max_engine_restarts}): {cause}") from exc

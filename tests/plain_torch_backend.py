@@ -114,7 +114,8 @@ class PlainRank:
 
         if self.rank:
             return 0
-        if getattr(self, "sync", None) is None:  # the engines join once and keep the group for every sync
+        # the engines keep the group for every sync; another address means a new group (an engine was replaced)
+        if getattr(self, "sync", None) is None or self.sync.address != f"{addr}:{port}":
             self.sync = init_sync_group(addr, port, 0, world_size, backend, timeout_s)
         self.sync.send(self.model.state_dict().items())
         return len(self.model.state_dict())

@@ -64,7 +64,8 @@ def test_conflicting_options_are_refused_with_reasons(tiny_model, monkeypatch):
                                   "1", "--train.partial_rollout_enable", "--vllm.enable_sleep", "--use_dynamic_batch",
                                   "--train_max_tokens_per_gpu", "0", "--rollout_max_tokens_per_gpu", "-5",
                                   "--enable_ema", "--ema_beta", "1.5", "--logger.wandb.key", "k",
-                                  "--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj,lm_head"])
+                                  "--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj,lm_head",
+                                  "--rollout.max_engine_restarts", "-1", "--train.episode_timeout", "-1"])
     assert cfg.train.dynamic_batch_enable  # the OpenRLHF names map to the dotted ones
     with pytest.raises(RunConfigError) as err:
         assemble("ppo", cfg, gpus=False)
@@ -78,6 +79,12 @@ def test_conflicting_options_are_refused_with_reasons(tiny_model, monkeypatch):
     assert "--train.ema_beta 1.5: the EMA decay must be in [0, 1)" in msg
     assert "--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')" in msg
     assert "--ds.lora.target_modules lm_head: a LoRA policy's weight sync sends adapters of linear decoder" in msg
+    assert "--rollout.max_engine_restarts -1: a number of engine restarts must be 0 or more" in msg
+    assert "--train.episode_timeout -1: seconds must be 0 (no limit) or more" in msg
+    cfg, _ = parse_config("ppo", ["--pretrain", tiny_model, "--remote_rm_url", "http://127.0.0.1:9/x",
+                                  "--train.async_enable", "--rollout.max_engine_restarts", "2"])
+    with pytest.raises(RunConfigError, match="max_engine_restarts 2 with --train.async_enable: a replacement engine"):
+        assemble("ppo", cfg, gpus=False)
 
 
 def test_missing_estimator_says_which_package_to_install(tiny_model):

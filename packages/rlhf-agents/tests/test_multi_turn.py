@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import textwrap
+import time
 
 import pytest
 
@@ -165,6 +166,57 @@ def test_failing_environments_end_only_their_own_episode(tmp_path, async_engine,
     assert m["reward/unscorable"] == 8.0
     tracebacks = [r for r in caplog.records if "environment broke" in r.getMessage() and "Traceback" in r.getMessage()]
     assert len(tracebacks) == 1  # two samples raise from the same line: one traceback
+
+
+HANGING_AGENT = """
+import asyncio
+from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor
+
+class AgentInstance(AgentInstanceBase):
+    async def step(self, states, **kwargs):
+        return {"rewards": 1.0, "environment_feedback": "", "done": True}
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+
+    async def execute(self, prompt, label, *args, **kwargs):
+        if label == "hang":  # outside any environment call: only the episode timeout ends it
+            await asyncio.sleep(30)
+        return await super().execute(prompt, label, *args, **kwargs)
+"""
+
+
+class SlowEngine:
+    """The engine answering each request one second late: time waited for the engine is not the agent's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def generate(self, request):
+        await asyncio.sleep(1.0)
+        return await self.engine.generate(request)
+
+
+def test_an_agent_that_hangs_outside_its_environment_is_ended_by_the_episode_timeout(
+        tmp_path, async_engine, tokenizer, cfg_factory):
+    path = tmp_path / "agent.py"
+    path.write_text(HANGING_AGENT)
+    cfg = cfg_factory(train={"agent_func_path": str(path), "episode_timeout": 0.5}, reward={"max_failure_fraction": 0.5})
+    worker = RolloutWorker.from_config(cfg, SlowEngine(async_engine), tokenizer)
+    prompts = [{"prompt_text": "w1", "label": label, "prompt_uid": i} for i, label in enumerate(["ok", "hang"])]
+    start = time.monotonic()
+    trajs = worker.rollout(prompts, SamplingParams(n=2, max_new_tokens=3), step=0)
+    assert time.monotonic() - start < 10  # the hanging episodes sleep 30 s
+    ok, hung = trajs[0], trajs[2]
+    assert ok.reward == 1.0 and ok.error is None  # it waited 1 s for the engine, over the 0.5 s limit
+    assert hung.reward is None and "longer than --train.episode_timeout 0.5 s" in hung.error and str(path) in hung.error
+    m = worker.last_metrics
+    assert m["error/episode_timeout"] == 2.0 and m["reward/unscorable"] == 2.0
+    worker.max_failure_fraction = 0.25  # the unscorable threshold counts them like any failure
+    with pytest.raises(RolloutFailureError, match="'episode_timeout': 2"):
+        worker.rollout(prompts, SamplingParams(n=2, max_new_tokens=3), step=1)
+    worker.close()
 
 
 def test_too_many_environment_failures_stop_the_run_naming_the_file(tmp_path, async_engine, tokenizer, cfg_factory):

@@ -301,6 +301,66 @@ def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
     assert [s[:3] for s in sends] == [("10.0.0.1", 29500, 4)] * 2
 
 
+class FakeRolloutActor:
+    """A rollout actor that answers with one trajectory per row, or dies (Ray's ``ActorDiedError``)."""
+
+    def __init__(self, dies: bool, calls: list):
+        import ray
+
+        def rollout(rows, sampling, step):
+            calls.append((self, "rollout", [r["prompt_uid"] for r in rows], step))
+            if dies:
+                return InlineRef(error=ray.exceptions.ActorDiedError())
+            return InlineRef(([Trajectory([1], [2], [1], [0.0], prompt_uid=r["prompt_uid"]) for r in rows], {}))
+
+        self.rollout = SimpleNamespace(remote=rollout)
+        self.ping = SimpleNamespace(remote=lambda: InlineRef(True))
+        self.update_weights = SimpleNamespace(remote=lambda w: calls.append((self, "update", w)) or InlineRef(1))
+
+
+@pytest.mark.parametrize("replacements_die,budget", [(0, 3), (5, 2), (0, 0)], ids=["replaced", "crash-loop", "off"])
+def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_rerun(monkeypatch, replacements_die,
+                                                                                  budget):
+    import sys
+
+    import ray
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(put=lambda x: ("ref", x), kill=lambda a: None,
+                                                            exceptions=ray.exceptions))
+    calls, started = [], []
+
+    def new_engine(i):
+        started.append(FakeRolloutActor(len(started) < replacements_die, calls))
+        return started[-1]
+
+    engines = [FakeRolloutActor(False, calls), FakeRolloutActor(True, calls)]
+    actor = SimpleNamespace(get_state_dict_for_engines=lambda: {"w": 7})
+    cfg = config(max_engine_restarts=budget)
+    ctl = controller(cfg, 4)
+    ctl.groups = Groups(actor=actor, rollout=list(engines), new_engine=new_engine)
+    ctl._sync_address = ("10.0.0.1", 29500)
+    prompts = [Prompt(i, [1, 2], f"p{i}") for i in range(4)]
+    if replacements_die or not budget:
+        with pytest.raises(RLRunError) as err:
+            ctl.generate(prompts, step=5)
+        cause = "The actor died unexpectedly before finishing this task."
+        if budget:
+            assert str(err.value) == (f"rollout engine 1 died after 2 engine restart(s), the most "
+                                      f"--rollout.max_engine_restarts allows (2): {cause}")
+        else:
+            assert str(err.value) == (f"rollout engine 1 died: {cause} (--rollout.max_engine_restarts 0: a dead "
+                                      f"engine stops the run)") and started == []
+        return
+    trajs, _ = ctl.generate(prompts, step=5)
+    assert [t.prompt_uid for t in trajs] == [0, 1, 2, 3]  # engine order kept
+    (new,) = started
+    assert ctl.groups.rollout == [engines[0], new] and ctl.engine_restarts == 1
+    # the new engine loads the policy's weights before it takes the dead one's prompts, with the same step (seeds)
+    assert [c[1:] for c in calls if c[0] is new] == [("update", ("ref", {"w": 7})), ("rollout", [2, 3], 5)]
+    assert [c[2:] for c in calls if c[0] is engines[1]] == [([2, 3], 5)]
+    assert ctl._sync_address is None  # the next sync builds a new group: the old one has a dead rank
+
+
 def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
     """Without --ckpt.load_enable the rows of the run before are kept as metrics.1.jsonl, not mixed in (the
     report would draw both runs as one line)."""

@@ -374,27 +374,34 @@ class Worker(WeightSyncWorkerExtension):
 
 
 def test_worker_extension_joins_at_its_rank_and_loads_what_rank_0_sends():
-    port = free_port()
+    ports = [free_port(), free_port()]
     tensors = [("a", torch.randn(4, 3)), ("b", torch.arange(5.0))]
     workers = [Worker(0), Worker(1)]  # tensor-parallel ranks of one engine at sync ranks 1 and 2
+    left = []
 
     def run(worker):
-        worker.rlhf_init_weight_sync("127.0.0.1", port, 1, 3, "gloo", 30.0)
+        worker.rlhf_init_weight_sync("127.0.0.1", ports[0], 1, 3, "gloo", 30.0)
+        worker.rlhf_receive_weights()
+        first = worker.rlhf_sync_group
+        # a new group (the controller's, after it replaced a dead engine): the worker leaves the first one
+        worker.rlhf_init_weight_sync("127.0.0.1", ports[1], 1, 3, "gloo", 30.0)
+        left.append(first._pg is None and worker.rlhf_sync_group is not first)
         worker.rlhf_receive_weights()
         worker.rlhf_close_weight_sync()
 
     threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for t in threads:
         t.start()
-    sender = init_sync_group("127.0.0.1", port, 0, 3, "gloo", 30.0)
-    sender.send(tensors)
+    for port in ports:
+        sender = init_sync_group("127.0.0.1", port, 0, 3, "gloo", 30.0)
+        sender.send(tensors)
     for t in threads:
         t.join()
-    assert [w.rlhf_sync_group for w in workers] == [None, None]
+    assert [w.rlhf_sync_group for w in workers] == [None, None] and left == [True, True]
     for w in workers:
-        assert w.reloads == 1  # a CPU worker reloads (vLLM repacks weights there)
-        assert [n for n, _ in w.model_runner.model.loaded] == ["a", "b"]
-        for (_, got), (_, want) in zip(w.model_runner.model.loaded, tensors, strict=True):
+        assert w.reloads == 2  # a CPU worker reloads (vLLM repacks weights there), once per group
+        assert [n for n, _ in w.model_runner.model.loaded] == ["a", "b", "a", "b"]
+        for (_, got), (_, want) in zip(w.model_runner.model.loaded, tensors * 2, strict=True):
             assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="init_weight_sync"):
         Worker(0).rlhf_receive_weights()

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from rlhf_agents.checks import describe
+from rlhf_agents.checks import describe, log_failure_once
 from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
 from rlhf_core.config import distills_only
@@ -52,6 +52,36 @@ async def _gather_all(jobs: Sequence[Awaitable[Trajectory]]) -> list[Trajectory]
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+class EngineClock:
+    """The rollout engine as one episode sees it, timing how long the episode waits for it: the rest of the
+    episode's time is its agent's own (:meth:`RolloutWorker._bounded_episode` bounds that)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.waited = 0.0
+        self.in_flight = 0  # generate calls of the episode not yet answered (an agent may make several at once)
+        self.since = 0.0
+
+    async def generate(self, request: Any) -> Any:
+        if self.in_flight == 0:
+            self.since = time.monotonic()
+        self.in_flight += 1
+        try:
+            return await self.engine.generate(request)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.waited += time.monotonic() - self.since
+
+    def agent_seconds(self, start: float) -> float:
+        """Seconds since ``start`` not spent waiting for the engine."""
+        now = time.monotonic()
+        return now - start - self.waited - (now - self.since if self.in_flight else 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -98,6 +128,7 @@ class RolloutWorker:
         self.check_retokenization = cfg.train.check_retokenization
         self.agent_file = cfg.train.agent_func_path
         self.agent_command = cfg.train.agent_command
+        self.episode_timeout = cfg.train.episode_timeout
         self.distills_only = distills_only(cfg)
         self.last_metrics: dict[str, float] = {}
         self._drift_warned = False
@@ -182,9 +213,12 @@ class RolloutWorker:
         self, text: str, ids: list[int], label: Any, uid: Any, index: int, params: SamplingParams, images: list
     ) -> Trajectory:
         with_images = {"images": images} if images else {}  # executors written for text models need not take them
-        traj = await self.executor.execute(
-            text, label, params, self.max_len, self.tokenizer, self.engine, prompt_ids=list(ids), **with_images
-        )
+        if not self.episode_timeout:
+            traj = await self.executor.execute(
+                text, label, params, self.max_len, self.tokenizer, self.engine, prompt_ids=list(ids), **with_images
+            )
+        else:
+            traj = await self._bounded_episode(text, ids, label, params, with_images)
         if not isinstance(traj, Trajectory):
             raise TypeError(
                 f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected an "
@@ -194,6 +228,29 @@ class RolloutWorker:
         traj.prompt_text = traj.prompt_text or text
         traj.label = label if traj.label is None else traj.label
         return traj
+
+    async def _bounded_episode(
+        self, text: str, ids: list[int], label: Any, params: SamplingParams, with_images: dict
+    ) -> Any:
+        """The executor's episode, ended once its own time (not counting its waits for the engine) passes
+        ``--train.episode_timeout``: then an unscorable trajectory counted in ``error/episode_timeout``."""
+        clock = EngineClock(self.engine)
+        start = time.monotonic()
+        task = asyncio.ensure_future(self.executor.execute(
+            text, label, params, self.max_len, self.tokenizer, clock, prompt_ids=list(ids), **with_images
+        ))
+        while (left := self.episode_timeout - clock.agent_seconds(start)) > 0:
+            done, _ = await asyncio.wait({task}, timeout=left)
+            if done:
+                return task.result()
+        task.cancel()
+        where = f"agent file {self.agent_file}" if self.agent_file else type(self.executor).__name__
+        message = (f"{where}: an episode ran longer than --train.episode_timeout {self.episode_timeout:g} s "
+                   f"outside the rollout engine; it was ended")
+        log_failure_once(logger, where, message)
+        return Trajectory(prompt_ids=list(ids), response_ids=[], action_mask=[], rollout_logprobs=[],
+                          finish_reason="abort", prompt_text=text, label=label, error=message,
+                          extra_logs={"error/episode_timeout": 1.0}, images=list(with_images.get("images", [])))
 
     async def _score(self, trajectories: list[Trajectory]) -> None:
         """Score, in one batched call, every sample that has neither a reward nor an error yet."""

@@ -236,6 +236,15 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     if c.train.partial_rollout_enable and not c.train.async_enable:
         problems.append("--train.partial_rollout_enable only applies to the async pipeline "
                         "(--train.async_enable)")
+    restarts = c.rollout.max_engine_restarts
+    if restarts is not None and restarts < 0:
+        problems.append(f"--rollout.max_engine_restarts {restarts}: a number of engine restarts must be 0 or more")
+    if restarts and c.train.async_enable:
+        problems.append(f"--rollout.max_engine_restarts {restarts} with --train.async_enable: a replacement engine "
+                        "needs the current weights before it serves, which the async pipeline's generation thread "
+                        "cannot fetch while the trainers train; engine restarts are for the sync pipeline")
+    if c.train.episode_timeout < 0:
+        problems.append(f"--train.episode_timeout {c.train.episode_timeout:g}: seconds must be 0 (no limit) or more")
     if c.ds.ring_attn_size > 1 and not c.ds.packing_samples:
         problems.append("--ds.ring_attn_size > 1 splits packed sequences across ranks: add --ds.packing_samples")
     for flag, budget in (("--train.max_tokens_per_gpu", c.train.max_tokens_per_gpu),

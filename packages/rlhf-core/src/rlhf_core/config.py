@@ -254,6 +254,13 @@ class RolloutConfig:
     """Put the rollout engines on Ray nodes that offer this custom resource (inference nodes started with
     ``ray start --resources '{"NAME": N}'``): each bundle of the engines' pool (one per engine on CPU, one
     per GPU) takes one unit. Not with a placement that shares the engines' devices with training."""
+    max_engine_restarts: int | None = option(None, modes=RL_MODES)
+    """Rollout engines that may die during generation in one run and be replaced: a new engine process on
+    the dead one's placement gets the current policy weights and generates the dead engine's prompts again
+    with the same seeds (metric ``rollout/engine_restarts``). One more death stops the run naming the engine
+    and the cause; 0 stops at the first. Default: 3 with the sync pipeline; 0 with ``--train.async_enable``,
+    which refuses more (its generation thread cannot fetch weights while the trainers train). Engines hosted
+    in the policy's ranks die with their rank, which stops the run."""
 
 
 @dataclass
@@ -338,6 +345,10 @@ class TrainConfig:
     env_step_timeout: float = option(300.0, modes=RL_MODES)
     """Seconds an environment step (or a whole OpenAI-endpoint agent episode) may take before it is ended
     and counted."""
+    episode_timeout: float = option(1800.0, modes=RL_MODES)
+    """Seconds one episode's agent code (an ``--train.agent_func_path`` executor's ``execute``, its
+    environment's calls, a closing ``close``) may run, not counting the time it waits for the rollout engine;
+    past it the episode is ended, unscorable, and counted in ``error/episode_timeout``; 0: no limit."""
     check_retokenization: bool = option(False, modes=RL_MODES)
     """Debug: re-tokenize each finished sample's text and report drift from its token ids (metric
     ``tokenize/drift_samples`` and one warning)."""

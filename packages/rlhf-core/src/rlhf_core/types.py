@@ -573,7 +573,8 @@ class TrainGroup(Protocol):
     ) -> list:
         """Start sending the weights as rank 0 of an ``rlhf_core.weight_sync`` group whose other ranks are
         the engines; returns Ray refs to wait on. The first call joins the group; the engines stay in it, so
-        later calls send through the same group."""
+        later calls with the same address send through the same group, and a call with another address (after
+        an engine was replaced) closes it and joins a new one."""
 
     def save_checkpoint(self, path: str) -> None:
         """Write everything needed to continue training (weights, optimizer, scheduler) under ``path``."""

@@ -665,11 +665,15 @@ class TrainWorker:
     ) -> int:
         """Send the weights to the rollout engines through ``rlhf_core.weight_sync``: rank 0 is rank 0 of the
         sync group (hosting its store at ``master_addr:master_port``; the engines take ranks 1..world_size-1
-        and call ``receive``). The group is joined on the first call and kept. Other trainer ranks only take
-        part in the ZeRO-3 gathers. A LoRA policy sends only its adapters (:meth:`engine_weights`). Returns the
+        and call ``receive``). The group is joined on the first call and kept; a call with another address
+        (the engines after one was replaced) closes it and joins a new one. Other trainer ranks only take part
+        in the ZeRO-3 gathers. A LoRA policy sends only its adapters (:meth:`engine_weights`). Returns the
         number of tensors sent (0 on ranks other than 0)."""
         from rlhf_core import weight_sync
 
+        if self.rank == 0 and self._sync_group is not None and self._sync_group.address != f"{master_addr}:{master_port}":
+            self._sync_group.close()
+            self._sync_group = None
         if self.rank == 0 and self._sync_group is None:
             self._sync_group = weight_sync.init_sync_group(
                 master_addr, master_port, 0, world_size, backend, timeout_s

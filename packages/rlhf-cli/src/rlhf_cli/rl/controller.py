@@ -13,7 +13,9 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +52,9 @@ class Groups:
     reward: TrainGroup | None = None
     rollout_in_actor: bool = False
     """Engine ``i`` lives in actor rank ``i``'s process (``rlhf_cli.placement.roles_in_actor``)."""
+    new_engine: Callable[[int], Any] | None = None
+    """Starts a fresh engine actor ``i`` on engine ``i``'s placement, to replace a dead one; None where an engine
+    cannot be replaced (hosted in a rank, or no Ray)."""
 
 
 @dataclass
@@ -119,6 +124,10 @@ class RLController:
         self.max_queue_size_seen = 0
         self._sync_address: tuple[str, int] | None = None
         self._sync_ranks: list[int] | None = None  # broadcast-group ranks of each engine; a 0: object store
+        restarts = cfg.rollout.max_engine_restarts
+        self.max_engine_restarts = restarts if restarts is not None else 0 if cfg.train.async_enable else 3
+        self.engine_restarts = 0
+        self.trainers_asleep = False  # the sync pipeline's hybrid engine, while the engines generate
 
     # --- rollout ---------------------------------------------------------------------------------------
 
@@ -138,15 +147,56 @@ class RLController:
         per = math.ceil(len(rows) / len(actors))
         sampling = self.sampling(eval_mode)
         seed_step = f"eval{step}" if eval_mode else step
-        refs = [a.rollout.remote(rows[i * per:(i + 1) * per], sampling, seed_step)
-                for i, a in enumerate(actors) if rows[i * per:(i + 1) * per]]
-        results = _get(refs, "rollout")
+        chunks = {i: rows[i * per:(i + 1) * per] for i in range(len(actors)) if rows[i * per:(i + 1) * per]}
+        refs = {i: actors[i].rollout.remote(chunk, sampling, seed_step) for i, chunk in chunks.items()}
+        results = []
+        for i, chunk in chunks.items():
+            while True:
+                try:
+                    results.append(inline.get(refs[i]))
+                    break
+                except _worker_died() as exc:
+                    # the samples' seeds depend on the step, prompt and sample index only: the replacement
+                    # draws the same samples from the same weights
+                    refs[i] = self._replace_engine(i, exc).rollout.remote(chunk, sampling, seed_step)
         trajs = [t for ts, _ in results for t in ts]
         metrics: dict[str, float] = {}
         for _, m in results:
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + v / len(results)
         return trajs, metrics
+
+    def _replace_engine(self, i: int, exc: BaseException):
+        """A new engine ``i`` in place of the dead one, holding the current policy weights (through the object
+        store; the next ``sync_weights`` builds a new broadcast group, since the old one has a dead rank).
+        Raises :class:`RLRunError` when the engine cannot be replaced or ``--rollout.max_engine_restarts`` is
+        spent."""
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if self.groups.new_engine is None:
+            raise RLRunError(f"rollout engine {i} died: {cause}") from exc
+        if self.max_engine_restarts == 0:
+            raise RLRunError(f"rollout engine {i} died: {cause} (--rollout.max_engine_restarts 0: a dead engine "
+                             "stops the run)") from exc
+        if self.engine_restarts >= self.max_engine_restarts:
+            raise RLRunError(f"rollout engine {i} died after {self.engine_restarts} engine restart(s), the most "
+                             f"--rollout.max_engine_restarts allows ({self.max_engine_restarts}): {cause}") from exc
+        self.engine_restarts += 1
+        print(f"rlhf: rollout engine {i} died ({cause}); starting a new one (restart {self.engine_restarts} of "
+              f"--rollout.max_engine_restarts {self.max_engine_restarts})", file=sys.stderr)
+        inline.kill(self.groups.rollout[i])  # whatever is left of it
+        engine = self.groups.new_engine(i)
+        _get(engine.ping.remote(), "new rollout")
+        import ray
+
+        if self.trainers_asleep:  # their ZeRO-3 state is off the GPU: gather the weights from it awake
+            self.groups.actor.wake_up()
+        weights = ray.put(self.groups.actor.get_state_dict_for_engines())
+        if self.trainers_asleep:
+            self.groups.actor.sleep()
+        _get(engine.update_weights.remote(weights), "new rollout")
+        self.groups.rollout[i] = engine
+        self._sync_address = None
+        return engine
 
     def collect(self, step: int) -> Batch | None:
         """One step's trajectories: ``rollout.batch_size`` prompt groups.
@@ -511,7 +561,7 @@ class RLController:
                 "timing/make_experience": t1 - t0, "timing/ppo_train": t2 - t1, "timing/broadcast": t3 - t2 - waited,
                 "timing/sync_wait": waited,
                 "perf/tokens_per_s_train": tokens / max(t2 - t0, 1e-9),
-                "rollout/prompts_used": batch.prompts_used}
+                "rollout/prompts_used": batch.prompts_used, "rollout/engine_restarts": float(self.engine_restarts)}
 
     def total_steps(self) -> int:
         steps = self.stream.total_steps(self.cfg.rollout.batch_size)
@@ -558,10 +608,12 @@ class RLController:
             if hybrid_sleep:  # the trainers' state leaves the devices while the engines generate
                 for g in self.trainers():
                     g.sleep()
+                self.trainers_asleep = True
             batch = self.collect(self.step + 1)
             if hybrid_sleep:
                 for g in self.trainers():
                     g.wake_up()
+                self.trainers_asleep = False
             if batch is None:
                 return
             batch.rollout_metrics["timing/generation"] = time.perf_counter() - t0

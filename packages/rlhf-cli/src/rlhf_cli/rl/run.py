@@ -83,6 +83,7 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         reward_model = RemoteRewardModel(server)
 
     engine = choose_engine(cfg, get_plugin_manager())
+    new_engine = None
     if "rollout" in asm.in_actor:
         rollout = made["actor"].host("rollout", RolloutActor, [(cfg, engine, i, reward_model, None, True)
                                                                for i in range(rollout_spec.num_workers)])
@@ -100,11 +101,12 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
         threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() \
             else None
-        rollout = [
-            actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
-                              max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
-            for i in range(rollout_spec.num_workers)
-        ]
+
+        def new_engine(i: int):  # engine i on its own bundles: at start, and to replace a dead one
+            return actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
+                                     max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
+
+        rollout = [new_engine(i) for i in range(rollout_spec.num_workers)]
     for role, group in made.items():
         if role not in asm.in_actor:
             group.wait_ready()
@@ -113,7 +115,7 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     for place in sorted(set(places)):
         print(f"rlhf: {places.count(place)} rollout engine(s) on {place}", file=sys.stderr)
     return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
-                  reward=made.get("reward"), rollout_in_actor="rollout" in asm.in_actor)
+                  reward=made.get("reward"), rollout_in_actor="rollout" in asm.in_actor, new_engine=new_engine)
 
 
 def worker_processes(groups: Groups) -> int:

@@ -681,7 +681,9 @@ class HFEngine(RolloutEngine):
         timeout_s: float = 600.0,
     ) -> None:
         """Join the weight-sync group as rank ``first_rank`` (the sender is rank 0); see
-        :func:`rlhf_core.weight_sync.init_sync_group`. Call it on every engine while the sender joins."""
+        :func:`rlhf_core.weight_sync.init_sync_group`. Call it on every engine while the sender joins; a group
+        joined before is left first (a new group replaces one that held a dead engine)."""
+        self.close_weight_sync()
         device = self.device if backend == "nccl" else torch.device("cpu")
         self._sync = init_sync_group(master_addr, master_port, first_rank, world_size, backend, timeout_s, device=device)
 

@@ -1,7 +1,7 @@
 """What a run prints: rlhf's bar and messages on the terminal; vLLM's, transformers' and DeepSpeed's output in the
 run's train.log, and on the terminal too with --debug (rlhf_core.console). Real commands in subprocesses, their
-stdout and stderr captured: a vLLM run on Ray workers (the e2e tests' smallest vLLM set-up) and single-process
-runs on the HF engine."""
+stdout and stderr captured: a vLLM run of the real model on Ray workers and single-process runs on the HF
+engine."""
 
 import os
 import subprocess
@@ -32,17 +32,6 @@ def rlhf_train(args: list[str]) -> tuple[str, str]:
 def run_args(assets, out) -> list[str]:
     args = without(base_args(assets, out, steps=1), "--actor.num_gpus_per_node")
     return args + ["--algo.advantage.estimator", "group_norm", "--ds.zero_stage", "0"]
-
-
-@pytest.mark.skipif(VLLMEngineFactory().available() is not None, reason="needs a runnable vLLM")
-def test_vllm_on_ray_workers_prints_rlhf_only(assets, tmp_path):
-    out = tmp_path / "vllm"
-    console = rlhf_train(run_args(assets, out) + ["--rollout.engine", "vllm", "--vllm.enforce_eager",
-                                                  "--ray.single_process", "false"])
-    log = (out / "train.log").read_text()
-    assert [s for s in THIRD_PARTY if s in console] == [], console[-3000:]
-    assert "Initializing a V1 LLM engine" in log and "Loading weights" in log  # vLLM's and transformers'
-    assert "worker processes up in" in console and "rlhf ppo" in console and "report:" in console
 
 
 def test_hf_single_process_quiet_and_debug(assets, tmp_path):
@@ -78,3 +67,6 @@ def test_one_grpo_step_on_vllm_with_the_real_model(smollm2, tmp_path):
     assert row["rollout/samples"] == 8 and row["policy/grad_norm"] > 0
     assert row["policy/rollout_train_logprob_gap"] < 0.2  # bf16 by default: see the engine's real-model test
     assert [s for s in THIRD_PARTY if s in console] == [], console[-3000:]
+    log = (out / "train.log").read_text()
+    assert "Initializing a V1 LLM engine" in log and "Loading weights" in log  # vLLM's and transformers'
+    assert "worker processes up in" in console and "rlhf ppo" in console and "report:" in console

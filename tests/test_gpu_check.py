@@ -30,7 +30,7 @@ def test_gpu_check_runs_every_section_on_cpu_without_ray(tmp_path):
     assert "needs a CUDA device" in " ".join(gpu_tests["skip_reasons"])
 
     grpo = sections["grpo"]["variants"]
-    assert set(grpo) == {"zero0", "zero3_ref"}  # --cpu runs two of the five variants
+    assert set(grpo) == {"zero3_ref"}  # --cpu runs one of the five variants
     for name, v in grpo.items():
         assert v["steps"] == 2, name
         assert all(g <= 1e-3 for g in v["logprob_gap"]), (name, v["logprob_gap"])  # fp32: the same forward twice

@@ -121,10 +121,20 @@ def test_iterative_dpo_raises_the_reward_each_iteration_and_resumes(task, tmp_pa
     assert crashed.returncode == 137, crashed.stdout[-3000:] + crashed.stderr[-3000:]
     assert "iteration 0 generate: done before, skipped" in crashed.stdout
     assert "iteration 0 train: done before, skipped" in crashed.stdout
+    written = (tmp_path / "iter1" / "data.jsonl.samples.jsonl").read_text()
+    assert not written.endswith("\n")  # the kill left half a micro-batch
+    lines = written.splitlines()[:-1]
+    per_prompt = {}
+    for line in lines:
+        per_prompt[json.loads(line)["prompt_index"]] = per_prompt.get(json.loads(line)["prompt_index"], 0) + 1
+    done_before = [line for line in lines if per_prompt[json.loads(line)["prompt_index"]] == 8]
+    assert done_before, "no prompt was complete when the run was killed"
     resumed = iterate(task, "iter_dpo", tmp_path, 2, 256, train)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "dropped a partial last line" in resumed.stdout
-    samples = [json.loads(line) for line in (tmp_path / "iter1" / "data.jsonl.samples.jsonl").read_text().splitlines()]
+    text = (tmp_path / "iter1" / "data.jsonl.samples.jsonl").read_text()
+    assert text.startswith("".join(line + "\n" for line in done_before))  # finished prompts kept, not redone
+    samples = [json.loads(line) for line in text.splitlines()]
     assert sorted((s["prompt_index"], s["sample_index"]) for s in samples) == [
         (p, j) for p in range(256) for j in range(8)]
     pairs = [json.loads(line) for line in (tmp_path / "iter1" / "data.jsonl").read_text().splitlines()]

@@ -332,6 +332,13 @@ def _export_weights(out) -> dict:
     return load_file(str(Path(out) / "model" / "model.safetensors"))
 
 
+def ppo_command(args: list[str], out) -> list[str]:
+    """``rlhf train ppo`` as a child process's command line, ``args``' output directory "X" set to ``out``."""
+    args = list(args)
+    args[args.index("X")] = str(out)
+    return [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args]
+
+
 KILL_HOOK = '''
 import os
 import time
@@ -368,9 +375,7 @@ def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, 
     env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
 
     def cmd(out):
-        args = list(common)
-        args[args.index("X")] = str(out)
-        return [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args]
+        return ppo_command(common, out)
 
     a, b = tmp_path / "a", tmp_path / "b"
     mark.write_text("")  # run A: no engine stops
@@ -413,9 +418,7 @@ def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, tmp_
     env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
 
     def cmd(out):
-        args = list(common)
-        args[args.index("X")] = str(out)
-        return [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args]
+        return ppo_command(common, out)
 
     a, b = tmp_path / "a", tmp_path / "b"
     done = subprocess.run(cmd(a), env=env, capture_output=True, text=True, timeout=600)

@@ -1,13 +1,10 @@
 """rlhf generate: flags, the checks made before any worker starts, scoring, post-processing and resume.
 
-The fast tests run the driver and a generation worker in this process; the slow one runs the real
-command on Ray, kills it in the middle of a write and resumes it.
+The tests run the driver and a generation worker in this process; the real command on Ray, killed in the
+middle of a write and resumed, is run by tests/test_pipelines.py's iterative DPO test.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -224,38 +221,3 @@ def test_a_third_party_post_processor_filters_the_output(assets, tmp_path, regis
     rows = [json.loads(line) for line in the_plan.output_path.read_text().splitlines()]
     assert rows == [{"input": p["text"], "output": f"w{p['index'] % 2}"} for p in the_plan.prompts if p["index"] != 0]
     assert (summary["samples"], summary["unscorable"], summary["rows"]) == (32, 1, 15)
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("ray")
-def test_generate_on_ray_killed_mid_write_resumes_without_duplicates(assets, tmp_path):
-    flags = gen_flags(assets, tmp_path, "--best_of_n", "3", "--micro_batch_size", "4", "--post_processor", "rs",
-                      "--vllm.num_engines", "2", "--temperature", "1.0")
-    cmd = [sys.executable, "-m", "rlhf_cli.main", "generate", *flags]
-    env = {**os.environ, "RLHF_FAULT": "generate_mid_write:3", "OMP_NUM_THREADS": "1"}
-    crashed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert crashed.returncode == 137, crashed.stdout + crashed.stderr
-    samples = tmp_path / "out.jsonl.samples.jsonl"
-    before = samples.read_text()
-    assert not before.endswith("\n")  # the kill left half a micro-batch
-    kept_lines = before[: before.rfind("\n") + 1]
-    assert kept_lines.count("\n") > 8 and not (tmp_path / "out.jsonl").exists()
-
-    env.pop("RLHF_FAULT")
-    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming" in resumed.stdout and "dropped a partial last line" in resumed.stdout
-    records = generate.read_samples(samples)
-    keys = [(r["prompt_index"], r["sample_index"]) for r in records]
-    assert sorted(keys) == [(p, j) for p in range(16) for j in range(3)]  # all there, none twice
-    complete_before = {r["prompt_index"] for r in map(json.loads, kept_lines.splitlines())}
-    complete_before = {p for p in complete_before if sum(k[0] == p for k in keys[:kept_lines.count("\n")]) == 3}
-    assert samples.read_text().startswith("".join(line + "\n" for line in kept_lines.splitlines()
-                                                  if json.loads(line)["prompt_index"] in complete_before))
-    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert len(rows) == 16
-    for p, row in enumerate(rows):
-        group = [r for r in records if r["prompt_index"] == p]
-        assert row["reward"] == max(r["reward"] for r in group) and row["input"] == group[0]["input"]
-    all_mean = sum(r["reward"] for r in records) / len(records)
-    assert sum(r["reward"] for r in rows) / 16 >= all_mean

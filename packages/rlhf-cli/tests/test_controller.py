@@ -125,11 +125,16 @@ class FakeRank:
         self.passes += [b.input_ids[:, 0].tolist() for b in batches]
         return [token_logprobs(b) for b in batches]
 
+    def compute_values(self, batches):
+        return [torch.zeros(len(b), b.num_response_positions) for b in batches]
+
     def train_policy(self, micro_batches, cfg, counts):
         from rlhf_train_deepspeed.strategy import StepResult
 
         self.trained.append(micro_batches)
         return StepResult(0.0, False, 1.0, 0.0, {})
+
+    train_critic = train_policy
 
 
 def rank_group(ranks: list[FakeRank]):
@@ -239,24 +244,27 @@ def test_a_ring_group_gets_one_budget_per_rank():
 @pytest.mark.parametrize("shared", [True, False])
 def test_token_budgets_keep_a_prompts_samples_together(shared):
     """With --ds.shared_prefix each dynamic micro-batch holds the samples of one prompt (the rank runs that
-    prompt once); without it rows are dealt to the ranks in turn, so a micro-batch mixes prompts."""
-    ranks = [FakeRank(), FakeRank()]
+    prompt once), for the policy's 2 ranks and the critic's 1 rank alike (the critic's own cut once dropped the
+    prompts); without it rows are dealt to the ranks in turn, so a micro-batch mixes prompts."""
+    ranks, critic = [FakeRank(), FakeRank()], FakeRank()
     cfg = config()
     cfg.ds.shared_prefix = shared
     cfg.rollout.n_samples_per_prompt = 4
     cfg.train.batch_size = 16
-    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 28  # four 7-token rows
-    trajs = [Trajectory([i // 4 + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 4,
-                        sample_index=i % 4, reward=float(i % 3)) for i in range(16)]
-    ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[]))
+    # a prompt's rows have 5 to 8 tokens: its four fit the budget padded; longest first they would mix prompts
+    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 32
+    trajs = [Trajectory([i // 4 + 1] * 2, [10 * i + t for t in range(3 + i % 4)], [1] * (3 + i % 4),
+                        [-0.1] * (3 + i % 4), prompt_uid=i // 4, sample_index=i % 4, reward=float(i % 3))
+             for i in range(16)]
+    ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[], critic=rank_group([critic])))
     ctl.policy.train(ctl.experience.make(trajs, kl_coef=0.0), step=1, kl_coef=0.0)
-    mbs = ranks[0].trained[0] + ranks[1].trained[0]
-    assert sorted(x for mb in mbs for x in mb.seq.input_ids[:, 2].tolist()) == [10 * i for i in range(16)]
-    prompts_per_mb = [len(set(mb.seq.input_ids[:, 0].tolist())) for mb in mbs]
-    if shared:
-        assert prompts_per_mb == [1, 1, 1, 1]
-    else:
-        assert max(prompts_per_mb) > 1
+    for mbs in (ranks[0].trained[0] + ranks[1].trained[0], critic.trained[0]):
+        assert sorted(x for mb in mbs for x in mb.seq.input_ids[:, 2].tolist()) == [10 * i for i in range(16)]
+        prompts_per_mb = [len(set(mb.seq.input_ids[:, 0].tolist())) for mb in mbs]
+        if shared:
+            assert prompts_per_mb == [1, 1, 1, 1]
+        else:
+            assert max(prompts_per_mb) > 1
 
 
 class FakeEngineActor:

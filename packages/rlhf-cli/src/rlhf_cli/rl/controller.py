@@ -1,14 +1,9 @@
-"""The single-controller RL loop.
-
-One step: prompts -> rollout actors (executor + reward) -> experience (old / reference log-probs, values) ->
-advantages (estimator plugin) -> policy and critic updates -> weight sync to the engines. Each has a part of
-its own: :class:`~rlhf_cli.rl.rollout.Rollout` (generation, each step's batch),
-:class:`~rlhf_cli.rl.experience.ExperienceMaker`, :class:`~rlhf_cli.rl.step.PolicyStep`,
-:class:`~rlhf_cli.rl.sync.WeightSync`, :class:`~rlhf_cli.rl.evaluation.Evaluation`, and
-:class:`~rlhf_cli.rl.schedule.BatchSchedule`: the sync pipeline runs the steps in turn (with
-``--train.colocate_all`` the engines sleep while the trainers work); the async pipeline generates the next
-batches in a thread while the trainers work, on a fixed schedule that keeps the run reproducible and its
-checkpoints exact. :class:`RLController` wires them and holds what a checkpoint needs.
+"""The single-controller RL loop: one step is prompts -> rollout actors (executor + reward) -> experience (old /
+reference log-probs, values) -> advantages (estimator plugin) -> policy and critic updates -> weight sync to the
+engines -> evaluation -> checkpoint. Each job has a part of its own (``rl/rollout.py``, ``rl/experience.py``,
+``rl/step.py``, ``rl/sync.py``, ``rl/evaluation.py``), ``rl/schedule.py`` decides when each batch is generated
+(in turn with training, or ahead of it in a thread), and :class:`RLController` wires them, runs the steps and
+holds what a checkpoint needs.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from rlhf_cli.rl.schedule import BatchSchedule
 from rlhf_cli.rl.step import PolicyStep
 from rlhf_cli.rl.sync import WeightSync
 
-# checkpoints written before the split pickled their waiting groups and batches as this module's
+# Batch and WaitingGroup stay importable here: checkpoints written before the split pickled them as this module's
 __all__ = ["Batch", "Groups", "RLController", "RLRunError", "WaitingGroup"]
 
 
@@ -56,18 +51,7 @@ class RLController:
         last: dict[str, float] = {}
         for batch in self.schedule.batches(self.step, self.total_steps()):
             self.step += 1
-            t0 = time.perf_counter()
             metrics = self.run_step(batch)
-            generation = batch.rollout_metrics.get("timing/generation")
-            metrics["timing/generation"] = math.nan if generation is None else generation
-            total = time.perf_counter() - t0 + (generation or 0.0)
-            metrics["timing/step_total"] = total
-            # verl-style throughput: prompt + response tokens of the step over its wall time
-            rows = [p for t in batch.trajectories for p in (t.segments or [t])]
-            metrics["perf/tokens_per_s"] = sum(len(p.prompt_ids) + len(p.response_ids) for p in rows) / total
-            if generation:
-                metrics["perf/gen_tokens_per_s"] = sum(sum(p.action_mask) for p in rows) / generation
-            metrics["async/max_queue_size"] = float(self.schedule.max_queue_size_seen)
             metrics.update(self.evaluation.maybe_evaluate(self.step, self.total_steps()))
             self.maybe_checkpoint()
             if self.logger is not None:
@@ -76,7 +60,7 @@ class RLController:
         return last
 
     def run_step(self, batch: Batch) -> dict[str, float]:
-        """Experience, policy and critic updates, and the weight sync of one step."""
+        """Experience, policy and critic updates, and the weight sync of one step; the step's metrics."""
         sleep_engines = self.cfg.train.colocate_all and self.cfg.vllm.enable_sleep
         t0 = time.perf_counter()
         exp = self.experience.make(batch.trajectories, self.kl_ctl.value)
@@ -94,13 +78,22 @@ class RLController:
         self.sync.to_engines()
         t3 = time.perf_counter()
         self.kl_ctl.update(exp.info["kl/mean"], len(exp.sequences))
-        tokens = sum(len(s) for s in exp.sequences)
-        return {**exp.info, **batch.rollout_metrics, **train_metrics,
-                "timing/make_experience": t1 - t0, "timing/ppo_train": t2 - t1, "timing/broadcast": t3 - t2 - waited,
-                "timing/sync_wait": waited,
-                "perf/tokens_per_s_train": tokens / max(t2 - t0, 1e-9),
-                "rollout/prompts_used": batch.prompts_used,
-                "rollout/engine_restarts": float(self.rollout.engine_restarts)}
+        generation = batch.rollout_metrics.get("timing/generation")
+        total = time.perf_counter() - t0 + (generation or 0.0)
+        rows = [p for t in batch.trajectories for p in (t.segments or [t])]
+        metrics = {**exp.info, **batch.rollout_metrics, **train_metrics,
+                   "timing/make_experience": t1 - t0, "timing/ppo_train": t2 - t1,
+                   "timing/broadcast": t3 - t2 - waited, "timing/sync_wait": waited,
+                   "timing/generation": math.nan if generation is None else generation, "timing/step_total": total,
+                   "perf/tokens_per_s_train": sum(len(s) for s in exp.sequences) / max(t2 - t0, 1e-9),
+                   # verl-style throughput: prompt + response tokens of the step over its wall time
+                   "perf/tokens_per_s": sum(len(p.prompt_ids) + len(p.response_ids) for p in rows) / total,
+                   "rollout/prompts_used": batch.prompts_used,
+                   "rollout/engine_restarts": float(self.rollout.engine_restarts),
+                   "async/max_queue_size": float(self.schedule.max_queue_size_seen)}
+        if generation:
+            metrics["perf/gen_tokens_per_s"] = sum(sum(p.action_mask) for p in rows) / generation
+        return metrics
 
     # --- checkpoints -------------------------------------------------------------------------------------
 

@@ -16,21 +16,17 @@ class Evaluation:
         self.prompts = prompts
         self.best_metric: float | None = None
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        """pass@1 (mean score) and pass@k (mean over prompts of the best of k scores) on the eval prompts."""
-        trajs, _ = self.rollout.generate(self.prompts, step, eval_mode=True)
-        k = self.cfg.eval.n_samples_per_prompt
-        scores = torch.tensor([score(t) for t in trajs]).nan_to_num(0.0).view(-1, k)
-        return {"eval/pass1": float(scores.mean()), f"eval/pass{k}": float(scores.max(-1).values.mean()),
-                "eval/response_length": sum(sum(t.action_mask) for t in trajs) / len(trajs)}
-
     def maybe_evaluate(self, step: int, total_steps: int) -> dict[str, float]:
-        """The eval metrics every ``--eval.steps`` steps and after the last; a new best (``--ckpt.best_metric_key``)
-        is exported to ``best_model``."""
+        """Every ``--eval.steps`` steps and after the last: pass@1 (mean score) and pass@k (mean over prompts of
+        the best of k scores) on the eval prompts; a new best (``--ckpt.best_metric_key``) goes to ``best_model``."""
         every = self.cfg.eval.steps
         if not self.prompts or not ((every > 0 and step % every == 0) or step == total_steps):
             return {}
-        metrics = self.evaluate(step)
+        trajs, _ = self.rollout.generate(self.prompts, step, eval_mode=True)
+        k = self.cfg.eval.n_samples_per_prompt
+        scores = torch.tensor([score(t) for t in trajs]).nan_to_num(0.0).view(-1, k)
+        metrics = {"eval/pass1": float(scores.mean()), f"eval/pass{k}": float(scores.max(-1).values.mean()),
+                   "eval/response_length": sum(sum(t.action_mask) for t in trajs) / len(trajs)}
         value = metrics.get(self.cfg.ckpt.best_metric_key or "eval/pass1")
         if value is not None and (self.best_metric is None or value > self.best_metric):
             self.best_metric = value

@@ -109,13 +109,13 @@ def build_experience(trajs: list[Trajectory], cfg) -> Experience:
     valid = torch.isfinite(rewards)
     action_mask = pad_right([part.action_mask for _, part in rows], 0, torch.bool)
     lengths = torch.zeros(len(trajs), dtype=torch.long).index_add_(0, episode_of, action_mask.sum(-1))
-    r = cfg.reward
-    if r.overlong_buffer_len:
-        rewards = overlong_penalty(rewards, lengths, cfg.rollout.max_new_tokens, r.overlong_buffer_len,
-                                   r.overlong_penalty_factor)
-    if r.stop_properly_penalty_coef is not None:
+    shaping = cfg.reward
+    if shaping.overlong_buffer_len:
+        rewards = overlong_penalty(rewards, lengths, cfg.rollout.max_new_tokens, shaping.overlong_buffer_len,
+                                   shaping.overlong_penalty_factor)
+    if shaping.stop_properly_penalty_coef is not None:
         truncated = torch.tensor([t.finish_reason == "length" or t.truncated for t in trajs])
-        rewards = stop_properly_penalty(rewards, truncated, r.stop_properly_penalty_coef)
+        rewards = stop_properly_penalty(rewards, truncated, shaping.stop_properly_penalty_coef)
     per_call = len(rows) > len(trajs)
     return Experience(
         sequences=[part.prompt_ids + part.response_ids for _, part in rows],
@@ -185,7 +185,7 @@ def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None
 
 def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: float) -> AdvantageInput:
     """The estimator's input for ``exp``; ``kl`` ``[B, T]`` is folded into the reward unless KL is a loss."""
-    a = cfg.algo.advantage
+    advantage = cfg.algo.advantage
     return AdvantageInput(
         rewards=exp.rewards,
         action_mask=exp.action_mask,
@@ -194,10 +194,10 @@ def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: floa
         kl=None if cfg.algo.kl.use_loss else kl,
         kl_coef=0.0 if cfg.algo.kl.use_loss else kl_coef,
         values=exp.values,
-        gamma=a.gamma,
-        lambd=a.lambd,
+        gamma=advantage.gamma,
+        lambd=advantage.lambd,
         reward_clip=tuple(cfg.reward.clip_range),
-        no_std_norm=a.no_std_norm,
+        no_std_norm=advantage.no_std_norm,
         task_reward_coef=cfg.algo.opd.task_reward_coef,
     )
 

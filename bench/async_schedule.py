@@ -70,7 +70,11 @@ def wall_time(module, steps: int, generate_s: float, train_s: float) -> float:
         time.sleep(train_s)
         return {}
 
-    ctl.generate, ctl.train, ctl.make_experience = generate, train, lambda batch: FakeExperience(batch.trajectories)
+    if hasattr(ctl, "rollout"):  # the controller split into its parts (issue 28)
+        ctl.rollout.generate, ctl.policy.train = generate, lambda exp, step, kl_coef: train(exp, step)
+        ctl.experience.make = lambda trajs, kl_coef: FakeExperience(trajs)
+    else:
+        ctl.generate, ctl.train, ctl.make_experience = generate, train, lambda batch: FakeExperience(batch.trajectories)
     t0 = time.perf_counter()
     ctl.fit()
     return time.perf_counter() - t0

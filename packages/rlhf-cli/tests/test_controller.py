@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_cli.rl.controller import Groups, RLController, RLRunError
+from rlhf_cli.rl.controller import Batch, Groups, RLController, RLRunError
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_core.config import RLConfig
 from rlhf_core.inline import InlineRef
@@ -26,9 +26,9 @@ def config(**rollout) -> RLConfig:
     return cfg
 
 
-def controller(cfg, num_prompts: int) -> RLController:
+def controller(cfg, num_prompts: int, groups: Groups | None = None) -> RLController:
     prompts = [Prompt(i, [1, 2], f"p{i}", label=i) for i in range(num_prompts)]
-    return RLController(cfg, Groups(actor=None, rollout=[]), PromptStream(prompts, seed=0), pad_token_id=0)
+    return RLController(cfg, groups or Groups(actor=None, rollout=[]), PromptStream(prompts, seed=0), pad_token_id=0)
 
 
 def fake_generate(pass_uids):
@@ -46,9 +46,9 @@ def fake_generate(pass_uids):
 
 def test_filtered_groups_are_refilled_until_the_batch_is_full():
     ctl = controller(config(), num_prompts=10)
-    ctl.generate, calls = fake_generate(pass_uids=set(range(10)) - {0, 1, 2, 3, 4})
+    ctl.rollout.generate, calls = fake_generate(pass_uids=set(range(10)) - {0, 1, 2, 3, 4})
     # the seeded order decides which prompts come first; whatever it is, the batch fills with kept groups
-    batch = ctl.collect(step=1)
+    batch = ctl.rollout.collect(step=1)
     kept = {t.prompt_uid for t in batch.trajectories}
     assert len(kept) == 3 and kept.isdisjoint({0, 1, 2, 3, 4})
     assert sum(len(c) for c in calls) == batch.prompts_used and len(calls) >= 1
@@ -57,11 +57,11 @@ def test_filtered_groups_are_refilled_until_the_batch_is_full():
 
 def test_accepted_groups_survive_when_the_data_runs_out():
     ctl = controller(config(), num_prompts=4)
-    ctl.generate, _ = fake_generate(pass_uids={2})
-    batch = ctl.collect(step=1)
+    ctl.rollout.generate, _ = fake_generate(pass_uids={2})
+    batch = ctl.rollout.collect(step=1)
     assert {t.prompt_uid for t in batch.trajectories} == {2}  # one accepted group, not dropped
     assert ctl.stream.exhausted
-    assert ctl.collect(step=2) is None
+    assert ctl.rollout.collect(step=2) is None
 
 
 def test_repeated_nonfinite_steps_stop_the_run():
@@ -77,27 +77,39 @@ def test_repeated_nonfinite_steps_stop_the_run():
             return {"skipped": float(self.skipped.pop(0))}
 
     group = Group([1, 0, 1, 1])
-    ctl._train_call(group, "train_policy_step", [], None, "policy")  # one skipped step is counted, not fatal
-    ctl._train_call(group, "train_policy_step", [], None, "policy")  # a good step resets the count
-    ctl._train_call(group, "train_policy_step", [], None, "policy")
+    ctl.policy.call(group, "train_policy_step", [], None, "policy")  # one skipped step is counted, not fatal
+    ctl.policy.call(group, "train_policy_step", [], None, "policy")  # a good step resets the count
+    ctl.policy.call(group, "train_policy_step", [], None, "policy")
     with pytest.raises(RLRunError, match="2 policy steps in a row had a non-finite loss"):
-        ctl._train_call(group, "train_policy_step", [], None, "policy")
+        ctl.policy.call(group, "train_policy_step", [], None, "policy")
 
 
 def test_client_state_round_trip():
-    cfg = config()
+    """The state a checkpoint holds loads back, also as written before the controller was split into parts
+    (its waiting groups and batches pickled as classes of ``rlhf_cli.rl.controller``)."""
+    import copy
+    import pickle
+
+    cfg = config(vllm_generate_batch_size=5)
     cfg.algo.kl.target = 0.1
     ctl = controller(cfg, 10)
-    ctl.generate, _ = fake_generate(pass_uids=set(range(10)))
-    ctl.collect(step=1)
-    ctl.step, ctl.best_metric, ctl.policy_version = 1, 0.7, 1
+    ctl.rollout.generate, _ = fake_generate(pass_uids=set(range(10)))
+    ctl.rollout.collect(step=1)  # 5 groups generated, 3 trained: 2 wait
+    ctl.schedule.ready = [Batch(ctl.rollout.waiting[0].trajectories, prompts_used=5)]
+    ctl.step, ctl.evaluation.best_metric, ctl.sync.policy_version = 1, 0.7, 1
     ctl.kl_ctl.update(0.5, 64)
     state = ctl.client_state()
-    other = controller(cfg, 10)
-    other.load_client_state(state)
-    assert (other.step, other.best_metric, other.policy_version) == (1, 0.7, 1)
-    assert other.kl_ctl.value == ctl.kl_ctl.value != cfg.algo.kl.init_coef
-    assert [p.uid for p in other.stream.take(4)] == [p.uid for p in ctl.stream.take(4)]
+    before_split = pickle.dumps(state, protocol=0).replace(b"rlhf_cli.rl.rollout\n", b"rlhf_cli.rl.controller\n")
+    assert b"rlhf_cli.rl.controller\nWaitingGroup" in before_split and b"rlhf_cli.rl.controller\nBatch" in before_split
+    upcoming = [p.uid for p in copy.deepcopy(ctl.stream).take(4)]
+    for saved in (state, pickle.loads(before_split)):
+        other = controller(cfg, 10)
+        other.load_client_state(saved)
+        assert (other.step, other.evaluation.best_metric, other.sync.policy_version) == (1, 0.7, 1)
+        assert other.kl_ctl.value == ctl.kl_ctl.value != cfg.algo.kl.init_coef
+        assert len(other.rollout.waiting) == 2 and other.rollout.waiting == ctl.rollout.waiting
+        assert other.schedule.ready == ctl.schedule.ready
+        assert [p.uid for p in other.stream.take(4)] == upcoming
 
 
 class FakeRank:
@@ -113,11 +125,16 @@ class FakeRank:
         self.passes += [b.input_ids[:, 0].tolist() for b in batches]
         return [token_logprobs(b) for b in batches]
 
+    def compute_values(self, batches):
+        return [torch.zeros(len(b), b.num_response_positions) for b in batches]
+
     def train_policy(self, micro_batches, cfg, counts):
         from rlhf_train_deepspeed.strategy import StepResult
 
         self.trained.append(micro_batches)
         return StepResult(0.0, False, 1.0, 0.0, {})
+
+    train_critic = train_policy
 
 
 def rank_group(ranks: list[FakeRank]):
@@ -136,7 +153,6 @@ def token_logprobs(b) -> torch.Tensor:
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
-    from rlhf_cli.rl.controller import Batch
     ranks = [FakeRank(), FakeRank()]
     cfg = config()
     cfg.rollout.micro_batch_size = 2
@@ -151,9 +167,8 @@ def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
         mask = [0 if (i, t) == (3, 3) else 1 for t in range(r)]
         trajs.append(Trajectory([i + 1] * p, response, mask, [-x / 100 * m for x, m in zip(response, mask)],
                                 prompt_uid=i // 2, sample_index=i % 2, reward=float(i % 3)))
-    ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
-    exp = ctl.make_experience(Batch(trajs, prompts_used=4))
+    ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[]))
+    exp = ctl.experience.make(trajs, kl_coef=0.0)
 
     seen = ranks[0].passes + ranks[1].passes
     assert sorted(x for rows in seen for x in rows) == list(range(1, 9))  # every row in one forward pass
@@ -168,7 +183,7 @@ def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
     torch.testing.assert_close(exp.old_logprobs, want, atol=0, rtol=0)
     assert exp.info["policy/rollout_train_logprob_gap"] == 0.0
 
-    ctl.train(exp, step=1)
+    ctl.policy.train(exp, step=1, kl_coef=0.0)
     steps = [rank.trained for rank in ranks]
     assert len(steps[0]) == len(steps[1]) == 2 and len(steps[0][0]) == len(steps[1][0])  # a step per epoch
     rows_trained = []
@@ -187,31 +202,28 @@ def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
 def test_an_on_policy_step_skips_the_old_logprob_pass():
     """One epoch, one optimizer step, no KL in the reward: the old log-probs would equal the current ones, so
     no forward pass is made for them and the policy step receives None (it uses its own, detached)."""
-    from rlhf_cli.rl.controller import Batch
     ranks = [FakeRank(), FakeRank()]
     cfg = config()
     cfg.rollout.micro_batch_size = 2
     cfg.train.batch_size, cfg.train.micro_batch_size = 8, 2
     trajs = [Trajectory([i + 1] * 2, [10 * i, 10 * i + 1], [1, 1], [-0.1, -0.2], prompt_uid=i // 2,
                         sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
-    ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
-    exp = ctl.make_experience(Batch(trajs, prompts_used=4))
+    ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[]))
+    exp = ctl.experience.make(trajs, kl_coef=0.0)
     assert ranks[0].passes == ranks[1].passes == [] and exp.old_logprobs is None
     assert "policy/rollout_train_logprob_gap" not in exp.info  # the policy step reports it instead
-    ctl.train(exp, step=1)
+    ctl.policy.train(exp, step=1, kl_coef=0.0)
     assert all(mb.old_logprobs is None for rank in ranks for mb in rank.trained[0])
 
     cfg.train.max_epochs = 2  # the second epoch is off-policy: the pass is back
     ranks[0].passes.clear()
-    exp = ctl.make_experience(Batch(trajs, prompts_used=4))
+    exp = ctl.experience.make(trajs, kl_coef=0.0)
     assert len(ranks[0].passes) == 2 and exp.old_logprobs is not None
 
 
 def test_a_ring_group_gets_one_budget_per_rank():
     """With ring attention of size 2 both ranks run the same micro-batches, each holding half of it: a
     micro-batch may hold two ranks' budgets (24 tokens here), and no more."""
-    from rlhf_cli.rl.controller import Batch
     ranks = [FakeRank(), FakeRank()]
     cfg = config()
     cfg.ds.packing_samples = True
@@ -220,11 +232,10 @@ def test_a_ring_group_gets_one_budget_per_rank():
     lengths = [2 + 5] * 8  # prompt + response tokens of every row
     trajs = [Trajectory([i + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 2,
                         sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
-    ctl = controller(cfg, 4)
     actor = rank_group(ranks)
     actor.ring_size = 2
-    ctl.groups = Groups(actor=actor, rollout=[])
-    ctl.train(ctl.make_experience(Batch(trajs, prompts_used=4)), step=1)
+    ctl = controller(cfg, 4, Groups(actor=actor, rollout=[]))
+    ctl.policy.train(ctl.experience.make(trajs, kl_coef=0.0), step=1, kl_coef=0.0)
     assert ranks[0].trained == ranks[1].trained  # one ring group: the same micro-batches on both ranks
     sizes = [int(mb.seq.attention_mask.sum()) for mb in ranks[0].trained[0]]
     assert sum(sizes) == sum(lengths) and max(sizes) == 21  # three 7-token rows fit 24, never four
@@ -233,26 +244,27 @@ def test_a_ring_group_gets_one_budget_per_rank():
 @pytest.mark.parametrize("shared", [True, False])
 def test_token_budgets_keep_a_prompts_samples_together(shared):
     """With --ds.shared_prefix each dynamic micro-batch holds the samples of one prompt (the rank runs that
-    prompt once); without it rows are dealt to the ranks in turn, so a micro-batch mixes prompts."""
-    from rlhf_cli.rl.controller import Batch
-    ranks = [FakeRank(), FakeRank()]
+    prompt once), for the policy's 2 ranks and the critic's 1 rank alike (the critic's own cut once dropped the
+    prompts); without it rows are dealt to the ranks in turn, so a micro-batch mixes prompts."""
+    ranks, critic = [FakeRank(), FakeRank()], FakeRank()
     cfg = config()
     cfg.ds.shared_prefix = shared
     cfg.rollout.n_samples_per_prompt = 4
     cfg.train.batch_size = 16
-    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 28  # four 7-token rows
-    trajs = [Trajectory([i // 4 + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 4,
-                        sample_index=i % 4, reward=float(i % 3)) for i in range(16)]
-    ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
-    ctl.train(ctl.make_experience(Batch(trajs, prompts_used=4)), step=1)
-    mbs = ranks[0].trained[0] + ranks[1].trained[0]
-    assert sorted(x for mb in mbs for x in mb.seq.input_ids[:, 2].tolist()) == [10 * i for i in range(16)]
-    prompts_per_mb = [len(set(mb.seq.input_ids[:, 0].tolist())) for mb in mbs]
-    if shared:
-        assert prompts_per_mb == [1, 1, 1, 1]
-    else:
-        assert max(prompts_per_mb) > 1
+    # a prompt's rows have 5 to 8 tokens: its four fit the budget padded; longest first they would mix prompts
+    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 32
+    trajs = [Trajectory([i // 4 + 1] * 2, [10 * i + t for t in range(3 + i % 4)], [1] * (3 + i % 4),
+                        [-0.1] * (3 + i % 4), prompt_uid=i // 4, sample_index=i % 4, reward=float(i % 3))
+             for i in range(16)]
+    ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[], critic=rank_group([critic])))
+    ctl.policy.train(ctl.experience.make(trajs, kl_coef=0.0), step=1, kl_coef=0.0)
+    for mbs in (ranks[0].trained[0] + ranks[1].trained[0], critic.trained[0]):
+        assert sorted(x for mb in mbs for x in mb.seq.input_ids[:, 2].tolist()) == [10 * i for i in range(16)]
+        prompts_per_mb = [len(set(mb.seq.input_ids[:, 0].tolist())) for mb in mbs]
+        if shared:
+            assert prompts_per_mb == [1, 1, 1, 1]
+        else:
+            assert max(prompts_per_mb) > 1
 
 
 class FakeEngineActor:
@@ -285,10 +297,9 @@ def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
                             get_state_dict_for_engines=lambda: {"w": torch.ones(1)})
     cfg = config()
     cfg.vllm.sync_with_ray = with_ray
-    ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=actor, rollout=engines)
+    ctl = controller(cfg, 4, Groups(actor=actor, rollout=engines))
     for _ in range(2):
-        ctl.sync_weights()
+        ctl.sync.to_engines()
     names = [(engines.index(e), name) for e, name, _, _ in calls]
     if with_ray or 0 in ranks:  # every engine gets the state dict through the object store, each sync
         assert sends == [] and [n for n in names if n[1] != "ranks"] == [(0, "update"), (1, "update")] * 2
@@ -336,13 +347,12 @@ def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_reru
     engines = [FakeRolloutActor(False, calls), FakeRolloutActor(True, calls)]
     actor = SimpleNamespace(get_state_dict_for_engines=lambda: {"w": 7})
     cfg = config(max_engine_restarts=budget)
-    ctl = controller(cfg, 4)
-    ctl.groups = Groups(actor=actor, rollout=list(engines), new_engine=new_engine)
-    ctl._sync_address = ("10.0.0.1", 29500)
+    ctl = controller(cfg, 4, Groups(actor=actor, rollout=list(engines), new_engine=new_engine))
+    ctl.sync.address = ("10.0.0.1", 29500)
     prompts = [Prompt(i, [1, 2], f"p{i}") for i in range(4)]
     if replacements_die or not budget:
         with pytest.raises(RLRunError) as err:
-            ctl.generate(prompts, step=5)
+            ctl.rollout.generate(prompts, step=5)
         cause = "The actor died unexpectedly before finishing this task."
         if budget:
             assert str(err.value) == (f"rollout engine 1 died after 2 engine restart(s), the most "
@@ -351,14 +361,14 @@ def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_reru
             assert str(err.value) == (f"rollout engine 1 died: {cause} (--rollout.max_engine_restarts 0: a dead "
                                       f"engine stops the run)") and started == []
         return
-    trajs, _ = ctl.generate(prompts, step=5)
+    trajs, _ = ctl.rollout.generate(prompts, step=5)
     assert [t.prompt_uid for t in trajs] == [0, 1, 2, 3]  # engine order kept
     (new,) = started
-    assert ctl.groups.rollout == [engines[0], new] and ctl.engine_restarts == 1
+    assert ctl.groups.rollout == [engines[0], new] and ctl.rollout.engine_restarts == 1
     # the new engine loads the policy's weights before it takes the dead one's prompts, with the same step (seeds)
     assert [c[1:] for c in calls if c[0] is new] == [("update", ("ref", {"w": 7})), ("rollout", [2, 3], 5)]
     assert [c[2:] for c in calls if c[0] is engines[1]] == [([2, 3], 5)]
-    assert ctl._sync_address is None  # the next sync builds a new group: the old one has a dead rank
+    assert ctl.sync.address is None  # the next sync builds a new group: the old one has a dead rank
 
 
 def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
@@ -388,14 +398,14 @@ def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_r
     cfg = config(vllm_generate_batch_size=7)
     cfg.algo.dynamic_filtering_enable = False
     ctl = controller(cfg, num_prompts=20)
-    ctl.generate, calls = fake_generate(pass_uids=set())
+    ctl.rollout.generate, calls = fake_generate(pass_uids=set())
     order = [p.uid for p in PromptStream(ctl.stream.prompts, seed=0).take(20)]
-    b1 = ctl.collect(step=1)
+    b1 = ctl.rollout.collect(step=1)
     state = ctl.client_state()
-    ctl.policy_version = 1
-    b2 = ctl.collect(step=2)
+    ctl.sync.policy_version = 1
+    b2 = ctl.rollout.collect(step=2)
     assert calls == [order[:7]]  # one round so far
-    b3 = ctl.collect(step=3)
+    b3 = ctl.rollout.collect(step=3)
     assert calls == [order[:7], order[7:14]]
     uids = [sorted({t.prompt_uid for t in b.trajectories}, key=order.index) for b in (b1, b2, b3)]
     assert uids == [order[:3], order[3:6], order[6:9]]
@@ -405,10 +415,10 @@ def test_over_generation_serves_later_steps_from_one_round_and_resumes_without_r
     assert b3.rollout_metrics["policy_version_lag_mean"] == pytest.approx((2 + 1 + 1) / 3)
     resumed = controller(cfg, num_prompts=20)
     resumed.load_client_state(state)
-    resumed.generate, resumed_calls = fake_generate(pass_uids=set())
-    resumed.policy_version = 1
-    assert resumed.collect(step=2).trajectories == b2.trajectories and resumed_calls == []
-    assert resumed.collect(step=3).trajectories == b3.trajectories and resumed_calls == [order[7:14]]
+    resumed.rollout.generate, resumed_calls = fake_generate(pass_uids=set())
+    resumed.sync.policy_version = 1
+    assert resumed.rollout.collect(step=2).trajectories == b2.trajectories and resumed_calls == []
+    assert resumed.rollout.collect(step=3).trajectories == b3.trajectories and resumed_calls == [order[7:14]]
 
 
 def test_stale_groups_are_dropped_and_their_prompts_generated_again():
@@ -419,12 +429,12 @@ def test_stale_groups_are_dropped_and_their_prompts_generated_again():
     cfg.algo.dynamic_filtering_enable = False
     cfg.train.async_enable, cfg.train.max_staleness = True, 1
     ctl = controller(cfg, num_prompts=30)
-    ctl.generate, calls = fake_generate(pass_uids=set())
+    ctl.rollout.generate, calls = fake_generate(pass_uids=set())
     order = [p.uid for p in PromptStream(ctl.stream.prompts, seed=0).take(30)]
     batches = []
     for step in (1, 2, 3, 4):
-        ctl.policy_version = step - 1  # as one weight sync per step leaves it
-        batches.append(ctl.collect(step))
+        ctl.sync.policy_version = step - 1  # as one weight sync per step leaves it
+        batches.append(ctl.rollout.collect(step))
     assert calls == [order[:9], order[6:9] + order[9:15]]
     uids = [sorted({t.prompt_uid for t in b.trajectories}, key=order.index) for b in batches]
     assert uids == [order[:3], order[3:6], order[6:9], order[9:12]]
@@ -450,22 +460,22 @@ def test_filtered_groups_come_back_once_in_a_later_round():
         return [Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i,
                            reward=0.5 if passes[p.uid] else 1.0) for p in prompts for i in range(2)], {}
 
-    ctl.generate = generate
-    b1 = ctl.collect(step=1)
+    ctl.rollout.generate = generate
+    b1 = ctl.rollout.collect(step=1)
     state = ctl.client_state()
     assert calls == [order[:3], order[3:5]]  # the refill of the same round takes new prompts
     assert {t.prompt_uid for t in b1.trajectories} == set(order[2:5])
-    assert ctl.requeued == [(x, True), (y, True)]
+    assert ctl.rollout.requeued == [(x, True), (y, True)]
     m = b1.rollout_metrics
     assert (m["rollout/filtered_requeued"], m["rollout/filtered_lost"], m["dynamic_filtering_pass_rate"]) == (2, 0, 3 / 5)
-    b2 = ctl.collect(step=2)
+    b2 = ctl.rollout.collect(step=2)
     assert calls[2:] == [[x, y]] and {t.prompt_uid for t in b2.trajectories} == {y}
     assert (b2.rollout_metrics["rollout/filtered_requeued"], b2.rollout_metrics["rollout/filtered_lost"]) == (0, 1)
-    assert ctl.collect(step=3) is None
+    assert ctl.rollout.collect(step=3) is None
     resumed = controller(cfg, num_prompts=5)
     resumed.load_client_state(state)
-    resumed.generate = generate
-    assert resumed.collect(step=2).trajectories == b2.trajectories
+    resumed.rollout.generate = generate
+    assert resumed.rollout.collect(step=2).trajectories == b2.trajectories
 
 
 class FakeTrainer:
@@ -514,17 +524,17 @@ def async_run(tmp_path, ahead, max_steps, resume=None, stop_after=None):
                            reward=float(derive_seed(p.uid, step, trainer.engine_weights) % 97)) for p in prompts
                 for i in range(2)], {}
 
-    def train(exp, step):
+    def train(exp, step, kl_coef):
         time.sleep(jitter.random() / 50)
         trainer.trained.append([(t.prompt_uid, t.reward) for t in exp])
         return {}
 
-    ctl.generate, ctl.train = generate, train
-    ctl.make_experience = lambda batch: _Exp(batch.trajectories)
+    ctl.rollout.generate, ctl.policy.train = generate, train
+    ctl.experience.make = lambda trajs, kl_coef: _Exp(trajs)
     if resume is not None:
         path = checkpoints.latest()
         trainer.load_checkpoint(path / "actor")
-        ctl.sync_weights()
+        ctl.sync.to_engines()
         ctl.load_client_state(checkpoints.load_client_state(path))
 
     class Logger:
@@ -584,15 +594,14 @@ def test_async_trainers_sleep_while_they_wait_for_a_batch():
             events.append("wake")
 
     ctl = RLController(cfg, Groups(actor=Trainer(), rollout=[], ref=Trainer()), PromptStream([], seed=0), 0)
-    ctl.total_steps = lambda: 2
 
     def collect(step):
         if step == 1:
             assert asleep.wait(timeout=60)  # the first batch comes once the trainers wait for it
         return SimpleNamespace(step=step, rollout_metrics={})
 
-    ctl.collect = collect
-    for batch in ctl._async_batches():
+    ctl.rollout.collect = collect
+    for batch in ctl.schedule.batches(step=0, total_steps=2):
         events.append(f"train {batch.step}")
     assert events[:5] == ["sleep", "sleep", "wake", "wake", "train 1"]  # actor and reference
     assert events.count("sleep") == events.count("wake") and "train 2" in events
@@ -615,16 +624,14 @@ def test_a_plugin_policy_loss_without_a_default_aggregation_gets_token_mean(regi
     register_plugin(Plugin, "bare-loss-plugin")
     cfg = config()
     cfg.actor.policy_loss_type = "bare_ppo"
-    assert controller(cfg, 3).policy_step_config().agg_mode == "token_mean"
+    assert controller(cfg, 3).policy.config(kl_coef=0.0).agg_mode == "token_mean"
     cfg.actor.policy_loss_type = "gspo"
-    assert controller(cfg, 3).policy_step_config().agg_mode == "seq_mean_token_mean"
+    assert controller(cfg, 3).policy.config(kl_coef=0.0).agg_mode == "seq_mean_token_mean"
 
 
 def per_call_batch():
     """Two prompts x two episodes; three episodes are per-call samples (segments), one a plain trajectory.
     Row r's prompt starts with token r + 1, its response tokens are 10 (r + 1) + t."""
-    from rlhf_cli.rl.controller import Batch
-
     shapes = {0: [(2, 2), (3, 3)], 1: [(2, 2)], 2: [(2, 1), (4, 2), (5, 2)], 3: [(3, 2), (2, 3)]}  # (prompt, response)
     rewards = {0: 1.0, 1: 0.0, 2: 2.0, 3: 0.5}
     row = 0
@@ -638,7 +645,7 @@ def per_call_batch():
         trajs.append(Trajectory(last.prompt_ids, last.response_ids, last.action_mask, last.rollout_logprobs,
                                 prompt_uid=e // 2, sample_index=e % 2, reward=rewards[e],
                                 segments=segs if len(segs) > 1 else []))
-    return Batch(trajs, prompts_used=2), shapes, rewards
+    return trajs, shapes, rewards
 
 
 def test_per_call_samples_are_trained_with_their_episodes_advantage():
@@ -649,13 +656,12 @@ def test_per_call_samples_are_trained_with_their_episodes_advantage():
     cfg = config()
     cfg.rollout.micro_batch_size = 2
     cfg.train.batch_size, cfg.train.micro_batch_size = 8, 2
-    batch, shapes, rewards = per_call_batch()
-    ctl = controller(cfg, 2)
-    ctl.groups = Groups(actor=rank_group(ranks), rollout=[])
-    exp = ctl.make_experience(batch)
+    trajs, shapes, rewards = per_call_batch()
+    ctl = controller(cfg, 2, Groups(actor=rank_group(ranks), rollout=[]))
+    exp = ctl.experience.make(trajs, kl_coef=0.0)
     assert len(exp.sequences) == 8 and exp.episode_of.tolist() == [0, 0, 1, 2, 2, 2, 3, 3]
     assert exp.info["reward/mean"] == pytest.approx(sum(rewards.values()) / 4)  # episodes counted once
-    ctl.train(exp, step=1)
+    ctl.policy.train(exp, step=1, kl_coef=0.0)
     sign = {0: 1, 1: -1, 2: 1, 3: -1}
     want = {}
     row = 0
@@ -681,8 +687,8 @@ def test_per_call_advantages_with_kl_in_the_reward_are_those_of_the_whole_episod
 
     cfg = config()
     cfg.algo.advantage.estimator = "reinforce"
-    batch, _, rewards = per_call_batch()
-    exp = build_experience(batch.trajectories, cfg)
+    trajs, _, rewards = per_call_batch()
+    exp = build_experience(trajs, cfg)
     kl = (torch.arange(exp.action_mask.numel(), dtype=torch.float32).view(exp.action_mask.shape) % 7) / 10
     kl = kl * exp.action_mask
     coef = 0.3

@@ -1,4 +1,5 @@
-"""From finished trajectories to the tensors of one RL step.
+"""From finished trajectories to the tensors of one RL step: rewards, the policy's, reference's and critic's
+forward passes, advantages; and the one place where micro-batches are cut.
 
 Shapes: ``B`` rows, ``T`` response positions, right-padded. A row is a trajectory, rows of the same prompt
 consecutive (groups of ``n``), except for an episode trained as per-call samples (``Trajectory.segments``),
@@ -15,6 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_algos.shaping import overlong_penalty, stop_properly_penalty
+from rlhf_cli.rl.groups import Groups, dead_worker_reported
+from rlhf_core.batches import SequenceBatch, make_sequence_batch, token_budget_micro_batches
+from rlhf_core.config import opd_teachers
+from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import AdvantageInput, AdvantageOutput, ImageInput, Trajectory
 
 
@@ -104,13 +109,13 @@ def build_experience(trajs: list[Trajectory], cfg) -> Experience:
     valid = torch.isfinite(rewards)
     action_mask = pad_right([part.action_mask for _, part in rows], 0, torch.bool)
     lengths = torch.zeros(len(trajs), dtype=torch.long).index_add_(0, episode_of, action_mask.sum(-1))
-    r = cfg.reward
-    if r.overlong_buffer_len:
-        rewards = overlong_penalty(rewards, lengths, cfg.rollout.max_new_tokens, r.overlong_buffer_len,
-                                   r.overlong_penalty_factor)
-    if r.stop_properly_penalty_coef is not None:
+    shaping = cfg.reward
+    if shaping.overlong_buffer_len:
+        rewards = overlong_penalty(rewards, lengths, cfg.rollout.max_new_tokens, shaping.overlong_buffer_len,
+                                   shaping.overlong_penalty_factor)
+    if shaping.stop_properly_penalty_coef is not None:
         truncated = torch.tensor([t.finish_reason == "length" or t.truncated for t in trajs])
-        rewards = stop_properly_penalty(rewards, truncated, r.stop_properly_penalty_coef)
+        rewards = stop_properly_penalty(rewards, truncated, shaping.stop_properly_penalty_coef)
     per_call = len(rows) > len(trajs)
     return Experience(
         sequences=[part.prompt_ids + part.response_ids for _, part in rows],
@@ -180,7 +185,7 @@ def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None
 
 def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: float) -> AdvantageInput:
     """The estimator's input for ``exp``; ``kl`` ``[B, T]`` is folded into the reward unless KL is a loss."""
-    a = cfg.algo.advantage
+    advantage = cfg.algo.advantage
     return AdvantageInput(
         rewards=exp.rewards,
         action_mask=exp.action_mask,
@@ -189,9 +194,140 @@ def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: floa
         kl=None if cfg.algo.kl.use_loss else kl,
         kl_coef=0.0 if cfg.algo.kl.use_loss else kl_coef,
         values=exp.values,
-        gamma=a.gamma,
-        lambd=a.lambd,
+        gamma=advantage.gamma,
+        lambd=advantage.lambd,
         reward_clip=tuple(cfg.reward.clip_range),
-        no_std_norm=a.no_std_norm,
+        no_std_norm=advantage.no_std_norm,
         task_reward_coef=cfg.algo.opd.task_reward_coef,
     )
+
+
+def micro_batch_cuts(exp: Experience, group, rows: int, max_tokens: int | None, cfg) -> list:
+    """The micro-batches of ``exp`` for ``group``'s ranks, each a row slice or a list of row indices: ``rows``
+    rows each, in order; or with ``max_tokens`` (dynamic batching) as many rows as fit ``max_tokens`` per rank
+    (times the group's ring-attention size, whose ranks each hold a slice of a micro-batch), as many on each
+    of its data-parallel ranks, a prompt's samples together where ``--ds.shared_prefix`` runs the prompt once
+    for them (not with packing, which does not share)."""
+    if max_tokens is None:
+        return [slice(s, s + rows) for s in range(0, len(exp.sequences), rows)]
+    keys = None
+    if cfg.ds.shared_prefix and not cfg.ds.packing_samples:
+        keys = [tuple(seq[:pl]) for seq, pl in zip(exp.sequences, exp.prompt_lens)]
+    return token_budget_micro_batches([len(q) for q in exp.sequences], group.dp_size, max_tokens * group.ring_size,
+                                      cfg.ds.packing_samples, keys)
+
+
+def sequence_batches(exp: Experience, cuts: list, pad_token_id: int) -> list[SequenceBatch]:
+    """One SequenceBatch per cut (:func:`micro_batch_cuts`); unscorable rows keep their tokens but no action
+    mask."""
+    out = []
+    for cut in cuts:
+        part = exp.rows(cut)
+        masks = (part.action_mask & part.valid[:, None]).long()
+        out.append(make_sequence_batch(
+            [seq[:pl] for seq, pl in zip(part.sequences, part.prompt_lens)],
+            [seq[pl:] for seq, pl in zip(part.sequences, part.prompt_lens)],
+            pad_token_id, [m[: len(seq) - pl].tolist() for m, seq, pl in zip(masks, part.sequences, part.prompt_lens)],
+            part.images,
+        ))
+    return out
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    x = x[torch.isfinite(x)]
+    return float(x.mean()) if x.numel() else math.nan
+
+
+class ExperienceMaker:
+    """A step's trajectories to its :class:`Experience`: the forward passes of the policy (old log-probs), the
+    reference or the OPD teachers and the critic, side by side on their groups; then KL and advantages."""
+
+    def __init__(self, cfg, groups: Groups, pad_token_id: int, prompts: list):
+        self.cfg = cfg
+        self.groups = groups
+        self.pad = pad_token_id
+        # multi-teacher OPD: each prompt's teacher (a column of the prompt data), by prompt uid
+        self.teacher_of = {p.uid: p.teacher for p in prompts} if opd_teachers(cfg) else None
+        plugins = get_plugin_manager()
+        self.estimator = resolve(plugins, "advantage_estimators", cfg.algo.advantage.estimator)
+        self.kl_fn = resolve(plugins, "kl_estimators", cfg.algo.kl.estimator)
+
+    def make(self, trajs: list[Trajectory], kl_coef: float) -> Experience:
+        cfg, actor = self.cfg, self.groups.actor
+        exp = build_experience(trajs, cfg)
+        b = len(exp.sequences)
+        budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
+        cuts = micro_batch_cuts(exp, actor, cfg.rollout.micro_batch_size,
+                                budget if cfg.train.dynamic_batch_enable else None, cfg)
+        mbs = sequence_batches(exp, cuts, self.pad)
+        width = exp.action_mask.shape[1]
+
+        def stack(parts: list[torch.Tensor], order=cuts) -> torch.Tensor:
+            """The results of micro-batches cut as ``order``, as ``[B, T]`` rows in ``exp``'s order."""
+            restore = torch.cat([torch.arange(b)[c] for c in order]).argsort()
+            return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])[restore]
+
+        # On-policy step (one epoch, one optimizer step over the whole batch, no KL folded into the reward):
+        # the old log-probs are the current policy's, so the policy step uses its own, detached, and this
+        # forward pass is skipped (TRL does the same with one iteration).
+        on_policy = (cfg.train.max_epochs == 1 and b <= cfg.train.batch_size
+                     and (self.groups.ref is None or cfg.algo.kl.use_loss))
+        calls = {}  # result name: (group, its role's name, call refs, order of the rows)
+        temperature = cfg.rollout.temperature
+        if not on_policy:
+            calls["old"] = actor, "policy", [actor.call_sharded_async("compute_logprobs", mbs, temperature, False)], cuts
+        if self.groups.ref is not None and self.teacher_of:
+            # multi-teacher OPD: each teacher scores the rows of its prompts, cut on their own
+            teacher = torch.tensor([self.teacher_of[t.prompt_uid] for t in trajs])
+            if exp.episode_of is not None:  # per-call samples: rows of one episode share its prompt's teacher
+                teacher = teacher[exp.episode_of]
+            refs, order = [], []
+            for k in teacher.unique().tolist():
+                rows = (teacher == k).nonzero().flatten().tolist()
+                part = exp.rows(rows)
+                part_cuts = micro_batch_cuts(part, self.groups.ref, cfg.rollout.micro_batch_size, None, cfg)
+                refs.append(self.groups.ref.call_sharded_async(
+                    "compute_logprobs", sequence_batches(part, part_cuts, self.pad), temperature, False, teacher=k))
+                order += [rows[c] for c in part_cuts]
+            calls["ref"] = self.groups.ref, "teacher", refs, order
+        elif self.groups.ref is not None:
+            ref = self.groups.ref
+            calls["ref"] = ref, "reference", [ref.call_sharded_async("compute_logprobs", mbs, temperature, False)], cuts
+        critic = self.groups.critic
+        if critic is not None:
+            calls["values"] = critic, "critic", [critic.call_sharded_async("compute_values", mbs)], cuts
+        got = {}
+        for key, (group, role, refs, order) in calls.items():
+            with dead_worker_reported(f"a {role} worker died"):
+                got[key] = stack([x for r, real in refs for x in group.gather_sharded(r, real)], order)
+        mask = exp.action_mask & exp.valid[:, None]
+        exp.old_logprobs = got["old"] * mask if "old" in got else None
+        exp.ref_logprobs = got["ref"] * mask if "ref" in got else None
+        exp.values = got["values"] * mask if "values" in got else None
+        kl = None
+        if exp.ref_logprobs is not None:
+            # on-policy, the engine's log-probs of the same weights stand in for the old ones (KL as a loss:
+            # this KL is only reported, and steers an adaptive coefficient)
+            policy = exp.rollout_logprobs if exp.old_logprobs is None else exp.old_logprobs
+            kl = self.kl_fn(policy, exp.ref_logprobs) * mask
+        out = estimate_advantages(self.estimator, exp, cfg, kl, kl_coef)
+        exp.advantages, exp.returns = out.advantages, out.returns
+        lengths = exp.action_mask.sum(-1).float()
+        episodes = exp.episode_rows()  # reward statistics count an episode of per-call samples once
+        rewards, valid = exp.rewards[episodes], exp.valid[episodes]
+        exp.info = {
+            "reward/mean": _nanmean(rewards),
+            "reward/std": float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
+            "score/mean": _nanmean(exp.scores[episodes]),
+            "reward/unscorable": float((~valid).sum()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "truncated/frac": sum(t.finish_reason == "length" or t.truncated for t in trajs) / len(trajs),
+            "kl/mean": float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()) if kl is not None else 0.0,
+            "kl/coef": kl_coef,
+            "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
+        }
+        if exp.old_logprobs is not None:  # on-policy steps get it from the policy step instead
+            exp.info["policy/rollout_train_logprob_gap"] = float(
+                ((exp.old_logprobs - exp.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
+        return exp

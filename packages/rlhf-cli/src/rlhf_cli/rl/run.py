@@ -176,7 +176,7 @@ def run_rl(asm: Assembly) -> None:
             groups.actor.load_checkpoint(str(resume / "actor"))
             if groups.critic is not None:
                 groups.critic.load_checkpoint(str(resume / "critic"))
-            controller.sync_weights()  # the checkpoint's weights, which its policy version (loaded next) names
+            controller.sync.to_engines()  # the checkpoint's weights, which its policy version (loaded next) names
             controller.load_client_state(resume_state)
             print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
         where = ("the worker in this process (no Ray)" if asm.single_process

@@ -1,0 +1,74 @@
+"""Policy weights to the rollout engines."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_cli.rl.groups import Groups, dead_worker_reported, get
+
+
+class WeightSync:
+    """Broadcasts the policy's weights from its rank 0 through a torch.distributed group that the engines join
+    themselves (gloo on CPU, NCCL on GPU; one rank per tensor-parallel worker; ZeRO-3 parameters gathered
+    bucket by bucket), or through Ray's object store with ``--vllm.sync_with_ray`` or an engine that cannot
+    join a group. A stalled sync raises after ``--vllm.sync_timeout``. Engines that live in the actor ranks'
+    processes get an in-process copy."""
+
+    def __init__(self, cfg, groups: Groups):
+        self.cfg = cfg
+        self.groups = groups
+        self.policy_version = 0
+        """Weight syncs so far: the engines generate with the policy of this version."""
+        self.address: tuple[str, int] | None = None
+        """The broadcast group's (address, port); None until it is built, or after an engine was replaced."""
+        self._ranks: list[int] | None = None  # broadcast-group ranks of each engine; a 0: object store
+
+    def to_engines(self) -> None:
+        engines = self.groups.rollout
+        if self.groups.rollout_in_actor:  # each rank copies its weights into the engine in its process
+            with dead_worker_reported("a policy worker died during the weight sync"):
+                self.groups.actor.push_weights_to_hosted("rollout")
+            self.policy_version += 1
+            return
+        import ray
+
+        if self._ranks is None:
+            # NCCL cannot join two processes on one GPU: an engine colocated with the ranks on GPUs (vLLM) takes
+            # the object store (CUDA IPC would avoid the copy through host memory; untested, see docs/gpu.md)
+            same_gpu = self.cfg.train.colocate_all and torch.cuda.is_available()
+            self._ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray or same_gpu else get(
+                [a.weight_sync_ranks.remote() for a in engines], "rollout")
+        if not all(self._ranks):
+            ref = ray.put(self.groups.actor.get_state_dict_for_engines())
+            get([a.update_weights.remote(ref) for a in engines], "rollout")
+        else:
+            backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
+            world, timeout = 1 + sum(self._ranks), self.cfg.vllm.sync_timeout
+            joins = []
+            if self.address is None:
+                self.address = self.groups.actor.weight_sync_address()
+                addr, port = self.address
+                firsts = [1 + sum(self._ranks[:i]) for i in range(len(engines))]
+                joins = [a.init_weight_sync.remote(master_addr=addr, master_port=port, first_rank=first,
+                                                   world_size=world, backend=backend, timeout_s=timeout)
+                         for a, first in zip(engines, firsts, strict=True)]
+            addr, port = self.address
+            receives = [a.receive_weights.remote() for a in engines]
+            sends = self.groups.actor.broadcast_weights_to_engines_async(addr, port, world, backend, timeout)
+            get(joins + receives, "rollout")
+            with dead_worker_reported("a policy worker died during the weight sync"):
+                ray.get(sends)
+        self.policy_version += 1
+
+    def to_new_engine(self, engine, trainers_asleep: bool) -> None:
+        """The current policy weights to a new engine that replaces a dead one, through the object store; the
+        next sync builds a new broadcast group, since the old one has a dead rank."""
+        import ray
+
+        if trainers_asleep:  # their ZeRO-3 state is off the GPU: gather the weights from it awake
+            self.groups.actor.wake_up()
+        weights = ray.put(self.groups.actor.get_state_dict_for_engines())
+        if trainers_asleep:
+            self.groups.actor.sleep()
+        get(engine.update_weights.remote(weights), "new rollout")
+        self.address = None

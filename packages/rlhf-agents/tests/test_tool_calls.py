@@ -5,21 +5,20 @@ trajectory (``examples/agent_tool_calculator.py``)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import aiohttp
 import pytest
-import torch
 
 from rlhf_agents import OpenAIServerAgentExecutor, RolloutWorker
 from rlhf_agents.loading import load_module
-from rlhf_agents.openai_server import hermes_tools_block, parse_tool_calls
+from rlhf_agents.openai_server import parse_tool_calls
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.rollout.hf_engine import HFEngine
 from rlhf_core.types import SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "agent_tool_calculator.py"
+WARM_START = EXAMPLE.with_name("agent_tool_grpo.py")
 QUESTION = "What is 37 * 12?"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 12"}}\n</tool_call>'
 FINAL = "37 * 12 = 444"
@@ -43,44 +42,13 @@ def test_parse_tool_calls_reads_hermes_blocks_and_leaves_the_rest_as_content():
 
 @pytest.fixture(scope="module")
 def tool_policy(tmp_path_factory, smollm2):
-    """A tiny Llama with SmolLM2's tokenizer and chat template, trained until its greedy replies are the
-    calculator call and then, after the tool's result, ``FINAL``: a policy whose tool use is known."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
+    """A tiny Llama with SmolLM2's tokenizer and chat template whose replies to ``QUESTION`` are the calculator
+    call and then, after the tool's result, ``FINAL`` (``examples/agent_tool_grpo.py``'s warm start)."""
     path = tmp_path_factory.mktemp("tool_policy")
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(Path(smollm2) / name, path / name)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    agent = load_module(str(EXAMPLE), "tool_example")
-    system = {"role": "system", "content": hermes_tools_block(agent.TOOLS)}
-    turns = [system, {"role": "user", "content": QUESTION}]
-    first = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    turns += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "444"}]
-    second = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
-    ids = enc(second) + enc(FINAL) + [tok.eos_token_id]
-    reply_spans = [(len(enc(first)), len(enc(first)) + len(enc(CALL)) + 1), (len(enc(second)), len(ids))]
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    x = torch.tensor([ids])
-    labels = torch.full_like(x, -100)
-    for a, b in reply_spans:
-        labels[0, a:b] = x[0, a:b]
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    targets = labels[0, 1:] != -100
-    for step in range(200):
-        out = model(x, labels=labels)
-        if step >= 10 and (out.logits[0, :-1].argmax(-1) == x[0, 1:])[targets].all():
-            break  # greedy decoding now replays both replies
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    model.save_pretrained(str(path))
-    return path, model.eval(), tok, ids
+    model, tok, (ids,) = load_module(str(WARM_START), "agent_tool_grpo").warm_start(path, [(37, 12)], guessed=[])
+    assert tok.decode(ids).endswith(CALL + "<|im_end|>\n<|im_start|>tool\n444<|im_end|>\n<|im_start|>assistant\n"
+                                    + FINAL + "<|im_end|>")
+    return path, model, tok, ids
 
 
 @pytest.mark.real_model

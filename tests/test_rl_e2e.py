@@ -86,7 +86,8 @@ def in_one_process(args: list[str]) -> list[str]:
 
 def one_rank_on_ray(args: list[str]) -> list[str]:
     """``args`` with one policy rank, still on Ray with the engine in a process of its own: for runs that test
-    the engine's process, not the ranks."""
+    the engine's process or the pipeline's schedule, not the ranks (two-rank async runs: the over-generation
+    and kill-and-resume tests)."""
     args = without(without(args, "--actor.num_gpus_per_node"), "--ds.zero_stage")
     return args + ["--ds.zero_stage", "0", "--ray.single_process", "false"]
 
@@ -209,8 +210,8 @@ def test_grpo_raises_the_reward(assets, ray_session, tmp_path):
 @pytest.mark.parametrize("partial", [False, True])
 def test_async_pipeline_respects_its_queue_bound(assets, ray_session, tmp_path, partial):
     out = tmp_path / "async"
-    args = base_args(assets, out, steps=4) + ["--algo.advantage.estimator", "group_norm", "--train.async_enable",
-                                              "--train.async_queue_size", "1"]
+    args = one_rank_on_ray(base_args(assets, out, steps=4)) + [
+        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--train.async_queue_size", "1"]
     if partial:  # weights land in the engine while it may be generating (a second concurrent actor call)
         args.append("--train.partial_rollout_enable")
     assert train(args) == 0

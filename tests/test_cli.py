@@ -18,10 +18,21 @@ def rlhf(*args, env=None):
                           env=full_env, timeout=120)
 
 
-def test_dry_run_prints_config_plugins_and_plan(tmp_path, tiny_model):
+def rlhf_here(capsys, *args) -> subprocess.CompletedProcess:
+    """``rlhf ARGS`` in this process, for commands that need no environment of their own (a process of its own
+    spends seconds importing torch, transformers and DeepSpeed): its exit code, stdout and stderr."""
+    from rlhf_cli.main import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_dry_run_prints_config_plugins_and_plan(tmp_path, tiny_model, capsys):
     reward = tmp_path / "reward.py"
     reward.write_text("def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * len(queries)\n")
-    out = rlhf("train", "ppo", "--dry-run", "--pretrain", tiny_model, "--advantage_estimator", "group_norm",
+    out = rlhf_here(capsys, "train", "ppo", "--dry-run", "--pretrain", tiny_model, "--advantage_estimator", "group_norm",
                "--n_samples_per_prompt", "4", "--remote_rm_url", str(reward), "--colocate_all_models",
                "--actor_num_gpus_per_node", "2", "--ckpt.output_dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr
@@ -31,29 +42,29 @@ def test_dry_run_prints_config_plugins_and_plan(tmp_path, tiny_model):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
-def test_dry_run_says_which_checkpoint_a_resume_would_use(tmp_path, tiny_model):
+def test_dry_run_says_which_checkpoint_a_resume_would_use(tmp_path, tiny_model, capsys):
     from rlhf_core.checkpoint import CheckpointManager
 
     args = ["train", "sft", "--dry-run", "--pretrain", tiny_model, "--dataset", "d.jsonl", "--ckpt.output_dir",
             str(tmp_path), "--ckpt.load_enable"]
-    assert "no checkpoint under" in rlhf(*args).stdout
+    assert "no checkpoint under" in rlhf_here(capsys, *args).stdout
     mgr = CheckpointManager(tmp_path / "checkpoints")
     for step in (2, 4):
         mgr.save(step, lambda d: (d / "model_states.pt").write_bytes(b"never loaded"), {"step": step})
-    out = rlhf(*args)  # model_states.pt is not a torch file: both are damaged
+    out = rlhf_here(capsys, *args)  # model_states.pt is not a torch file: both are damaged
     assert out.returncode == 1
     assert f"no intact checkpoint under {mgr.root}: step_00000004 ({mgr.root / 'step_00000004'}" in out.stderr
     (mgr.root / "step_00000002" / "model_states.pt").unlink()
     mgr.save(2, lambda d: None, {"step": 2})  # an intact step 2 again; latest names it now
     (mgr.root / "latest").write_text("step_00000004\n")
-    out = rlhf(*args)
+    out = rlhf_here(capsys, *args)
     assert out.returncode == 0, out.stderr
     assert f"# --ckpt.load_enable: resumes from {mgr.root / 'step_00000002'}" in out.stdout
     assert "skipped step_00000004" in out.stderr
 
 
-def test_help_shows_field_documentation():
-    out = rlhf("train", "ppo", "--help")
+def test_help_shows_field_documentation(capsys):
+    out = rlhf_here(capsys, "train", "ppo", "--help")
     assert out.returncode == 0
     assert "--algo.advantage.estimator" in out.stdout and "Registered advantage estimator" in out.stdout
 
@@ -95,8 +106,8 @@ def test_missing_estimator_says_which_package_to_install(tiny_model):
     assert "pip install rlhf-algos" in out.stderr
 
 
-def test_unknown_estimator_lists_the_registered_ones(tiny_model):
-    out = rlhf("train", "ppo", "--dry-run", "--pretrain", tiny_model, "--remote_rm_url", "http://127.0.0.1:9/x",
+def test_unknown_estimator_lists_the_registered_ones(tiny_model, capsys):
+    out = rlhf_here(capsys, "train", "ppo", "--dry-run", "--pretrain", tiny_model, "--remote_rm_url", "http://127.0.0.1:9/x",
                "--algo.advantage.estimator", "grpo")
     assert out.returncode == 2
     assert "no advantage estimator named 'grpo'" in out.stderr
@@ -104,8 +115,8 @@ def test_unknown_estimator_lists_the_registered_ones(tiny_model):
         assert name in out.stderr
 
 
-def test_plugins_json_lists_every_package_and_its_registrations():
-    out = rlhf("plugins", "--json")
+def test_plugins_json_lists_every_package_and_its_registrations(capsys):
+    out = rlhf_here(capsys, "plugins", "--json")
     assert out.returncode == 0, out.stderr
     info = {d["distribution"]: d for d in json.loads(out.stdout)}
     assert set(info["rlhf-algos"]["seams"]["advantage_estimators"]) >= {
@@ -244,10 +255,8 @@ REWARD_OK = "def reward_func(queries, prompts, labels, **kwargs):\n    return [0
 
 def train_in_process(capsys, *args) -> tuple[int, str]:
     """``rlhf train ARGS`` in this process: its exit code and what it printed on stderr."""
-    from rlhf_cli.main import main
-
-    code = main(["train", *args])
-    return code, capsys.readouterr().err
+    out = rlhf_here(capsys, "train", *args)
+    return out.returncode, out.stderr
 
 
 def ppo(model: str, out, *extra: str) -> list[str]:

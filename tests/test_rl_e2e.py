@@ -1,7 +1,7 @@
 """`rlhf train ppo` end to end on CPU: local Ray, a tiny Llama built here, 2 DeepSpeed ZeRO-3 ranks, HF engine.
 
-These runs share one Ray session (module fixture) and stay a few steps long; the kill-and-resume test
-drives the real command in subprocesses.
+These runs share one Ray session (module fixture) and stay a few steps long; runs whose placement is not what
+they test run in this process instead (in_one_process); the kill tests drive the real command in subprocesses.
 """
 
 import json
@@ -74,6 +74,24 @@ def without(args: list[str], flag: str) -> list[str]:
     return args[:i] + args[i + 2:]
 
 
+def in_one_process(args: list[str]) -> list[str]:
+    """``args`` as one rank in this process hosting the reference model and the HF engine, for runs whose
+    placement is not what they test: no worker process starts (a few seconds instead of about a minute). The
+    multi-process placements keep runs of their own: separate groups (reinforce_baseline, group_norm, the
+    reward-model run with its critic, async, failure and kill tests) and colocate_all on two ranks (dr_grpo,
+    the over-generation run)."""
+    args = without(without(args, "--actor.num_gpus_per_node"), "--ds.zero_stage")
+    return args + ["--ds.zero_stage", "0", "--train.colocate_all", "--ray.single_process", "true"]
+
+
+def one_rank_on_ray(args: list[str]) -> list[str]:
+    """``args`` with one policy rank, still on Ray with the engine in a process of its own: for runs that test
+    the engine's process or the pipeline's schedule, not the ranks (two-rank async runs: the over-generation
+    and kill-and-resume tests)."""
+    args = without(without(args, "--actor.num_gpus_per_node"), "--ds.zero_stage")
+    return args + ["--ds.zero_stage", "0", "--ray.single_process", "false"]
+
+
 def train(args) -> int:
     from rlhf_cli.main import main
 
@@ -90,10 +108,8 @@ def metrics(out) -> list[dict]:
 
 
 @pytest.mark.parametrize("estimator,extra", [
-    # token-budget micro-batches (the 1-rank critic groups its own); the log-prob gap check below fails if
-    # make_experience puts a row's results back in the wrong place
-    ("gae", ["--critic.adam.lr", "1e-3", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "24"]),
-    ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: a reference group runs
+    # gae (a critic group): the reward-model test below
+    ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: the rank hosts the reference
     # weights through the object store, not a group; a LoRA policy: only its adapter goes
     ("reinforce_baseline", ["--vllm.sync_with_ray", "--ds.lora.rank", "4", "--ds.lora.alpha", "8"]),
     ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
@@ -109,10 +125,13 @@ def metrics(out) -> list[dict]:
 ])
 def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, capsys, estimator, extra):
     out = tmp_path / estimator
-    assert train(base_args(assets, out) + ["--algo.advantage.estimator", estimator, *extra]) == 0
-    # 2 policy ranks, +1 reference (KL in the reward), +1 critic (gae), +1 or 2 engines unless hosted
-    processes = {"gae": 4, "reinforce": 4, "rloo": 4, "group_norm": 4, "dr_grpo": 2}.get(estimator, 3)
-    assert f"; {processes} worker processes up in" in capsys.readouterr().err
+    args = base_args(assets, out) + ["--algo.advantage.estimator", estimator, *extra]
+    one_process = estimator in ("reinforce", "rloo")  # what they test is the estimator and its KL term
+    assert train(in_one_process(args) if one_process else args) == 0
+    # 2 policy ranks, +1 or 2 engines unless hosted
+    processes = {"group_norm": 4, "dr_grpo": 2}.get(estimator, 3)
+    up = "the worker in this process (no Ray)" if one_process else f"{processes} worker processes"
+    assert f"; {up} up in" in capsys.readouterr().err
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -120,14 +139,12 @@ def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, c
         assert 0.0 <= r["reward/mean"] <= 1.0
         # fp32: after every weight sync the engine's log-probs are the trainer's
         assert r["policy/rollout_train_logprob_gap"] < 1e-4
-    if estimator == "gae":
-        assert "critic/value_loss" in rows[-1] or any(k.startswith("critic/") for k in rows[-1])
     if "--algo.kl.use_loss" in extra:
         assert "policy/kl_loss" in rows[-1]
     if estimator == "reinforce":
         assert rows[-1]["kl/mean"] != 0.0  # the policy moved away from the reference after step 1
     placement = json.loads((out / "run.json").read_text())["plugins"]["placement_strategies"]["name"]
-    assert placement == ("colocate_all" if "--train.colocate_all" in extra else "separate")
+    assert placement == ("colocate_all" if "--train.colocate_all" in extra or one_process else "separate")
     exported = "adapter_config.json" if "--ds.lora.rank" in extra else "config.json"  # LoRA exports the adapter
     assert (out / "model" / exported).is_file() and (out / "report" / "reward.png").is_file()
 
@@ -136,7 +153,7 @@ def test_multi_turn_environment_from_a_plugin(assets, ray_session, tmp_path):
     out = tmp_path / "env"
     args = base_args(assets, out) + ["--algo.advantage.estimator", "reinforce_baseline", "--train.env",
                                      "guess_number", "--data.max_len", "32"]
-    assert train(args) == 0
+    assert train(in_one_process(args)) == 0
     rows = metrics(out)
     assert len(rows) == 2 and rows[-1]["rollout/samples"] == 16
 
@@ -146,7 +163,7 @@ def test_multi_turn_agent_file(assets, ray_session, tmp_path):
     args = without(base_args(assets, out), "--reward.remote_url")  # the environment gives the reward
     args += ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path",
              str(REPO / "examples" / "agent_multistep.py"), "--data.max_len", "48"]
-    assert train(args) == 0
+    assert train(in_one_process(args)) == 0  # on two vLLM engines: tests/test_rl_vllm.py
     rows = metrics(out)
     assert len(rows) == 2 and rows[-1]["reward/unscorable"] == 0
 
@@ -172,10 +189,8 @@ def test_an_agent_program_whose_calls_do_not_extend_one_another(assets, ray_sess
     agent.write_text(PER_CALL_AGENT)
     out = tmp_path / "command"
     args = without(base_args(assets, out, steps=1), "--reward.remote_url")  # the program gives the reward
-    # one rank, in this process: the placement is not what this tests
-    args = without(without(args, "--actor.num_gpus_per_node"), "--ds.zero_stage") + ["--ds.zero_stage", "0"]
     args += ["--algo.advantage.estimator", "group_norm", "--train.agent_command", f"{sys.executable} {agent}"]
-    assert train(args) == 0
+    assert train(in_one_process(args)) == 0
     (row,) = metrics(out)
     assert row["per_call/samples"] == 2.0 and row["reward/unscorable"] == 0
     assert row["train/skipped_rows"] == 0.0  # 16 episodes, 32 samples: two optimizer steps of 16
@@ -186,7 +201,7 @@ def test_grpo_raises_the_reward(assets, ray_session, tmp_path):
     args = base_args(assets, out, steps=12) + ["--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "2e-2",
                                                "--rollout.batch_size", "8", "--train.batch_size", "32",
                                                "--train.num_episodes", "2"]
-    assert train(args) == 0
+    assert train(in_one_process(args)) == 0  # learning on 2 ZeRO-3 ranks: tests/test_rl_vllm.py
     rewards = [r["reward/mean"] for r in metrics(out)]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + 0.15, f"reward did not rise: {rewards}"
@@ -195,8 +210,8 @@ def test_grpo_raises_the_reward(assets, ray_session, tmp_path):
 @pytest.mark.parametrize("partial", [False, True])
 def test_async_pipeline_respects_its_queue_bound(assets, ray_session, tmp_path, partial):
     out = tmp_path / "async"
-    args = base_args(assets, out, steps=4) + ["--algo.advantage.estimator", "group_norm", "--train.async_enable",
-                                              "--train.async_queue_size", "1"]
+    args = one_rank_on_ray(base_args(assets, out, steps=4)) + [
+        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--train.async_queue_size", "1"]
     if partial:  # weights land in the engine while it may be generating (a second concurrent actor call)
         args.append("--train.partial_rollout_enable")
     assert train(args) == 0
@@ -232,7 +247,10 @@ def test_async_over_generation_with_sleeping_trainers_and_hf_only_checkpoints(as
     assert f"cannot resume from {step3}: it was saved with --ckpt.disable_ds" in err
 
 
-def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray_session, tmp_path):
+def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray_session, tmp_path, capsys):
+    """The gae estimator's case: a critic group, a reward-model group and a reference group beside 2 policy
+    ranks, with token-budget micro-batches (the 1-rank critic groups its own); the log-prob gap check fails if
+    make_experience puts a row's results back in the wrong place."""
     from rlhf_cli.main import main
 
     prefs = tmp_path / "prefs.jsonl"
@@ -244,15 +262,23 @@ def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray
     assert main(["train", "rm", "--model.model_name_or_path", assets["model"], "--data.dataset", str(prefs),
                  "--data.prompt_key", "prompt", "--data.max_len", "16", "--train.batch_size", "16",
                  "--train.micro_batch_size", "8", "--model.adam.lr", "3e-3", "--ds.zero_stage", "0",
-                 "--ds.param_dtype", "fp32", "--ckpt.output_dir", str(rm)]) == 0
+                 "--ds.param_dtype", "fp32", "--ray.single_process", "true", "--ckpt.output_dir", str(rm)]) == 0
     out = tmp_path / "ppo"
     args = without(base_args(assets, out), "--reward.remote_url") + [
         "--algo.advantage.estimator", "gae", "--reward.model_name_or_path", str(rm), "--critic.adam.lr", "1e-3",
-        "--algo.kl.init_coef", "0.01"]
+        "--algo.kl.init_coef", "0.01", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "24"]
+    capsys.readouterr()
     assert train(args) == 0
+    # 2 policy ranks, +1 reference, +1 critic, +1 reward model, +1 engine
+    assert "; 6 worker processes up in" in capsys.readouterr().err
     rows = metrics(out)
-    assert len(rows) == 2 and all(r["reward/unscorable"] == 0 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["reward/unscorable"] == 0 and r["policy/skipped"] == 0 and r["policy/grad_norm"] > 0
+        assert r["policy/rollout_train_logprob_gap"] < 1e-4  # fp32: the engine's log-probs are the trainer's
     assert any(k.startswith("critic/") for k in rows[-1])
+    assert json.loads((out / "run.json").read_text())["plugins"]["placement_strategies"]["name"] == "separate"
+    assert (out / "model" / "config.json").is_file() and (out / "report" / "reward.png").is_file()
 
 
 def test_ppo_with_a_process_reward_model_scoring_each_step(assets, ray_session, tmp_path):
@@ -269,7 +295,7 @@ def test_ppo_with_a_process_reward_model_scoring_each_step(assets, ray_session, 
     args = without(base_args(assets, out, steps=1), "--reward.remote_url") + [
         "--algo.advantage.estimator", "group_norm", "--reward.model_name_or_path", str(prm),
         "--reward.prm_step_separator", " ", "--reward.prm_aggregation", "mean"]
-    assert train(args) == 0
+    assert train(in_one_process(args)) == 0  # the PRM scores in the rollout worker, here the rank's process
     rows = metrics(out)
     assert len(rows) == 1 and rows[0]["policy/grad_norm"] > 0
     for r in rows:
@@ -316,7 +342,8 @@ def test_an_agent_that_fails_in_its_worker_is_reported_by_its_message(assets, tm
     agent = tmp_path / "agent.py"
     agent.write_text(BROKEN_AGENT)
     out = tmp_path / "run"
-    args = base_args(assets, out) + ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path", str(agent)]
+    args = one_rank_on_ray(base_args(assets, out)) + ["--algo.advantage.estimator", "group_norm",
+                                                      "--train.agent_func_path", str(agent)]
     env = {k: v for k, v in os.environ.items() if k != "AGENT_API_KEY"}
     done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args],
                           env={**env, "RLHF_NO_PROGRESS": "1"}, capture_output=True, text=True, timeout=600)
@@ -370,7 +397,7 @@ def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, 
     mark = tmp_path / "killed_engine_pid"
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD + f"\nMARK = {str(mark)!r}\n" + KILL_HOOK)
-    common = without(base_args(assets, "X", steps=3), "--reward.remote_url") + [
+    common = one_rank_on_ray(without(base_args(assets, "X", steps=3), "--reward.remote_url")) + [
         "--reward.remote_url", str(reward), "--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "1e-3"]
     env = {**os.environ, "RLHF_NO_PROGRESS": "1"}
 

@@ -1,5 +1,6 @@
 """`rlhf train ppo --rollout.engine vllm` end to end on CPU with vLLM's CPU build (``make setup`` installs it):
-local Ray, 2 DeepSpeed ZeRO-3 ranks, vLLM engines as Ray actors receiving weights after every step.
+local Ray, 2 DeepSpeed ZeRO-3 ranks (one where the ranks are not what a test checks), vLLM engines as Ray
+actors receiving weights after every step.
 
 The model is the e2e tests' tiny Llama at head size 32 (the CPU attention kernel's smallest), with tied
 embeddings (the case whose LM head went stale before the worker extension repacked it). fp32 throughout, so
@@ -11,7 +12,7 @@ import json
 
 import pytest
 import test_rl_e2e
-from test_rl_e2e import REPO, REWARD, base_args, metrics, train, without
+from test_rl_e2e import REPO, REWARD, base_args, metrics, one_rank_on_ray, train, without
 
 from rlhf_rollout_vllm.plugin import VLLMEngineFactory
 
@@ -85,8 +86,9 @@ def test_async_pipeline_with_partial_rollout_on_vllm(assets, ray_session, tmp_pa
     """Generation runs ahead of training, and weights land in the engine while it may be generating (a second
     concurrent actor call). (The plain async pipeline is the same run without that second call.)"""
     out = tmp_path / "async"
-    args = vllm_args(assets, out, steps=4) + ["--algo.advantage.estimator", "group_norm", "--train.async_enable",
-                                              "--train.async_queue_size", "1", "--train.partial_rollout_enable"]
+    args = one_rank_on_ray(vllm_args(assets, out, steps=4)) + [
+        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--train.async_queue_size", "1",
+        "--train.partial_rollout_enable"]
     assert train(args) == 0
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -96,7 +98,7 @@ def test_async_pipeline_with_partial_rollout_on_vllm(assets, ray_session, tmp_pa
 
 def test_multi_turn_agent_file_on_two_vllm_engines(assets, ray_session, tmp_path):
     out = tmp_path / "agent"
-    args = without(vllm_args(assets, out), "--reward.remote_url")  # the environment gives the reward
+    args = one_rank_on_ray(without(vllm_args(assets, out), "--reward.remote_url"))  # the environment gives the reward
     args += ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path",
              str(REPO / "examples" / "agent_multistep.py"), "--data.max_len", "48", "--vllm.num_engines", "2"]
     assert train(args) == 0

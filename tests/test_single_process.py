@@ -110,10 +110,33 @@ def test_auto_uses_a_ray_session_the_process_already_has(monkeypatch):
     assert inline.single_process(_cfg("true"), 1)
 
 
-def rlhf(*args, timeout=600):
+# the dry runs of a test, one after another in one fresh process (no Ray session; each start imports torch,
+# transformers and DeepSpeed for seconds): argv = JSON list of command lines; prints their results as JSON
+DRY_RUNS = """
+import contextlib, io, json, sys
+from rlhf_cli.main import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def dry_runs(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    """``rlhf COMMAND`` for each command line, as its exit code, stdout and stderr."""
     env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu"}
-    return subprocess.run([sys.executable, "-m", "rlhf_cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", DRY_RUNS, json.dumps(commands)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
+            for argv, r in zip(commands, json.loads(done.stdout.splitlines()[-1]), strict=True)]
 
 
 def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more(tmp_path, tiny_model):
@@ -122,11 +145,19 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     common = ["train", "ppo", "--dry-run", "--actor.model_name_or_path", tiny_model, "--reward.remote_url",
               str(reward), "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
               "--ckpt.output_dir", str(tmp_path / "run")]
-    out = rlhf(*common, "--train.colocate_all", "--algo.kl.init_coef", "0.01")
+    colocated, default, separate, two_ranks, zero3, refused, generate = dry_runs(
+        [*common, "--train.colocate_all", "--algo.kl.init_coef", "0.01"],
+        [*common, "--algo.kl.init_coef", "0.01"],
+        [*common, "--algo.kl.init_coef", "0.01", "--train.placement", "separate", "--bf16"],
+        [*common, "--actor.num_gpus_per_node", "2"],
+        [*common, "--ds.zero_stage", "3"],
+        [*common, "--ray.single_process", "true", "--actor.num_gpus_per_node", "2", "--train.colocate_all"],
+        ["generate", "--ray.single_process", "true", "--dry-run"])
+    out = colocated
     assert out.returncode == 0, out.stderr
     assert "single process: the one training rank runs in this process; no Ray cluster starts" in out.stdout
     # no placement or precision flag on CPU: colocated into one process, in fp32, and the plan says both
-    out = rlhf(*common, "--algo.kl.init_coef", "0.01")
+    out = default
     assert out.returncode == 0, out.stderr
     assert "# placement: colocate_all by default (no placement flag; on CPU" in out.stdout
     assert "single process: the one training rank runs in this process" in out.stdout
@@ -136,24 +167,24 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     assert "  zero_stage: 0\n" in out.stdout
     assert "note:" not in out.stderr
     # asked for: processes of their own (Ray, and a note says how to avoid it), and bf16 with what it costs
-    out = rlhf(*common, "--algo.kl.init_coef", "0.01", "--train.placement", "separate", "--bf16")
+    out = separate
     assert out.returncode == 0, out.stderr
     assert "single process" not in out.stdout and "by default" not in out.stdout
     assert "this run starts Ray and 3 worker processes; with --train.colocate_all it would fit one" in out.stderr
     assert "# precision: bf16 (--ds.param_dtype)" in out.stdout
     assert out.stderr.count("--ds.param_dtype bf16: the rollout engine and the trainer both compute in bf16") == 1
     assert "expect their log-probs of the same token to differ by ~1e-2" in out.stderr
-    out = rlhf(*common, "--actor.num_gpus_per_node", "2")  # two ranks: Ray whatever the placement, no note
+    out = two_ranks  # two ranks: Ray whatever the placement, no note
     assert out.returncode == 0 and "would fit one process" not in out.stderr
     assert "# ZeRO stage: 2 (default" in out.stdout  # two ranks have state to partition
-    out = rlhf(*common, "--ds.zero_stage", "3")
+    out = zero3
     assert out.returncode == 0 and "# ZeRO stage: 3 (--ds.zero_stage)" in out.stdout
-    out = rlhf(*common, "--ray.single_process", "true", "--actor.num_gpus_per_node", "2", "--train.colocate_all")
+    out = refused
     assert out.returncode != 0
     assert "--ray.single_process true cannot be honoured: the run needs 2 worker processes" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "run").exists()
-    out = rlhf("generate", "--ray.single_process", "true", "--dry-run")  # generate always runs on Ray workers
+    out = generate  # generate always runs on Ray workers
     assert out.returncode != 0
     assert "--ray.single_process is an option of 'rlhf train ppo|sft|rm|dpo|kto|prm|kd' only" in out.stderr
 

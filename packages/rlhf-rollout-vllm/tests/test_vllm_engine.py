@@ -657,7 +657,8 @@ def test_real_engine_tests_in_their_own_process():
     """The conformance suite, the sync-gap tests and tensor parallel 2 against the real engine, in a fresh
     pytest process (see OWN_PROCESS); every one of them must run and pass, none skipped."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow", "-k",
-                          "Conformance or trainers_after_every_sync or tensor_parallel_2 or beyond_one_steps_token_budget or real_model_logprobs", __file__],
+                          "Conformance or trainers_after_every_sync or tensor_parallel_2 or beyond_one_steps_token_budget or real_model_logprobs"
+                          " or lora_policy_is_served", __file__],
                          env={**os.environ, OWN_PROCESS: "1"}, capture_output=True, text=True, timeout=1800)
     summary = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stdout[-5000:]

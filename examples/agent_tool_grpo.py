@@ -34,7 +34,7 @@ def warm_start(path: Path, questions, guessed, seed: int = 0):
     """Write a tiny policy to ``path`` that answers each ``(a, b)`` of ``questions`` with the calculator call
     and then the product, and each of ``guessed`` also at once with a wrong product (so its first reply token
     chooses between the two, about evenly). Every other reply token is trained until its probability is above
-    0.98, then sharpened to above 0.999 by doubling the LM head's weights (that squares each token's odds
+    0.98, then sharpened to above 0.999 by doubling the LM head's weights (that at least squares each token's odds
     against the rest; an even choice stays about even): a sampled episode seldom breaks a memorised token.
     Returns the model, the tokenizer and the conversations' token ids."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -87,7 +87,7 @@ def warm_start(path: Path, questions, guessed, seed: int = 0):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)  # fused: a third of the unfused step time here
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)  # fused: its update takes 12 ms here, unfused 80
     for _ in range(1000):
         hidden = model.model(ids, attention_mask=attention).last_hidden_state[:, :-1][predicts]
         nll = torch.nn.functional.cross_entropy(model.lm_head(hidden), labels, reduction="none")

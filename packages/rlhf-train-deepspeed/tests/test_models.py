@@ -158,6 +158,24 @@ def test_flash_attention_packed_matches_padded_on_gpu(tiny_llama, batch):
     torch.testing.assert_close(packed, padded, atol=2e-2, rtol=0)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_log_probs_of_a_batch_on_the_gpu_match_the_cpu(tiny_llama, packing):
+    """A batch moved to the GPU (as the workers move each micro-batch) gives the CPU's log-probs: the first
+    GPU run failed here, building the response mask's positions on the CPU."""
+    b = make_sequence_batch(PROMPTS, RESPONSES, 0)
+    on_gpu = type(b)(b.input_ids.cuda(), b.attention_mask.cuda(), b.prompt_lens.cuda())
+    model = load_causal_lm(tiny_llama, torch.float32).eval()
+    with torch.no_grad():
+        want, _, want_mask = response_logprobs(model, b, packing=packing)
+        got, _, mask = response_logprobs(model.cuda(), on_gpu, packing=packing)
+    assert got.is_cuda and torch.equal(mask.cpu(), want_mask)
+    # fp32 on both; only the kernels' summation order differs (log-probs ~ -5: a few ulps of 5 is ~1e-6)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=0)
+
+
 WIDE_VOCAB = 3000
 
 

@@ -45,8 +45,8 @@ def kd_loss(
     """
     keep = mask.bool()[..., None]
     # masked positions may hold anything (inf, NaN): zero them so that they get no NaN gradient either
-    student_logits = torch.where(keep, student_logits, torch.zeros((), dtype=student_logits.dtype))
-    teacher_logits = torch.where(keep, teacher_logits.detach(), torch.zeros((), dtype=teacher_logits.dtype))
+    student_logits = torch.where(keep, student_logits, student_logits.new_zeros(()))
+    teacher_logits = torch.where(keep, teacher_logits.detach(), teacher_logits.new_zeros(()))
     nll_tok = -logprobs_from_logits(student_logits, labels)
     distil_tok = distill_cross_entropy(student_logits, teacher_logits)
     loss = (1 - kd_coef) * aggregate(nll_tok, mask, aggregation) + kd_coef * aggregate(distil_tok, mask, aggregation)

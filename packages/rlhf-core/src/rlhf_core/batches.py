@@ -48,8 +48,9 @@ class SequenceBatch:
 
     def response_mask(self) -> torch.Tensor:
         """``[B, T]`` bool: ``action_mask`` if given, else the real response positions."""
-        t = torch.arange(self.num_response_positions)
-        valid = t[None, :] < self.response_lens[:, None]
+        lens = self.response_lens
+        t = torch.arange(self.num_response_positions, device=lens.device)
+        valid = t[None, :] < lens[:, None]
         if self.action_mask is None:
             return valid
         return self.action_mask[:, : valid.shape[1]].bool() & valid

@@ -84,6 +84,31 @@ class ModelSpec:
     """A trained vision-language model keeps its vision tower frozen (``--actor.freeze_visual_encoder``)."""
 
 
+def move_zero3_state(engine, asleep: bool) -> None:
+    """Hybrid engine: move a ZeRO-3 engine's training state to CPU memory (``asleep``) or back to its device.
+
+    DeepSpeed's ``offload_states`` moves the bf16 parameters, gradients and buckets, but refuses the fp32
+    master partitions and Adam moments unless the optimizer is its own FusedAdam (a CUDA op compiled on
+    first use); torch's fused AdamW, which rlhf uses, keeps its moments under the same state keys, so
+    those two move here, as DeepSpeed moves them. On CPU ranks every move is a no-op copy."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+    from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states
+
+    zero = engine.optimizer
+    device = "cpu" if asleep else get_accelerator().current_device_name()
+    if asleep:
+        engine.offload_states(include=[State.lp_params, State.lp_grads, State.contiguous_grad_buffer])
+        offload_adam_states(zero.optimizer, device)
+    else:
+        engine.reload_states()
+        reload_adam_states(zero.optimizer, device)
+    for flat in zero.fp32_partitioned_groups_flat:
+        flat.data = flat.data.to(device)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class SupervisedConfigLite:
     """The loss settings of the SFT/RM/DPO/KTO/PRM/KD modes (``--model.*``, ``--prm.*``, ``--teacher.*``)."""
@@ -738,20 +763,24 @@ class TrainWorker:
 
     def sleep(self) -> None:
         """Hybrid engine (``--ds.enable_sleep``): move ZeRO-3 training state (parameters, gradients,
-        optimizer) and the fp32 EMA to CPU memory while the rollout engines use the GPU. Nothing moves
-        on CPU ranks."""
+        optimizer) and the fp32 EMA to CPU memory while the rollout engines use the GPU. CPU ranks make the
+        same calls, which copy nothing."""
         if self.ema is not None:
             self.ema = [e.to("cpu") for e in self.ema]
-        if torch.cuda.is_available() and self.strategy.ds.zero_stage == 3 and self.spec.trainable:
-            self.gpu_memory["gpu_before_sleep_gib"] = torch.cuda.memory_allocated() / 2**30
-            self.engine.offload_states()
-            self.gpu_memory["gpu_asleep_gib"] = torch.cuda.memory_allocated() / 2**30
+        if self.strategy.ds.zero_stage == 3 and self.spec.trainable:
+            gpu = torch.cuda.is_available()
+            if gpu:
+                self.gpu_memory["gpu_before_sleep_gib"] = torch.cuda.memory_allocated() / 2**30
+            move_zero3_state(self.engine, asleep=True)
+            if gpu:
+                self.gpu_memory["gpu_asleep_gib"] = torch.cuda.memory_allocated() / 2**30
 
     def wake_up(self) -> None:
         """Undo :meth:`sleep` before the next training or forward call."""
-        if torch.cuda.is_available() and self.strategy.ds.zero_stage == 3 and self.spec.trainable:
-            self.engine.reload_states()
-            self.gpu_memory["gpu_woken_gib"] = torch.cuda.memory_allocated() / 2**30
+        if self.strategy.ds.zero_stage == 3 and self.spec.trainable:
+            move_zero3_state(self.engine, asleep=False)
+            if torch.cuda.is_available():
+                self.gpu_memory["gpu_woken_gib"] = torch.cuda.memory_allocated() / 2**30
         if self.ema is not None:
             self.ema = [e.to(s.device) for e, s in zip(self.ema, self._local_shards(), strict=True)]
 

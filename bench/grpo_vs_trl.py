@@ -854,14 +854,29 @@ torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__v
 
 
 REAL_NOTES = """
-Measured 2026-11-26 on an idle 2-core AMD EPYC (AVX2), after the memory changes of issue 26 (the hosted engine
-decoding from the trainer's tensors, no single-rank all-reduce, fused AdamW), with `--runs rlhf-default,trl
+Measured 2026-11-27 on an idle 2-core AMD EPYC (AVX2, no AVX-512), with `--dtype fp32 --runs rlhf-default,trl
 --reps 1 --steps 3 --warmup 1` (rlhf-default is the command with no placement or precision flags: on this row
-one process, ZeRO-0). TRL's bf16 run was stopped unfinished for time, so bf16 has no ratio. Against the goals:
-fp32 step speed 1.47x TRL's and peak PSS 0.65x, short of 3x and 0.5x. rlhf's policy update (27 s of 36.5 s)
-is about the forward+backward FLOPs of 64 x 61 tokens through 135M parameters (~3.2 TFLOP) at this CPU's
-rate; generation is 1.8x TRL's. bf16 is faster than fp32 here (22.9 against 36.5 s/step), unlike the Intel
-machine the CPU default was chosen on: the default precision should follow the CPU.
+one process, ZeRO-0, fp32). Against the goals: step speed 2.58x TRL's and peak PSS 0.63x, short of 3x and 0.5x.
+
+Where rlhf's 22.4 s go (cProfile of a step): the policy update takes 16.0 s. Of that, 14 s are the forward and
+backward passes of 4 micro-batches at 3.5 s each. With shared prompts, the linear layers see 332 tokens per
+micro-batch of 2 prompts x 8 samples, 0.26 TFLOP, at 95 GFLOP/s, this CPU's fp32 matrix-product rate at these
+shapes (95-125 measured alone). AdamW takes 0.7 s. Generation takes 6.4 s: 16 decode steps of 64 rows at about
+66 GFLOP/s, after one prefill per prompt. At 95 GFLOP/s throughout, a step would take about 15 s (3.7x TRL).
+3x needs 19.2 s, so 3.2 s must come out of what is not at that rate: the decode's 64-row products, training's
+non-matrix work (attention, norms, the log-softmax over 49,152 logits: about 2.5 s), and repacking the weights for
+decode after every sync (0.4 s).
+
+Memory: 0.5x TRL's peak PSS is 2657 MiB. The fp32 weights, gradients and AdamW moments alone take 2052 MiB
+(134.5M x 4 B x 4), and the interpreter with torch, transformers and DeepSpeed imported takes 355 MiB. That
+leaves 250 MiB for the engine's KV cache (175 MiB for 64 rows of 62 tokens) and every training activation:
+in fp32 the goal is below what this run holds.
+
+Precision: before 2026-11-27 this section said bf16 was faster than fp32 here (22.9 against 36.5 s/step).
+Both rows were fp32 runs: rlhf-default keeps the default precision whatever `--dtype` says, and the bench now
+refuses that combination. The 36.5 s run shared the machine with other jobs. On this machine, bf16 linear
+layers of the model's shapes run at 16 GFLOP/s against fp32's 79-100, so fp32, the CPU default, is the faster
+precision.
 """
 
 
@@ -922,6 +937,10 @@ def main() -> None:
     for dtype in dtypes:
         if dtype not in ("fp32", "bf16"):
             sys.exit(f"--dtype: {dtype!r} is not fp32 or bf16")
+    default = "bf16" if args.device == "cuda" else "fp32"
+    if any(w.split("@")[0] == "rlhf-default" for w in args.runs.split(",")) and set(dtypes) != {default}:
+        sys.exit(f"--runs rlhf-default runs at the default precision ({default} on {args.device}) whatever --dtype "
+                 f"says: with --dtype {args.dtype} its rows would name a precision it did not use")
     args.n = args.n or SAMPLES.get(args.size, 8)
     root = Path(args.workdir) / args.size
     root.mkdir(parents=True, exist_ok=True)

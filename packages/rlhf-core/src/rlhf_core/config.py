@@ -33,8 +33,10 @@ def resolve_param_dtype(name: str, cuda: bool | None = None) -> str:
     """``--ds.param_dtype`` made concrete: ``auto`` is ``bf16`` with a CUDA device and ``fp32`` without one;
     any other name is returned as given. ``cuda``: whether the models run on a GPU (default: whether this
     process has one). On CPU, fp32 is the one whose engine and trainer log-probs agree (~1e-5 per token; bf16
-    rounding gives ~1e-2). Which is faster depends on the CPU: a SmolLM2-135M GRPO step in bf16 took 1.4x
-    fp32's time on one machine and 0.63x on an AVX2 AMD EPYC (bench/grpo_vs_trl.md): ask for bf16 where it pays."""
+    rounding gives ~1e-2), and the faster one on the CPUs measured: a SmolLM2-135M GRPO step in bf16 took 1.4x
+    fp32's time on one machine, and on a 2-core AMD EPYC with AVX2 only, bf16 linear layers of that model's
+    shapes ran at 16 GFLOP/s against fp32's 79-100 (bench/grpo_vs_trl.md). A CPU with AMX or AVX-512 bf16 may
+    differ: ask for bf16 where it pays."""
     if name != "auto":
         return name
     if cuda is None:

@@ -9,9 +9,12 @@ embeddings (the case whose LM head went stale before the worker extension repack
 """
 
 import json
+import shutil
 
 import pytest
 import test_rl_e2e
+import torch
+from safetensors.torch import load_file
 from test_rl_e2e import REPO, REWARD, base_args, metrics, one_rank_on_ray, train, without
 
 from rlhf_rollout_vllm.plugin import VLLMEngineFactory
@@ -64,11 +67,13 @@ def assert_synced(rows):
     assert max(gaps) <= GAP, f"engine and trainer log-probs differ after a sync: {gaps}"
 
 
-def test_grpo_on_vllm_raises_reward_and_held_out_score(assets, ray_session, tmp_path):
+def test_grpo_on_vllm_raises_reward_and_held_out_score_and_resumes_exactly(assets, ray_session, tmp_path, capfd):
+    """A run that learns on vLLM; then the same run resumed from its step-10 checkpoint ends on its weights,
+    bit for bit (vLLM's seeded samples of steps 11-12 are the same after the engine is rebuilt)."""
     out = tmp_path / "learn"
     args = vllm_args(assets, out, steps=12) + ["--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "2e-2",
                                                "--rollout.batch_size", "8", "--train.batch_size", "32",
-                                               "--train.num_episodes", "2"]
+                                               "--train.num_episodes", "2", "--ckpt.save_steps", "10"]
     assert train(args) == 0
     rows = metrics(out)
     assert len(rows) == 12
@@ -80,6 +85,16 @@ def test_grpo_on_vllm_raises_reward_and_held_out_score(assets, ray_session, tmp_
     assert after > before + 0.15, (before, after)
     run = json.loads((out / "run.json").read_text())
     assert run["plugins"]["rollout_engines"]["name"] == "vllm"
+
+    resumed = tmp_path / "resumed"  # the run as it stood after step 10's checkpoint
+    shutil.copytree(out, resumed, ignore=shutil.ignore_patterns("model"))
+    args[args.index("--ckpt.output_dir") + 1] = str(resumed)
+    capfd.readouterr()
+    assert train(args + ["--ckpt.load_enable"]) == 0
+    assert "resumed from" in capfd.readouterr().err and "step_00000010" in (resumed / "checkpoints" / "latest").read_text()
+    assert_synced(metrics(resumed)[10:])
+    want, got = (load_file(str(d / "model" / "model.safetensors")) for d in (out, resumed))
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_async_pipeline_with_partial_rollout_on_vllm(assets, ray_session, tmp_path):

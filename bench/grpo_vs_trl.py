@@ -861,11 +861,12 @@ one process, ZeRO-0, fp32). Against the goals: step speed 2.58x TRL's and peak P
 Where rlhf's 22.4 s go (cProfile of a step): the policy update takes 16.0 s. Of that, 14 s are the forward and
 backward passes of 4 micro-batches at 3.5 s each. With shared prompts, the linear layers see 332 tokens per
 micro-batch of 2 prompts x 8 samples, 0.26 TFLOP, at 95 GFLOP/s, this CPU's fp32 matrix-product rate at these
-shapes (95-125 measured alone). AdamW takes 0.7 s. Generation takes 6.4 s: 16 decode steps of 64 rows at about
-66 GFLOP/s, after one prefill per prompt. At 95 GFLOP/s throughout, a step would take about 15 s (3.7x TRL).
-3x needs 19.2 s, so 3.2 s must come out of what is not at that rate: the decode's 64-row products, training's
-non-matrix work (attention, norms, the log-softmax over 49,152 logits: about 2.5 s), and repacking the weights for
-decode after every sync (0.4 s).
+shapes (95-125 measured alone). AdamW takes 0.7 s. Generation takes 6.4 s in the run. Profiled alone, the same
+generate call takes 5.1 s: the decode's linear layers 2.9 s (89 GFLOP/s on 64 rows), one prefill per prompt 0.56 s,
+attention 0.44 s, and sampling from 49,152 logits plus the rest about 1.2 s. So the matrix products of both
+phases already run at this CPU's rate. 3x needs 19.2 s, so 3.2 s must come out of the roughly 5 s that is not
+matrix products: training's other work (attention, norms, the log-softmax: about 2.5 s), decode's sampling and
+attention (1.6 s), AdamW (0.7 s), and repacking the weights for decode after every sync (0.4 s).
 
 Memory: 0.5x TRL's peak PSS is 2657 MiB. The fp32 weights, gradients and AdamW moments alone take 2052 MiB
 (134.5M x 4 B x 4), and the interpreter with torch, transformers and DeepSpeed imported takes 355 MiB. That

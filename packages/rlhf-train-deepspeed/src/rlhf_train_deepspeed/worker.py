@@ -90,7 +90,8 @@ def move_zero3_state(engine, asleep: bool) -> None:
     DeepSpeed's ``offload_states`` moves the bf16 parameters, gradients and buckets, but refuses the fp32
     master partitions and Adam moments unless the optimizer is its own FusedAdam (a CUDA op compiled on
     first use); torch's fused AdamW, which rlhf uses, keeps its moments under the same state keys, so
-    those two move here, as DeepSpeed moves them. On CPU ranks every move is a no-op copy."""
+    those two move here, as DeepSpeed moves them. CPU ranks make the same calls: their state stays where it
+    is, in CPU memory (test_ema.py runs them mid-run on ZeRO-3 ranks)."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
     from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states
@@ -763,8 +764,8 @@ class TrainWorker:
 
     def sleep(self) -> None:
         """Hybrid engine (``--ds.enable_sleep``): move ZeRO-3 training state (parameters, gradients,
-        optimizer) and the fp32 EMA to CPU memory while the rollout engines use the GPU. CPU ranks make the
-        same calls, which copy nothing."""
+        optimizer) and the fp32 EMA to CPU memory while the rollout engines use the GPU (on CPU ranks the
+        same calls, with nothing to free)."""
         if self.ema is not None:
             self.ema = [e.to("cpu") for e in self.ema]
         if self.strategy.ds.zero_stage == 3 and self.spec.trainable:

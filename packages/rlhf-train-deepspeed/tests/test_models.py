@@ -158,7 +158,6 @@ def test_flash_attention_packed_matches_padded_on_gpu(tiny_llama, batch):
     torch.testing.assert_close(packed, padded, atol=2e-2, rtol=0)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])

@@ -58,18 +58,6 @@ class SequenceBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: slice | torch.Tensor) -> SequenceBatch:
-        images = None
-        if self.images is not None:
-            images = [self.images[i] for i in torch.arange(len(self))[rows].tolist()]
-        return SequenceBatch(
-            self.input_ids[rows],
-            self.attention_mask[rows],
-            self.prompt_lens[rows],
-            None if self.action_mask is None else self.action_mask[rows],
-            images,
-        )
-
 
 def make_sequence_batch(
     prompts: list[list[int]],

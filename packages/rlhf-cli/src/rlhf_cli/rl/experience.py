@@ -52,10 +52,6 @@ class Experience:
     """``[B]`` long: the trajectory each row comes from, when some episode has per-call samples; None when
     every row is a trajectory of its own."""
 
-    @property
-    def num_action_tokens(self) -> int:
-        return int((self.action_mask & self.valid[:, None]).sum())
-
     def rows(self, index: list[int] | slice) -> Experience:
         """A sub-batch (micro-batches, data-parallel shards)."""
         idx = list(range(len(self.sequences)))[index] if isinstance(index, slice) else index

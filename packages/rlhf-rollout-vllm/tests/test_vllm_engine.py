@@ -66,7 +66,7 @@ class FakeLLM:
         self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # what vLLM reads while it builds
         self.calls: list = []
         self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
-            get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)))
+            get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)), step=list)
         FakeLLM.instances.append(self)
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):

@@ -29,11 +29,13 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -177,6 +179,18 @@ class VLLMEngine(RolloutEngine):
             **llm_kwargs,
         )
         self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        # Partial rollout loads weights from another thread while generate runs. With the engine core in this
+        # process the load would run beside a model step and could meet a layer whose weights vLLM is repacking
+        # (a meta tensor, "onednn_mm ... Meta tensors"): a load goes in only between two engine steps.
+        self._between_steps = threading.Lock() if self._in_process else contextlib.nullcontext()
+        if self._in_process:
+            step = self.llm.llm_engine.step
+
+            def locked_step():
+                with self._between_steps:
+                    return step()
+
+            self.llm.llm_engine.step = locked_step
         # Building the engine changed process-wide state that the process's other work keeps using: vLLM's CPU
         # worker made torch.set_num_threads a no-op, and vLLM left variables such as LOCAL_WORLD_SIZE=1 in the
         # environment, which Ray workers started later from this process would inherit. Its workers have read
@@ -241,13 +255,15 @@ class VLLMEngine(RolloutEngine):
         named_tensors = list(named_tensors)
         if named_tensors and is_adapter(named_tensors[0][0]):
             save_peft_adapter(named_tensors, self._next_adapter_dir())
-            self._serve_next_adapter()
+            with self._between_steps:
+                self._serve_next_adapter()
             return
         if not self._in_process:  # vLLM's RPC to worker processes turns tensors nested in lists into lists
             buffer = io.BytesIO()
             torch.save(named_tensors, buffer)
             named_tensors = buffer.getvalue()
-        self.llm.collective_rpc("rlhf_load_weights", args=(named_tensors,))
+        with self._between_steps:
+            self.llm.collective_rpc("rlhf_load_weights", args=(named_tensors,))
         self._weights_discarded = False
 
     def init_weight_sync(
@@ -266,13 +282,14 @@ class VLLMEngine(RolloutEngine):
 
     def receive_weights(self) -> None:
         """Every worker receives rank 0's broadcast and loads it (or writes the LoRA adapter it carries)."""
-        if self._lora_dir is None:
-            self.llm.collective_rpc("rlhf_receive_weights")
-            self._weights_discarded = False
-        elif any(self.llm.collective_rpc("rlhf_receive_weights", args=(self._next_adapter_dir(),))):
-            self._serve_next_adapter()
-        else:
-            self._weights_discarded = False
+        with self._between_steps:
+            if self._lora_dir is None:
+                self.llm.collective_rpc("rlhf_receive_weights")
+                self._weights_discarded = False
+            elif any(self.llm.collective_rpc("rlhf_receive_weights", args=(self._next_adapter_dir(),))):
+                self._serve_next_adapter()
+            else:
+                self._weights_discarded = False
 
     def _next_adapter_dir(self) -> str:
         if self._lora_dir is None:

@@ -1,18 +1,19 @@
-"""Actors without Ray: what a run that fits one process uses instead of a Ray cluster (``--ray.single_process``).
+"""Actors without Ray: what a run that fits one process uses instead of a Ray cluster (``--ray.single_process``),
+and the one calling convention (:class:`ActorLike`) every rank and engine handle follows.
 
 A local Ray cluster costs seven daemon processes (about 350 MB and 4 CPU-seconds on a 2-core machine) and one
 new interpreter per worker, which imports torch, transformers and DeepSpeed again. A run with one training
 rank that hosts its reference model and engine needs none of that: its worker lives in the driver's
-process. :class:`InlineActor` gives that worker the calling convention of a Ray actor handle
-(``handle.method.remote(*args)`` returns a reference, :func:`get` waits for it), so the code that fans calls
-out to ranks stays the same. A call runs at once, in the caller's thread; its exception is kept and raised by
-:func:`get`, as Ray raises a worker's error there.
-"""
+process, behind an :class:`InlineActor`, so the code that fans calls out to ranks stays the same. A call runs
+at once, in the caller's thread; its exception is kept and raised by :func:`get`, as Ray raises a worker's
+error there."""
 
 from __future__ import annotations
 
 import os
 import sys
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -30,29 +31,31 @@ class InlineRef:
         return self.value
 
 
-class InlineActor:
-    """An object called like a Ray actor handle, in this process: ``actor.method.remote(*args, **kwargs)``
-    runs ``obj.method`` now (arguments that are :class:`InlineRef` are resolved first, as Ray resolves
-    object refs) and returns an :class:`InlineRef`."""
+class ActorLike:
+    """The one calling convention of every rank and engine handle: ``handle.method.remote(*args, **kwargs)``
+    returns a reference that :func:`get` waits for. A Ray actor handle has it natively; subclasses give it to
+    a worker in the driver (:class:`InlineActor`) or to an object hosted in a rank's process
+    (``rlhf_train_deepspeed.group.HostedHandle``) by defining ``_call`` (private, so that it never hides a
+    method of the object called)."""
+
+    def __getattr__(self, method: str) -> SimpleNamespace:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return SimpleNamespace(remote=partial(self._call, method))
+
+
+class InlineActor(ActorLike):
+    """A worker in this process: a call runs ``obj.method`` now (arguments that are :class:`InlineRef` are
+    resolved first, as Ray resolves object refs) and returns an :class:`InlineRef`."""
 
     def __init__(self, obj: Any):
         self.obj = obj
 
-    def __getattr__(self, method: str) -> _InlineMethod:
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return _InlineMethod(self.obj, method)
-
-
-class _InlineMethod:
-    def __init__(self, obj: Any, method: str):
-        self.obj, self.method = obj, method
-
-    def remote(self, *args: Any, **kwargs: Any) -> InlineRef:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> InlineRef:
         try:
             args = tuple(get(a) if isinstance(a, InlineRef) else a for a in args)
             kwargs = {k: get(v) if isinstance(v, InlineRef) else v for k, v in kwargs.items()}
-            return InlineRef(getattr(self.obj, self.method)(*args, **kwargs))
+            return InlineRef(getattr(self.obj, method)(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - raised again by get(), where Ray raises a worker's error
             return InlineRef(error=exc)
 

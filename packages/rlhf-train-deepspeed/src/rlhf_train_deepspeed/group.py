@@ -279,27 +279,16 @@ class HostedRef:
         pass
 
 
-class HostedHandle:
-    """An object hosted in a rank's process (:meth:`WorkerGroup.host`), called like a Ray actor:
-    ``handle.method.remote(*args)`` runs ``method`` there (in turn with the rank's own calls) and returns an
-    ObjectRef. Killing the rank's actor ends it."""
+class HostedHandle(inline.ActorLike):
+    """An object hosted in a rank's process (:meth:`WorkerGroup.host`): a call runs there, in turn with the
+    rank's own calls, and returns an ObjectRef. Killing the rank's actor ends it."""
 
     def __init__(self, actor, name: str):
         self.actor = actor
         self.name = name
 
-    def __getattr__(self, method: str) -> _HostedMethod:
-        if method.startswith("_"):
-            raise AttributeError(method)
-        return _HostedMethod(self.actor, self.name, method)
-
-
-class _HostedMethod:
-    def __init__(self, actor, name: str, method: str):
-        self.actor, self.name, self.method = actor, name, method
-
-    def remote(self, *args, **kwargs):
-        return self.actor.call_hosted.remote(self.name, self.method, *args, **kwargs)
+    def _call(self, method: str, *args, **kwargs):
+        return self.actor.call_hosted.remote(self.name, method, *args, **kwargs)
 
 
 def _has_gpus() -> bool:

@@ -83,37 +83,48 @@ def make_assets(work: Path, seed: int = 0, num_heads: int = 4) -> dict[str, Path
     pairs = [(a, b) for a in range(10, 50) for b in range(10, 50)]
     rng.shuffle(pairs)
     held_out, train = pairs[:200], pairs[200:]
-    files = {"base": base, "sft": work / "sft.jsonl", "prompts": work / "prompts.jsonl",
-             "eval": work / "eval.jsonl", "reward": work / "reward.py"}
+    files = {"base": base, "sft": work / "sft.jsonl", **write_task(work, train, held_out, prompt_of, REWARD_FILE)}
     with files["sft"].open("w") as f:
         for a, b in train:
             f.write(json.dumps({"input": prompt_of(a, b), "output": spaced(flawed_teacher(a, b, rng))}) + "\n")
-    for name, split in (("prompts", train), ("eval", held_out)):
-        with files[name].open("w") as f:
-            for a, b in split:
-                f.write(json.dumps({"input": prompt_of(a, b), "label": str(a + b)}) + "\n")
-    files["reward"].write_text(REWARD_FILE)
     return files
 
 
-def accuracy(model_dir: Path, eval_file: Path) -> float:
-    """Greedy accuracy on the held-out prompts, with the built-in HF engine."""
+def write_task(work: Path, train: list, held_out: list, question, reward_file: str) -> dict[str, Path]:
+    """The RL prompts, the held-out questions (``question(a, b)`` labelled with ``a + b``) and the reward file."""
+    files = {"prompts": work / "prompts.jsonl", "eval": work / "eval.jsonl", "reward": work / "reward.py"}
+    for name, split in (("prompts", train), ("eval", held_out)):
+        files[name].write_text("".join(json.dumps({"input": question(a, b), "label": str(a + b)}) + "\n"
+                                       for a, b in split))
+    files["reward"].write_text(reward_file)
+    return files
+
+
+def greedy_replies(model_dir: Path, eval_file: Path, max_new_tokens: int, chat: bool,
+                   limit: int | None = None) -> tuple[list[dict], list[str]]:
+    """The held-out rows and the built-in HF engine's greedy replies to them (special tokens removed), the
+    prompts rendered by the tokenizer's chat template when ``chat``: an evaluation apart from training."""
     from transformers import AutoTokenizer
 
     from rlhf_core.rollout.hf_engine import HFEngine
     from rlhf_core.types import GenerationRequest, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in eval_file.read_text().splitlines()]
-    engine = HFEngine(str(model_dir), dtype="fp32")
-    params = SamplingParams(temperature=0.0, max_new_tokens=4)
-    outs = engine.generate([GenerationRequest(tok(r["input"], add_special_tokens=False)["input_ids"], params)
-                            for r in rows])
-    right = 0
-    for row, (out,) in zip(rows, outs):
-        text = tok.decode(out.token_ids, skip_special_tokens=True)
-        right += "".join(t for t in text.split() if t.isdigit()) == row["label"]
-    return right / len(rows)
+    rows = [json.loads(line) for line in eval_file.read_text().splitlines()][:limit]
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    requests = [GenerationRequest(tok.apply_chat_template([{"role": "user", "content": r["input"]}],
+                                                          add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False) if chat else
+                                  tok(r["input"], add_special_tokens=False)["input_ids"], params) for r in rows]
+    outs = HFEngine(str(model_dir), dtype="fp32").generate(requests)
+    return rows, [tok.decode(out.token_ids, skip_special_tokens=True) for (out,) in outs]
+
+
+def accuracy(model_dir: Path, eval_file: Path) -> float:
+    """Greedy accuracy on the held-out prompts: the reply's digits spell the sum."""
+    rows, replies = greedy_replies(model_dir, eval_file, 4, chat=False)
+    return sum("".join(t for t in reply.split() if t.isdigit()) == row["label"]
+               for row, reply in zip(rows, replies)) / len(rows)
 
 
 def commands(files: dict[str, Path], work: Path, quick: bool, engine: str = "hf") -> list[tuple[str, list[str]]]:
@@ -185,14 +196,7 @@ def make_real_assets(work: Path, seed: int = 0) -> dict[str, Path]:
     pairs = [(a, b) for a in range(20) for b in range(20)]
     rng.shuffle(pairs)
     held_out, train = pairs[:100], pairs[100:]
-    files = {"base": smollm2_dir(), "prompts": work / "prompts.jsonl", "eval": work / "eval.jsonl",
-             "reward": work / "reward.py"}
-    for name, split in (("prompts", train), ("eval", held_out)):
-        with files[name].open("w") as f:
-            for a, b in split:
-                f.write(json.dumps({"input": real_question(a, b), "label": str(a + b)}) + "\n")
-    files["reward"].write_text(REAL_REWARD_FILE)
-    return files
+    return {"base": smollm2_dir(), **write_task(work, train, held_out, real_question, REAL_REWARD_FILE)}
 
 
 def last_number(reply: str) -> str | None:
@@ -201,24 +205,10 @@ def last_number(reply: str) -> str | None:
 
 
 def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) -> tuple[float, list[str]]:
-    """Greedy accuracy on the held-out questions, computed here and not by the training run: the prompts are
-    rendered by the tokenizer's own chat template, decoded by the built-in HF engine, and a reply is right
-    when the last number it writes is the sum. Returns the accuracy and the replies."""
-    from transformers import AutoTokenizer
-
-    from rlhf_core.rollout.hf_engine import HFEngine
-    from rlhf_core.types import GenerationRequest, SamplingParams
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in eval_file.read_text().splitlines()][:limit]
-    engine = HFEngine(str(model_dir), dtype="fp32")
-    params = SamplingParams(temperature=0.0, max_new_tokens=REAL_NEW_TOKENS)
-    requests = [GenerationRequest(tok.apply_chat_template([{"role": "user", "content": r["input"]}],
-                                                          add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False), params) for r in rows]
-    replies = [tok.decode(out.token_ids, skip_special_tokens=True) for (out,) in engine.generate(requests)]
-    right = sum(last_number(reply) == row["label"] for reply, row in zip(replies, rows))
-    return right / len(rows), replies
+    """Greedy accuracy on the held-out questions (right when the last number a reply writes is the sum), and
+    the replies."""
+    rows, replies = greedy_replies(model_dir, eval_file, REAL_NEW_TOKENS, chat=True, limit=limit)
+    return sum(last_number(reply) == row["label"] for reply, row in zip(replies, rows)) / len(rows), replies
 
 
 def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:

@@ -412,8 +412,3 @@ def shown_config(cfg: Any, mode: str) -> dict:
 def config_to_yaml(cfg: Any, mode: str) -> str:
     """``cfg`` as YAML for ``--dry-run`` and the run directory, secrets hidden (:func:`shown_config`)."""
     return yaml.safe_dump(shown_config(cfg, mode), sort_keys=False, default_flow_style=None)
-
-
-def load_config_yaml(mode: str, path: str | Path) -> Any:
-    """Read back a resolved config written by :func:`config_to_yaml` (e.g. from a run directory)."""
-    return build_config(mode, _parse_tokens(mode, yaml_tokens(path), f" (in {path})"))

@@ -430,8 +430,6 @@ class KLEstimator(Protocol):
 
 # --- placement -----------------------------------------------------------------------------------------
 
-Role = Literal["actor", "critic", "ref", "reward", "rollout"]
-
 
 @dataclass
 class WorkerGroupSpec:

@@ -213,13 +213,9 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
     return out
 
 
-def _known_flags(mode: str) -> list[str]:
-    return [f"--{p}" for p in leaves(mode)] + [f"--{a}" for a in aliases.table(mode)]
-
-
 def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
     lines = []
-    known = _known_flags(mode)
+    known = [f"--{p}" for p in leaves(mode)] + [f"--{a}" for a in aliases.table(mode)]
     after_flag = False
     for tok in unknown:
         if not tok.startswith("--"):

@@ -25,8 +25,6 @@ import pluggy
 from rlhf_core import hookspecs, types
 from rlhf_core.errors import UserError
 
-ENTRY_POINT_GROUP = hookspecs.PROJECT
-
 # seam -> hook name. The order is the order ``rlhf plugins`` prints.
 SEAMS: dict[str, str] = {
     "advantage_estimators": "rlhf_register_advantage_estimators",
@@ -135,7 +133,7 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     if load_entrypoints:
         only = _env_list("RLHF_LOAD_PLUGINS")
         blocked = {_normalise(x) for x in (_env_list("RLHF_DISABLE_PLUGINS") or [])}
-        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        for ep in md.entry_points(group=hookspecs.PROJECT):
             dist = ep.dist.name if ep.dist is not None else ep.name
             keys = {_normalise(dist), _normalise(ep.name)}
             if keys & blocked:

@@ -355,13 +355,10 @@ class HFEngine(RolloutEngine):
         config = model.config.get_text_config()
         self.device = next(model.parameters()).device
         if eos_token_id is None:
-            gen_config = getattr(model, "generation_config", None)
-            eos_token_id = getattr(gen_config, "eos_token_id", None)
-            if eos_token_id is None:
-                eos_token_id = config.eos_token_id
+            eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos_token_id is None:
-            eos_token_id = []
-        self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+            eos_token_id = config.eos_token_id
+        self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(config, "max_position_embeddings", None)
         layer_types, _ = get_layer_types_and_kwargs(config)

@@ -367,11 +367,8 @@ def build_config(mode: str, values: dict[str, Any], base: Any = None) -> Any:
                 value = [leaf.item(p) for p in parts]
             except ValueError:
                 raise ConfigError(f"--{path}: expected {leaf.item.__name__} values, got {value}") from None
-        *parents, name = path.split(".")
-        target = cfg
-        for p in parents:
-            target = getattr(target, p)
-        setattr(target, name, value)
+        section, _, name = path.rpartition(".")
+        setattr(_get(cfg, section), name, value)
     return cfg
 
 

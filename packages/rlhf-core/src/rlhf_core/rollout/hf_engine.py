@@ -412,10 +412,9 @@ class HFEngine(RolloutEngine):
                 mismatch = count_image_tokens(req.prompt_ids, req.images, self.image_token_id)
                 if mismatch:
                     raise ValueError(f"generation request {i}: the prompt has {mismatch}")
-        rows = []  # one per sample: (request index, sample index, prompt ids, params, seed, images)
-        for i, req in enumerate(requests):
-            for j, seed in enumerate(sample_seeds(req.params)):
-                rows.append((i, j, req.prompt_ids, req.params, seed, tuple(req.images)))
+        # one row per sample: (request index, sample index, prompt ids, params, seed, images)
+        rows = [(i, j, req.prompt_ids, req.params, seed, tuple(req.images))
+                for i, req in enumerate(requests) for j, seed in enumerate(sample_seeds(req.params))]
         # Similar prompt lengths decode together (less padding); sampling is per row, so order is free.
         rows.sort(key=lambda row: -len(row[2]))
         results: list[list[Any]] = [[None] * req.params.n for req in requests]
@@ -578,10 +577,8 @@ class HFEngine(RolloutEngine):
                 logits = self._forward(tok[:, None], position[..., None], mask, cache)
 
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        outputs = []
-        for r, (n, is_stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True)):
-            outputs.append(GenerationOutput(tokens[r][:n], logprobs[r][:n], "stop" if is_stop else "length"))
-        return outputs
+        return [GenerationOutput(tokens[r][:n], logprobs[r][:n], "stop" if is_stop else "length")
+                for r, (n, is_stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))]
 
     def _forward(self, input_ids, position_ids, attention_mask, cache, **images) -> torch.Tensor:
         """Logits ``[R, V]`` (float32) of the last position; ``images``: :func:`image_forward_inputs` of a VLM

@@ -9,11 +9,9 @@ For full-attention decoders (Llama, Mistral, Qwen2, Qwen3) the KV cache is preal
 place, attention masks are built once per batch, and one-token attention multiplies grouped queries
 against the cache without repeating K/V: the per-step costs that dominate ``generate`` on small models.
 Their decode steps skip the module calls too (:func:`decode_token` reads the weights directly), which
-halves a step of a small model; a model with adapters, hooks or position-dependent RoPE keeps the
-module path. An engine that loaded its model lays each layer's q/k/v and gate/up weights out as one
-tensor (:func:`fuse_projections`), one matmul per group; on CPU in float32, for hidden size 256 or
-more, it also keeps oneDNN-blocked copies of the weights for the decode matmuls
-(:func:`decode_weights`), about 10% off a decode step at 256 and more above.
+halves a step of a small model, with fused q/k/v and gate/up weights (:func:`fuse_projections`) and, on
+CPU in float32, oneDNN-blocked copies of them (:func:`decode_weights`); a model with adapters, hooks or
+position-dependent RoPE keeps the module path.
 Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
 ``DynamicCache`` and its own mask logic; results are the same, only slower.
 

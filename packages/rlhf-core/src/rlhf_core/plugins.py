@@ -195,10 +195,8 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
 
 def _distribution_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, str]:
     name = pm.get_name(plugin) or getattr(plugin, "__name__", repr(plugin))
-    dists = getattr(pm, "rlhf_distributions", {})
-    if name in dists:
-        return dists[name]
-    return f"<{name}>", ""  # registered directly (a test, or a plugin object passed in code)
+    # not from an entry point: registered directly (a test, or a plugin object passed in code)
+    return pm.rlhf_distributions.get(name, (f"<{name}>", ""))
 
 
 def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
@@ -256,7 +254,7 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
 def describe(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
     """One entry per loaded distribution: its version and the names it registered in each seam."""
     dists: dict[str, dict[str, Any]] = {}
-    for dist, version in getattr(pm, "rlhf_distributions", {}).values():
+    for dist, version in pm.rlhf_distributions.values():
         dists.setdefault(dist, {"distribution": dist, "version": version, "seams": {}})
     for seam in SEAMS:
         for reg in collect(pm, seam).values():

@@ -146,7 +146,7 @@ def row_images(row: Row, key: str, max_images: int) -> list[ImageRef]:
 # --- the model's image processor and image tokens ------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class ImageProcessing:
     """A VLM's image processor and image token: images become :class:`ImageInput` s, and each image
     placeholder id of a tokenized text (one per image, as the chat template writes it) becomes the image's

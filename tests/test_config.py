@@ -9,8 +9,8 @@ import pytest
 from seed_commands import SEEDS, seed_commands
 
 from rlhf_cli.assemble import HUB_OFFLINE_VARS, RunConfigError, assemble, is_hub_id
-from rlhf_core.config import RLConfig, to_dict
-from rlhf_core.config_parser import ConfigError, config_to_yaml, load_config_yaml, parse_config
+from rlhf_core.config import RLConfig
+from rlhf_core.config_parser import ConfigError, config_to_yaml, parse_config
 
 DOTTED = Path(__file__).parent / "data" / "dotted"
 needs_seeds = pytest.mark.skipif(not SEEDS.is_dir(), reason=f"seed documents not found at {SEEDS}")
@@ -97,7 +97,7 @@ def test_dotted_spelling_resolves_to_the_same_config(name, wandb_installed):
         dotted += ["--data.input_template", cmd.argv[cmd.argv.index("--input_template") + 1]]
     flat_cfg, _ = parse_config(cmd.mode, cmd.argv)
     dotted_cfg, _ = parse_config(cmd.mode, dotted)
-    assert to_dict(flat_cfg) == to_dict(dotted_cfg)
+    assert flat_cfg == dotted_cfg
     assert flat_cfg != type(flat_cfg)()  # the command changed something
 
 
@@ -169,7 +169,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
                                   "--data.prompt_dataset", "a.jsonl,b.jsonl", "--data.prompt_probs", "0.3", "0.7"])
     f = tmp_path / "config.yaml"
     f.write_text(config_to_yaml(cfg, "ppo"))
-    again = load_config_yaml("ppo", f)
+    again, _ = parse_config("ppo", ["--config", str(f)])
     assert again == cfg
     assert again.reward.clip_range == (-3.0, 3.0)
     assert again.data.prompt_dataset == ["a.jsonl", "b.jsonl"]

@@ -10,7 +10,6 @@ import torch
 
 from rlhf_core.config import RLConfig
 from rlhf_core.plugins import get_plugin_manager, resolve
-from rlhf_core.rollout import sampling_params_from_config
 from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.rollout.hf_engine import HFEngine, decode_plan
 from rlhf_core.testing import RolloutEngineConformance
@@ -183,7 +182,7 @@ def test_registered_as_hf_and_built_from_the_config(tiny_dir):
     cfg.rollout.max_new_tokens = 3
     engine = factory.create(cfg, index=1, device="cpu")
     assert isinstance(engine, HFEngine) and factory.engine_class() is HFEngine
-    params = sampling_params_from_config(cfg, seed=5)
+    params = SamplingParams(n=cfg.rollout.n_samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens, seed=5)
     (outs,) = engine.generate([GenerationRequest([4, 5], params)])
     assert len(outs) == 2 and all(len(o.token_ids) <= 3 for o in outs)
 

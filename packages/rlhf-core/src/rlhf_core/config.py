@@ -997,16 +997,3 @@ def as_rl_config(cfg: GenerateConfig) -> RLConfig:
     rl.actor.model_name_or_path = cfg.model.model_name_or_path
     rl.train.seed = cfg.generate.seed
     return rl
-
-
-def to_dict(cfg: object) -> dict:
-    """The config as nested plain data (tuples become lists), e.g. for YAML."""
-
-    def plain(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        return v
-
-    return plain(cfg)

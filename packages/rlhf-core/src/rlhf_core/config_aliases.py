@@ -84,6 +84,9 @@ COMMON: dict[str, str | tuple[str, ...]] = {
 }
 
 _TRAINED = ("actor", "critic")
+# flat optimizer flags -> their field in a trained model's section (RL: actor and critic, else model)
+_OPTIMIZER = {"adam_betas": "adam.betas", "l2": "adam.weight_decay", "max_norm": "max_norm",
+              "lr_scheduler": "lr_scheduler", "lr_warmup_ratio": "lr_warmup_ratio"}
 
 RL: dict[str, str | tuple[str, ...]] = {
     **COMMON,
@@ -141,11 +144,7 @@ RL: dict[str, str | tuple[str, ...]] = {
     # optimizers: flat flags set both trained models
     "actor_learning_rate": "actor.adam.lr",
     "critic_learning_rate": "critic.adam.lr",
-    "adam_betas": tuple(f"{m}.adam.betas" for m in _TRAINED),
-    "l2": tuple(f"{m}.adam.weight_decay" for m in _TRAINED),
-    "max_norm": tuple(f"{m}.max_norm" for m in _TRAINED),
-    "lr_scheduler": tuple(f"{m}.lr_scheduler" for m in _TRAINED),
-    "lr_warmup_ratio": tuple(f"{m}.lr_warmup_ratio" for m in _TRAINED),
+    **{flag: tuple(f"{m}.{path}" for m in _TRAINED) for flag, path in _OPTIMIZER.items()},
     # rewards
     "normalize_reward": "reward.normalize_enable",
     "reward_clip_range": "reward.clip_range",
@@ -183,11 +182,7 @@ SUPERVISED: dict[str, str | tuple[str, ...]] = {
     "aux_loss_coef": "model.aux_loss_coef",
     "pretrain_mode": "model.pretrain_mode_enable",
     "learning_rate": "model.adam.lr",
-    "adam_betas": "model.adam.betas",
-    "l2": "model.adam.weight_decay",
-    "max_norm": "model.max_norm",
-    "lr_scheduler": "model.lr_scheduler",
-    "lr_warmup_ratio": "model.lr_warmup_ratio",
+    **{flag: f"model.{path}" for flag, path in _OPTIMIZER.items()},
     "min_lr_ratio": "model.min_lr_ratio",
     "optim": "model.optim",
     # OpenRLHF's sft/rm/dpo CLIs give the optimizer flags no prefix

@@ -213,13 +213,9 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
     return out
 
 
-def _known_flags(mode: str) -> list[str]:
-    return [f"--{p}" for p in leaves(mode)] + [f"--{a}" for a in aliases.table(mode)]
-
-
 def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
     lines = []
-    known = _known_flags(mode)
+    known = [f"--{p}" for p in leaves(mode)] + [f"--{a}" for a in aliases.table(mode)]
     after_flag = False
     for tok in unknown:
         if not tok.startswith("--"):
@@ -371,11 +367,8 @@ def build_config(mode: str, values: dict[str, Any], base: Any = None) -> Any:
                 value = [leaf.item(p) for p in parts]
             except ValueError:
                 raise ConfigError(f"--{path}: expected {leaf.item.__name__} values, got {value}") from None
-        *parents, name = path.split(".")
-        target = cfg
-        for p in parents:
-            target = getattr(target, p)
-        setattr(target, name, value)
+        section, _, name = path.rpartition(".")
+        setattr(_get(cfg, section), name, value)
     return cfg
 
 
@@ -412,8 +405,3 @@ def shown_config(cfg: Any, mode: str) -> dict:
 def config_to_yaml(cfg: Any, mode: str) -> str:
     """``cfg`` as YAML for ``--dry-run`` and the run directory, secrets hidden (:func:`shown_config`)."""
     return yaml.safe_dump(shown_config(cfg, mode), sort_keys=False, default_flow_style=None)
-
-
-def load_config_yaml(mode: str, path: str | Path) -> Any:
-    """Read back a resolved config written by :func:`config_to_yaml` (e.g. from a run directory)."""
-    return build_config(mode, _parse_tokens(mode, yaml_tokens(path), f" (in {path})"))

@@ -37,23 +37,17 @@ Register = Callable[[str, Any], None]
 
 @hookspec
 def rlhf_register_advantage_estimators(register: Register) -> None:
-    """Register advantage estimators, picked by ``--algo.advantage.estimator``.
+    """Register advantage estimators (:class:`rlhf_core.types.AdvantageEstimator`), picked by
+    ``--algo.advantage.estimator``.
 
-    Each object satisfies :class:`rlhf_core.types.AdvantageEstimator`: it has ``needs_critic`` and
-    ``min_samples_per_prompt`` attributes and is called as ``estimator(batch: AdvantageInput) ->
-    AdvantageOutput`` with per-token advantages and returns of shape ``[B, T]``.
-
-    Built-in names: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``, ``dr_grpo``.
+    Built-in names: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``, ``dr_grpo``,
+    ``opd``.
     """
 
 
 @hookspec
 def rlhf_register_policy_losses(register: Register) -> None:
-    """Register policy losses, picked by ``--actor.policy_loss_type``.
-
-    Each object satisfies :class:`rlhf_core.types.PolicyLoss`: called as ``loss(batch: PolicyLossInput)
-    -> LossOutput`` where ``LossOutput.loss`` is a scalar ready for ``backward()`` and
-    ``LossOutput.metrics`` holds detached floats (``clip_ratio``, ``ppo_kl``, ...).
+    """Register policy losses (:class:`rlhf_core.types.PolicyLoss`), picked by ``--actor.policy_loss_type``.
 
     Built-in names: ``ppo`` (clip, asymmetric clip, dual clip), ``gspo``.
     """
@@ -61,10 +55,8 @@ def rlhf_register_policy_losses(register: Register) -> None:
 
 @hookspec
 def rlhf_register_kl_estimators(register: Register) -> None:
-    """Register per-token KL estimators, picked by ``--algo.kl.estimator``.
-
-    Each object is a callable ``kl(logprobs, ref_logprobs) -> Tensor`` on tensors of shape ``[B, T]``
-    returning the per-token estimate of KL(policy || reference), shape ``[B, T]``.
+    """Register per-token KL estimators (:class:`rlhf_core.types.KLEstimator`), picked by
+    ``--algo.kl.estimator``.
 
     Built-in names: ``k1``, ``k2``, ``k3``.
     """
@@ -112,11 +104,8 @@ def rlhf_register_reward_sources(register: Register) -> None:
 
 @hookspec
 def rlhf_register_post_processors(register: Register) -> None:
-    """Register post-processors for ``rlhf generate``, picked by ``--generate.post_processor``.
-
-    Each object satisfies :class:`rlhf_core.types.PostProcessor`: ``check(options)`` refuses options that
-    cannot work (before any worker starts), and ``processor(batch: PostProcessInput) -> list[dict]``
-    turns the scored samples, grouped by prompt, into the output rows.
+    """Register post-processors for ``rlhf generate`` (:class:`rlhf_core.types.PostProcessor`), picked by
+    ``--generate.post_processor``.
 
     Built-in names: ``rs``, ``iter_dpo``, ``csft`` (rlhf-core).
     """
@@ -127,12 +116,9 @@ def rlhf_register_post_processors(register: Register) -> None:
 
 @hookspec
 def rlhf_register_placement_strategies(register: Register) -> None:
-    """Register placement strategies, picked by ``--train.colocate_*`` (or ``--train.placement NAME``).
-
-    Each object satisfies :class:`rlhf_core.types.PlacementStrategy`: ``plan(roles, cfg,
-    gpus_available) -> PlacementPlan`` says which actor groups share which bundles, how many workers each
-    has, and what resources each worker takes. A plan is pure data: printing it (``--dry-run``) starts
-    nothing.
+    """Register placement strategies (:class:`rlhf_core.types.PlacementStrategy`), picked by
+    ``--train.colocate_*`` (or ``--train.placement NAME``). A plan is pure data: printing it (``--dry-run``)
+    starts nothing.
 
     Built-in names: ``colocate_all``, ``colocate_actor_ref``, ``colocate_critic_reward``, ``separate``.
     """
@@ -140,12 +126,8 @@ def rlhf_register_placement_strategies(register: Register) -> None:
 
 @hookspec
 def rlhf_register_rollout_engines(register: Register) -> None:
-    """Register rollout engines, picked by ``--rollout.engine``.
-
-    Each object satisfies :class:`rlhf_core.types.RolloutEngineFactory`: ``available() -> str | None``
-    returns None when the engine can run here, else the reason it cannot; ``create(cfg, ...)`` builds
-    an engine implementing :class:`rlhf_core.types.RolloutEngine` (generate from token ids, update
-    weights, sleep/wake, reset the prefix cache).
+    """Register rollout engines (:class:`rlhf_core.types.RolloutEngineFactory`, building a
+    :class:`rlhf_core.types.RolloutEngine`), picked by ``--rollout.engine``.
 
     Built-in names: ``hf`` (rlhf-core), ``vllm`` (rlhf-rollout-vllm).
     """
@@ -153,11 +135,7 @@ def rlhf_register_rollout_engines(register: Register) -> None:
 
 @hookspec
 def rlhf_register_train_backends(register: Register) -> None:
-    """Register training backends, picked by ``--train.backend``.
-
-    Each object satisfies :class:`rlhf_core.types.TrainBackend`: it starts groups of training workers
-    (policy, critic, reference, reward model) on Ray placement groups, and runs the SFT/RM/DPO/KTO/PRM/KD
-    trainers.
+    """Register training backends (:class:`rlhf_core.types.TrainBackend`), picked by ``--train.backend``.
 
     Built-in name: ``deepspeed`` (rlhf-train-deepspeed).
     """

@@ -25,8 +25,6 @@ import pluggy
 from rlhf_core import hookspecs, types
 from rlhf_core.errors import UserError
 
-ENTRY_POINT_GROUP = hookspecs.PROJECT
-
 # seam -> hook name. The order is the order ``rlhf plugins`` prints.
 SEAMS: dict[str, str] = {
     "advantage_estimators": "rlhf_register_advantage_estimators",
@@ -135,7 +133,7 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     if load_entrypoints:
         only = _env_list("RLHF_LOAD_PLUGINS")
         blocked = {_normalise(x) for x in (_env_list("RLHF_DISABLE_PLUGINS") or [])}
-        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        for ep in md.entry_points(group=hookspecs.PROJECT):
             dist = ep.dist.name if ep.dist is not None else ep.name
             keys = {_normalise(dist), _normalise(ep.name)}
             if keys & blocked:
@@ -197,10 +195,8 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
 
 def _distribution_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, str]:
     name = pm.get_name(plugin) or getattr(plugin, "__name__", repr(plugin))
-    dists = getattr(pm, "rlhf_distributions", {})
-    if name in dists:
-        return dists[name]
-    return f"<{name}>", ""  # registered directly (a test, or a plugin object passed in code)
+    # not from an entry point: registered directly (a test, or a plugin object passed in code)
+    return pm.rlhf_distributions.get(name, (f"<{name}>", ""))
 
 
 def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
@@ -258,7 +254,7 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
 def describe(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
     """One entry per loaded distribution: its version and the names it registered in each seam."""
     dists: dict[str, dict[str, Any]] = {}
-    for dist, version in getattr(pm, "rlhf_distributions", {}).values():
+    for dist, version in pm.rlhf_distributions.values():
         dists.setdefault(dist, {"distribution": dist, "version": version, "seams": {}})
     for seam in SEAMS:
         for reg in collect(pm, seam).values():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -430,8 +431,6 @@ class KLEstimator(Protocol):
 
 # --- placement -----------------------------------------------------------------------------------------
 
-Role = Literal["actor", "critic", "ref", "reward", "rollout"]
-
 
 @dataclass
 class WorkerGroupSpec:
@@ -463,10 +462,9 @@ class PlacementPlan:
         """A human-readable table of pools and groups, as ``--dry-run`` prints it."""
         lines = []
         for pool in self.pools:
-            total: dict[str, float] = {}
+            total: Counter[str] = Counter()
             for b in pool.bundles:
-                for k, v in b.items():
-                    total[k] = total.get(k, 0.0) + v
+                total.update(b)
             res = ", ".join(f"{k}={v:g}" for k, v in sorted(total.items()))
             lines.append(f"pool {pool.name}: {len(pool.bundles)} bundles ({pool.strategy}; {res})")
             for g in self.groups:

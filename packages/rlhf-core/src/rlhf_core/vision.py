@@ -146,15 +146,15 @@ def row_images(row: Row, key: str, max_images: int) -> list[ImageRef]:
 # --- the model's image processor and image tokens ------------------------------------------------------------
 
 
+@dataclass(eq=False)
 class ImageProcessing:
     """A VLM's image processor and image token: images become :class:`ImageInput` s, and each image
     placeholder id of a tokenized text (one per image, as the chat template writes it) becomes the image's
     ``num_tokens`` ids."""
 
-    def __init__(self, image_processor: Any, image_token_id: int, merge_size: int):
-        self.image_processor = image_processor
-        self.image_token_id = image_token_id
-        self.merge_size = merge_size
+    image_processor: Any
+    image_token_id: int
+    merge_size: int
 
     @classmethod
     def for_model(cls, path: str) -> ImageProcessing | None:

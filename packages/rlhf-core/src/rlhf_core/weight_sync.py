@@ -9,8 +9,8 @@ engine colocated with a rank lives in that rank's process and gets an in-process
    is built from its own ``TCPStore``, so it never touches the default process group that trainer ranks
    already have. The sender streams (name, full tensor) pairs, e.g. ZeRO-3 parameters gathered bucket by
    bucket, and never holds more than one bucket.
-2. **The object store**: :func:`cpu_state_dict` makes a dict of CPU tensors; the controller puts it in
-   Ray's object store once and calls ``engine.update_weights`` on every engine with the reference.
+2. **The object store**: the controller puts the policy's ``get_state_dict_for_engines()`` (full CPU
+   tensors) in Ray's object store once and calls ``engine.update_weights`` on every engine with the reference.
 
 Wire format of one :meth:`SyncGroup.send`: per bucket, an int64 header ``(metadata bytes, payload bytes)``,
 then one uint8 buffer holding the metadata (JSON list of ``[name, dtype, shape, offset, nbytes]``, padded
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -275,10 +275,3 @@ def init_sync_group(
             f"the {backend} group; some never came: {exc}"
         ) from exc
     return SyncGroup(rank, world_size, backend, timeout_s, address, device, pg, store)
-
-
-def cpu_state_dict(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The object-store path: ``{name: CPU tensor}``, ready for ``ray.put`` and ``engine.update_weights``."""
-    if isinstance(named_tensors, Mapping):
-        named_tensors = named_tensors.items()
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}

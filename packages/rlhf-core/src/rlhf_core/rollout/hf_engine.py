@@ -9,11 +9,9 @@ For full-attention decoders (Llama, Mistral, Qwen2, Qwen3) the KV cache is preal
 place, attention masks are built once per batch, and one-token attention multiplies grouped queries
 against the cache without repeating K/V: the per-step costs that dominate ``generate`` on small models.
 Their decode steps skip the module calls too (:func:`decode_token` reads the weights directly), which
-halves a step of a small model; a model with adapters, hooks or position-dependent RoPE keeps the
-module path. An engine that loaded its model lays each layer's q/k/v and gate/up weights out as one
-tensor (:func:`fuse_projections`), one matmul per group; on CPU in float32, for hidden size 256 or
-more, it also keeps oneDNN-blocked copies of the weights for the decode matmuls
-(:func:`decode_weights`), about 10% off a decode step at 256 and more above.
+halves a step of a small model, with fused q/k/v and gate/up weights (:func:`fuse_projections`) and, on
+CPU in float32, oneDNN-blocked copies of them (:func:`decode_weights`); a model with adapters, hooks or
+position-dependent RoPE keeps the module path.
 Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
 ``DynamicCache`` and its own mask logic; results are the same, only slower.
 
@@ -355,13 +353,10 @@ class HFEngine(RolloutEngine):
         config = model.config.get_text_config()
         self.device = next(model.parameters()).device
         if eos_token_id is None:
-            gen_config = getattr(model, "generation_config", None)
-            eos_token_id = getattr(gen_config, "eos_token_id", None)
-            if eos_token_id is None:
-                eos_token_id = config.eos_token_id
+            eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if eos_token_id is None:
-            eos_token_id = []
-        self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+            eos_token_id = config.eos_token_id
+        self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(config, "max_position_embeddings", None)
         layer_types, _ = get_layer_types_and_kwargs(config)
@@ -415,10 +410,9 @@ class HFEngine(RolloutEngine):
                 mismatch = count_image_tokens(req.prompt_ids, req.images, self.image_token_id)
                 if mismatch:
                     raise ValueError(f"generation request {i}: the prompt has {mismatch}")
-        rows = []  # one per sample: (request index, sample index, prompt ids, params, seed, images)
-        for i, req in enumerate(requests):
-            for j, seed in enumerate(sample_seeds(req.params)):
-                rows.append((i, j, req.prompt_ids, req.params, seed, tuple(req.images)))
+        # one row per sample: (request index, sample index, prompt ids, params, seed, images)
+        rows = [(i, j, req.prompt_ids, req.params, seed, tuple(req.images))
+                for i, req in enumerate(requests) for j, seed in enumerate(sample_seeds(req.params))]
         # Similar prompt lengths decode together (less padding); sampling is per row, so order is free.
         rows.sort(key=lambda row: -len(row[2]))
         results: list[list[Any]] = [[None] * req.params.n for req in requests]
@@ -581,10 +575,8 @@ class HFEngine(RolloutEngine):
                 logits = self._forward(tok[:, None], position[..., None], mask, cache)
 
         tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        outputs = []
-        for r, (n, is_stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True)):
-            outputs.append(GenerationOutput(tokens[r][:n], logprobs[r][:n], "stop" if is_stop else "length"))
-        return outputs
+        return [GenerationOutput(tokens[r][:n], logprobs[r][:n], "stop" if is_stop else "length")
+                for r, (n, is_stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))]
 
     def _forward(self, input_ids, position_ids, attention_mask, cache, **images) -> torch.Tensor:
         """Logits ``[R, V]`` (float32) of the last position; ``images``: :func:`image_forward_inputs` of a VLM

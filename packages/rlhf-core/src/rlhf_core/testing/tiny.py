@@ -46,6 +46,13 @@ def make_tiny_tokenizer(path: str | Path | None = None, num_words: int = 200):
     return tok
 
 
+def _text_config(tok) -> dict:
+    """The language model of every tiny model here: hidden 32, 2 layers, 4 heads (2 KV heads)."""
+    return dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+
+
 def make_tiny_llama(path: str | Path, seed: int = 0, num_words: int = 200, **overrides) -> str:
     """Save a randomly initialised tiny ``LlamaForCausalLM`` and its tokenizer to ``path``; returns it.
 
@@ -56,21 +63,7 @@ def make_tiny_llama(path: str | Path, seed: int = 0, num_words: int = 200, **ove
 
     path = Path(path)
     tok = make_tiny_tokenizer(path, num_words=num_words)
-    kwargs = dict(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    kwargs.update(overrides)
+    kwargs = {**_text_config(tok), "tie_word_embeddings": False, "attn_implementation": "sdpa", **overrides}
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**kwargs))
     model.save_pretrained(str(path))
@@ -147,11 +140,9 @@ def make_tiny_vlm(path: str | Path, seed: int = 0, num_words: int = 200, kind: s
     tok.chat_template = VLM_CHAT_TEMPLATE
     tok.save_pretrained(str(path))
     ids = {t: tok.convert_tokens_to_ids(t) for t in VLM_SPECIAL_TOKENS}
-    text_config = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
-    text_config.update(text or {})
+    text_config = {**_text_config(tok),
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+                   **(text or {})}
     vision_config = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
                          temporal_patch_size=2, in_chans=3)
     if kind == "qwen2_vl":

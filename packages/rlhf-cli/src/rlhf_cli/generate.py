@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core import data, plugins
+from rlhf_core.checkpoint import write_atomic
 from rlhf_core.config import GenerateConfig, as_rl_config
 from rlhf_core.config_parser import redact_text
 from rlhf_core.errors import UserError
@@ -284,7 +285,7 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
     fingerprint = json.loads(json.dumps(plan.fingerprint()))  # as it reads back (tuples become lists)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(meta_path, json.dumps(fingerprint, indent=1) + "\n")
+        write_atomic(meta_path, json.dumps(fingerprint, indent=1) + "\n")
         path.touch()
         return set(), None
     if meta_path.exists():
@@ -296,7 +297,7 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
                 f"{ {k: saved.get(k) for k in changed} } there, { {k: fingerprint[k] for k in changed} } now); "
                 "delete it or choose another --generate.output_path")
     else:
-        _atomic_write(meta_path, json.dumps(fingerprint, indent=1) + "\n")
+        write_atomic(meta_path, json.dumps(fingerprint, indent=1) + "\n")
     blob = path.read_bytes()
     complete = blob[: blob.rfind(b"\n") + 1]
     repaired = []
@@ -313,19 +314,10 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
     if unfinished:
         repaired.append(f"the samples of {len(unfinished)} unfinished prompt(s)")
     if repaired:
-        _atomic_write(path, "".join(line + "\n" for i, line in records if i in done))
+        write_atomic(path, "".join(line + "\n" for i, line in records if i in done))
     note = f"resuming {path}: {len(done)} of {len(plan.prompts)} prompts done" + (
         f"; dropped {' and '.join(repaired)}" if repaired else "")
     return done, note
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def append_records(path: Path, records: list[dict], chunk_number: int) -> None:
@@ -511,7 +503,7 @@ def finish(plan: Plan, pm=None) -> dict:
     else:
         keys = ("input", "output", "reward", "label") if plan.reward is not None else ("input", "output", "label")
         rows = [{k: r[k] for k in keys if k in r} for r in records]
-    _atomic_write(plan.output_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    write_atomic(plan.output_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     summary = {"prompts": len(plan.prompts), "samples": len(records), "unscorable": unscorable,
                "rows": len(rows), "output": str(plan.output_path)}
     if scored:

@@ -69,9 +69,10 @@ def fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file, fsynced, renamed over it."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -203,7 +204,7 @@ class CheckpointManager:
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_path(self.root)
-        _write_atomic(self.root / POINTER, name + "\n")
+        write_atomic(self.root / POINTER, name + "\n")
         self._prune(keep=final)
         return final
 

@@ -440,32 +440,34 @@ class TrainWorker:
         from rlhf_algos.sft import sft_loss
         from rlhf_core.types import LossAggregation
 
-        dp = self.dp_size if counts else 1
         train = counts is not None
+        dp = self.dp_size if train else 1
+        # the token modes' aggregation (the pair modes count pairs: their counts have no num_tokens)
+        agg = LossAggregation(num_tokens=counts.get("num_tokens") if train else None, dp_size=dp)
         mb = self._dev(mb)
         pad = self.hf_config.pad_token_id or 0
+
+        def per_pair(loss, b: int):  # a pair loss normalised by the step's global pair count (training)
+            return loss * b / (counts["num_sequences"] if train else b) * dp
+
         if cfg.mode == "sft":
             lp, _, mask = response_logprobs(self.engine, mb, 1.0, self.packing, ring=self.ring)
-            loss = sft_loss(lp, mask, LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp))
             n = float(mask.sum())
-            return loss, {"nll": float(-(lp.detach() * mask).sum()) / max(n, 1.0)}, n
+            return sft_loss(lp, mask, agg), {"nll": float(-(lp.detach() * mask).sum()) / max(n, 1.0)}, n
         if cfg.mode == "prm":
             from rlhf_algos.prm import prm_loss
 
             logits = step_logits(self.engine, mb, self.packing)  # [N, V]
             if cfg.reward_token_ids is not None:
                 logits = logits[:, cfg.reward_token_ids]  # [N, K]
-            n = float(len(mb.rows))
-            agg = LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp)
             out = prm_loss(logits, mb.classes, mb.soft_labels, agg)
-            return out.loss, dict(out.metrics), n
+            return out.loss, dict(out.metrics), float(len(mb.rows))
         if cfg.mode == "kd":
             from rlhf_algos.distill import kd_loss
 
             student, labels, mask = response_logits(self.engine, mb, self.packing)
             with torch.no_grad():
                 teacher, _, _ = response_logits(self.ref_engine, mb, self.packing)
-            agg = LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp)
             out = kd_loss(student, teacher, labels, mask, cfg.kd_coef, agg)
             return out.loss, dict(out.metrics), float(mask.sum())
         if cfg.mode == "rm":
@@ -477,14 +479,18 @@ class TrainWorker:
             metrics = dict(out.metrics)
             if not train:
                 metrics["_rewards"] = rewards[:b].detach().cpu().tolist() + rewards[b:].detach().cpu().tolist()
-            return out.loss * b / (counts["num_sequences"] if train else b) * dp, metrics, float(b)
+            return per_pair(out.loss, b), metrics, float(b)
+        if cfg.mode not in ("dpo", "kto"):
+            raise ValueError(f"unknown supervised mode {cfg.mode!r}")
+        # DPO: chosen and rejected; KTO: the completions and the mismatched pairs of its reference point
+        first, second = (mb.chosen, mb.rejected) if cfg.mode == "dpo" else (mb.seq, mb.kl_seq)
+        both = concat_batches([first, second], pad)
+        b = len(first)
+        lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
+        with torch.no_grad():
+            ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
+        logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
         if cfg.mode == "dpo":
-            both = concat_batches([mb.chosen, mb.rejected], pad)
-            b = len(mb.chosen)
-            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
-            with torch.no_grad():
-                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
-            logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
             out = dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], cfg.beta, cfg.label_smoothing, cfg.ipo)
             loss = out.loss
             metrics = dict(out.metrics)
@@ -492,24 +498,16 @@ class TrainWorker:
                 nll = nll_loss(logps[:b], mask[:b].sum(-1))
                 loss = loss + cfg.nll_loss_coef * nll
                 metrics["nll"] = float(nll.detach())
-            return loss * b / (counts["num_sequences"] if train else b) * dp, metrics, float(b)
-        if cfg.mode == "kto":
-            both = concat_batches([mb.seq, mb.kl_seq], pad)
-            b = len(mb.seq)
-            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
-            with torch.no_grad():
-                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
-            logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
-            # The reference point: mean log-ratio on mismatched pairs, averaged over ranks.
-            kl = (logps[b:] - ref_logps[b:]).detach().mean()
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(kl)
-                kl = kl / self.world_size
-            out = kto_loss(
-                logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight
-            )
-            return out.loss * b / (counts["num_sequences"] if train else b) * dp, dict(out.metrics), float(b)
-        raise ValueError(f"unknown supervised mode {cfg.mode!r}")
+            return per_pair(loss, b), metrics, float(b)
+        # The reference point: mean log-ratio on mismatched pairs, averaged over ranks.
+        kl = (logps[b:] - ref_logps[b:]).detach().mean()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(kl)
+            kl = kl / self.world_size
+        out = kto_loss(
+            logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight
+        )
+        return per_pair(out.loss, b), dict(out.metrics), float(b)
 
     def train_supervised(self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]) -> StepResult:
         """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss over the micro-batches."""
@@ -573,15 +571,12 @@ class TrainWorker:
             )
         self.ema = [e.to(device=s.device, dtype=torch.float32) for e, s in zip(saved, shards, strict=True)]
 
-    def _module(self):
-        return self.engine.module
-
     def _local_shards(self) -> list[torch.Tensor]:
         """This rank's part of every trainable parameter: the flat ZeRO-3 partition ``p.ds_tensor`` (a view
         into the optimizer's flat buffer, updated in place by each step), else the whole ``p.data``."""
         return [
             p.ds_tensor if hasattr(p, "ds_tensor") else p.data
-            for p in self._module().parameters()
+            for p in self.engine.module.parameters()
             if p.requires_grad
         ]
 
@@ -596,7 +591,7 @@ class TrainWorker:
         # ZeRO-3 keeps small "persistent" parameters gathered between steps: partition everything so that
         # the shards are the only copy, and re-gather the persistent ones (now EMA) afterwards. Their full
         # trained values are kept so that restoring needs no collective.
-        persistent = [p for p in self._module().parameters() if p.requires_grad and getattr(p, "ds_persist", False)]
+        persistent = [p for p in self.engine.module.parameters() if p.requires_grad and getattr(p, "ds_persist", False)]
         trained_full = [p.data.clone() if p.data.numel() else None for p in persistent]
         if zero3:
             optimizer.checkpoint_event_prologue()
@@ -616,7 +611,7 @@ class TrainWorker:
                         p.data.copy_(full)
 
     def _is_peft(self) -> bool:
-        return hasattr(self._module(), "peft_config")
+        return hasattr(self.engine.module, "peft_config")
 
     def named_weights(
         self, bucket_bytes: int = WEIGHT_BUCKET_BYTES, trainable_only: bool = False
@@ -627,7 +622,7 @@ class TrainWorker:
         leaves out frozen parameters (a frozen vision tower: the engines loaded the same weights)."""
         import deepspeed
 
-        module = self._module()
+        module = self.engine.module
         if self._is_peft():
             # Merging needs every LoRA pair and its base weight at once: gather the whole model.
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -668,7 +663,7 @@ class TrainWorker:
 
         from rlhf_core.weight_sync import lora_adapter_tensors
 
-        module = self._module()
+        module = self.engine.module
         with deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if "lora_" in n]):
             yield from lora_adapter_tensors(module)
 
@@ -680,10 +675,7 @@ class TrainWorker:
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor] | None:
         """What the engines get (:meth:`engine_weights`) as CPU tensors on rank 0 (None on the others), for the
         object-store sync path."""
-        out = {}
-        for name, t in self.engine_weights():
-            if self.rank == 0:
-                out[name] = t.cpu()
+        out = {name: t.cpu() for name, t in self.engine_weights() if self.rank == 0}  # every rank gathers
         return out if self.rank == 0 else None
 
     def broadcast_weights_to_engines(
@@ -730,7 +722,7 @@ class TrainWorker:
             self._write_hf(out_dir, config_updates, tokenizer_path)
 
     def _write_hf(self, out_dir: str, config_updates: dict | None, tokenizer_path: str | None) -> None:
-        module = self._module()
+        module = self.engine.module
         if self._is_peft():
             import deepspeed
 
@@ -739,10 +731,7 @@ class TrainWorker:
                 if self.rank == 0:
                     module.save_pretrained(out_dir, safe_serialization=True)
         else:
-            state = {}
-            for name, t in self.named_weights():
-                if self.rank == 0:
-                    state[name] = t.cpu()
+            state = {name: t.cpu() for name, t in self.named_weights() if self.rank == 0}  # every rank gathers
             if self.rank == 0:
                 config = module.config
                 for k, v in (config_updates or {}).items():
@@ -817,7 +806,7 @@ class TrainWorker:
         if hasattr(obj, "share_weights") and self.engine is not None and self.spec.trainable \
                 and self.strategy.ds.zero_stage == 0 and self.strategy.dtype == torch.float32 \
                 and not self.strategy.ds.adam_offload and not self._is_peft():
-            obj.share_weights(dict(self._module().named_parameters()))
+            obj.share_weights(dict(self.engine.module.named_parameters()))
 
     def call_hosted(self, name: str, method: str, *args, **kwargs) -> Any:
         return getattr(self._hosted[name], method)(*args, **kwargs)
@@ -829,7 +818,7 @@ class TrainWorker:
         adapters (:meth:`adapter_weights`). Returns the number of tensors loaded."""
         target = self._hosted.get(name)
         # it decodes from our parameters: nothing to copy (pointed at them again, should they have been replaced)
-        if getattr(target, "borrowed", False) and target.share_weights(dict(self._module().named_parameters())):
+        if getattr(target, "borrowed", False) and target.share_weights(dict(self.engine.module.named_parameters())):
             return 0
         weights = dict(self.adapter_weights() if self._is_peft() else self.named_weights())
         if target is None:

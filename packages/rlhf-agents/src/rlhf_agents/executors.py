@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
+from rlhf_agents.checks import check_reward_value, describe, log_failure_once, numeric_logs
 from rlhf_core.types import (
     GenerationOutput,
     GenerationRequest,
@@ -288,22 +288,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         trace = TokenTrace(prompt_ids=ids)
         state = {"reward": 0.0, "score": None, "extra": {}, "turns": 0, "finish": "stop", "truncated": False,
                  "images": list(images or [])}
-        instance = None
+        instance, error = None, None
         try:
             instance = await self._env("__init__", new_instance, self.agent_instance_cls)
             await self._run(
                 instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine
             )
         except EpisodeFailure as failure:
-            return trace.to_trajectory(
-                finish_reason=state["finish"],
-                truncated=state["truncated"],
-                prompt_text=prompt,
-                label=label,
-                error=str(failure),
-                extra_logs={**state["extra"], "num_turns": float(state["turns"]), f"error/{failure.kind}": 1.0},
-                images=state["images"],
-            )
+            error = str(failure)
+            state["extra"][f"error/{failure.kind}"] = 1.0
         finally:
             close = getattr(instance, "aclose", None) or getattr(instance, "close", None)
             if close is not None:
@@ -311,14 +304,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                     await call_user(close)
                 except Exception as exc:  # a failing cleanup must not lose the episode
                     log_failure_once(logger, self.where, f"close raised {type(exc).__name__}: {exc}", exc)
-        score = state["score"] if state["score"] is not None else state["reward"]
+        scored = error is None
         return trace.to_trajectory(
-            reward=state["reward"],
-            score=score,
+            reward=state["reward"] if scored else None,
+            score=(state["reward"] if state["score"] is None else state["score"]) if scored else None,
             finish_reason=state["finish"],
             truncated=state["truncated"],
             prompt_text=prompt,
             label=label,
+            error=error,
             extra_logs={**state["extra"], "num_turns": float(state["turns"])},
             images=state["images"],
         )
@@ -449,11 +443,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             feedback = ""
         if not isinstance(feedback, str):
             raise self._invalid("step", f"returned 'environment_feedback' as {describe(feedback)}; expected a str")
-        for key, value in (result.get("extra_logs") or {}).items():
-            try:
-                state["extra"][key] = to_float(value)
-            except TypeError as exc:
-                log_failure_once(logger, self.where, f"step extra_logs[{key!r}] is not logged: {exc}")
+        state["extra"].update(numeric_logs(result.get("extra_logs"), logger, f"{self.where}.step"))
         new_params = result.get("sampling_params")
         if isinstance(new_params, dict):
             try:

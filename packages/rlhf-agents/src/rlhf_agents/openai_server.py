@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Any
 
-from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
+from rlhf_agents.checks import check_reward_value, log_failure_once, numeric_logs
 from rlhf_agents.executors import AgentExecutorBase, EpisodeFailure, TokenTrace, describe_class, encode
 from rlhf_core.types import GenerationRequest, SamplingParams, Trajectory, derive_seed
 
@@ -69,10 +69,6 @@ class _Session:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     replies: dict[str, str] = dataclasses.field(default_factory=dict)
     """The text of each reply that made tool calls, by its first call's id."""
-
-
-def _usage(ids: list[int], out_ids: list[int]) -> dict:
-    return {"prompt_tokens": len(ids), "completion_tokens": len(out_ids), "total_tokens": len(ids) + len(out_ids)}
 
 
 def _content_text(content: Any) -> Any:
@@ -220,7 +216,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]})
 
     async def _handle_chat(self, request: Any) -> Any:
-        from aiohttp import web
 
         try:
             session, body = await self._read(request)
@@ -243,16 +238,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 session.replies[tool_calls[0]["id"]] = content
                 message = {"role": "assistant", "content": parsed, "tool_calls": tool_calls}
                 finish = "tool_calls" if finish == "stop" else finish
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model", "policy"),
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "token_ids": out_ids}],
-                "usage": _usage(ids, out_ids),
-            }
-        )
+        return self._answer("chatcmpl", "chat.completion", body, ids, out_ids,
+                            {"message": message, "finish_reason": finish, "token_ids": out_ids})
 
     @staticmethod
     def _tools(body: dict) -> tuple[list | None, bool]:
@@ -305,7 +292,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return text
 
     async def _handle_completions(self, request: Any) -> Any:
-        from aiohttp import web
 
         try:
             session, body = await self._read(request)
@@ -321,24 +307,24 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             ids, out_ids, finish = await self._generate(session, ids, body)
         except _BadRequest as exc:
             return self._json_error(exc.status, str(exc))
-        return web.json_response(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": body.get("model", "policy"),
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": self._reply_text(session, out_ids, finish, body),
-                        "finish_reason": finish,
-                        "logprobs": None,
-                        "token_ids": out_ids,
-                    }
-                ],
-                "usage": _usage(ids, out_ids),
-            }
-        )
+        text = self._reply_text(session, out_ids, finish, body)
+        return self._answer("cmpl", "text_completion", body, ids, out_ids,
+                            {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids})
+
+    @staticmethod
+    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict) -> Any:
+        """An OpenAI response object of ``kind`` with one choice."""
+        from aiohttp import web
+
+        return web.json_response({
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": body.get("model", "policy"),
+            "choices": [{"index": 0, **choice}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
+                      "total_tokens": len(ids) + len(out_ids)},
+        })
 
     @staticmethod
     def _reply_text(session: _Session, out_ids: list[int], finish: str, body: dict) -> str:
@@ -491,12 +477,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         the run's reward source scores the sample."""
         if not isinstance(result, dict):
             result = {"reward": result}
-        extra = {}
-        for key, value in (result.get("extra_logs") or {}).items():
-            try:
-                extra[key] = to_float(value)
-            except TypeError as exc:
-                log_failure_once(logger, where, f"extra_logs[{key!r}] is not logged: {exc} ({describe(value)})")
+        extra = numeric_logs(result.get("extra_logs"), logger, where)
         raw = result.get("reward", result.get("rewards"))
         if raw is None:
             return None, None, extra, None

@@ -230,7 +230,7 @@ class TrainWorker:
         """Load the model described by ``spec`` into a DeepSpeed engine (replacing any previous one)."""
         self.spec = spec
         self.ema = None
-        self.strategy = Strategy(ds, seed, full_determinism)
+        self.strategy = Strategy(ds, full_determinism)
         seed_everything(seed)
         dtype = self.strategy.dtype
         attn = ds.attn_implementation

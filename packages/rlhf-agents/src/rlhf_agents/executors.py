@@ -114,24 +114,6 @@ class TokenTrace:
         )
 
 
-def overlong_prompt(prompt_ids: list[int], max_length: int, prompt: str, label: Any) -> Trajectory | None:
-    """An unscorable, truncated trajectory when the prompt leaves no room to generate, else None."""
-    if len(prompt_ids) < max_length:
-        return None
-    return Trajectory(
-        prompt_ids=list(prompt_ids),
-        response_ids=[],
-        action_mask=[],
-        rollout_logprobs=[],
-        finish_reason="length",
-        truncated=True,
-        prompt_text=prompt,
-        label=label,
-        error=f"the prompt has {len(prompt_ids)} tokens, which leaves no room under max_len {max_length}",
-        extra_logs={"error/overlong_prompt": 1.0},
-    )
-
-
 class AgentExecutorBase(ABC):
     """Turns one prompt into one :class:`Trajectory`, token in and token out.
 
@@ -185,14 +167,20 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         prompt_ids: list[int] | None = None,
     ) -> Trajectory:
         ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
-        too_long = overlong_prompt(ids, max_length, prompt, label)
-        if too_long is not None:
-            return too_long
+        trace = TokenTrace(prompt_ids=ids)
+        if len(ids) >= max_length:  # no room to generate: unscorable
+            return trace.to_trajectory(
+                finish_reason="length",
+                truncated=True,
+                prompt_text=prompt,
+                label=label,
+                error=f"the prompt has {len(ids)} tokens, which leaves no room under max_len {max_length}",
+                extra_logs={"error/overlong_prompt": 1.0},
+            )
         max_new = min(sampling_params.max_new_tokens, max_length - len(ids))
         params = dataclasses.replace(sampling_params, n=1, max_new_tokens=max_new)
         images = list(images or [])
         (out,) = await llm_engine.generate(GenerationRequest(prompt_ids=ids, params=params, images=images))
-        trace = TokenTrace(prompt_ids=ids)
         trace.add_action(out)
         return trace.to_trajectory(
             finish_reason=out.finish_reason,

@@ -137,33 +137,6 @@ def causal_attn(path: str, ds, attn: str) -> str:
     return shared_prefix.attn_implementation(AutoConfig.from_pretrained(path), ds)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
-
-
 @torch.no_grad()
 def ema_update_(ema: list[torch.Tensor], params: list[torch.Tensor], beta: float) -> None:
     """In place, for every pair: ``ema_i = beta * ema_i + (1 - beta) * params_i``.
@@ -214,11 +187,14 @@ class TrainWorker:
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0's address and a free port on it, shared with every rank by the group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
         if self.world_size == 1:  # a lone rank (a single-process run may have no Ray at all)
-            return "127.0.0.1", free_port()
+            return "127.0.0.1", port
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), port
 
     def init_distributed(self, address: tuple[str, int]) -> None:
         """Join the group whose rank 0 is at ``address`` (:meth:`master_address` of rank 0)."""
@@ -231,7 +207,9 @@ class TrainWorker:
         self.spec = spec
         self.ema = None
         self.strategy = Strategy(ds, full_determinism)
-        seed_everything(seed)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        torch.manual_seed(seed)
         dtype = self.strategy.dtype
         attn = ds.attn_implementation
         if self.strategy.ring is not None:  # sequence parallelism: load with the ring attention function
@@ -532,7 +510,10 @@ class TrainWorker:
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed engine state (model, optimizer, LR schedule), this rank's RNG states and EMA shards."""
         self.engine.save_checkpoint(path, tag=ENGINE_TAG)
-        torch.save(rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, Path(path) / f"rng_rank{self.rank}.pt")
         if self.ema is not None:
             torch.save([e.cpu() for e in self.ema], Path(path) / f"ema_rank{self.rank}.pt")
 
@@ -551,7 +532,12 @@ class TrainWorker:
         rng_file = Path(path) / f"rng_rank{self.rank}.pt"
         if not rng_file.exists():  # without it the resumed run would not sample what the uninterrupted one did
             raise CheckpointError(f"{rng_file} is missing: rank {self.rank}'s RNG state cannot be restored")
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        rng = torch.load(rng_file, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         if self.ema is not None:
             self._load_ema(Path(path) / f"ema_rank{self.rank}.pt")
 

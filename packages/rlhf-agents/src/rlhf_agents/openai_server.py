@@ -1,26 +1,20 @@
 """An OpenAI-compatible endpoint backed by the rollout engine, so that agent code written against an
 OpenAI client yields token-level trajectories.
 
-Each episode gets its own session URL (``http://127.0.0.1:PORT/sessions/<id>/v1``, a ``base_url`` for an
-OpenAI client). The server serves ``/chat/completions`` (messages rendered with the tokenizer's chat
-template) and ``/completions`` (a prompt string, or token ids used verbatim), and records every call's
-input and output token ids. The episode's trajectory is the first call's input as the prompt, then each
-call's output (action_mask 1) and whatever the next call's input adds in between (action_mask 0).
+Each episode gets its own session URL (``http://127.0.0.1:PORT/sessions/<id>/v1``) serving
+``/chat/completions`` (the tokenizer's chat template) and ``/completions`` (text, or token ids used
+verbatim); every call's input and output token ids are recorded. The trajectory is the first call's input as
+the prompt, then each call's output (action_mask 1) and whatever the next call's input adds in between
+(action_mask 0), which needs each call's input to extend the conversation so far token by token. When it
+does not (a chat template that drops earlier reasoning, text that re-tokenizes differently),
+``per_call_samples`` decides: ``auto`` trains the episode as per-call samples (``Trajectory.segments``, one
+per run of calls that do extend one another; a message says so once), ``always`` makes every call a sample,
+``never`` makes the episode unscorable with a *prefix violation* (``error/prefix_violation``).
 
-That only works when each call's input extends the previous call's input and output token by token. When
-it does not (a chat template that drops earlier reasoning, text that re-tokenizes differently), the calls
-cannot form one trajectory. With ``per_call_samples`` ``auto`` (the default) the episode is then trained as
-per-call samples (``Trajectory.segments``): each run of calls that do extend one another is one sample, a
-call that does not starts the next, and all share the episode's reward; a message says so once. With
-``never`` the session records a *prefix violation* instead: the sample is marked unscorable with a message
-giving the position and both token strings, and counted in ``error/prefix_violation``. ``always`` makes
-every call its own sample.
-
-Tool calls: a request's ``tools`` reach the model through the chat template (or, for a template that ignores
-them, through a system block in the Hermes format); a reply holding ``<tool_call>{json}</tool_call>`` blocks
-comes back with OpenAI ``tool_calls`` and finish reason ``tool_calls``. When the agent sends such an assistant
-message back, the server renders the reply's original text in its place, so the next call's tokens still
-extend the conversation's.
+Tool calls: ``tools`` reach the model through the chat template (or a Hermes system block when the template
+ignores them); ``<tool_call>{json}</tool_call>`` blocks in a reply come back as OpenAI ``tool_calls``, and
+such an assistant message sent back is rendered as the reply's original text, so the tokens still extend the
+conversation. The package README has the details.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def to_float(value: Any) -> float:
 
 
 def numeric_logs(logs: Any, logger: logging.Logger, where: str) -> dict[str, float]:
-    """An ``extra_logs`` dict of user code as floats; a value that is not a number is logged once and dropped."""
+    """User code's ``extra_logs`` as floats; a value that is not a number is logged once and dropped."""
     out = {}
     for key, value in (logs or {}).items():
         try:

@@ -99,7 +99,8 @@ class RewardModelScorer:
             chunk = [list(s)[-self.max_len :] for s in sequences[start : start + self.batch_size]]
             ids, mask = right_padded(chunk, self.pad_id, self.device)
             with torch.no_grad():
-                hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # [b, L, H]
+                # [b, L, H]
+                hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
                 values = self.head(hidden).squeeze(-1).float()  # [b, L]
             last = (mask.sum(-1) - 1).clamp(min=0)  # index of the last real token
             out = values.gather(1, last[:, None]).squeeze(1)

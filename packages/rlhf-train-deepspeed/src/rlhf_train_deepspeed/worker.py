@@ -577,7 +577,9 @@ class TrainWorker:
         # ZeRO-3 keeps small "persistent" parameters gathered between steps: partition everything so that
         # the shards are the only copy, and re-gather the persistent ones (now EMA) afterwards. Their full
         # trained values are kept so that restoring needs no collective.
-        persistent = [p for p in self.engine.module.parameters() if p.requires_grad and getattr(p, "ds_persist", False)]
+        persistent = [
+            p for p in self.engine.module.parameters() if p.requires_grad and getattr(p, "ds_persist", False)
+        ]
         trained_full = [p.data.clone() if p.data.numel() else None for p in persistent]
         if zero3:
             optimizer.checkpoint_event_prologue()
@@ -717,7 +719,7 @@ class TrainWorker:
                 if self.rank == 0:
                     module.save_pretrained(out_dir, safe_serialization=True)
         else:
-            state = {name: t.cpu() for name, t in self.named_weights() if self.rank == 0}  # every rank gathers
+            state = {name: t.cpu() for name, t in self.named_weights() if self.rank == 0}  # all ranks gather
             if self.rank == 0:
                 config = module.config
                 for k, v in (config_updates or {}).items():
@@ -804,7 +806,8 @@ class TrainWorker:
         adapters (:meth:`adapter_weights`). Returns the number of tensors loaded."""
         target = self._hosted.get(name)
         # it decodes from our parameters: nothing to copy (pointed at them again, should they have been replaced)
-        if getattr(target, "borrowed", False) and target.share_weights(dict(self.engine.module.named_parameters())):
+        module = self.engine.module
+        if getattr(target, "borrowed", False) and target.share_weights(dict(module.named_parameters())):
             return 0
         weights = dict(self.adapter_weights() if self._is_peft() else self.named_weights())
         if target is None:

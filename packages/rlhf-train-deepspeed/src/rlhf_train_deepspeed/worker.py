@@ -557,12 +557,15 @@ class TrainWorker:
             )
         self.ema = [e.to(device=s.device, dtype=torch.float32) for e, s in zip(saved, shards, strict=True)]
 
+    def _module(self):
+        return self.engine.module
+
     def _local_shards(self) -> list[torch.Tensor]:
         """This rank's part of every trainable parameter: the flat ZeRO-3 partition ``p.ds_tensor`` (a view
         into the optimizer's flat buffer, updated in place by each step), else the whole ``p.data``."""
         return [
             p.ds_tensor if hasattr(p, "ds_tensor") else p.data
-            for p in self.engine.module.parameters()
+            for p in self._module().parameters()
             if p.requires_grad
         ]
 
@@ -577,9 +580,7 @@ class TrainWorker:
         # ZeRO-3 keeps small "persistent" parameters gathered between steps: partition everything so that
         # the shards are the only copy, and re-gather the persistent ones (now EMA) afterwards. Their full
         # trained values are kept so that restoring needs no collective.
-        persistent = [
-            p for p in self.engine.module.parameters() if p.requires_grad and getattr(p, "ds_persist", False)
-        ]
+        persistent = [p for p in self._module().parameters() if p.requires_grad and getattr(p, "ds_persist", False)]
         trained_full = [p.data.clone() if p.data.numel() else None for p in persistent]
         if zero3:
             optimizer.checkpoint_event_prologue()
@@ -599,7 +600,7 @@ class TrainWorker:
                         p.data.copy_(full)
 
     def _is_peft(self) -> bool:
-        return hasattr(self.engine.module, "peft_config")
+        return hasattr(self._module(), "peft_config")
 
     def named_weights(
         self, bucket_bytes: int = WEIGHT_BUCKET_BYTES, trainable_only: bool = False
@@ -610,7 +611,7 @@ class TrainWorker:
         leaves out frozen parameters (a frozen vision tower: the engines loaded the same weights)."""
         import deepspeed
 
-        module = self.engine.module
+        module = self._module()
         if self._is_peft():
             # Merging needs every LoRA pair and its base weight at once: gather the whole model.
             with deepspeed.zero.GatheredParameters(list(module.parameters())):
@@ -651,7 +652,7 @@ class TrainWorker:
 
         from rlhf_core.weight_sync import lora_adapter_tensors
 
-        module = self.engine.module
+        module = self._module()
         with deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if "lora_" in n]):
             yield from lora_adapter_tensors(module)
 
@@ -710,7 +711,7 @@ class TrainWorker:
             self._write_hf(out_dir, config_updates, tokenizer_path)
 
     def _write_hf(self, out_dir: str, config_updates: dict | None, tokenizer_path: str | None) -> None:
-        module = self.engine.module
+        module = self._module()
         if self._is_peft():
             import deepspeed
 
@@ -794,7 +795,7 @@ class TrainWorker:
         if hasattr(obj, "share_weights") and self.engine is not None and self.spec.trainable \
                 and self.strategy.ds.zero_stage == 0 and self.strategy.dtype == torch.float32 \
                 and not self.strategy.ds.adam_offload and not self._is_peft():
-            obj.share_weights(dict(self.engine.module.named_parameters()))
+            obj.share_weights(dict(self._module().named_parameters()))
 
     def call_hosted(self, name: str, method: str, *args, **kwargs) -> Any:
         return getattr(self._hosted[name], method)(*args, **kwargs)
@@ -806,8 +807,7 @@ class TrainWorker:
         adapters (:meth:`adapter_weights`). Returns the number of tensors loaded."""
         target = self._hosted.get(name)
         # it decodes from our parameters: nothing to copy (pointed at them again, should they have been replaced)
-        module = self.engine.module
-        if getattr(target, "borrowed", False) and target.share_weights(dict(module.named_parameters())):
+        if getattr(target, "borrowed", False) and target.share_weights(dict(self._module().named_parameters())):
             return 0
         weights = dict(self.adapter_weights() if self._is_peft() else self.named_weights())
         if target is None:

@@ -1,20 +1,10 @@
 """rlhf-agents: how experience is collected, token in and token out.
 
-- Executors turn a prompt into a :class:`rlhf_core.types.Trajectory`: :class:`SingleTurnAgentExecutor`
-  (generate once; the reward source scores it), :class:`MultiTurnAgentExecutor` (drives an
-  :class:`AgentInstanceBase` environment, OpenRLHF's agent API) and :class:`OpenAIServerAgentExecutor`
-  (agent code talks to a local OpenAI-compatible endpoint).
-- Reward sources score batches: a Python ``reward_func`` file, HTTP reward servers, a reward model, and
-  weighted combinations (:func:`build_reward_source`).
-- :class:`RolloutWorker` runs a batch of prompts through an executor and a reward source; a Ray rollout
-  actor hosts one.
-- ``python -m rlhf_agents.serve_rm`` (``rlhf serve-rm``) serves a reward model over HTTP.
-- :func:`extract_boxed_answer` and :func:`grade_answer` (:mod:`rlhf_agents.math_answers`) verify math answers
-  in reward functions.
-
-OpenRLHF's agent and math reward files run as they are: their ``from openrlhf.utils.agent import ...`` and
-``from openrlhf.utils import extract_boxed_answer, grade_answer`` get these classes and functions when
-OpenRLHF is not installed (:mod:`rlhf_agents.openrlhf_compat`).
+Agent executors (generate once; drive an environment with OpenRLHF's agent API; agent code on a local
+OpenAI-compatible endpoint), reward sources (:func:`build_reward_source`), the :class:`RolloutWorker` that
+runs a batch of prompts through them, ``rlhf serve-rm`` and a math-answer verifier (:func:`grade_answer`).
+OpenRLHF's agent and math reward files run as they are (:mod:`rlhf_agents.openrlhf_compat`). The package
+README describes each.
 """
 
 import importlib.metadata

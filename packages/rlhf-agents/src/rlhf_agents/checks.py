@@ -35,6 +35,17 @@ def to_float(value: Any) -> float:
     raise TypeError(f"expected a number, got {describe(value)}")
 
 
+def numeric_logs(logs: Any, logger: logging.Logger, where: str) -> dict[str, float]:
+    """User code's ``extra_logs`` as floats; a value that is not a number is logged once and dropped."""
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[key] = to_float(value)
+        except TypeError as exc:
+            log_failure_once(logger, where, f"extra_logs[{key!r}] is not logged: {exc}")
+    return out
+
+
 def check_reward_value(value: Any) -> tuple[float | None, str | None]:
     """``(reward, None)`` for a finite number, else ``(None, why it is unscorable)``."""
     if value is None:

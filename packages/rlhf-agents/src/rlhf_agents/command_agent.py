@@ -1,24 +1,11 @@
 """Agents that are programs: ``--train.agent_command "..."`` runs one process per episode, in any language.
 
-The program talks to the episode's OpenAI-compatible endpoint (:class:`OpenAIServerAgentExecutor`), which
-records the tokens, and prints the episode's reward. The contract:
-
-- argv: the flag's value split like a shell line (``shlex``) and run without a shell; write
-  ``bash -c '...'`` to get one. The working directory and environment are the rollout process's, plus
-  ``OPENAI_BASE_URL`` (the session URL, which the ``openai`` clients read), ``OPENAI_API_KEY`` (any value
-  works; ``rlhf``), and ``RLHF_EPISODE_ID``.
-- stdin: the prompt row as one JSON object, ``{"prompt": ..., "label": ...}``, then end of file.
-- stdout: the last non-blank line is the result: a number (the reward), or a JSON object
-  ``{"reward": r, "score": s, "extra_logs": {name: number}}`` (``score`` and ``extra_logs`` optional;
-  ``"reward": null`` lets the run's reward source score the final conversation). Earlier lines are
-  ignored; logs belong on stderr.
-- The process must exit 0 within ``--train.env_step_timeout`` seconds; else its whole process group is
-  killed.
-
-A failure (non-zero exit, timeout, a last line that is not such a result) makes the episode unscorable,
-as any failing agent does: it is counted in ``error/agent_exit``, ``error/agent_timeout`` or
-``error/agent_output``, and the first one of each kind is logged with the tail of the program's stderr. A
-run stops only when more than ``--reward.max_failure_fraction`` of a step's samples are unscorable.
+The program talks to the episode's OpenAI-compatible endpoint (:class:`OpenAIServerAgentExecutor`, its URL in
+``OPENAI_BASE_URL``), which records the tokens; it reads the prompt row as one JSON object on stdin and prints
+its result last on stdout (:func:`parse_agent_output`). A program that exits non-zero, outlives
+``--train.env_step_timeout`` (its process group is killed) or prints no result makes only its episode
+unscorable, counted in ``error/agent_exit``, ``error/agent_timeout`` or ``error/agent_output``. The package
+README ("Agents as programs") has the whole contract.
 """
 
 from __future__ import annotations
@@ -62,8 +49,9 @@ def command_argv(command: str) -> list[str]:
 
 
 def parse_agent_output(stdout: str) -> Any:
-    """The result in an agent program's stdout (see the module docstring): a float, or a dict with
-    ``reward``. Raises ValueError saying what the last line was."""
+    """The result on an agent program's last non-blank stdout line: a number (the reward, as a float), or a
+    JSON object with ``reward`` (None: the run's reward source scores the sample) and optionally ``score``
+    and ``extra_logs``. Raises ValueError saying what the last line was."""
     lines = [line for line in stdout.splitlines() if line.strip()]
     if not lines:
         raise ValueError("printed nothing on stdout; the last line must be the reward")

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
+from rlhf_agents.checks import check_reward_value, describe, log_failure_once, numeric_logs
 from rlhf_core.types import (
     GenerationOutput,
     GenerationRequest,
@@ -114,24 +114,6 @@ class TokenTrace:
         )
 
 
-def overlong_prompt(prompt_ids: list[int], max_length: int, prompt: str, label: Any) -> Trajectory | None:
-    """An unscorable, truncated trajectory when the prompt leaves no room to generate, else None."""
-    if len(prompt_ids) < max_length:
-        return None
-    return Trajectory(
-        prompt_ids=list(prompt_ids),
-        response_ids=[],
-        action_mask=[],
-        rollout_logprobs=[],
-        finish_reason="length",
-        truncated=True,
-        prompt_text=prompt,
-        label=label,
-        error=f"the prompt has {len(prompt_ids)} tokens, which leaves no room under max_len {max_length}",
-        extra_logs={"error/overlong_prompt": 1.0},
-    )
-
-
 class AgentExecutorBase(ABC):
     """Turns one prompt into one :class:`Trajectory`, token in and token out.
 
@@ -185,14 +167,20 @@ class SingleTurnAgentExecutor(AgentExecutorBase):
         prompt_ids: list[int] | None = None,
     ) -> Trajectory:
         ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
-        too_long = overlong_prompt(ids, max_length, prompt, label)
-        if too_long is not None:
-            return too_long
+        trace = TokenTrace(prompt_ids=ids)
+        if len(ids) >= max_length:  # no room to generate: unscorable
+            return trace.to_trajectory(
+                finish_reason="length",
+                truncated=True,
+                prompt_text=prompt,
+                label=label,
+                error=f"the prompt has {len(ids)} tokens, which leaves no room under max_len {max_length}",
+                extra_logs={"error/overlong_prompt": 1.0},
+            )
         max_new = min(sampling_params.max_new_tokens, max_length - len(ids))
         params = dataclasses.replace(sampling_params, n=1, max_new_tokens=max_new)
         images = list(images or [])
         (out,) = await llm_engine.generate(GenerationRequest(prompt_ids=ids, params=params, images=images))
-        trace = TokenTrace(prompt_ids=ids)
         trace.add_action(out)
         return trace.to_trajectory(
             finish_reason=out.finish_reason,
@@ -288,22 +276,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         trace = TokenTrace(prompt_ids=ids)
         state = {"reward": 0.0, "score": None, "extra": {}, "turns": 0, "finish": "stop", "truncated": False,
                  "images": list(images or [])}
-        instance = None
+        instance, error = None, None
         try:
             instance = await self._env("__init__", new_instance, self.agent_instance_cls)
             await self._run(
                 instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine
             )
         except EpisodeFailure as failure:
-            return trace.to_trajectory(
-                finish_reason=state["finish"],
-                truncated=state["truncated"],
-                prompt_text=prompt,
-                label=label,
-                error=str(failure),
-                extra_logs={**state["extra"], "num_turns": float(state["turns"]), f"error/{failure.kind}": 1.0},
-                images=state["images"],
-            )
+            error = str(failure)
+            state["extra"][f"error/{failure.kind}"] = 1.0
         finally:
             close = getattr(instance, "aclose", None) or getattr(instance, "close", None)
             if close is not None:
@@ -311,14 +292,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                     await call_user(close)
                 except Exception as exc:  # a failing cleanup must not lose the episode
                     log_failure_once(logger, self.where, f"close raised {type(exc).__name__}: {exc}", exc)
-        score = state["score"] if state["score"] is not None else state["reward"]
+        scored = error is None
         return trace.to_trajectory(
-            reward=state["reward"],
-            score=score,
+            reward=state["reward"] if scored else None,
+            score=(state["reward"] if state["score"] is None else state["score"]) if scored else None,
             finish_reason=state["finish"],
             truncated=state["truncated"],
             prompt_text=prompt,
             label=label,
+            error=error,
             extra_logs={**state["extra"], "num_turns": float(state["turns"])},
             images=state["images"],
         )
@@ -449,11 +431,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             feedback = ""
         if not isinstance(feedback, str):
             raise self._invalid("step", f"returned 'environment_feedback' as {describe(feedback)}; expected a str")
-        for key, value in (result.get("extra_logs") or {}).items():
-            try:
-                state["extra"][key] = to_float(value)
-            except TypeError as exc:
-                log_failure_once(logger, self.where, f"step extra_logs[{key!r}] is not logged: {exc}")
+        state["extra"].update(numeric_logs(result.get("extra_logs"), logger, f"{self.where}.step"))
         new_params = result.get("sampling_params")
         if isinstance(new_params, dict):
             try:

@@ -48,11 +48,6 @@ def extract_boxed_answer(text: str) -> str | None:
     return token.group(1) if token else None
 
 
-def _unwrap(command: str, text: str) -> str:
-    """``\\command{x}`` -> ``x`` wherever it occurs (content without nested braces)."""
-    return re.sub(r"\\" + command + r"\s*\{([^{}]*)\}", r"\1", text)
-
-
 def normalize_answer(answer: str) -> str:
     """A canonical spelling of ``answer``: LaTeX wrappers, spacing, units, degrees, percent and dollar signs,
     thousands separators and a leading ``x =`` removed; fractions, roots, products and powers written as
@@ -61,8 +56,8 @@ def normalize_answer(answer: str) -> str:
     boxed = extract_boxed_answer(s)
     if boxed is not None and s.startswith(("\\boxed", "\\fbox")):
         s = boxed
-    for command in ("text", "textbf", "mathrm", "mbox", "mathbf"):
-        s = _unwrap(command, s)
+    for command in ("text", "textbf", "mathrm", "mbox", "mathbf"):  # \command{x} -> x (x without braces)
+        s = re.sub(r"\\" + command + r"\s*\{([^{}]*)\}", r"\1", s)
     for junk in ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\quad", "\\$", "$", "\\%",
                  "%", "^{\\circ}", "^\\circ", "\\circ", "°"):
         s = s.replace(junk, "")

@@ -1,26 +1,20 @@
 """An OpenAI-compatible endpoint backed by the rollout engine, so that agent code written against an
 OpenAI client yields token-level trajectories.
 
-Each episode gets its own session URL (``http://127.0.0.1:PORT/sessions/<id>/v1``, a ``base_url`` for an
-OpenAI client). The server serves ``/chat/completions`` (messages rendered with the tokenizer's chat
-template) and ``/completions`` (a prompt string, or token ids used verbatim), and records every call's
-input and output token ids. The episode's trajectory is the first call's input as the prompt, then each
-call's output (action_mask 1) and whatever the next call's input adds in between (action_mask 0).
+Each episode gets its own session URL (``http://127.0.0.1:PORT/sessions/<id>/v1``) serving
+``/chat/completions`` (the tokenizer's chat template) and ``/completions`` (text, or token ids used
+verbatim); every call's input and output token ids are recorded. The trajectory is the first call's input as
+the prompt, then each call's output (action_mask 1) and whatever the next call's input adds in between
+(action_mask 0), which needs each call's input to extend the conversation so far token by token. When it
+does not (a chat template that drops earlier reasoning, text that re-tokenizes differently),
+``per_call_samples`` decides: ``auto`` trains the episode as per-call samples (``Trajectory.segments``, one
+per run of calls that do extend one another; a message says so once), ``always`` makes every call a sample,
+``never`` makes the episode unscorable with a *prefix violation* (``error/prefix_violation``).
 
-That only works when each call's input extends the previous call's input and output token by token. When
-it does not (a chat template that drops earlier reasoning, text that re-tokenizes differently), the calls
-cannot form one trajectory. With ``per_call_samples`` ``auto`` (the default) the episode is then trained as
-per-call samples (``Trajectory.segments``): each run of calls that do extend one another is one sample, a
-call that does not starts the next, and all share the episode's reward; a message says so once. With
-``never`` the session records a *prefix violation* instead: the sample is marked unscorable with a message
-giving the position and both token strings, and counted in ``error/prefix_violation``. ``always`` makes
-every call its own sample.
-
-Tool calls: a request's ``tools`` reach the model through the chat template (or, for a template that ignores
-them, through a system block in the Hermes format); a reply holding ``<tool_call>{json}</tool_call>`` blocks
-comes back with OpenAI ``tool_calls`` and finish reason ``tool_calls``. When the agent sends such an assistant
-message back, the server renders the reply's original text in its place, so the next call's tokens still
-extend the conversation's.
+Tool calls: ``tools`` reach the model through the chat template (or a Hermes system block when the template
+ignores them); ``<tool_call>{json}</tool_call>`` blocks in a reply come back as OpenAI ``tool_calls``, and
+such an assistant message sent back is rendered as the reply's original text, so the tokens still extend the
+conversation. The package README has the details.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
+from rlhf_agents.checks import check_reward_value, log_failure_once, numeric_logs
 from rlhf_agents.executors import AgentExecutorBase, EpisodeFailure, TokenTrace, describe_class, encode
 from rlhf_core.types import GenerationRequest, SamplingParams, Trajectory, derive_seed
 
@@ -69,10 +63,6 @@ class _Session:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     replies: dict[str, str] = dataclasses.field(default_factory=dict)
     """The text of each reply that made tool calls, by its first call's id."""
-
-
-def _usage(ids: list[int], out_ids: list[int]) -> dict:
-    return {"prompt_tokens": len(ids), "completion_tokens": len(out_ids), "total_tokens": len(ids) + len(out_ids)}
 
 
 def _content_text(content: Any) -> Any:
@@ -220,7 +210,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]})
 
     async def _handle_chat(self, request: Any) -> Any:
-        from aiohttp import web
 
         try:
             session, body = await self._read(request)
@@ -243,16 +232,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 session.replies[tool_calls[0]["id"]] = content
                 message = {"role": "assistant", "content": parsed, "tool_calls": tool_calls}
                 finish = "tool_calls" if finish == "stop" else finish
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model", "policy"),
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "token_ids": out_ids}],
-                "usage": _usage(ids, out_ids),
-            }
-        )
+        return self._answer("chatcmpl", "chat.completion", body, ids, out_ids,
+                            {"message": message, "finish_reason": finish, "token_ids": out_ids})
 
     @staticmethod
     def _tools(body: dict) -> tuple[list | None, bool]:
@@ -305,7 +286,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return text
 
     async def _handle_completions(self, request: Any) -> Any:
-        from aiohttp import web
 
         try:
             session, body = await self._read(request)
@@ -321,24 +301,26 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             ids, out_ids, finish = await self._generate(session, ids, body)
         except _BadRequest as exc:
             return self._json_error(exc.status, str(exc))
-        return web.json_response(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": body.get("model", "policy"),
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": self._reply_text(session, out_ids, finish, body),
-                        "finish_reason": finish,
-                        "logprobs": None,
-                        "token_ids": out_ids,
-                    }
-                ],
-                "usage": _usage(ids, out_ids),
-            }
-        )
+        text = self._reply_text(session, out_ids, finish, body)
+        return self._answer("cmpl", "text_completion", body, ids, out_ids,
+                            {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids})
+
+    @staticmethod
+    def _answer(
+        id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict
+    ) -> Any:
+        """An OpenAI response object of ``kind`` with one choice."""
+        from aiohttp import web
+
+        return web.json_response({
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": body.get("model", "policy"),
+            "choices": [{"index": 0, **choice}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
+                      "total_tokens": len(ids) + len(out_ids)},
+        })
 
     @staticmethod
     def _reply_text(session: _Session, out_ids: list[int], finish: str, body: dict) -> str:
@@ -491,12 +473,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         the run's reward source scores the sample."""
         if not isinstance(result, dict):
             result = {"reward": result}
-        extra = {}
-        for key, value in (result.get("extra_logs") or {}).items():
-            try:
-                extra[key] = to_float(value)
-            except TypeError as exc:
-                log_failure_once(logger, where, f"extra_logs[{key!r}] is not logged: {exc} ({describe(value)})")
+        extra = numeric_logs(result.get("extra_logs"), logger, where)
         raw = result.get("reward", result.get("rewards"))
         if raw is None:
             return None, None, extra, None

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from rlhf_agents.checks import log_failure_once
-from rlhf_agents.reward_model import DTYPES
+from rlhf_agents.reward_model import DTYPES, right_padded
 from rlhf_agents.rewards import empty_result
 from rlhf_core.config import resolve_param_dtype
 from rlhf_core.supervised import (
@@ -102,16 +102,11 @@ class ProcessRewardModel:
 
         from rlhf_algos.prm import step_scores
 
-        width = max(1, max(len(s) for s in seqs))
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
+        ids, mask = right_padded(seqs, self.pad_id, self.device)
         rows = torch.tensor([i for i, m in enumerate(marks) for _ in m], dtype=torch.long)
         cols = torch.tensor([p for m in marks for p in m], dtype=torch.long)
         with torch.no_grad():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
             scores = step_scores(logits[rows, cols][:, self.tokens.reward_ids]).tolist()  # [N]
         out, k = [], 0
         for m in marks:

@@ -17,6 +17,19 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+def right_padded(seqs: list[list[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
+    """``[B, L]`` token ids and attention mask of ``seqs``, padded on the right (which keeps positions
+    ``0..len-1`` as in an unpadded pass)."""
+    import torch
+
+    ids = torch.full((len(seqs), max(1, max(len(s) for s in seqs))), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[row, : len(seq)] = 1
+    return ids.to(device), mask.to(device)
+
+
 class RewardModelScorer:
     """A reward model loaded from a local HF directory, scoring batches of sequences.
 
@@ -82,28 +95,18 @@ class RewardModelScorer:
         import torch
 
         rewards: list[float] = []
-        with torch.no_grad():
-            for start in range(0, len(sequences), self.batch_size):
-                chunk = [list(s)[-self.max_len :] for s in sequences[start : start + self.batch_size]]
-                rewards += self._score_batch(chunk)
+        for start in range(0, len(sequences), self.batch_size):
+            chunk = [list(s)[-self.max_len :] for s in sequences[start : start + self.batch_size]]
+            ids, mask = right_padded(chunk, self.pad_id, self.device)
+            with torch.no_grad():
+                # [b, L, H]
+                hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+                values = self.head(hidden).squeeze(-1).float()  # [b, L]
+            last = (mask.sum(-1) - 1).clamp(min=0)  # index of the last real token
+            out = values.gather(1, last[:, None]).squeeze(1)
+            out = (out - self.mean) / self.std
+            rewards += [float("nan") if len(seq) == 0 else float(r) for seq, r in zip(chunk, out.tolist())]
         return rewards
-
-    def _score_batch(self, chunk: list[list[int]]) -> list[float]:
-        import torch
-
-        width = max(1, max(len(s) for s in chunk))
-        ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, seq in enumerate(chunk):  # right padding keeps positions 0..len-1 as in an unpadded pass
-            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, : len(seq)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # [b, L, H]
-        values = self.head(hidden).squeeze(-1).float()  # [b, L]
-        last = (mask.sum(-1) - 1).clamp(min=0)  # index of the last real token
-        out = values.gather(1, last[:, None]).squeeze(1)
-        out = (out - self.mean) / self.std
-        return [float("nan") if len(seq) == 0 else float(r) for seq, r in zip(chunk, out.tolist())]
 
     def score_texts(self, texts: list[str]) -> list[float]:
         """One reward per text (prompt and response together, as decoded with special tokens kept)."""

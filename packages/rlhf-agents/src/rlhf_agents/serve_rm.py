@@ -2,23 +2,10 @@
 
 ``POST /get_reward`` with ``{"query": [text, ...], "prompts": [...], "labels": [...]}`` answers
 ``{"rewards": [...], "scores": [...], "extra_logs": {}}``, one reward per query (``prompts`` and
-``labels`` are accepted and not used: the model scores the whole query). ``GET /health`` answers
-``{"status": "ok"}``; ``/docs`` and ``/openapi.json`` describe the API.
-
-Safe by default: it listens on 127.0.0.1; it refuses another interface unless an API key is set
-(``--api_key`` or ``$RLHF_RM_API_KEY``; clients send ``Authorization: Bearer KEY``) or ``--insecure`` is
-given. Bodies over ``--max_body_bytes`` get 413, batches over ``--max_batch`` queries 422; a body that is
-not UTF-8, not JSON (or nested too deeply, or holding an integer of over 4300 digits), not an object with
-a list of non-empty strings as ``query``, or a query with a lone surrogate (``"\\ud800"``) gets 400 with
-the reason. Each answer is a JSON ``{"detail": reason}``, and the server keeps serving. Query text is never
-logged.
-
-OpenRLHF's serve_rm flags are accepted, dotted or flat: ``--reward.model_name_or_path`` (``--reward_pretrain``),
-``--reward.normalize_enable`` (``--normalize_reward``), ``--ds.value_head_prefix``, ``--data.max_len``
-(``--max_len``), ``--port``, ``--host``, ``--batch_size``, ``--ds.param_dtype`` (``--bf16``),
-``--ds.attn_implementation`` (``--flash_attn``), ``--ds.experts_implementation``,
-``--data.disable_fast_tokenizer``, ``--ds.packing_samples`` (no effect: batches are padded),
-``--ds.load_in_4bit`` and ``--use_ms`` (both refused with a message).
+``labels`` are accepted and not used: the model scores the whole query). It listens on 127.0.0.1 unless
+given an API key or ``--insecure``; a body it cannot take gets 400, 413 or 422 with ``{"detail": reason}``,
+and the server keeps serving. The package README ("rlhf serve-rm") describes the flags (OpenRLHF's too),
+limits and errors; query text is never logged.
 """
 
 import argparse

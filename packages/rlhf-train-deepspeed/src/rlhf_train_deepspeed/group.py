@@ -16,14 +16,8 @@ import torch
 
 from rlhf_core import inline
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
-from rlhf_train_deepspeed.strategy import StepResult
+from rlhf_train_deepspeed.strategy import StepResult, add_metrics
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWorker
-
-
-def _ray():
-    import ray
-
-    return ray
 
 
 def merge_steps(results: list[StepResult]) -> dict[str, float]:
@@ -99,12 +93,6 @@ class WorkerGroup:
         results = inline.get(refs)
         return [x for res, n in zip(results, real, strict=True) for x in res[:n]]
 
-    def _even_split(self, items: list, what: str) -> None:
-        if len(items) % self.dp_size:
-            raise ValueError(
-                f"{what}: {len(items)} micro-batches cannot be split evenly over {self.dp_size} data-parallel ranks"
-            )
-
     # --- forward-only ---
 
     def compute_logprobs(
@@ -124,7 +112,9 @@ class WorkerGroup:
     # --- training ---
 
     def _step(self, method: str, micro_batches: list, *args, counts: dict[str, float]) -> dict[str, float]:
-        self._even_split(micro_batches, method)
+        if len(micro_batches) % self.dp_size:
+            raise ValueError(f"{method}: {len(micro_batches)} micro-batches cannot be split evenly over "
+                             f"{self.dp_size} data-parallel ranks")
         per = len(micro_batches) // self.dp_size
         refs = []
         for r, a in enumerate(self.actors):
@@ -162,10 +152,7 @@ class WorkerGroup:
         rewards: list[float] = []
         for metrics, weight, batch_rewards in per_batch:
             rewards += batch_rewards
-            for k, v in metrics.items():
-                t = totals.setdefault(k, [0.0, 0.0])
-                t[0] += v * weight
-                t[1] += weight
+            add_metrics(totals, metrics, weight)
         return {k: s / w for k, (s, w) in totals.items() if w > 0}, rewards
 
     # --- checkpoints, export, weight sync ---
@@ -291,10 +278,6 @@ class HostedHandle(inline.ActorLike):
         return self.actor.call_hosted.remote(self.name, method, *args, **kwargs)
 
 
-def _has_gpus() -> bool:
-    return _ray().cluster_resources().get("GPU", 0) > 0
-
-
 def create_worker_group(
     role: str,
     spec: ModelSpec,
@@ -328,8 +311,6 @@ def create_worker_group(
     if inline_rank:
         if num_workers != 1 or pool is not None:
             raise ValueError(f"{role}: an inline group has one rank and no placement group, got {num_workers} ranks")
-        import torch
-
         if not torch.cuda.is_available():  # as a Ray rank's environment says (DeepSpeed reads it once, on import)
             os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -348,8 +329,11 @@ def create_worker_group(
 def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, num_gpus_per_worker: float | None,
                num_cpus_per_worker: float, num_threads: int | None) -> list:
     """Start the Ray actors of ``num_workers`` ranks (see :func:`create_worker_group` for the options)."""
-    ray = _ray()
-    gpus = (1 if _has_gpus() else 0) if num_gpus_per_worker is None else num_gpus_per_worker
+    import ray
+
+    gpus = num_gpus_per_worker
+    if gpus is None:  # one per rank when the cluster has GPUs
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
     if pool is None and not gpus:
         # More CPU ranks than logical CPUs would wait for resources forever: share the CPUs instead.
         num_cpus_per_worker = min(num_cpus_per_worker, ray.cluster_resources().get("CPU", 1) / num_workers)

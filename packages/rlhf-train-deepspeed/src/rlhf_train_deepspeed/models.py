@@ -4,21 +4,14 @@
   response tokens only, at a temperature: ``log_softmax(logits / temperature)``, the same quantity the
   rollout engines report (see ``rlhf_core.types.SamplingParams``).
 - Critic / reward model: a transformer with a one-output linear value head named ``score`` by default
-  (``--ds.value_head_prefix``). Saved with the ``*ForSequenceClassification`` architecture name, so
-  ``AutoModelForSequenceClassification`` loads it. The reward is the value-head output at the last
-  non-pad token; a trained RM stores ``mean`` / ``std`` in its config for ``--reward.normalize_enable``.
+  (``--ds.value_head_prefix``), saved as ``*ForSequenceClassification`` so that
+  ``AutoModelForSequenceClassification`` loads it. The reward is the head's output at the last non-pad token.
 
-Batches are right-padded sequences of prompt + response (:class:`SequenceBatch`). With packing, the rows
-are laid end to end in one row with ``position_ids`` restarting at 0 for each sequence and no attention
-mask: transformers then builds a block-diagonal causal mask (flash-attn varlen on GPU, a masked SDPA on
-CPU), so packed and padded computations give the same numbers.
-
-With ring attention (``ring``, a :class:`rlhf_train_deepspeed.ring_attn.RingGroup`; packing only) each rank
-runs one slice of the packed row and the per-token outputs are all-gathered over its ring group.
-
-A vision-language model's batch carries each row's images (``SequenceBatch.images``, padded batches only):
-:func:`rlhf_core.vision.image_forward_inputs` encodes each distinct image once and places the features and
-M-RoPE positions; log-probs are still taken at the response tokens only, which are text.
+Batches are right-padded sequences of prompt + response (:class:`SequenceBatch`). Packed
+(:func:`model_inputs`), they have no attention mask: transformers then builds a block-diagonal causal mask
+(flash-attn varlen on GPU, a masked SDPA on CPU), so packed and padded computations give the same numbers.
+Ring attention (:func:`_ring_logprobs`) and a vision-language model's images (``SequenceBatch.images``,
+padded batches only) are handled in :func:`response_logprobs`.
 """
 
 from __future__ import annotations

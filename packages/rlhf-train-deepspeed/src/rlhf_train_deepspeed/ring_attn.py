@@ -105,12 +105,6 @@ def padded_length(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-def slice_bounds(total: int, size: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of ring rank ``rank``'s slice of a padded row of ``total`` tokens."""
-    per = total // size
-    return rank * per, (rank + 1) * per
-
-
 def packed_cu_seqlens(lengths: torch.Tensor, total: int) -> torch.Tensor:
     """``[S + 1]`` int32 sequence boundaries ``[0, l0, l0 + l1, ..., total]`` of a packed row; the padding
     ``total - sum(lengths)``, when there is some, is one more (dummy) sequence."""
@@ -168,7 +162,8 @@ def shard_packed(inputs: dict, lengths: torch.Tensor, ring: RingGroup, pad_token
         ids = F.pad(ids, (0, total - n), value=pad_token_id)
         positions = torch.cat([positions, torch.arange(total - n, device=positions.device)[None, :]], 1)
     labels = F.pad(ids[0, 1:], (0, 1), value=0)
-    start, end = slice_bounds(total, ring.size, ring.rank)
+    per = total // ring.size
+    start, end = ring.rank * per, (ring.rank + 1) * per
     cu = packed_cu_seqlens(lengths.to(ids.device), total)
     sl = RingSlice(
         ring, start, end, total,

@@ -234,9 +234,8 @@ def add_metrics(acc: dict[str, list[float]], metrics: dict[str, float], weight: 
 class Strategy:
     """Distributed context and DeepSpeed engines of one worker process (one rank)."""
 
-    def __init__(self, ds, seed: int = 42, full_determinism: bool = False):
+    def __init__(self, ds, full_determinism: bool = False):
         self.ds = ds
-        self.seed = seed
         # the driver resolves the default; a strategy built without it (tests, the Python API) does the same
         ds.zero_stage = resolve_zero_stage(ds.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
         self.dtype = param_dtype(ds.param_dtype)
@@ -290,10 +289,6 @@ class Strategy:
     @staticmethod
     def world_size() -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
-
-    @staticmethod
-    def rank() -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
 
     @property
     def dp_size(self) -> int:

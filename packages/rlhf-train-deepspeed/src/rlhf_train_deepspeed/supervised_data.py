@@ -76,13 +76,10 @@ def _fit(prompt: list[int], responses: list[list[int]], data, where: str, stats:
     if prompt is None:
         return None
     room = data.max_len - len(prompt)
-    fitted = []
-    for r in responses:
-        if len(r) > room:
-            stats.add("responses_truncated")
-            r = r[:room]
-        fitted.append(r)
-    return prompt, fitted
+    truncated = sum(len(r) > room for r in responses)
+    if truncated:
+        stats.add("responses_truncated", truncated)
+    return prompt, [r[:room] for r in responses]
 
 
 def _prompt_ids(tokenizer, text: str) -> list[int]:

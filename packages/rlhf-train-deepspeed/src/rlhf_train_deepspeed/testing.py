@@ -13,19 +13,15 @@ def words(ids) -> str:
 
 def write_jsonl(path, rows) -> str:
     with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     return str(path)
 
 
 def sft_rows(n: int, seed: int = 0) -> list[dict]:
     """A learnable SFT set: the response repeats the 4 prompt words shifted by 20 (``w3`` -> ``w23``)."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        p = [rng.randrange(20) for _ in range(4)]
-        rows.append({"input": words(p), "output": words(x + 20 for x in p)})
-    return rows
+    prompts = [[rng.randrange(20) for _ in range(4)] for _ in range(n)]
+    return [{"input": words(p), "output": words(x + 20 for x in p)} for p in prompts]
 
 
 class ReusedGroup:

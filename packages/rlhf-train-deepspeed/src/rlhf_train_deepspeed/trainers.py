@@ -87,10 +87,6 @@ def loss_settings(mode: str, cfg, reward_token_ids: list[int] | None = None) -> 
     )
 
 
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
 def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     """Train ``cfg.model`` with the ``mode`` loss; returns the last step's metrics and the output paths.
 
@@ -116,6 +112,10 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     except OSError as exc:  # a model directory without tokenizer files, or a hub id the hub does not have
         raise ConfigError(f"--model.model_name_or_path {cfg.model.model_name_or_path}: {exc}") from exc
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def micro_batches(items: list) -> list:
+        size = plan.micro_batch_size
+        return [collate(mode, items[i : i + size], pad_id) for i in range(0, len(items), size)]
 
     stats = DataStats()
     rows = load_rows(
@@ -221,8 +221,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     def evaluate() -> tuple[dict[str, float], list[float]]:
         if not eval_examples:
             return {}, []
-        mbs = [collate(mode, chunk, pad_id) for chunk in _chunks(eval_examples, plan.micro_batch_size)]
-        metrics, rewards = group.eval_supervised(mbs, losses)
+        metrics, rewards = group.eval_supervised(micro_batches(eval_examples), losses)
         return {f"eval/{k}": v for k, v in metrics.items()}, rewards
 
     order_epoch, order, consecutive_skips = -1, None, 0
@@ -236,8 +235,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             order = np.random.default_rng(derive_seed(cfg.train.seed, "epoch", epoch)).permutation(len(examples))
             order_epoch = epoch
         idx = order[within * plan.global_batch : (within + 1) * plan.global_batch]
-        batch = [examples[i] for i in idx]
-        mbs = [collate(mode, chunk, pad_id) for chunk in _chunks(batch, plan.micro_batch_size)]
+        mbs = micro_batches([examples[i] for i in idx])
         t0 = time.perf_counter()
         metrics = group.train_supervised_step(mbs, losses, step_counts(mode, mbs))
         elapsed = time.perf_counter() - t0
@@ -267,8 +265,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     config_updates = None
     if mode == "rm":
         if not rewards:  # no eval set: take the statistics over (up to) 512 training examples
-            mbs = [collate(mode, c, pad_id) for c in _chunks(examples[:512], plan.micro_batch_size)]
-            rewards = group.eval_supervised(mbs, losses)[1]
+            rewards = group.eval_supervised(micro_batches(examples[:512]), losses)[1]
         r = torch.tensor(rewards, dtype=torch.float64)
         config_updates = {"mean": float(r.mean()), "std": max(float(r.std()) if len(r) > 1 else 1.0, 1e-8)}
     if mode == "prm":  # what the PRM reward source needs to score steps with this model

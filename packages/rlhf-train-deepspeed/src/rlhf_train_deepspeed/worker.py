@@ -137,33 +137,6 @@ def causal_attn(path: str, ds, attn: str) -> str:
     return shared_prefix.attn_implementation(AutoConfig.from_pretrained(path), ds)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
-
-
 @torch.no_grad()
 def ema_update_(ema: list[torch.Tensor], params: list[torch.Tensor], beta: float) -> None:
     """In place, for every pair: ``ema_i = beta * ema_i + (1 - beta) * params_i``.
@@ -214,11 +187,14 @@ class TrainWorker:
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0's address and a free port on it, shared with every rank by the group."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
         if self.world_size == 1:  # a lone rank (a single-process run may have no Ray at all)
-            return "127.0.0.1", free_port()
+            return "127.0.0.1", port
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), port
 
     def init_distributed(self, address: tuple[str, int]) -> None:
         """Join the group whose rank 0 is at ``address`` (:meth:`master_address` of rank 0)."""
@@ -230,8 +206,10 @@ class TrainWorker:
         """Load the model described by ``spec`` into a DeepSpeed engine (replacing any previous one)."""
         self.spec = spec
         self.ema = None
-        self.strategy = Strategy(ds, seed, full_determinism)
-        seed_everything(seed)
+        self.strategy = Strategy(ds, full_determinism)
+        random.seed(seed)
+        np.random.seed(seed % (1 << 32))
+        torch.manual_seed(seed)
         dtype = self.strategy.dtype
         attn = ds.attn_implementation
         if self.strategy.ring is not None:  # sequence parallelism: load with the ring attention function
@@ -440,32 +418,34 @@ class TrainWorker:
         from rlhf_algos.sft import sft_loss
         from rlhf_core.types import LossAggregation
 
-        dp = self.dp_size if counts else 1
         train = counts is not None
+        dp = self.dp_size if train else 1
+        # the token modes' aggregation (the pair modes count pairs: their counts have no num_tokens)
+        agg = LossAggregation(num_tokens=counts.get("num_tokens") if train else None, dp_size=dp)
         mb = self._dev(mb)
         pad = self.hf_config.pad_token_id or 0
+
+        def per_pair(loss, b: int):  # a pair loss normalised by the step's global pair count (training)
+            return loss * b / (counts["num_sequences"] if train else b) * dp
+
         if cfg.mode == "sft":
             lp, _, mask = response_logprobs(self.engine, mb, 1.0, self.packing, ring=self.ring)
-            loss = sft_loss(lp, mask, LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp))
             n = float(mask.sum())
-            return loss, {"nll": float(-(lp.detach() * mask).sum()) / max(n, 1.0)}, n
+            return sft_loss(lp, mask, agg), {"nll": float(-(lp.detach() * mask).sum()) / max(n, 1.0)}, n
         if cfg.mode == "prm":
             from rlhf_algos.prm import prm_loss
 
             logits = step_logits(self.engine, mb, self.packing)  # [N, V]
             if cfg.reward_token_ids is not None:
                 logits = logits[:, cfg.reward_token_ids]  # [N, K]
-            n = float(len(mb.rows))
-            agg = LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp)
             out = prm_loss(logits, mb.classes, mb.soft_labels, agg)
-            return out.loss, dict(out.metrics), n
+            return out.loss, dict(out.metrics), float(len(mb.rows))
         if cfg.mode == "kd":
             from rlhf_algos.distill import kd_loss
 
             student, labels, mask = response_logits(self.engine, mb, self.packing)
             with torch.no_grad():
                 teacher, _, _ = response_logits(self.ref_engine, mb, self.packing)
-            agg = LossAggregation(num_tokens=counts["num_tokens"] if train else None, dp_size=dp)
             out = kd_loss(student, teacher, labels, mask, cfg.kd_coef, agg)
             return out.loss, dict(out.metrics), float(mask.sum())
         if cfg.mode == "rm":
@@ -477,14 +457,18 @@ class TrainWorker:
             metrics = dict(out.metrics)
             if not train:
                 metrics["_rewards"] = rewards[:b].detach().cpu().tolist() + rewards[b:].detach().cpu().tolist()
-            return out.loss * b / (counts["num_sequences"] if train else b) * dp, metrics, float(b)
+            return per_pair(out.loss, b), metrics, float(b)
+        if cfg.mode not in ("dpo", "kto"):
+            raise ValueError(f"unknown supervised mode {cfg.mode!r}")
+        # DPO: chosen and rejected; KTO: the completions and the mismatched pairs of its reference point
+        first, second = (mb.chosen, mb.rejected) if cfg.mode == "dpo" else (mb.seq, mb.kl_seq)
+        both = concat_batches([first, second], pad)
+        b = len(first)
+        lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
+        with torch.no_grad():
+            ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
+        logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
         if cfg.mode == "dpo":
-            both = concat_batches([mb.chosen, mb.rejected], pad)
-            b = len(mb.chosen)
-            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
-            with torch.no_grad():
-                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
-            logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
             out = dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], cfg.beta, cfg.label_smoothing, cfg.ipo)
             loss = out.loss
             metrics = dict(out.metrics)
@@ -492,24 +476,16 @@ class TrainWorker:
                 nll = nll_loss(logps[:b], mask[:b].sum(-1))
                 loss = loss + cfg.nll_loss_coef * nll
                 metrics["nll"] = float(nll.detach())
-            return loss * b / (counts["num_sequences"] if train else b) * dp, metrics, float(b)
-        if cfg.mode == "kto":
-            both = concat_batches([mb.seq, mb.kl_seq], pad)
-            b = len(mb.seq)
-            lp, _, mask = response_logprobs(self.engine, both, 1.0, self.packing, ring=self.ring)
-            with torch.no_grad():
-                ref_lp, _, _ = response_logprobs(self.ref_engine, both, 1.0, self.packing, ring=self.ring)
-            logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
-            # The reference point: mean log-ratio on mismatched pairs, averaged over ranks.
-            kl = (logps[b:] - ref_logps[b:]).detach().mean()
-            if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(kl)
-                kl = kl / self.world_size
-            out = kto_loss(
-                logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight
-            )
-            return out.loss * b / (counts["num_sequences"] if train else b) * dp, dict(out.metrics), float(b)
-        raise ValueError(f"unknown supervised mode {cfg.mode!r}")
+            return per_pair(loss, b), metrics, float(b)
+        # The reference point: mean log-ratio on mismatched pairs, averaged over ranks.
+        kl = (logps[b:] - ref_logps[b:]).detach().mean()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(kl)
+            kl = kl / self.world_size
+        out = kto_loss(
+            logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight
+        )
+        return per_pair(out.loss, b), dict(out.metrics), float(b)
 
     def train_supervised(self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]) -> StepResult:
         """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss over the micro-batches."""
@@ -534,7 +510,10 @@ class TrainWorker:
     def save_checkpoint(self, path: str) -> None:
         """DeepSpeed engine state (model, optimizer, LR schedule), this rank's RNG states and EMA shards."""
         self.engine.save_checkpoint(path, tag=ENGINE_TAG)
-        torch.save(rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, Path(path) / f"rng_rank{self.rank}.pt")
         if self.ema is not None:
             torch.save([e.cpu() for e in self.ema], Path(path) / f"ema_rank{self.rank}.pt")
 
@@ -553,7 +532,12 @@ class TrainWorker:
         rng_file = Path(path) / f"rng_rank{self.rank}.pt"
         if not rng_file.exists():  # without it the resumed run would not sample what the uninterrupted one did
             raise CheckpointError(f"{rng_file} is missing: rank {self.rank}'s RNG state cannot be restored")
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        rng = torch.load(rng_file, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         if self.ema is not None:
             self._load_ema(Path(path) / f"ema_rank{self.rank}.pt")
 
@@ -680,10 +664,7 @@ class TrainWorker:
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor] | None:
         """What the engines get (:meth:`engine_weights`) as CPU tensors on rank 0 (None on the others), for the
         object-store sync path."""
-        out = {}
-        for name, t in self.engine_weights():
-            if self.rank == 0:
-                out[name] = t.cpu()
+        out = {name: t.cpu() for name, t in self.engine_weights() if self.rank == 0}  # every rank gathers
         return out if self.rank == 0 else None
 
     def broadcast_weights_to_engines(
@@ -739,10 +720,7 @@ class TrainWorker:
                 if self.rank == 0:
                     module.save_pretrained(out_dir, safe_serialization=True)
         else:
-            state = {}
-            for name, t in self.named_weights():
-                if self.rank == 0:
-                    state[name] = t.cpu()
+            state = {name: t.cpu() for name, t in self.named_weights() if self.rank == 0}  # all ranks gather
             if self.rank == 0:
                 config = module.config
                 for k, v in (config_updates or {}).items():

@@ -150,3 +150,16 @@ def test_the_version_is_written_once_and_sibling_ranges_admit_the_siblings(pypro
             continue
         assert sibling.major == 0, "from 1.0 the policy is >=X.Y,<X+1: update this test with it"
         assert req.specifier == SpecifierSet(f">={sibling.major}.{sibling.minor},<0.{sibling.minor + 1}"), str(req)
+
+
+def test_known_providers_list_exactly_what_the_first_party_packages_register():
+    """``KNOWN_PROVIDERS`` is what names the package to install when a built-in name is missing; a built-in
+    registered without its entry there (``opd`` was) would get no hint."""
+    from rlhf_core import plugins
+
+    first_party = {p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file()}
+    pm = plugins.get_plugin_manager()
+    for seam, known in plugins.KNOWN_PROVIDERS.items():
+        registered = {name: reg.distribution for name, reg in plugins.collect(pm, seam).items()
+                      if reg.distribution in first_party}
+        assert registered == {name: dist.split("[")[0] for name, dist in known.items()}, seam

@@ -55,7 +55,7 @@ SINGULAR = {
 # Names the first-party packages register, so that asking for one that is missing says what to install.
 KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "advantage_estimators": dict.fromkeys(
-        ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"], "rlhf-algos"
+        ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "opd"], "rlhf-algos"
     ),
     "policy_losses": dict.fromkeys(["ppo", "gspo"], "rlhf-algos"),
     "kl_estimators": dict.fromkeys(["k1", "k2", "k3"], "rlhf-algos"),

@@ -123,6 +123,15 @@ def test_overlong_prompts_follow_the_policy_and_are_never_cut_silently(tmp_path,
     assert stats.counts["overlong_prompts_truncated"] == 1
     assert cut[0].prompt == encode(tok, long_prompt)[-15:]
     assert fit_prompt([1, 2, 3], 3, "error", "x") == [1, 2, 3]
+    # over-long responses are cut to the room the prompt leaves, each one counted
+    pair = write_jsonl(tmp_path / "pair.jsonl", [{"prompt": "w1", "chosen": long_prompt, "rejected": "w2"},
+                                                 {"prompt": "w1", "chosen": long_prompt, "rejected": long_prompt}])
+    stats = DataStats()
+    pairs = build_examples("dpo", read_rows(pair), tok, _cfg(prompt_key="prompt"), stats)
+    room = 16 - len(pairs[0].prompt)
+    assert stats.counts["responses_truncated"] == 3
+    assert [len(p.chosen) for p in pairs] == [room, room] and len(pairs[1].rejected) == room
+    assert pairs[0].chosen == encode(tok, long_prompt)[:room] and pairs[0].rejected == encode(tok, "w2") + [tok.eos_token_id]
 
 
 def test_sft_examples_train_on_the_response_only(tmp_path, tok):

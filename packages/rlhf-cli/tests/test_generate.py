@@ -48,12 +48,14 @@ def test_openrlhf_flat_flags_set_the_generate_config():
         "--pretrain", "m", "--reward_pretrain", "rm", "--dataset", "d.jsonl", "--best_of_n", "4", "--iter", "2",
         "--rollout_batch_size", "64", "--post_processor", "iter_dpo", "--greedy_sampling", "--tp_size", "2",
         "--output_path", "o.jsonl", "--eval_task", "generate_vllm", "--micro_batch_size", "8", "--zero_stage", "0",
-        "--enable_csft", "--csft_prompt", "<rm_score>: 1.00"])
+        "--enable_csft", "--csft_prompt", "<rm_score>: 1.00", "--disable_fast_tokenizer"])
     assert (cfg.model.model_name_or_path, cfg.reward.model_name_or_path, cfg.data.dataset) == ("m", "rm", ["d.jsonl"])
     assert (cfg.rollout.n_samples_per_prompt, cfg.generate.iter, cfg.rollout.batch_size) == (4, 2, 64)
     assert (cfg.generate.post_processor, cfg.rollout.temperature, cfg.vllm.tensor_parallel_size) == ("iter_dpo", 0.0, 2)
     assert (cfg.generate.task, cfg.rollout.micro_batch_size, cfg.generate.enable_csft) == ("generate_vllm", 8, True)
-    assert notes == ["--zero_stage is ignored: generation runs the policy in rollout engines, not under DeepSpeed"]
+    assert notes == ["--zero_stage is ignored: generation runs the policy in rollout engines, not under DeepSpeed",
+                     "--data.disable_fast_tokenizer changes nothing: transformers 5 has one tokenizer implementation "
+                     "and ignores use_fast (OpenRLHF passes it on unread too)"]
 
 
 @pytest.mark.parametrize("extra, drop, message", [

@@ -107,15 +107,8 @@ class Plan:
 
 def load_tokenizer(cfg: GenerateConfig) -> Any:
     """The policy's tokenizer, else the reward model's, else None (a reward file scoring text alone)."""
-    from transformers import AutoTokenizer
-
     path = cfg.model.model_name_or_path or cfg.reward.model_name_or_path
-    if path is None:
-        return None
-    tokenizer = AutoTokenizer.from_pretrained(path, use_fast=not cfg.data.disable_fast_tokenizer)
-    if cfg.data.tokenizer_chat_template:
-        tokenizer.chat_template = cfg.data.tokenizer_chat_template
-    return tokenizer
+    return None if path is None else data.load_tokenizer(path, cfg.data)
 
 
 def select_rows(cfg: GenerateConfig) -> list[data.Row]:

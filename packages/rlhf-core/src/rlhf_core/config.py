@@ -885,8 +885,9 @@ class GenerateDataConfig:
     """Skip and count rows with a missing or mistyped key instead of failing on the first."""
     max_samples: int = 100_000_000
     """Use at most this many rows (without ``--generate.iter``)."""
-    disable_fast_tokenizer: bool = False
-    """Load the slow tokenizer."""
+    disable_fast_tokenizer: bool = option(False, noted=(
+        "transformers 5 has one tokenizer implementation and ignores use_fast (OpenRLHF passes it on unread too)"))
+    """OpenRLHF's switch to the slow tokenizer; changes nothing with transformers 5."""
 
 
 @dataclass

@@ -738,7 +738,9 @@ class TrainWorker:
             except (OSError, ValueError):
                 pass  # a model directory without a tokenizer: nothing to copy
         if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            # NCCL wants the rank's device named, or warns that it guesses it
+            nccl = torch.distributed.get_backend() == "nccl"
+            torch.distributed.barrier(device_ids=[torch.cuda.current_device()] if nccl else None)
 
     def sleep(self) -> None:
         """Hybrid engine (``--ds.enable_sleep``): move ZeRO-3 training state (parameters, gradients,

@@ -163,9 +163,10 @@ def test_head_logprobs_in_chunks_equal_a_full_log_softmax_with_gradients(monkeyp
 
 
 def test_head_logprobs_keep_no_logits_for_backward(monkeypatch):
-    """What autograd saves for backward (counted with saved_tensors_hooks, parameters aside) stays far under
-    one chunk: the logits are recomputed per chunk in backward. Materialising the logits of all rows, as
-    the code before did, saves them (and the probabilities): 37 rows x 1000 x 4 bytes each."""
+    """What autograd saves for backward (counted with saved_tensors_hooks, parameters aside) is the hidden
+    states, the labels and the last chunk's logits and probabilities: the other chunks' logits are recomputed
+    in backward. Materialising the logits of all rows, as the code before chunking did, saves them (and the
+    probabilities): 37 rows x 1000 x 4 bytes each."""
     import rlhf_algos.logits as logits_mod
     from rlhf_algos.logits import head_logprobs, logprobs_and_entropy
 
@@ -191,4 +192,6 @@ def test_head_logprobs_keep_no_logits_for_backward(monkeypatch):
     chunked = saved_bytes(lambda: head_logprobs(head, hx, labels, vocab, 0.7, with_entropy=True))
     whole = saved_bytes(lambda: logprobs_and_entropy(head(hx) / 0.7, labels))
     assert whole >= 2 * len(h) * vocab * 4  # the reference does keep logits and probabilities
-    assert chunked <= len(h) * h.shape[1] * 4 + len(h) * 8  # at most the hidden states and labels
+    last = len(h) % 8 or 8  # rows of the last chunk
+    per_row = 2 * vocab * 4 + 3 * 4  # its logits and probabilities, and a log-sum-exp, entropy and label per row
+    assert 2 * last * vocab * 4 <= chunked <= len(h) * h.shape[1] * 4 + len(h) * 8 + last * per_row

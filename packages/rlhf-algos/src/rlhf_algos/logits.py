@@ -87,9 +87,11 @@ def head_logprobs(
 
     ``head`` maps ``[n, H]`` to ``[n, V]`` logits (the LM head, with any scaling the model applies after it).
     Each chunk of ``CHUNK_BYTES // (4 V)`` rows runs the head, :func:`logprobs_from_logits` or
-    :func:`logprobs_and_entropy` and drops its logits; under autograd the chunk is checkpointed, so backward
-    recomputes its logits rather than keeping all of them (the head's matmul runs twice, as with activation
-    checkpointing). A temperature of 0 (greedy) is treated as 1.
+    :func:`logprobs_and_entropy` and drops its logits; under autograd every chunk but the last is
+    checkpointed, so backward recomputes its logits rather than keeping all of them (its head matmul runs
+    twice, as with activation checkpointing). The last chunk keeps its logits: backward reaches it first, before
+    any recomputation, so they add nothing to the peak and a micro-batch that fits one chunk runs its head
+    once. A temperature of 0 (greedy) is treated as 1.
 
     ``reentrant``: recompute through the reentrant checkpoint, for a ``head`` whose weight is present only while
     its module runs (a frozen LM head partitioned by ZeRO-3, as under LoRA): DeepSpeed gathers it again when
@@ -107,8 +109,9 @@ def head_logprobs(
         return logprobs_from_logits(z, y), None
 
     rows = max(1, CHUNK_BYTES // (4 * vocab_size))
-    grad = torch.is_grad_enabled()
-    out = [torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=reentrant) if grad else chunk(h, y)
-           for h, y in zip(hidden.split(rows), labels.split(rows), strict=True)]
+    chunks = list(zip(hidden.split(rows), labels.split(rows), strict=True))
+    recompute = torch.is_grad_enabled()
+    out = [torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=reentrant) if recompute and i < len(chunks) - 1
+           else chunk(h, y) for i, (h, y) in enumerate(chunks)]
     lp = torch.cat([o[0] for o in out])  # split gives at least one (maybe empty) chunk
     return lp, torch.cat([o[1] for o in out]) if with_entropy else None

@@ -139,12 +139,8 @@ def spec(path: str) -> ModelSpec:
 
 
 @pytest.fixture(scope="module")
-def group(ray_cluster, tiny_llama):
-    from rlhf_train_deepspeed.group import create_worker_group
-
-    g = create_worker_group("actor", spec(tiny_llama), DSConfig(zero_stage=3, param_dtype="fp32"), 2)
-    yield g
-    g.shutdown()
+def group(reused_groups, tiny_llama):
+    return reused_groups[2]("actor", spec(tiny_llama), DSConfig(zero_stage=3, param_dtype="fp32"), 2, 42)
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ PPO = PolicyStepConfig(loss="ppo")
 
 
 def ray_test(test):
-    """One Ray session and two worker groups for the module (their start-up is most of the file's ~50 s)."""
+    """The Ray tests: the directory's shared Ray session and worker groups (conftest.reused_groups)."""
     return pytest.mark.slow(pytest.mark.xdist_group("ray")(test))
 
 
@@ -76,14 +76,9 @@ def micro_batches(model_path) -> list[PolicyMicroBatch]:
 
 
 @pytest.fixture(scope="module")
-def groups(ray_cluster, model_path):
-    from rlhf_train_deepspeed.group import create_worker_group
-
-    two = create_worker_group("actor", spec(model_path, 2), zero(3), 2)
-    one = create_worker_group("actor", spec(model_path, 4), zero(0), 1)
-    yield {1: one, 2: two}
-    two.shutdown()
-    one.shutdown()
+def groups(reused_groups, model_path):
+    return {2: reused_groups[2]("actor", spec(model_path, 2), zero(3), 2, 42),
+            1: reused_groups[1]("actor", spec(model_path, 4), zero(0), 1, 42)}
 
 
 @pytest.fixture(scope="module")

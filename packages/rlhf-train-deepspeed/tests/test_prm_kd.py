@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhf_core.config import KDConfig, PRMConfig
-from rlhf_train_deepspeed.testing import ReusedGroup, words, write_jsonl
+from rlhf_train_deepspeed.testing import words, write_jsonl
 from rlhf_train_deepspeed.trainers import run_supervised
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -23,10 +23,8 @@ MARK, GOOD, BAD = "w50", "w51", "w52"  # the step marker and the reward tokens (
 
 
 @pytest.fixture(scope="module")
-def factory(ray_cluster):
-    f = ReusedGroup(2)
-    yield f
-    f.shutdown()
+def factory(reused_groups):
+    return reused_groups[2]
 
 
 def arithmetic_rows(n: int, seed: int, soft: bool = False) -> list[dict]:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rlhf_core.checkpoint import CheckpointError, damage
 from rlhf_core.config import SupervisedConfig
-from rlhf_train_deepspeed.testing import ReusedGroup, sft_rows, write_jsonl
+from rlhf_train_deepspeed.testing import sft_rows, write_jsonl
 from rlhf_train_deepspeed.trainers import run_supervised
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -76,51 +76,48 @@ def run_driver(values: dict, fault: str, ray_address: str) -> subprocess.Complet
     )
 
 
-def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster, tiny_llama, tmp_path):
+def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster, reused_groups, tiny_llama, tmp_path):
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(64))
-    factory = ReusedGroup(2)
-    try:
-        full = to_cfg(settings(tiny_llama, data, str(tmp_path / "full")))
-        run_supervised("sft", full, factory)
-        want = load_file(tmp_path / "full" / "model.safetensors")
+    factory = reused_groups[2]
+    full = to_cfg(settings(tiny_llama, data, str(tmp_path / "full")))
+    run_supervised("sft", full, factory)
+    want = load_file(tmp_path / "full" / "model.safetensors")
 
-        address = ray_cluster.get_runtime_context().gcs_address
-        # 1. killed after step 5: the checkpoint of step 4 is the latest
-        killed = settings(tiny_llama, data, str(tmp_path / "killed"))
-        proc = run_driver(killed, "after_step:5", address)
-        assert proc.returncode == 137, proc.stderr[-3000:]
-        assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-        # 2. crashed while saving step 4 (max_num=1): step 2 stays the latest and loadable
-        crashed = settings(tiny_llama, data, str(tmp_path / "crashed"))
-        proc = run_driver(crashed, "mid_save:4", address)
-        assert proc.returncode == 137, proc.stderr[-3000:]
-        assert (tmp_path / "crashed" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    address = ray_cluster.get_runtime_context().gcs_address
+    # 1. killed after step 5: the checkpoint of step 4 is the latest
+    killed = settings(tiny_llama, data, str(tmp_path / "killed"))
+    proc = run_driver(killed, "after_step:5", address)
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    # 2. crashed while saving step 4 (max_num=1): step 2 stays the latest and loadable
+    crashed = settings(tiny_llama, data, str(tmp_path / "crashed"))
+    proc = run_driver(crashed, "mid_save:4", address)
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    assert (tmp_path / "crashed" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
-        for name, values in (("killed", killed), ("crashed", crashed)):
-            cfg = to_cfg({**values, "ckpt.load_enable": True})
-            run_supervised("sft", cfg, factory)
-            got = load_file(tmp_path / name / "model.safetensors")
-            assert set(got) == set(want)
-            for key in want:
-                assert (got[key] - want[key]).abs().max().item() <= 1e-6, (name, key)
-            lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-            assert [m["step"] for m in lines if "loss" in m] == list(range(1, 9))
-        full_losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-        resumed = [json.loads(x)["loss"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-        assert resumed == pytest.approx(full_losses, abs=1e-6)
+    for name, values in (("killed", killed), ("crashed", crashed)):
+        cfg = to_cfg({**values, "ckpt.load_enable": True})
+        run_supervised("sft", cfg, factory)
+        got = load_file(tmp_path / name / "model.safetensors")
+        assert set(got) == set(want)
+        for key in want:
+            assert (got[key] - want[key]).abs().max().item() <= 1e-6, (name, key)
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines if "loss" in m] == list(range(1, 9))
+    full_losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(x)["loss"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == pytest.approx(full_losses, abs=1e-6)
 
-        # 3. DeepSpeed's real files, damaged: the driver names the file before any worker is asked for
-        root = tmp_path / "killed" / "checkpoints"
-        newest = root / (root / "latest").read_text().strip()  # the only one (max_num 1)
-        assert damage(newest) is None
-        model_states = sorted(newest.rglob("*model_states.pt"))[0]
-        model_states.unlink()
+    # 3. DeepSpeed's real files, damaged: the driver names the file before any worker is asked for
+    root = tmp_path / "killed" / "checkpoints"
+    newest = root / (root / "latest").read_text().strip()  # the only one (max_num 1)
+    assert damage(newest) is None
+    model_states = sorted(newest.rglob("*model_states.pt"))[0]
+    model_states.unlink()
 
-        def no_workers(*args):
-            raise AssertionError("a worker group was started for a damaged checkpoint")
+    def no_workers(*args):
+        raise AssertionError("a worker group was started for a damaged checkpoint")
 
-        cfg = to_cfg({**killed, "ckpt.load_enable": True})
-        with pytest.raises(CheckpointError, match=re.escape(f"{model_states} is missing")):
-            run_supervised("sft", cfg, no_workers)
-    finally:
-        factory.shutdown()
+    cfg = to_cfg({**killed, "ckpt.load_enable": True})
+    with pytest.raises(CheckpointError, match=re.escape(f"{model_states} is missing")):
+        run_supervised("sft", cfg, no_workers)

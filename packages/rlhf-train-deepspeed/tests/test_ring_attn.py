@@ -172,14 +172,8 @@ PLAIN = DSConfig(zero_stage=3, param_dtype="fp32", packing_samples=True)
 
 
 @pytest.fixture(scope="module")
-def groups(ray_cluster, tiny_llama):
-    from rlhf_train_deepspeed.group import create_worker_group
-
-    ring = create_worker_group("actor", spec(tiny_llama), RING, 2)
-    plain = create_worker_group("actor", spec(tiny_llama), PLAIN, 1)
-    yield ring, plain
-    ring.shutdown()
-    plain.shutdown()
+def groups(reused_groups, tiny_llama):
+    return reused_groups[2]("actor", spec(tiny_llama), RING, 2, 42), reused_groups[1]("actor", spec(tiny_llama), PLAIN, 1, 42)
 
 
 def assert_same_step(m_ring: dict, m_plain: dict) -> None:

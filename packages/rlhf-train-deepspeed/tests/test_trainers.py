@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf_core.config import PreferenceConfig, SupervisedConfig
-from rlhf_train_deepspeed.testing import ReusedGroup, sft_rows, words, write_jsonl
+from rlhf_train_deepspeed.testing import sft_rows, words, write_jsonl
 from rlhf_train_deepspeed.trainers import run_supervised
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -18,10 +18,8 @@ GOOD, BAD = range(30, 40), range(40, 50)
 
 
 @pytest.fixture(scope="module")
-def factory(ray_cluster):
-    f = ReusedGroup(2)
-    yield f
-    f.shutdown()
+def factory(reused_groups):
+    return reused_groups[2]
 
 
 def preference_rows(n: int, seed: int) -> list[dict]:

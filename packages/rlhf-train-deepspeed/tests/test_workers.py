@@ -131,15 +131,9 @@ def cpu_adam_ready() -> bool:
 
 
 @pytest.fixture(scope="module")
-def groups(ray_cluster, tiny_llama):
-    from rlhf_train_deepspeed.group import create_worker_group
-
+def groups(reused_groups, tiny_llama):
     ds = DSConfig(zero_stage=3, param_dtype="fp32")
-    two = create_worker_group("actor", spec(tiny_llama, 2), ds, 2)
-    one = create_worker_group("actor", spec(tiny_llama, 4), ds, 1)
-    yield {1: one, 2: two}
-    two.shutdown()
-    one.shutdown()
+    return {2: reused_groups[2]("actor", spec(tiny_llama, 2), ds, 2, 42), 1: reused_groups[1]("actor", spec(tiny_llama, 4), ds, 1, 42)}
 
 
 @pytest.mark.parametrize(

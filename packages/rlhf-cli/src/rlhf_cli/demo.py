@@ -212,8 +212,9 @@ def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) ->
 
 
 def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:
-    # one process (the rank hosts the HF engine, no Ray), fp32, 8 prompts x 8 samples of at most 16 tokens
-    steps = 2 if quick else 30
+    # one process (the rank hosts the HF engine, no Ray), fp32, 8 prompts x 8 samples of at most 16 tokens;
+    # --quick (make test's check that every stage runs): 2 steps of 4 prompts, the update half the work
+    steps, prompts = (2, 4) if quick else (30, 8)
     rl = ["rlhf", "train", "ppo",
           "--actor.model_name_or_path", str(files["base"]), "--reward.remote_url", str(files["reward"]),
           "--data.prompt_dataset", str(files["prompts"]), "--data.input_key", "input", "--data.label_key", "label",
@@ -221,9 +222,9 @@ def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple
           "--eval.dataset", str(files["eval"]), "--eval.steps", "-1" if quick else "10",
           "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0", "--eval.max_samples", "16" if quick else "100",
           "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-          "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "8",
+          "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", str(prompts),
           "--rollout.max_new_tokens", str(REAL_NEW_TOKENS), "--rollout.micro_batch_size", "16",
-          "--train.batch_size", "64", "--train.micro_batch_size", "16", "--train.max_steps", str(steps),
+          "--train.batch_size", str(8 * prompts), "--train.micro_batch_size", "16", "--train.max_steps", str(steps),
           "--actor.adam.lr", "2e-5", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
           "--ds.zero_stage", "0", "--ds.param_dtype", "fp32", "--train.colocate_all",
           "--ckpt.output_dir", str(work / "rl")]

@@ -131,8 +131,8 @@ def commands(files: dict[str, Path], work: Path, quick: bool, engine: str = "hf"
     # calibrated over seeds 0-2 on one machine: SFT reaches 57-67% held-out accuracy (it learns the teacher's
     # carry mistakes; a constant LR left it anywhere from 32% to 58%) and GRPO takes it to 84-90% (at lr 1e-3
     # it sometimes fell below SFT); seed 0 on an AMD EPYC: 66% -> 93% (float kernels differ across CPUs);
-    # --quick only checks that every stage runs
-    sft_epochs, rl_steps = (3, 4) if quick else (28, 88)  # 88 steps: one pass over the 1,400 prompts
+    # --quick only checks that every stage runs: one SFT epoch, 4 GRPO steps
+    sft_epochs, rl_steps = (1, 4) if quick else (28, 88)  # 88 steps: one pass over the 1,400 prompts
     sft = ["rlhf", "train", "sft",
            "--model.model_name_or_path", str(files["base"]), "--data.dataset", str(files["sft"]),
            "--data.input_key", "input", "--data.output_key", "output", "--data.max_len", "16",

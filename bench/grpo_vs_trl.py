@@ -854,21 +854,25 @@ torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__v
 
 
 REAL_NOTES = """
-Measured 2026-11-27 on an idle 2-core AMD EPYC (AVX2, no AVX-512), with `--dtype fp32 --runs rlhf-default,trl
---reps 1 --steps 3 --warmup 1` (rlhf-default is the command with no placement or precision flags: on this row
-one process, ZeRO-0, fp32). Against the goals: step speed 2.58x TRL's and peak PSS 0.63x, short of 3x and 0.5x.
+Measured 2026-11-27 on an idle 2-core AMD EPYC (AVX2, no AVX-512), in two invocations of `--dtype fp32 --runs
+rlhf-default,trl --reps 1 --steps 3 --warmup 1` (the second with `--runs trl,rlhf-default`; rlhf-default is the
+command with no placement or precision flags: on this row one process, ZeRO-0, fp32). Against the goals: step
+speed 3.39x TRL's (3.31x and 3.47x per round), peak PSS 0.62x (short of 0.5x). An invocation earlier that day,
+before the last log-prob chunk kept its logits instead of recomputing them (a micro-batch's forward and backward
+8% faster, same gradients), gave 2.58x: rlhf 22.4 s and TRL 57.7 s per step. TRL's step took 65.8-68.6 s in
+these rounds, so about half of the change in the ratio is the machine, not rlhf.
 
-Where rlhf's 22.4 s go (cProfile of a step): the policy update takes 16.0 s. Of that, 14 s are the forward and
+Where rlhf's 22.4 s went before that change (cProfile of a step): the policy update took 16.0 s. Of that, 14 s are the forward and
 backward passes of 4 micro-batches at 3.5 s each. With shared prompts, the linear layers see 332 tokens per
 micro-batch of 2 prompts x 8 samples, 0.26 TFLOP, at 95 GFLOP/s, this CPU's fp32 matrix-product rate at these
 shapes (95-125 measured alone). AdamW takes 0.7 s. Generation takes 6.4 s in the run. Profiled alone, the same
 generate call takes 5.1 s: the decode's linear layers 2.9 s (89 GFLOP/s on 64 rows), one prefill per prompt 0.56 s,
 attention 0.44 s, and sampling from 49,152 logits plus the rest about 1.2 s. So the matrix products of both
-phases already run at this CPU's rate. 3x needs 19.2 s, so 3.2 s must come out of the roughly 5 s that is not
+phases already run at this CPU's rate. Against that TRL step, 3x needed 19.2 s: 3.2 s out of the roughly 5 s that is not
 matrix products: training's other work (attention, norms, the log-softmax: about 2.5 s), decode's sampling and
 attention (1.6 s), AdamW (0.7 s), and repacking the weights for decode after every sync (0.4 s).
 
-Memory: 0.5x TRL's peak PSS is 2657 MiB. The fp32 weights, gradients and AdamW moments alone take 2052 MiB
+Memory: 0.5x TRL's peak PSS is 2657-2725 MiB (TRL: 5314-5450 MiB). The fp32 weights, gradients and AdamW moments alone take 2052 MiB
 (134.5M x 4 B x 4), and the interpreter with torch, transformers and DeepSpeed imported takes 355 MiB. That
 leaves 250 MiB for the engine's KV cache (175 MiB for 64 rows of 62 tokens) and every training activation:
 in fp32 the goal is below what this run holds.

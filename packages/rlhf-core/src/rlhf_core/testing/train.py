@@ -94,9 +94,14 @@ class TrainBackendConformance:
                                       *self.flags])
         group = self.make_backend().create_group("actor", cfg, None, 2, total_steps=10, num_threads=1)
         yield group
-        group.shutdown()
+        self.release_group(group)
         if own:
             ray.shutdown()
+
+    def release_group(self, group) -> None:
+        """Called once the class is done with ``group``: shuts it down. A backend's test suite may keep it
+        instead (e.g. to reuse its started ranks in later tests)."""
+        group.shutdown()
 
     def logprobs(self, group, batches: list[SequenceBatch]) -> list[torch.Tensor]:
         return group.gather_sharded(*group.call_sharded_async("compute_logprobs", batches, 1.0, False))

@@ -70,7 +70,9 @@ def test_prm_ranks_held_out_right_steps_above_wrong_ones(factory, tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", rows)
     held_out_rows = arithmetic_rows(48, seed=2)
     held_out = write_jsonl(tmp_path / "eval.jsonl", held_out_rows)
-    cfg = make_cfg(PRMConfig, model, tmp_path, train, epochs=8)
+    # 6 epochs (120 steps): over data and train seeds 0-2, eval/acc 0.91-0.99, AUC 0.98-1.0, mean scores right
+    # 0.88-0.92 / wrong 0.08-0.17 (with 8 epochs: acc 0.92-0.98, AUC 0.98-1.0, right 0.80-0.95, wrong 0.06-0.11)
+    cfg = make_cfg(PRMConfig, model, tmp_path, train, epochs=6)
     cfg.train.batch_size, cfg.train.micro_batch_size = 32, 8
     cfg.prm.placeholder_token, cfg.prm.reward_tokens = MARK, [GOOD, BAD]
     cfg.eval.dataset = [held_out]

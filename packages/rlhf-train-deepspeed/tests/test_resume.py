@@ -68,12 +68,20 @@ def to_cfg(values: dict) -> SupervisedConfig:
     return cfg
 
 
-def run_driver(values: dict, fault: str, ray_address: str) -> subprocess.CompletedProcess:
+def start_driver(values: dict, fault: str, ray_address: str) -> subprocess.Popen:
     values = {**values, "model.adam.lr": 5e-3}
     env = {**os.environ, "RLHF_FAULT": fault, "RAY_ADDRESS": ray_address}
-    return subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(values)], env=env, capture_output=True, text=True, timeout=300
-    )
+    return subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(values)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return proc.returncode, err
 
 
 def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster, reused_groups, tiny_llama, tmp_path):
@@ -85,14 +93,15 @@ def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster,
 
     address = ray_cluster.get_runtime_context().gcs_address
     # 1. killed after step 5: the checkpoint of step 4 is the latest
-    killed = settings(tiny_llama, data, str(tmp_path / "killed"))
-    proc = run_driver(killed, "after_step:5", address)
-    assert proc.returncode == 137, proc.stderr[-3000:]
-    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     # 2. crashed while saving step 4 (max_num=1): step 2 stays the latest and loadable
+    # The two drivers (separate output dirs, 2 ranks each) run side by side: most of each is start-up.
+    killed = settings(tiny_llama, data, str(tmp_path / "killed"))
     crashed = settings(tiny_llama, data, str(tmp_path / "crashed"))
-    proc = run_driver(crashed, "mid_save:4", address)
-    assert proc.returncode == 137, proc.stderr[-3000:]
+    procs = [start_driver(killed, "after_step:5", address), start_driver(crashed, "mid_save:4", address)]
+    (killed_rc, killed_err), (crashed_rc, crashed_err) = [finish(p) for p in procs]
+    assert killed_rc == 137, killed_err[-3000:]
+    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert crashed_rc == 137, crashed_err[-3000:]
     assert (tmp_path / "crashed" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
 
     for name, values in (("killed", killed), ("crashed", crashed)):

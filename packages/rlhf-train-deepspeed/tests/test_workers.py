@@ -221,29 +221,27 @@ def test_bf16_on_cpu_trains_close_to_fp32(groups, tiny_llama):
     assert next(iter(weights.values())).dtype == torch.bfloat16
 
 
-def test_critic_and_reward_groups(ray_cluster, tiny_llama):
+def test_critic_and_reward_groups(reused_groups, tiny_llama):
     from rlhf_core.batches import CriticMicroBatch
-    from rlhf_train_deepspeed.group import create_worker_group
     from rlhf_train_deepspeed.models import load_value_model, response_values, sequence_rewards
 
     seqs = global_batch()[:2]
     critic_spec = ModelSpec(path=tiny_llama, kind="value", trainable=True, optim=optim(), micro_batch_size=2, total_steps=10)
-    critic = create_worker_group("critic", critic_spec, DSConfig(zero_stage=2, param_dtype="fp32"), 1)
-    try:
-        values = critic.compute_values(seqs)
-        torch.manual_seed(42)  # the worker seeds before loading: the fresh head is initialised alike
-        model = load_value_model(tiny_llama, torch.float32).eval()
-        with torch.no_grad():
-            torch.testing.assert_close(values[0], response_values(model, seqs[0])[0], atol=1e-5, rtol=0)
-        mbs = [CriticMicroBatch(b, v, v + 1.0) for b, v in zip(seqs, values, strict=True)]
-        metrics = critic.train_critic_step(mbs, value_clip=0.5)
-        assert metrics["loss"] == pytest.approx(0.5, abs=1e-5)  # 0.5 * (V - (V + 1))^2 before the update
-        rewards = critic.compute_rewards(seqs)
-        assert rewards[0].shape == (2,)
-        with torch.no_grad():
-            assert not torch.allclose(rewards[0], sequence_rewards(model, seqs[0]))  # it trained
-    finally:
-        critic.shutdown()
+    # the directory's 1-rank group with a value model loaded (init_model seeds with 42 first, as a new group
+    # would): the role name only labels a group's errors, so this saves starting a rank
+    critic = reused_groups[1]("critic", critic_spec, DSConfig(zero_stage=2, param_dtype="fp32"), 1, 42)
+    values = critic.compute_values(seqs)
+    torch.manual_seed(42)  # the worker seeds before loading: the fresh head is initialised alike
+    model = load_value_model(tiny_llama, torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(values[0], response_values(model, seqs[0])[0], atol=1e-5, rtol=0)
+    mbs = [CriticMicroBatch(b, v, v + 1.0) for b, v in zip(seqs, values, strict=True)]
+    metrics = critic.train_critic_step(mbs, value_clip=0.5)
+    assert metrics["loss"] == pytest.approx(0.5, abs=1e-5)  # 0.5 * (V - (V + 1))^2 before the update
+    rewards = critic.compute_rewards(seqs)
+    assert rewards[0].shape == (2,)
+    with torch.no_grad():
+        assert not torch.allclose(rewards[0], sequence_rewards(model, seqs[0]))  # it trained
 
 
 def test_weights_reach_an_engine_through_the_sync_group(groups, tiny_llama):

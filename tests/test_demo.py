@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray2")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo")]
 
 
 def quick_demo(workdir):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pipelines")]
 REPO = Path(__file__).resolve().parents[1]
 
 VOCAB = ["<pad>", "<s>", "</s>", "<unk>", *[str(d) for d in range(10)], "<rm_score>:", "0.00", "1.00"]

@@ -20,7 +20,7 @@ from test_rl_e2e import REPO, REWARD, base_args, metrics, one_rank_on_ray, train
 from rlhf_rollout_vllm.plugin import VLLMEngineFactory
 
 REASON = VLLMEngineFactory().available()
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray"),
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rl_vllm"),
               pytest.mark.skipif(REASON is not None, reason=f"needs a runnable vLLM: {REASON}")]
 GAP = 1e-5
 ray_session = test_rl_e2e.ray_session  # the e2e runs' fixture: one local Ray session for this module

@@ -119,7 +119,7 @@ def test_node_resource_pins_the_rollout_pool_and_is_refused_when_the_engines_sha
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("rollout_node")
 def test_the_rollout_engine_runs_and_syncs_on_a_node_without_deepspeed(tmp_path):
     python = make_rollout_venv(tmp_path / "rollout-venv")
     # the inference node's environment: the rollout packages import, the training stack does not

@@ -239,7 +239,7 @@ def ppo_args(tmp_path_factory) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("single_process")
 def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(ppo_args, tmp_path):
     """The same seed gives the same steps and the same final weights, bit for bit, with and without Ray
     (both run the rank with 2 torch threads). The Ray run goes through the Python API with the reward as a
@@ -265,7 +265,7 @@ def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(ppo_args, 
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("single_process")
 def test_a_killed_single_process_run_resumes_exactly(ppo_args, tmp_path):
     """SIGKILL the whole run (driver and rank are one process) after its second checkpoint; resuming ends on
     the weights of the run that was never stopped."""
@@ -293,7 +293,7 @@ def test_a_killed_single_process_run_resumes_exactly(ppo_args, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("single_process")
 def test_sft_in_the_driver_computes_what_the_same_run_computes_on_ray(tmp_path):
     from rlhf_core.testing.tiny import make_tiny_llama
 

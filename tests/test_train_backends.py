@@ -18,7 +18,7 @@ def reward_func(queries, prompts, labels, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("train_backends")
 class TestPlainTorchBackend(TrainBackendConformance):
     def make_backend(self):
         return PlainTorchBackend()
@@ -41,7 +41,7 @@ def test_only_a_backend_that_hosts_roles_gets_engines_in_its_ranks(register_plug
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("train_backends")
 def test_a_grpo_run_trains_and_syncs_on_the_plain_torch_backend(register_plugin, tmp_path):
     from rlhf_cli.main import main
     from rlhf_core.testing.tiny import make_tiny_llama

@@ -16,7 +16,7 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vlm_e2e")]
 
 REWARD = '''
 def reward_func(queries, prompts, labels, responses, **kwargs):

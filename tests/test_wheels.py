@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("wheels")]
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(sysconfig.get_paths()["purelib"])

@@ -74,7 +74,7 @@ def test_roles_in_the_actors_pool_run_inside_the_actor_ranks():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("placement")
 def test_groups_land_on_the_nodes_the_strategy_says():
     """Two Ray nodes of 2 CPUs each: `separate` packs actor and rollout pools onto different nodes;
     `colocate_all` puts both roles on the same bundles, hence the same node."""

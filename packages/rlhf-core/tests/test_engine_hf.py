@@ -60,7 +60,7 @@ def ray_session():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ray")
+@pytest.mark.xdist_group("hf_engine_ray")
 class TestHFEngineRayActor(RolloutEngineConformance):
     @pytest.fixture(scope="class", autouse=True)
     def _ray(self, ray_session):

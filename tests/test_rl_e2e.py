@@ -305,13 +305,14 @@ def test_ppo_with_a_process_reward_model_scoring_each_step(assets, ray_session, 
 
 def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(assets, ray_session, tmp_path, capfd):
     """The rollout worker's RolloutFailureError reaches the user as its message, not as Ray's traceback chain;
-    the traceback goes to the run's log file."""
+    the traceback goes to the run's log file. One policy rank: the failure is the rollout actor's, whose
+    process is the engine's either way."""
     reward = tmp_path / "judge_reward.py"
     reward.write_text("def reward_func(queries, prompts, labels):\n    raise ValueError('the judge is down')\n")
     out = tmp_path / "run"
     args = base_args(assets, out)
     args[args.index(assets["reward"])] = str(reward)
-    assert train(args + ["--algo.advantage.estimator", "group_norm"]) == 1
+    assert train(one_rank_on_ray(args) + ["--algo.advantage.estimator", "group_norm"]) == 1
     err = capfd.readouterr().err
     assert ("rlhf train ppo: step 1: 16 of 16 samples could not be scored, more than "
             f"--reward.max_failure_fraction 0.1 (reward source: reward_func in {reward})") in err

@@ -303,6 +303,41 @@ def test_ppo_with_a_process_reward_model_scoring_each_step(assets, ray_session, 
         assert 1.0 <= r["prm/steps"] <= 4.0 and 0.0 < r["prm/min_step"] <= r["prm/mean_step"]
 
 
+BROKEN_AGENT = """
+import os
+
+from rlhf_agents import SingleTurnAgentExecutor
+
+
+class AgentExecutor(SingleTurnAgentExecutor):
+    def __init__(self):
+        super().__init__()
+        if "AGENT_API_KEY" not in os.environ:  # the driver imports this file but does not build the executor
+            raise RuntimeError("AGENT_API_KEY is not set")
+"""
+
+
+def test_an_agent_that_fails_in_its_worker_is_reported_by_its_message(assets, ray_session, tmp_path, capfd):
+    """The executor is built in the rollout actor's process on the module's Ray session (whose workers do not
+    have AGENT_API_KEY); capfd sees the driver's stderr and the workers' lines Ray forwards to it. It runs
+    before the reward test, whose worker may log a traceback that Ray forwards after that test ends."""
+    # the session's workers got this process's environment
+    assert "AGENT_API_KEY" not in os.environ, "unset AGENT_API_KEY to run this test"
+    agent = tmp_path / "agent.py"
+    agent.write_text(BROKEN_AGENT)
+    out = tmp_path / "run"
+    args = one_rank_on_ray(base_args(assets, out)) + ["--algo.advantage.estimator", "group_norm",
+                                                      "--train.agent_func_path", str(agent)]
+    capfd.readouterr()
+    assert train(args) == 1
+    err = capfd.readouterr().err
+    assert (f"rlhf train ppo: --train.agent_func_path {agent}: AgentExecutor() raised RuntimeError: "
+            "AGENT_API_KEY is not set") in err
+    assert "Traceback" not in err and "ray::" not in err, err[-3000:]
+    log = (out / "train.log").read_text()
+    assert "Traceback (most recent call last)" in log and "AGENT_API_KEY is not set" in log
+
+
 def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(assets, ray_session, tmp_path, capfd):
     """The rollout worker's RolloutFailureError reaches the user as its message, not as Ray's traceback chain;
     the traceback goes to the run's log file. One policy rank: the failure is the rollout actor's, whose
@@ -322,38 +357,6 @@ def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(ass
     assert err.count("Traceback (most recent call last)") <= 1, err
     log = (out / "train.log").read_text()
     assert "RolloutFailureError" in log and "Traceback (most recent call last)" in log
-
-
-BROKEN_AGENT = """
-import os
-
-from rlhf_agents import SingleTurnAgentExecutor
-
-
-class AgentExecutor(SingleTurnAgentExecutor):
-    def __init__(self):
-        super().__init__()
-        if "AGENT_API_KEY" not in os.environ:  # the driver imports this file but does not build the executor
-            raise RuntimeError("AGENT_API_KEY is not set")
-"""
-
-
-@pytest.mark.xdist_group("ray2")  # a subprocess with its own Ray, to see exactly what the terminal shows
-def test_an_agent_that_fails_in_its_worker_is_reported_by_its_message(assets, tmp_path):
-    agent = tmp_path / "agent.py"
-    agent.write_text(BROKEN_AGENT)
-    out = tmp_path / "run"
-    args = one_rank_on_ray(base_args(assets, out)) + ["--algo.advantage.estimator", "group_norm",
-                                                      "--train.agent_func_path", str(agent)]
-    env = {k: v for k, v in os.environ.items() if k != "AGENT_API_KEY"}
-    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args],
-                          env={**env, "RLHF_NO_PROGRESS": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1
-    assert (f"rlhf train ppo: --train.agent_func_path {agent}: AgentExecutor() raised RuntimeError: "
-            "AGENT_API_KEY is not set") in done.stderr
-    assert "Traceback" not in done.stderr and "ray::" not in done.stderr, done.stderr[-3000:]
-    log = (out / "train.log").read_text()
-    assert "Traceback (most recent call last)" in log and "AGENT_API_KEY is not set" in log
 
 
 def _export_weights(out) -> dict:

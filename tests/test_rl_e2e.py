@@ -363,11 +363,16 @@ def _export_weights(out) -> dict:
     return load_file(str(Path(out) / "model" / "model.safetensors"))
 
 
-def ppo_command(args: list[str], out) -> list[str]:
-    """``rlhf train ppo`` as a child process's command line, ``args``' output directory "X" set to ``out``."""
+def with_output(args: list[str], out) -> list[str]:
+    """``args`` with their output directory "X" set to ``out``."""
     args = list(args)
     args[args.index("X")] = str(out)
-    return [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args]
+    return args
+
+
+def ppo_command(args: list[str], out) -> list[str]:
+    """``rlhf train ppo`` as a child process's command line, ``args``' output directory "X" set to ``out``."""
+    return [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *with_output(args, out)]
 
 
 KILL_HOOK = '''
@@ -392,10 +397,10 @@ def reward_func(queries, prompts, labels, **kwargs):
 '''
 
 
-@pytest.mark.xdist_group("ray2")
-def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, tmp_path):
+def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, ray_session, tmp_path):
     """Uninterrupted run A; in run B the engine process is SIGKILLed in the middle of step 2's rollout: it must
-    be replaced (current weights, same seeds), the run must finish, and its prompts and weights must be A's."""
+    be replaced (current weights, same seeds), the run must finish, and its prompts and weights must be A's.
+    A runs in this process on the module's Ray session (no Ray to start), B in a subprocess with its own."""
     import psutil
 
     mark = tmp_path / "killed_engine_pid"
@@ -410,8 +415,7 @@ def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, 
 
     a, b = tmp_path / "a", tmp_path / "b"
     mark.write_text("")  # run A: no engine stops
-    done = subprocess.run(cmd(a), env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert train(with_output(common, a)) == 0
     mark.unlink()
 
     proc = subprocess.Popen(cmd(b), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -433,14 +437,14 @@ def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, 
     assert [r["rollout/prompt_digest"] for r in metrics(b)] == [r["rollout/prompt_digest"] for r in metrics(a)]
 
 
-@pytest.mark.xdist_group("ray2")  # subprocesses with their own Ray: can run beside the in-process group
-def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, tmp_path):
+def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, ray_session, tmp_path):
     """Uninterrupted async run A; run B gets one policy rank killed with SIGKILL mid-run, must stop with a clear
     error within a minute, and resuming from its last checkpoint must end on A's weights and prompts. The
     run generates one batch ahead, over-generates (rounds of 6 prompts for batches of 4) and drops groups
     more than one policy version old (the rest of a round, at its second step), so its checkpoints hold
     waiting groups and a batch generated ahead: all of it must come back as it was, not generated again by
-    newer weights."""
+    newer weights. A runs in this process on the module's Ray session; B and its resume in subprocesses, each
+    with its own Ray, whose workers are B's descendants."""
     import psutil
 
     common = base_args(assets, "X", steps=6) + ["--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2",
@@ -452,8 +456,7 @@ def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, tmp_
         return ppo_command(common, out)
 
     a, b = tmp_path / "a", tmp_path / "b"
-    done = subprocess.run(cmd(a), env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert train(with_output(common, a)) == 0
 
     proc = subprocess.Popen(cmd(b), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300

@@ -81,18 +81,23 @@ def test_slices_padding_and_labels_reassemble_the_unsliced_row(size):
 
 @pytest.fixture
 def one_rank_group():
-    """A gloo process group of one rank in this process (the ring path's collectives of size 1)."""
+    """A gloo process group of one rank in this process (the ring path's collectives of size 1); the one an
+    in-process run of an earlier test left (it keeps its group until exit) where there is one."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    own = not dist.is_initialized()
+    if own:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         yield ring_attn.setup_ring(1)
     finally:
         ring_attn._GROUPS.clear()
-        dist.destroy_process_group()
+        if own:
+            dist.destroy_process_group()
 
 
 def test_the_gather_attention_path_equals_the_unsliced_model(tiny_llama, one_rank_group):

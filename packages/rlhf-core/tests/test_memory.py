@@ -1,4 +1,5 @@
-"""keep_freed_memory: a step that reallocates what the previous step freed does not page-fault it in again."""
+"""keep_freed_memory: a step that reallocates what the previous step freed does not page-fault it in again.
+release_file_pages: a clean weight file's pages leave the process's resident memory and read back the same."""
 
 import ctypes.util
 import json
@@ -6,6 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlhf_core.memory import release_file_pages
 
 # Six "steps", each allocating and freeing 24 touched tensors of 1-4 MiB (15360 pages in all); prints the
 # minor page faults of each step.
@@ -41,3 +47,27 @@ def test_freed_memory_is_reused_without_page_faults():
     # catches up after a few steps)
     assert sum(kept[1:]) < PAGES_PER_STEP * 0.3, kept
     assert default[1] > PAGES_PER_STEP * 0.9, default
+
+
+def rss_file_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) >> 10
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps and madvise")
+def test_release_file_pages_drops_clean_weight_mappings_only(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(1 << 22), "v": torch.randn(1 << 20)}, path)  # 16 + 4 MiB
+    with safe_open(path, "pt") as f:  # mapped from the file, as transformers loads a checkpoint
+        w, v = f.get_tensor("w"), f.get_tensor("v")
+    copies = w.clone(), v.clone()
+    assert float(w.sum() + v.sum()) == pytest.approx(float(copies[0].sum() + copies[1].sum()))  # pages in
+    before = rss_file_mib()
+    assert release_file_pages([w, v]) >= 20 << 20
+    assert rss_file_mib() <= before - 16
+    assert torch.equal(w, copies[0]) and torch.equal(v, copies[1])  # read back from the file
+    w[0] = 123.0  # a copied-on-write page: the mapping now holds data the file does not
+    assert release_file_pages([w, v]) == 0
+    assert w[0] == 123.0 and torch.equal(w[1:], copies[0][1:])
+    heap = torch.ones(1 << 22)
+    assert release_file_pages([heap]) == 0 and heap.sum() == 1 << 22

@@ -3,6 +3,7 @@ ZeRO 0/2/3 and 1 or 2 ranks, non-finite steps skipped on every rank, forward-onl
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -400,6 +401,40 @@ def test_a_hosted_engine_decodes_from_the_trainers_tensors_with_the_numbers_of_i
         assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
         for n, p in worker._module().named_parameters():
             assert torch.equal(p, stepped[n]), n
+    finally:
+        worker.close()
+
+
+def resident_kib(ptr: int) -> int:
+    """Rss of the mapping of this process that holds address ``ptr``, from /proc/self/smaps."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for k, line in enumerate(lines):
+        span = line.split()[0]
+        if "-" in span and not span.endswith(":"):
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= ptr < hi:
+                return next(int(x.split()[1]) for x in lines[k + 1:] if x.startswith("Rss:"))
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps")
+def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_llama):
+    """A CPU rank's reference model runs once a step; after its log-probs its weights' file mapping holds no
+    resident page (they wait in the page cache), and the next forward reads back the same numbers."""
+    worker = TrainWorker(0, 1)
+    try:
+        worker.init_distributed(worker.master_address())
+        worker.init_model(spec(tiny_llama, 4, ref_path=tiny_llama), DSConfig(zero_stage=0, param_dtype="fp32"))
+        weight = worker.ref_engine.module.get_input_embeddings().weight
+        seqs = global_batch()[:2]
+        first = worker.compute_logprobs(seqs, ref=True)
+        assert resident_kib(weight.data_ptr()) == 0
+        for a, b in zip(first, worker.compute_logprobs(seqs, ref=True), strict=True):
+            assert torch.equal(a, b)
+        policy = worker._module().get_input_embeddings().weight
+        worker.compute_logprobs(seqs)  # the policy's own weights stay where they are
+        assert resident_kib(policy.data_ptr()) > 0
     finally:
         worker.close()
 

@@ -30,7 +30,7 @@ from rlhf_core.batches import (
     to_device,
 )
 from rlhf_core.checkpoint import CheckpointError
-from rlhf_core.memory import keep_freed_memory
+from rlhf_core.memory import keep_freed_memory, release_file_pages
 from rlhf_train_deepspeed import shared_prefix
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
@@ -297,6 +297,8 @@ class TrainWorker:
         for b in batches:
             lp, ent, _ = response_logprobs(engine, self._dev(b), temperature, self.packing, with_entropy, ring=self.ring)
             out.append((lp.cpu(), ent.cpu()) if with_entropy else lp.cpu())
+        if engine is not self.engine:  # a frozen model, idle until the next step: its weights to the page cache
+            release_file_pages(engine.parameters())
         return out
 
     @torch.no_grad()

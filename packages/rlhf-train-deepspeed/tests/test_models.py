@@ -267,6 +267,40 @@ def test_chunked_head_keeps_no_logits_for_backward(wide_vocab_llama, monkeypatch
     assert chunked == 2 * last * WIDE_VOCAB * 4
 
 
+def test_a_tied_heads_gradient_takes_the_embeddings_in_place(monkeypatch):
+    """With tied embeddings the head's and the input embedding's gradients meet in one ``[V, H]`` buffer.
+    nn.Linear hands the head's over as a transposed view, which autograd does not add to in place, so their sum
+    was a third ``[V, H]`` allocation; through ``_TiedHead`` a backward (the second, with ``.grad`` already
+    there) allocates two, the head's gradient and the embedding's zero-filled one, and the gradients are
+    bitwise those of the nn.Linear head (the same matmul, the same sum in the same order)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import rlhf_train_deepspeed.models as models
+
+    def grads_and_vh_allocations(model) -> tuple[dict, list[str]]:
+        seq = make_sequence_batch([[1, 5, 6]] * 4, [[7, 8, 9, 10, 11]] * 4, pad_token_id=0)
+        model.zero_grad(set_to_none=True)
+        response_logprobs(model, seq, 0.7)[0].sum().backward()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            response_logprobs(model, seq, 0.7)[0].sum().backward()
+        vh = WIDE_VOCAB * 32 * 4
+        return ({n: p.grad.clone() for n, p in model.named_parameters()},
+                [e.name for e in prof.events() if e.self_cpu_memory_usage == vh])
+
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=WIDE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=True, attn_implementation="sdpa"))
+    grads, allocations = grads_and_vh_allocations(model)
+    assert len(allocations) == 2 and "aten::add" not in allocations, allocations
+    monkeypatch.setattr(models._TiedHead, "apply", lambda h, weight: torch.nn.functional.linear(h, weight))
+    linear_grads, linear_allocations = grads_and_vh_allocations(model)
+    assert len(linear_allocations) == 3 and "aten::add" in linear_allocations, linear_allocations
+    for name, grad in grads.items():
+        assert torch.equal(grad, linear_grads[name]), name
+
+
 def test_the_fused_adamw_steps_like_the_per_tensor_one_and_a_float64_adamw():
     """``make_optimizer``'s AdamW is the fused kernel (no full-size temporaries); after 5 steps its fp32
     parameters are the default per-tensor AdamW's (the optimizer before) and a float64 AdamW written out here

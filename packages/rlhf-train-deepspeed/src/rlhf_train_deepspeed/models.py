@@ -147,8 +147,13 @@ def _head_logprobs(model, hidden, labels, temperature, with_entropy):
         multiplier = 1.0 / config.logits_scaling
     cap = getattr(config, "final_logit_softcapping", None)
 
+    embedding = getattr(model, "module", model).get_input_embeddings()
+    # a trained head tied to the input embedding, whole (not a ZeRO-3 partition, gathered only in its forward)
+    tied = (isinstance(head, nn.Linear) and head.bias is None and head.weight is getattr(embedding, "weight", None)
+            and head.weight.requires_grad and not hasattr(head.weight, "ds_id"))
+
     def logits(h: torch.Tensor) -> torch.Tensor:
-        z = head(h)
+        z = _TiedHead.apply(h, head.weight) if tied and torch.is_grad_enabled() else head(h)
         if multiplier != 1.0:
             z = z * multiplier
         if cap:
@@ -158,6 +163,23 @@ def _head_logprobs(model, hidden, labels, temperature, with_entropy):
     # a frozen ZeRO-3 head (LoRA) is gathered only while its module runs: see head_logprobs(reentrant=)
     frozen_zero3 = any(hasattr(p, "ds_id") and not p.requires_grad for p in head.parameters())
     return head_logprobs(logits, hidden, labels, config.vocab_size, temperature, with_entropy, frozen_zero3)
+
+
+class _TiedHead(torch.autograd.Function):
+    """``h @ W^T`` (``[n, H]`` and ``[V, H]`` -> ``[n, V]``), nn.Linear without bias, whose backward returns W's
+    gradient as a new ``[V, H]`` tensor. Linear's is a transposed view, and autograd cannot add a tied input
+    embedding's gradient to a view in place: it allocates their sum, one more ``[V, H]`` at the end of each
+    backward (108 MiB for SmolLM2). Same kernels, so the same numbers."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, weight)
+        return nn.functional.linear(h, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, weight = ctx.saved_tensors
+        return grad @ weight if ctx.needs_input_grad[0] else None, grad.t() @ h
 
 
 def response_logits(model: nn.Module, batch: SequenceBatch, packing: bool = False):

@@ -722,7 +722,9 @@ class TrainWorker:
                 if self.rank == 0:
                     module.save_pretrained(out_dir, safe_serialization=True)
         else:
-            state = {name: t.cpu() for name, t in self.named_weights() if self.rank == 0}  # all ranks gather
+            state = None  # whole CPU tensors: saved from the module as they are (no copy of the model)
+            if any(hasattr(p, "ds_id") or p.device.type != "cpu" for p in module.parameters()):
+                state = {name: t.cpu() for name, t in self.named_weights() if self.rank == 0}  # all ranks gather
             if self.rank == 0:
                 config = module.config
                 for k, v in (config_updates or {}).items():

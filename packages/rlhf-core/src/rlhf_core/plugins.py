@@ -25,20 +25,7 @@ import pluggy
 from rlhf_core import hookspecs, types
 from rlhf_core.errors import UserError
 
-# seam -> hook name. The order is the order ``rlhf plugins`` prints.
-SEAMS: dict[str, str] = {
-    "advantage_estimators": "rlhf_register_advantage_estimators",
-    "policy_losses": "rlhf_register_policy_losses",
-    "kl_estimators": "rlhf_register_kl_estimators",
-    "agent_executors": "rlhf_register_agent_executors",
-    "environments": "rlhf_register_environments",
-    "reward_sources": "rlhf_register_reward_sources",
-    "post_processors": "rlhf_register_post_processors",
-    "placement_strategies": "rlhf_register_placement_strategies",
-    "rollout_engines": "rlhf_register_rollout_engines",
-    "train_backends": "rlhf_register_train_backends",
-}
-
+# seam -> what one of its objects is called in messages. The order is the order ``rlhf plugins`` prints.
 SINGULAR = {
     "advantage_estimators": "advantage estimator",
     "policy_losses": "policy loss",
@@ -51,6 +38,8 @@ SINGULAR = {
     "rollout_engines": "rollout engine",
     "train_backends": "train backend",
 }
+# seam -> hook name
+SEAMS: dict[str, str] = {seam: f"rlhf_register_{seam}" for seam in SINGULAR}
 
 # Names the first-party packages register, so that asking for one that is missing says what to install.
 KNOWN_PROVIDERS: dict[str, dict[str, str]] = {

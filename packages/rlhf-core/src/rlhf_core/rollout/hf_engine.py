@@ -1,23 +1,14 @@
 """The built-in rollout engine: batched sampling with a transformers model and a KV cache.
 
 It is the default on CPU and wherever vLLM is absent, and runs as a Ray actor unchanged
-(``ray.remote(HFEngine).remote(path)``). It does not call ``model.generate``: one prefill of the
-left-padded prompts, then one forward per token through a lean loop (no logits-processor stack, logits
-of the last position only, sampling on the device, see :mod:`rlhf_core.rollout.sampling`).
+(``ray.remote(HFEngine).remote(path)``). Instead of ``model.generate``: one prefill of the left-padded
+prompts, then one forward per token (sampling on the device, see :mod:`rlhf_core.rollout.sampling`).
 
-For full-attention decoders (Llama, Mistral, Qwen2, Qwen3) the KV cache is preallocated and filled in
-place, attention masks are built once per batch, and one-token attention multiplies grouped queries
-against the cache without repeating K/V: the per-step costs that dominate ``generate`` on small models.
-Their decode steps skip the module calls too (:func:`decode_token` reads the weights directly), which
-halves a step of a small model, with fused q/k/v and gate/up weights (:func:`fuse_projections`) and, on
-CPU in float32, oneDNN-blocked copies of them (:func:`decode_weights`); a model with adapters, hooks or
-position-dependent RoPE keeps the module path.
-Other architectures (sliding windows, hybrid or linear attention) take a generic path with transformers'
-``DynamicCache`` and its own mask logic; results are the same, only slower.
-
-Vision-language models (:mod:`rlhf_core.vision`) take the generic path too. A request's images
-(``GenerationRequest.images``) join the prefill: the vision tower encodes each distinct image once, the
-samples of a prompt share its prefill as text prompts do, and decode steps continue the M-RoPE positions.
+Full-attention decoders (Llama, Mistral, Qwen2, Qwen3) get a preallocated KV cache, masks built once per
+batch, and decode steps that read the weights directly (:func:`decode_token`); a model with adapters, hooks
+or position-dependent RoPE keeps the module path. Other architectures (sliding windows, hybrid or linear
+attention) and vision-language models take a generic path with transformers' ``DynamicCache``: the same
+results, slower. A request's images join the prefill, and decode steps continue the M-RoPE positions.
 """
 
 from __future__ import annotations
@@ -139,8 +130,7 @@ class GrowingKVLayer(DynamicLayer):
             self.values = self.value_buffer[:, :, : self.length]
 
 
-# Below this hidden size oneDNN's per-call cost outweighs the packing it saves (one thread, 32 rows: the
-# decode linears of h128 run 30% slower packed, h192 5-10% slower, h256 0-25% faster, h512 20-30% faster)
+# Below this hidden size oneDNN's per-call cost outweighs the packing it saves.
 PACK_MIN_HIDDEN = 256
 
 # RoPE variants whose cos/sin depend only on the position, so one table serves every decode step
@@ -192,10 +182,8 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 def fuse_projections(plan: dict, in_place: bool = True) -> list[tuple]:
     """Lay out each layer's q/k/v weights in one tensor and its gate/up weights in another, so that a decode
-    step runs one matmul for each group instead of three and two (batch 32, one thread: 3-12% off a step).
-    ``in_place``: the modules' parameters become views of them, so no memory is added and nothing needs
-    refreshing as long as the weights change only in place (``copy_``), as :class:`HFEngine` does; else
-    the groups are copies (an engine borrowing a trainer's weights builds them per ``generate`` call).
+    step runs one matmul per group. ``in_place``: the modules' parameters become views of them (no memory
+    added; valid while the weights change only in place, as :class:`HFEngine` does); else copies.
     Returns per layer ``(qkv weight, qkv bias, gate_up weight, gate_up bias)``; a bias is None when no
     projection of the group has one."""
     group = _fuse if in_place else _stack
@@ -211,10 +199,9 @@ def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) ->
     ``lm_head``, each a list of ``(weight, bias)`` whose outputs are concatenated: one entry per group
     with ``fused`` (:func:`fuse_projections`), else the modules' own.
 
-    With ``pack_rows``, the weights are oneDNN's blocked copies for that many rows (``packed``): a decode
-    step multiplies a few dozen rows by each weight, and from the blocked copy oneDNN skips re-packing it
-    on every call (h256, 4 layers, batch 32, one thread: 6.5 -> 5.7 ms per step). The copies are
-    snapshots: whoever changes the weights must drop them (:class:`HFEngine` does).
+    With ``pack_rows``, the weights are oneDNN's blocked copies for that many rows (``packed``), which
+    oneDNN does not re-pack on every call. The copies are snapshots: whoever changes the weights must drop
+    them (:class:`HFEngine` does).
     """
 
     def own(m: torch.nn.Linear) -> list:

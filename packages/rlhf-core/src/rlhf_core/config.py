@@ -32,11 +32,8 @@ def option(default=MISSING, *, default_factory=MISSING, modes: tuple[str, ...] |
 def resolve_param_dtype(name: str, cuda: bool | None = None) -> str:
     """``--ds.param_dtype`` made concrete: ``auto`` is ``bf16`` with a CUDA device and ``fp32`` without one;
     any other name is returned as given. ``cuda``: whether the models run on a GPU (default: whether this
-    process has one). On CPU, fp32 is the one whose engine and trainer log-probs agree (~1e-5 per token; bf16
-    rounding gives ~1e-2), and the faster one on the CPUs measured: a SmolLM2-135M GRPO step in bf16 took 1.4x
-    fp32's time on one machine, and on a 2-core AMD EPYC with AVX2 only, bf16 linear layers of that model's
-    shapes ran at 16 GFLOP/s against fp32's 79-100 (bench/grpo_vs_trl.md). A CPU with AMX or AVX-512 bf16 may
-    differ: ask for bf16 where it pays."""
+    process has one). On CPU, fp32 keeps engine and trainer log-probs within ~1e-5 per token (bf16: ~1e-2)
+    and is faster without AMX or AVX-512 bf16 (bench/grpo_vs_trl.md)."""
     if name != "auto":
         return name
     if cuda is None:
@@ -48,8 +45,7 @@ def resolve_param_dtype(name: str, cuda: bool | None = None) -> str:
 
 def resolve_zero_stage(stage: int | None, ranks: int) -> int:
     """``--ds.zero_stage`` made concrete for training groups of at most ``ranks`` ranks: the stage asked for,
-    else 0 with one rank (ZeRO partitions state across ranks; alone it only adds a flat copy of the weights and
-    time to every step: 1.5 GB and 18% of a SmolLM2-135M GRPO step on CPU), else 2 (OpenRLHF's default)."""
+    else 0 with one rank (alone, ZeRO only adds a flat copy of the weights), else 2 (OpenRLHF's default)."""
     if stage is not None:
         return stage
     return 0 if ranks <= 1 else 2

@@ -71,16 +71,11 @@ class SamplingParams:
 class ImageInput:
     """One image of a prompt (or of an environment's feedback), as the model's image processor made it.
 
-    It is made once and shared by reference: the samples of a group, their engine requests and their
-    trajectories all point at the same object, and Ray sends an object that one message references several
-    times once, so an image's tensors exist once per prompt in each process, never once per sample.
-    ``eq=False``: images compare (and hash) by identity, which is how engines and trainers find the
-    samples that share one.
-
-    One image of ``h x w`` pixels (after the processor's resize to multiples of ``patch * merge``) holds
-    ``pixel_values`` of ``h*w / patch^2`` patches of ``3 * temporal_patch * patch^2`` float32 numbers, i.e.
-    ``12 * temporal_patch`` bytes per pixel (24 for the Qwen-VL family), plus the decoded RGB image (3 bytes
-    per pixel), and it takes ``num_tokens = h*w / (patch * merge)^2`` positions in the sequence.
+    It is made once and shared by reference (the samples of a group, their engine requests and trajectories;
+    Ray sends an object that one message references several times once), so its tensors exist once per
+    prompt in each process. ``eq=False``: images compare (and hash) by identity, which is how engines and
+    trainers find the samples that share one. Memory per pixel: ``12 * temporal_patch`` bytes of
+    ``pixel_values`` (24 for the Qwen-VL family) plus 3 of the decoded image.
     """
 
     pixel_values: torch.Tensor

@@ -1,15 +1,12 @@
 """Vision-language models (VLMs): images read from datasets, the model's image processor, image tokens, and
 the forward-pass inputs that put image features where those tokens are.
 
-A VLM is a model whose config has a ``vision_config``. The Qwen-VL family is supported (model types in
-:data:`SUPPORTED_MODEL_TYPES`): its image processor cuts an image into a grid of patches, a chat template
-writes one image placeholder token per image, and the processor repeats it once per merged patch; the
-language model then places the tokens with 3-D rotary positions (M-RoPE).
-
-Images are processed with the model's image processor as transformers loads it; without torchvision that
-is the PIL implementation (``rlhf doctor`` says which is available). The text side is done here, on token
-ids, instead of by transformers' multimodal ``Processor`` (which also needs torchvision for video): the
-prompt is tokenized once, and each placeholder id is repeated ``ImageInput.num_tokens`` times.
+A VLM is a model whose config has a ``vision_config``; the Qwen-VL family is supported
+(:data:`SUPPORTED_MODEL_TYPES`). A chat template writes one image placeholder token per image, repeated here
+once per merged patch of the image's grid; the language model places the tokens with 3-D rotary positions
+(M-RoPE). Images go through the model's image processor as transformers loads it (without torchvision, the
+PIL one; ``rlhf doctor`` says which), the text through the tokenizer alone, not transformers' multimodal
+``Processor`` (which also needs torchvision for video).
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """A quiet console: third-party output of a run goes to its ``train.log``, rlhf's own to the terminal.
 
-vLLM prints its whole engine configuration and a dtype warning per weight, transformers and vLLM draw weight
-loading bars, DeepSpeed prints memory lines. A run keeps them in its log file (``RLHF_RUN_LOG``), and shows them
-on the terminal too with ``--debug`` (``RLHF_DEBUG=1``):
-
-- in the driver's process (a single-process run included), their loggers reach the root logger, whose file
-  handler takes them and whose terminal handler shows only rlhf's records (:class:`OwnRecords`); third-party
-  progress bars are turned off there (``TQDM_DISABLE``: a bar's default, so rlhf's bar, which sets it, stays;
-  transformers' own switch for its bars), not written to the log;
-- a Ray worker (:func:`setup_ray_worker`, Ray's ``worker_process_setup_hook``) writes its stdout and stderr,
-  file descriptors included (C++ warnings, ``print``, bars), to the log file, where Ray would have forwarded
-  them to the terminal; records of rlhf's loggers at WARNING and up still reach the terminal.
+vLLM's configuration dump and per-weight warnings, weight-loading bars and DeepSpeed's memory lines go to the
+run's log file (``RLHF_RUN_LOG``), and to the terminal too with ``--debug`` (``RLHF_DEBUG=1``). In the
+driver's process (a single-process run included) their loggers reach the root logger, whose terminal handler
+shows only rlhf's records (:class:`OwnRecords`); third-party bars are off there, not logged (``TQDM_DISABLE``
+is a bar's default, so rlhf's bar, which sets it, stays). A Ray worker (:func:`setup_ray_worker`) writes its
+stdout and stderr, file descriptors included, to the log file; rlhf's warnings still reach the terminal.
 """
 
 from __future__ import annotations

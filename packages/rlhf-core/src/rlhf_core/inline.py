@@ -1,12 +1,10 @@
 """Actors without Ray: what a run that fits one process uses instead of a Ray cluster (``--ray.single_process``),
 and the one calling convention (:class:`ActorLike`) every rank and engine handle follows.
 
-A local Ray cluster costs seven daemon processes (about 350 MB and 4 CPU-seconds on a 2-core machine) and one
-new interpreter per worker, which imports torch, transformers and DeepSpeed again. A run with one training
-rank that hosts its reference model and engine needs none of that: its worker lives in the driver's
-process, behind an :class:`InlineActor`, so the code that fans calls out to ranks stays the same. A call runs
-at once, in the caller's thread; its exception is kept and raised by :func:`get`, as Ray raises a worker's
-error there."""
+A run with one training rank that hosts its reference model and engine needs no Ray daemons nor worker
+interpreters: its worker lives in the driver's process, behind an :class:`InlineActor`, so the code that fans
+calls out to ranks stays the same. A call runs at once, in the caller's thread; its exception is kept and
+raised by :func:`get`, as Ray raises a worker's error there."""
 
 from __future__ import annotations
 

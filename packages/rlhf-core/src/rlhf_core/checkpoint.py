@@ -12,10 +12,9 @@ Damage done later (a deleted or truncated file, garbage written over one, a poin
 is found before anything is loaded: :func:`resume_point` (``CheckpointManager.latest``) skips a damaged
 checkpoint with a warning naming the file and why, and resumes from the newest intact one.
 Old checkpoints are deleted only after the new one is committed, keeping at most ``max_num`` (and under
-``max_mem`` GB). The manager knows nothing about models: the caller's ``save_fn(dir)`` writes the model
-state (e.g. every DeepSpeed rank) and ``client_state`` holds everything else the trainer needs to
-continue exactly (step, data position, RNG, and for RL: KL controller, best metric...); the policy EMA
-lives in the per-rank files the save function writes.
+``max_mem`` GB). The caller's ``save_fn(dir)`` writes the model state (every DeepSpeed rank's files, the
+policy EMA included); ``client_state`` holds the rest a trainer needs to continue exactly (step, data
+position, RNG, and for RL: KL controller, best metric...).
 """
 
 from __future__ import annotations

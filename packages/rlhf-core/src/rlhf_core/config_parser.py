@@ -2,10 +2,9 @@
 
 Precedence: defaults < ``--config file.yaml`` (in order) < flags on the command line. Flat OpenRLHF
 spellings are rewritten to dotted flags first (:mod:`rlhf_core.config_aliases`). Unknown keys fail with the
-closest known spelling; a YAML file's errors name the file. A field that another mode's code reads but this
-one's does not is refused naming the modes that take it; a field rlhf accepts but does not implement
-(``refused`` in :func:`rlhf_core.config.option`) is refused with its reason when set, one that changes nothing
-(``noted``) gets a note. Secret fields are shown and saved as ``***`` (:func:`shown_config`).
+closest known spelling; a YAML file's errors name the file. The result is checked against the rules of
+:func:`rlhf_core.config.option` (another mode's field is refused naming the modes that take it); secret
+fields are shown and saved as ``***`` (:func:`shown_config`).
 """
 
 from __future__ import annotations

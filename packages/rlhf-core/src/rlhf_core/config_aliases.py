@@ -1,8 +1,5 @@
-"""OpenRLHF's flat flag spellings, rewritten to the dotted flags of :mod:`rlhf_core.config`.
-
-OpenRLHF's current release accepts only dotted flags; its earlier releases and the seed documents use flat
-ones (``--advantage_estimator``). Users' scripts carry both, so both parse here. The table follows the
-flat-to-dotted mapping of OpenRLHF's own rename (``reference/openrlhf-features.md`` §2).
+"""OpenRLHF's flat flag spellings (``--advantage_estimator``), rewritten to the dotted flags of
+:mod:`rlhf_core.config`, following OpenRLHF's own rename (``reference/openrlhf-features.md`` §2).
 """
 
 from __future__ import annotations

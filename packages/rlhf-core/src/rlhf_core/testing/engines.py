@@ -9,11 +9,8 @@ Subclass it and build your engine from a model directory::
             return MyEngine(model_dir, dtype="float32")
 
 The suite saves a tiny random Llama (fp32) and checks the engine against transformers' forward pass of
-the same weights: output shapes, stop behaviour (EOS, stop ids, ``min_new_tokens``, ``max_new_tokens``),
-``n`` samples, seeded determinism whatever the batch, log-probs (``logprob_atol``), weight updates
-(directly and through a gloo sync group from a second process), and sleep/wake. Engines also provide
-``init_weight_sync(master_addr, master_port, first_rank, world_size, backend, timeout_s)`` and
-``receive_weights()``, the receiving side of :mod:`rlhf_core.weight_sync`.
+the same weights. Engines also provide ``init_weight_sync(master_addr, master_port, first_rank, world_size,
+backend, timeout_s)`` and ``receive_weights()``, the receiving side of :mod:`rlhf_core.weight_sync`.
 """
 
 from __future__ import annotations

@@ -9,10 +9,8 @@ Subclass it with the name of a registered backend (or override ``make_backend``)
         flags = ["--ds.param_dtype", "fp32"]     # extra ``rlhf train ppo`` flags the backend needs on CPU
 
 The suite saves a tiny random Llama (fp32), starts one two-rank policy group on a local Ray cluster for
-the whole class, and checks it against transformers' forward pass of the weights the group reports:
-log-probs, a GRPO-style policy step (its loss against the hand-computed value, the loss going down, the
-ranks staying equal), the weight broadcast to an engine, checkpoints and export. It needs Ray (a train
-backend's workers are Ray actors); ``rlhf_core`` itself does not import it.
+the whole class, and checks it against transformers' forward pass of the weights the group reports. It
+needs Ray (a train backend's workers are Ray actors); ``rlhf_core`` itself does not import it.
 """
 
 from __future__ import annotations

@@ -84,9 +84,8 @@ def lora_adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
 
 def merge_lora_pair(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the adapted layer's weight ``W = W0 + B @ A`` into ``out`` and return it: ``base`` ``[out, in]``,
-    ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (scaling folded in). One fused ``addmm`` into ``out``
-    where it is float32 (no temporaries: the 0.5B bench's merge was memory-bound); else computed in float32
-    and cast."""
+    ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (scaling folded in). Computed in float32: in place by
+    one ``addmm`` (no temporaries) where ``out`` is float32, else cast into it."""
     if lora_a.shape[0] != lora_b.shape[1] or (lora_b.shape[0], lora_a.shape[1]) != tuple(base.shape):
         raise WeightSyncError(f"weight sync: LoRA pair A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} does not fit "
                               f"a weight of shape {tuple(base.shape)}")

@@ -26,8 +26,8 @@ class SetupError(UserError, ValueError):
 
 def is_prm_model(path: str | None) -> bool:
     """Whether ``path`` holds a PRM trained by ``rlhf train prm`` (its config stores a step marker). A hub id is
-    looked up in the local cache only (a PRM not downloaded yet needs ``--reward.source prm``): asking the hub
-    from the driver hung an offline machine for a minute of retries."""
+    looked up in the local cache only, so that an offline driver does not wait on retries (a PRM not
+    downloaded yet needs ``--reward.source prm``)."""
     if not path:
         return False
     from transformers import AutoConfig

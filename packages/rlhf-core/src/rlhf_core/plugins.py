@@ -182,12 +182,6 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
     return f"it {' and '.join(faults)} (got {got})"
 
 
-def _distribution_of(pm: pluggy.PluginManager, plugin: object) -> tuple[str, str]:
-    name = pm.get_name(plugin) or getattr(plugin, "__name__", repr(plugin))
-    # not from an entry point: registered directly (a test, or a plugin object passed in code)
-    return pm.rlhf_distributions.get(name, (f"<{name}>", ""))
-
-
 def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
     """Everything registered for ``seam``, keyed by name. Raises PluginError on a duplicate name."""
     if seam not in SEAMS:
@@ -195,7 +189,9 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
     out: dict[str, Registered] = {}
     hook = SEAMS[seam]
     for impl in getattr(pm.hook, hook).get_hookimpls():
-        dist, version = _distribution_of(pm, impl.plugin)
+        plugin_name = pm.get_name(impl.plugin) or getattr(impl.plugin, "__name__", repr(impl.plugin))
+        # not from an entry point: registered directly (a test, or a plugin object passed in code)
+        dist, version = pm.rlhf_distributions.get(plugin_name, (f"<{plugin_name}>", ""))
         where = f"{dist} (entry point {pm.get_name(impl.plugin)!r}, hook {hook})"
 
         def register(name: str, obj: Any, _dist: str = dist, _version: str = version, _where: str = where) -> None:

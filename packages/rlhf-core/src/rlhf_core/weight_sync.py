@@ -107,13 +107,6 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise WeightSyncError(f"weight sync: received unknown dtype {name!r}")
-    return dtype
-
-
 @dataclass
 class SyncGroup:
     """One member of a weight-sync group. Rank 0 calls :meth:`send`; every other rank :meth:`receive`."""
@@ -213,7 +206,10 @@ class SyncGroup:
             entries = json.loads(buffer[:meta_len].cpu().numpy().tobytes())
             payload = buffer[meta_len:]
             for name, dtype_name, shape, offset, nbytes in entries:
-                yield name, payload[offset : offset + nbytes].view(_dtype_from_name(dtype_name)).view(shape)
+                dtype = getattr(torch, dtype_name, None)
+                if not isinstance(dtype, torch.dtype):
+                    raise WeightSyncError(f"weight sync: received unknown dtype {dtype_name!r}")
+                yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
             index += 1
 
     def close(self) -> None:

@@ -111,18 +111,15 @@ def damage(path: Path) -> str | None:
             if f.stat().st_size != size:
                 return f"{f} has {f.stat().st_size} bytes where the save wrote {size} (truncated or overwritten)"
     for f in sorted(path.rglob("*.pt")):
-        if not _is_torch_file(f):
+        # torch.save writes a zip archive holding <name>/data.pkl; its directory is at the end of the file
+        try:
+            with zipfile.ZipFile(f) as z:
+                readable = any(n.endswith("/data.pkl") for n in z.namelist())
+        except (zipfile.BadZipFile, OSError):
+            readable = False
+        if not readable:
             return f"{f} is not a readable torch file (overwritten or truncated)"
     return None
-
-
-def _is_torch_file(f: Path) -> bool:
-    """torch.save writes a zip archive holding ``<name>/data.pkl``; its directory is at the end of the file."""
-    try:
-        with zipfile.ZipFile(f) as z:
-            return any(n.endswith("/data.pkl") for n in z.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
 
 
 def _warn(message: str) -> None:

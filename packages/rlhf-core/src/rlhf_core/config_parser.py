@@ -165,14 +165,6 @@ def _split_flag(token: str) -> tuple[str, str | None]:
     return name, (value if eq else None)
 
 
-def _take_values(tokens: list[str], i: int) -> list[str]:
-    """The values following the flag at ``tokens[i]``: everything up to the next ``--`` token."""
-    j = i + 1
-    while j < len(tokens) and not tokens[j].startswith("--"):
-        j += 1
-    return tokens[i + 1 : j]
-
-
 def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]:
     """Rewrite flat OpenRLHF flags in ``tokens`` to dotted ones; notes collect what was dropped."""
     renames = aliases.table(mode)
@@ -186,8 +178,11 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
             i += 1
             continue
         name, inline = _split_flag(tok)
-        values = [inline] if inline is not None else _take_values(tokens, i)
-        i += 1 + (0 if inline is not None else len(values))
+        j = i + 1
+        while inline is None and j < len(tokens) and not tokens[j].startswith("--"):  # the flag's values
+            j += 1
+        values = [inline] if inline is not None else tokens[i + 1 : j]
+        i = j
         if name in renames:
             targets = renames[name]
             for target in (targets,) if isinstance(targets, str) else targets:

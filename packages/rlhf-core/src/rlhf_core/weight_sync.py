@@ -4,11 +4,9 @@ Every transport ends in the engine's ``update_weights(named tensors)`` with HF p
 engine colocated with a rank lives in that rank's process and gets an in-process copy instead:
 ``TrainWorker.push_weights_to_hosted``.)
 
-1. **A broadcast group** (:func:`init_sync_group`): rank 0 is the policy's rank 0, ranks 1.. are the
-   engine processes (each vLLM tensor-parallel worker takes a rank). gloo on CPU, NCCL on GPU. The group
-   is built from its own ``TCPStore``, so it never touches the default process group that trainer ranks
-   already have. The sender streams (name, full tensor) pairs, e.g. ZeRO-3 parameters gathered bucket by
-   bucket, and never holds more than one bucket.
+1. **A broadcast group** (:func:`init_sync_group`, :meth:`SyncGroup.send`): rank 0 is the policy's rank 0,
+   ranks 1.. are the engine processes (each vLLM tensor-parallel worker takes a rank). gloo on CPU, NCCL on
+   GPU.
 2. **The object store**: the controller puts the policy's ``get_state_dict_for_engines()`` (full CPU
    tensors) in Ray's object store once and calls ``engine.update_weights`` on every engine with the reference.
 

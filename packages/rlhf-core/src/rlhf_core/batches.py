@@ -14,8 +14,6 @@ import torch.nn.functional as F
 
 from rlhf_core.types import ImageInput
 
-# --- batches -------------------------------------------------------------------------------------------
-
 
 @dataclass
 class SequenceBatch:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import traceback
@@ -105,59 +106,25 @@ def cmd_plugins(argv: list[str]) -> int:
     return 0
 
 
-def cmd_serve_rm(argv: list[str]) -> int:
-    from rlhf_agents.serve_rm import main as serve_main
-
-    return serve_main(argv) or 0
-
-
-def cmd_lora_merge(argv: list[str]) -> int:
-    from rlhf_cli.lora_merge import main as lora_main
-
-    return lora_main(argv) or 0
-
-
-def cmd_generate(argv: list[str]) -> int:
-    from rlhf_cli.generate import main as generate_main
-
-    return generate_main(argv)
-
-
-def cmd_chat(argv: list[str]) -> int:
-    from rlhf_cli.chat import main as chat_main
-
-    return chat_main(argv)
-
-
-def cmd_demo(argv: list[str]) -> int:
-    from rlhf_cli.demo import main as demo_main
-
-    return demo_main(argv)
-
-
-def cmd_doctor(argv: list[str]) -> int:
-    from rlhf_cli.doctor import main as doctor_main
-
-    return doctor_main(argv) or 0
-
-
-COMMANDS = {
-    "train": cmd_train,
-    "generate": cmd_generate,
-    "chat": cmd_chat,
-    "plugins": cmd_plugins,
-    "serve-rm": cmd_serve_rm,
-    "lora-merge": cmd_lora_merge,
-    "doctor": cmd_doctor,
-    "demo": cmd_demo,
+# Imported when run: each pulls in packages (torch, transformers, fastapi) the other commands do not need.
+MODULE_COMMANDS = {
+    "generate": "rlhf_cli.generate",
+    "chat": "rlhf_cli.chat",
+    "serve-rm": "rlhf_agents.serve_rm",
+    "lora-merge": "rlhf_cli.lora_merge",
+    "doctor": "rlhf_cli.doctor",
+    "demo": "rlhf_cli.demo",
 }
+COMMANDS = {"train": cmd_train, "plugins": cmd_plugins}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in MODULE_COMMANDS):
         print("usage:\n" + USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] in MODULE_COMMANDS:
+        return importlib.import_module(MODULE_COMMANDS[argv[0]]).main(argv[1:]) or 0
     return COMMANDS[argv[0]](argv[1:])
 
 

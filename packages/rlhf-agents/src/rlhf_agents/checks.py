@@ -73,12 +73,6 @@ def log_failure_once(logger: logging.Logger, where: str, message: str, exc: Base
         logger.debug("%s: %s", where, message)
         return
     _logged.add(key)
-    if exc is None:
-        logger.error("%s: %s (further occurrences are counted, not logged)", where, message)
-    else:
-        logger.error(
-            "%s: %s (further occurrences are counted, not logged)\n%s",
-            where,
-            message,
-            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        )
+    trace = "" if exc is None else "\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    logger.error("%s: %s (further occurrences are counted, not logged)%s", where, message, trace)
+

@@ -5,15 +5,12 @@ log-probs (``action_mask`` 1), and environment feedback is tokenized once, on it
 ``action_mask`` 0 and log-prob 0.0. Nothing already in the context is ever re-tokenized; text exists only
 for environments, reward functions and logs.
 
-The agent API is OpenRLHF's (``AgentInstanceBase.reset/step``, ``MultiTurnAgentExecutor(cls)``), so an
-OpenRLHF agent file works after changing its import line, with two fixes: ``async def __init__`` works,
-and a failing or hanging environment ends only its own episode (the sample is marked unscorable and
-counted) instead of the whole step.
+The agent API is OpenRLHF's (``AgentInstanceBase.reset/step``, ``MultiTurnAgentExecutor(cls)``), with two
+fixes: ``async def __init__`` works, and a failing or hanging environment ends only its own episode (the
+sample is marked unscorable and counted) instead of the whole step.
 
-Vision-language models: a prompt's images (``images``, :class:`~rlhf_core.types.ImageInput`) go with every
-request of its episode, and an environment may return ``environment_images`` with one image placeholder
-per image in its feedback text; they are processed once, their tokens appended like any feedback, and
-they join the episode's images (:attr:`AgentExecutorBase.image_processing` does the processing).
+Vision-language models: a prompt's images go with every request of its episode; an environment's
+``environment_images`` are processed once and appended like any feedback.
 """
 
 from __future__ import annotations

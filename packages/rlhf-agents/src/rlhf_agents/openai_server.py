@@ -11,10 +11,8 @@ does not (a chat template that drops earlier reasoning, text that re-tokenizes d
 per run of calls that do extend one another; a message says so once), ``always`` makes every call a sample,
 ``never`` makes the episode unscorable with a *prefix violation* (``error/prefix_violation``).
 
-Tool calls: ``tools`` reach the model through the chat template (or a Hermes system block when the template
-ignores them); ``<tool_call>{json}</tool_call>`` blocks in a reply come back as OpenAI ``tool_calls``, and
-such an assistant message sent back is rendered as the reply's original text, so the tokens still extend the
-conversation. The package README has the details.
+Tool calls (``tools``, ``tool_calls``) are supported in the Hermes format (:func:`parse_tool_calls`,
+``_render``); the package README has the details.
 """
 
 from __future__ import annotations
@@ -210,7 +208,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]})
 
     async def _handle_chat(self, request: Any) -> Any:
-
         try:
             session, body = await self._read(request)
             messages = body.get("messages")
@@ -286,7 +283,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return text
 
     async def _handle_completions(self, request: Any) -> Any:
-
         try:
             session, body = await self._read(request)
             prompt = body.get("prompt")

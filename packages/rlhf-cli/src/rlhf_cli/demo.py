@@ -6,11 +6,7 @@ learning with an exact verifier (GRPO, rule-based reward) then fixes it: held-ou
 clearly above accuracy after SFT.
 
 Every stage is an ordinary ``rlhf train ...`` command, printed before it runs, so it can be copied and
-changed. ``--quick`` runs a shortened version (the test suite uses it).
-
-``--real`` does it on the real SmolLM2-135M-Instruct (``rlhf_core.testing.smollm2``): GRPO alone, with the
-chat template, on sums of numbers below 20, which the model mostly answers with explanations that run out
-of tokens or with wrong sums; the demo evaluates held-out accuracy itself, before and after.
+changed. ``--real`` runs GRPO alone on the real SmolLM2-135M-Instruct (``rlhf_core.testing.smollm2``).
 """
 
 from __future__ import annotations
@@ -128,9 +124,7 @@ def accuracy(model_dir: Path, eval_file: Path) -> float:
 
 
 def commands(files: dict[str, Path], work: Path, quick: bool, engine: str = "hf") -> list[tuple[str, list[str]]]:
-    # calibrated over seeds 0-2 on one machine: SFT reaches 57-67% held-out accuracy (it learns the teacher's
-    # carry mistakes; a constant LR left it anywhere from 32% to 58%) and GRPO takes it to 84-90% (at lr 1e-3
-    # it sometimes fell below SFT); seed 0 on an AMD EPYC: 66% -> 93% (float kernels differ across CPUs);
+    # calibrated over seeds 0-2: SFT reaches ~60% held-out accuracy (the teacher's carry mistakes), GRPO ~85%;
     # --quick only checks that every stage runs: one SFT epoch, 4 GRPO steps
     sft_epochs, rl_steps = (1, 4) if quick else (28, 88)  # 88 steps: one pass over the 1,400 prompts
     sft = ["rlhf", "train", "sft",
@@ -212,8 +206,7 @@ def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) ->
 
 
 def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:
-    # one process (the rank hosts the HF engine, no Ray), fp32, 8 prompts x 8 samples of at most 16 tokens;
-    # --quick (make test's check that every stage runs): 2 steps of 4 prompts, the update half the work
+    # --quick only checks that every stage runs: 2 steps of 4 prompts
     steps, prompts = (2, 4) if quick else (30, 8)
     rl = ["rlhf", "train", "ppo",
           "--actor.model_name_or_path", str(files["base"]), "--reward.remote_url", str(files["reward"]),

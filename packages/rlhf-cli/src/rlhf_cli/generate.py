@@ -7,16 +7,9 @@ Data flow::
         --(driver: post-processor)--> <output_path>
 
 Everything that can be checked is checked in the driver before a worker starts (``--dry-run`` stops
-there). Each worker hosts one rollout engine (resolved by name from the engine plugins) and the reward
-source of ``--reward.*`` (resolved from the reward-source plugins), and answers micro-batches of
-``--rollout.micro_batch_size`` prompts with every sample scored.
-
-The driver appends each answered micro-batch to the samples file in one write and fsyncs it. A rerun
-of the same command resumes: it cuts a partial last line (a kill during a write), drops the samples of
-prompts that did not get all their samples, and generates only what is missing; sample j of prompt i
-draws from ``derive_seed(seed, iter, i, j)`` whoever generates it, so nothing is duplicated or
-resampled differently. The output is written whole (temporary file, then rename) once every prompt is
-done, so an existing output is a complete one.
+there). A rerun of the same command resumes from the samples file (:func:`recover_samples`); sample j of
+prompt i draws from ``derive_seed(seed, iter, i, j)`` whoever generates it, so nothing is resampled
+differently. The output is written whole once every prompt is done, so an existing output is a complete one.
 """
 
 from __future__ import annotations
@@ -334,8 +327,7 @@ def append_records(path: Path, records: list[dict], chunk_number: int) -> None:
 
 
 class GenerationWorker:
-    """One rollout engine and one reward source, in a Ray actor. Built from plain data (the config and the
-    engine's name); plugins are resolved in this process."""
+    """One rollout engine and one reward source, in a Ray actor; plugins are resolved in this process."""
 
     def __init__(self, cfg: GenerateConfig, engine_name: str | None, index: int, num_threads: int):
         import torch

@@ -78,18 +78,11 @@ BUILTIN = [Colocation(n) for n in ("colocate_all", "colocate_actor_ref", "coloca
 
 
 def roles_in_actor(plan: PlacementPlan, engine: str, cfg) -> set[str]:
-    """The roles (``ref``, ``rollout``) whose workers run inside the actor ranks' processes rather than in
-    processes of their own.
-
-    A role placed in the actor's pool uses the ranks' devices (the same cores on CPU, the same GPUs), so it
-    loses nothing by sharing the ranks' processes, and saves processes that each import torch, transformers
-    and DeepSpeed and load a model (seconds of start-up and hundreds of MB each; on a GPU also a CUDA
-    context, and a weight sync through host memory, since NCCL cannot join two processes on one GPU). The reference model is then held by every actor
-    rank beside the policy (its forward passes sharded like the policy's); HF engine ``i`` lives in rank
-    ``i`` and gets its weights by an in-process copy. An engine needs the sync pipeline (the rank's one
-    thread runs its calls in turn, never at once), no more engines than ranks, and no
-    ``--vllm.sync_with_ray`` (which asks for the object store). vLLM engines keep processes of their own.
-    So a colocated run with one GPU, one rank and one HF engine is one process, without Ray, as on CPU."""
+    """The roles (``ref``, ``rollout``) placed in the actor's pool, whose workers then run inside the actor
+    ranks' processes: they use the ranks' devices anyway, and each process of their own would import torch
+    and load a model. Every rank holds the reference model beside the policy; HF engine ``i`` lives in rank
+    ``i`` (weights by in-process copy) given the sync pipeline (the rank's one thread runs its calls in turn),
+    no more engines than ranks and no ``--vllm.sync_with_ray``. vLLM engines keep processes of their own."""
     groups = {g.role: g for g in plan.groups}
     shared = {r for r, g in groups.items() if r in ("ref", "rollout") and g.pool == groups["actor"].pool}
     if "rollout" in shared and (engine != "hf" or cfg.train.async_enable or cfg.vllm.sync_with_ray

@@ -23,14 +23,9 @@ WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
 
 
 def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
-    """Join ``--ray.address`` / ``$RAY_ADDRESS`` when given, else start a local cluster.
-
-    A local cluster gets as many logical CPUs as the plan's bundles need (they are bookkeeping, not
-    cores), its dashboard only when asked and then bound to 127.0.0.1, and no idle workers started ahead:
-    Ray starts one per CPU for the first driver, but every rlhf actor asks for its own environment, so
-    none was ever used (two processes, ~80 MB and ~1.5 CPU-seconds of a 2-core machine's start-up). A
-    :mod:`rlhf_cli.reaper` ends the cluster's processes if the driver dies without shutting it down.
-    """
+    """Join ``--ray.address`` / ``$RAY_ADDRESS`` when given, else start a local cluster: as many logical CPUs
+    as the plan's bundles need, the dashboard only when asked (on 127.0.0.1), no idle workers started ahead
+    (every rlhf actor asks for its own environment); a :mod:`rlhf_cli.reaper` ends it if the driver dies."""
     if ray.is_initialized():
         return
     env = {**WORKER_ENV, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}

@@ -32,8 +32,7 @@ def _optimizer_steps(cfg, num_prompts: int) -> int:
 def cpu_threads(cfg, processes: int) -> int:
     """Torch threads for each of ``processes`` processes that compute at the same time on this machine: its
     cores split between them (halved when the async pipeline overlaps generation and training), at most
-    ``$OMP_NUM_THREADS`` when set. More threads than cores is far worse than idle cores: OpenMP workers
-    spin-wait for each other, and CPU runs went several times slower."""
+    ``$OMP_NUM_THREADS``. Oversubscribed, OpenMP workers spin-wait for each other."""
     cores = os.cpu_count() or 1
     if cfg.train.async_enable:
         cores = max(1, cores // 2)

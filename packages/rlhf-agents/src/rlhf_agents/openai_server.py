@@ -167,9 +167,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             await self._runner.cleanup()
             self._runner = None
 
-    def session_url(self, sid: str) -> str:
-        return f"http://{self.host}:{self.port}/sessions/{sid}/v1"
-
     @staticmethod
     def _json_error(status: int, message: str) -> Any:
         from aiohttp import web
@@ -427,7 +424,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         reward = score = error = kind = None
         extra: dict[str, float] = {}
         try:
-            result = await self.run_bounded(self.session_url(sid), prompt, label)
+            result = await self.run_bounded(f"http://{self.host}:{self.port}/sessions/{sid}/v1", prompt, label)
             reward, score, extra, error = self._read_result(result, where)
             kind = "agent_invalid" if error else None
         except EpisodeFailure as failure:

@@ -175,10 +175,7 @@ def reward_func(queries, prompts, labels, responses, **kwargs):
 '''
 
 REAL_NEW_TOKENS = 16
-
-
-def real_question(a: int, b: int) -> str:
-    return f"What is {a} + {b}? Answer with only the number."
+REAL_QUESTION = "What is {} + {}? Answer with only the number."
 
 
 def make_real_assets(work: Path, seed: int = 0) -> dict[str, Path]:
@@ -190,7 +187,7 @@ def make_real_assets(work: Path, seed: int = 0) -> dict[str, Path]:
     pairs = [(a, b) for a in range(20) for b in range(20)]
     rng.shuffle(pairs)
     held_out, train = pairs[:100], pairs[100:]
-    return {"base": smollm2_dir(), **write_task(work, train, held_out, real_question, REAL_REWARD_FILE)}
+    return {"base": smollm2_dir(), **write_task(work, train, held_out, REAL_QUESTION.format, REAL_REWARD_FILE)}
 
 
 def last_number(reply: str) -> str | None:

@@ -28,8 +28,10 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     (every rlhf actor asks for its own environment); a :mod:`rlhf_cli.reaper` ends it if the driver dies."""
     if ray.is_initialized():
         return
+    import torch
+
     env = {**WORKER_ENV, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    if not _cuda():
+    if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     runtime_env: dict[str, Any] = {"env_vars": env}
     if os.environ.get(console.RUN_LOG_ENV):  # a run's workers write third-party output to its log file
@@ -57,12 +59,6 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
         _system_config={"prestart_worker_first_driver": False},
     )
     reaper.start()  # the cluster is this driver's: it goes when the driver goes, even by SIGKILL
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 @dataclass

@@ -15,13 +15,11 @@ The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``),
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from typing import Any
 
-from rlhf_agents.checks import log_failure_once
 from rlhf_agents.reward_model import DTYPES, right_padded
-from rlhf_agents.rewards import empty_result
+from rlhf_agents.rewards import empty_result, fail_samples
 from rlhf_core.config import resolve_param_dtype
 from rlhf_core.supervised import (
     PLACEHOLDER_KEY,
@@ -33,7 +31,6 @@ from rlhf_core.supervised import (
 )
 from rlhf_core.types import RewardRequest, RewardResult, RewardSource
 
-logger = logging.getLogger(__name__)
 
 def aggregate_steps(scores: list[float], how: str) -> float:
     """One reward from the step scores ``s_1..s_n`` (n >= 1): ``min s``, ``s_n``, ``mean s`` or ``prod s``."""
@@ -133,10 +130,8 @@ class PRMRewardSource(RewardSource):
             # in a thread: the forward must not block the rollout's event loop
             steps = await asyncio.to_thread(self.prm.step_scores, list(request.prompts), list(responses))
         except Exception as exc:
-            message = f"{self.description} failed: {type(exc).__name__}: {exc}"
-            log_failure_once(logger, self.description, message, exc)
-            result.errors = [message] * n
-            return result
+            return fail_samples(result, range(n), self.description,
+                                f"{self.description} failed: {type(exc).__name__}: {exc}", exc)
         result.step_scores = steps
         logs = {k: [None] * n for k in ("prm/steps", "prm/min_step", "prm/mean_step", "prm/last_step")}
         for i, s in enumerate(steps):

@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -95,6 +95,15 @@ def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[A
 
 def empty_result(n: int) -> RewardResult:
     return RewardResult(rewards=[None] * n, scores=[None] * n, extra_logs={}, errors=[None] * n)
+
+
+def fail_samples(result: RewardResult, indices: Iterable[int], where: str, message: str,
+                 exc: BaseException | None = None) -> RewardResult:
+    """Make the samples ``indices`` of ``result`` unscorable with ``message``, logged once per ``where``."""
+    log_failure_once(logger, where, message, exc)
+    for i in indices:
+        result.errors[i] = message
+    return result
 
 
 def fill_result(
@@ -191,14 +200,16 @@ class PythonFileRewardSource(RewardSource):
             )
             parsed = parse_reward_output(raw, len(indices), self.description)
         except RewardContractError as exc:
-            self._fail(result, indices, str(exc))
+            fail_samples(result, indices, self.description, str(exc))
             return
         except asyncio.TimeoutError:
-            self._fail(result, indices, f"{self.description} took longer than --reward.timeout {self.timeout:g} s")
+            fail_samples(result, indices, self.description,
+                         f"{self.description} took longer than --reward.timeout {self.timeout:g} s")
             return
         except Exception as exc:
             if len(indices) == 1:
-                self._fail(result, indices, f"{self.description} raised {type(exc).__name__}: {exc}", exc)
+                fail_samples(result, indices, self.description,
+                             f"{self.description} raised {type(exc).__name__}: {exc}", exc)
                 return
             parsed = None
         if parsed is None:  # find the samples that raise, the rest still get scored. Outside the except block,
@@ -208,11 +219,6 @@ class PythonFileRewardSource(RewardSource):
             await self._score_part(request, indices[half:], result)
             return
         fill_result(result, indices, parsed, self.description)
-
-    def _fail(self, result: RewardResult, indices: list[int], message: str, exc: BaseException | None = None) -> None:
-        log_failure_once(logger, self.description, message, exc)
-        for i in indices:
-            result.errors[i] = message
 
 
 # --- HTTP reward servers --------------------------------------------------------------------------------------
@@ -293,9 +299,7 @@ class HttpRewardSource(RewardSource):
             raw, url = await self.post(payload)
             parsed = parse_reward_output(raw, len(indices), f"reward server {redact_text(url)}")
         except (RewardRequestError, RewardContractError, TypeError) as exc:  # TypeError: labels not JSON
-            log_failure_once(logger, self.description, str(exc))
-            for i in indices:
-                result.errors[i] = str(exc)
+            fail_samples(result, indices, self.description, str(exc))
             return
         fill_result(result, indices, parsed, f"reward server {redact_text(url)}")
 
@@ -373,10 +377,8 @@ class RewardModelSource(RewardSource):
             raw = await call_user(self.handle.compute_rewards, sequences)
             parsed = parse_reward_output(raw, n, self.description)
         except Exception as exc:
-            message = f"{self.description} failed: {type(exc).__name__}: {exc}"
-            log_failure_once(logger, self.description, message, exc)
-            result.errors = [message] * n
-            return result
+            return fail_samples(result, range(n), self.description,
+                                f"{self.description} failed: {type(exc).__name__}: {exc}", exc)
         fill_result(result, range(n), parsed, self.description)
         return result
 

@@ -50,11 +50,9 @@ class RolloutActor:
 
         pm = get_plugin_manager()
         factory = resolve(pm, "rollout_engines", engine_name, "--rollout.engine")
-        # The HF engine's torch work (loading, decoding, weight loads) stays on one thread: with torch's
-        # OpenMP backend every thread that runs parallel ops gets its own worker team, and two teams on the
-        # same cores make libgomp throttle its spin-waits; CPU decoding ran ~1.7x slower (bench/grpo_vs_trl.md).
-        # Partial rollout keeps the Ray threads: its weights must be able to land while a generation runs.
-        # Hosted, that one thread is the rank's own.
+        # The HF engine's torch work stays on one thread: every thread that runs OpenMP ops gets its own worker
+        # team, and two teams on the same cores throttle each other. Partial rollout keeps the Ray threads: its
+        # weights must be able to land while a generation runs. Hosted, that one thread is the rank's own.
         self.engine_thread = None
         if engine_name == "hf" and not cfg.train.partial_rollout_enable and not hosted:
             self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-engine")

@@ -1,9 +1,7 @@
 """The single-controller RL loop: one step is prompts -> rollout actors (executor + reward) -> experience (old /
 reference log-probs, values) -> advantages (estimator plugin) -> policy and critic updates -> weight sync to the
-engines -> evaluation -> checkpoint. Each job has a part of its own (``rl/rollout.py``, ``rl/experience.py``,
-``rl/step.py``, ``rl/sync.py``, ``rl/evaluation.py``), ``rl/schedule.py`` decides when each batch is generated
-(in turn with training, or ahead of it in a thread), and :class:`RLController` wires them, runs the steps and
-holds what a checkpoint needs.
+engines -> evaluation -> checkpoint. Each job has a module of its own under ``rl/``; :class:`RLController` wires
+them, runs the steps and holds what a checkpoint needs.
 """
 
 from __future__ import annotations

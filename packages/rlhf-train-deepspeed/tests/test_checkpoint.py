@@ -153,11 +153,12 @@ def test_a_checkpoint_without_manifest_is_still_checked(tmp_path):
     assert mgr.latest().name == "step_00000002"
 
 
-def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(tiny_llama, tmp_path):
+def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(tiny_llama, tmp_path, monkeypatch):
     """`rlhf train sft --ckpt.load_enable` with no intact checkpoint: a CheckpointError (a UserError, which the
-    CLI prints as one line) naming the damage, before Ray starts."""
-    import ray
-
+    CLI prints as one line) naming the damage, before Ray starts or a worker group is made (both recorded: an
+    earlier test of this process may have left a Ray session up)."""
+    import rlhf_train_deepspeed.group
+    import rlhf_train_deepspeed.trainers
     from rlhf_core.checkpoint import CheckpointError
     from rlhf_core.config import SupervisedConfig
     from rlhf_core.errors import UserError
@@ -171,8 +172,11 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(ti
     mgr = _two_checkpoints(tmp_path / "out" / "checkpoints")
     for step in (2, 4):
         (mgr.root / f"step_0000000{step}" / OPTIM).unlink()
+    started = []
+    monkeypatch.setattr(rlhf_train_deepspeed.trainers, "init_ray", lambda cfg: started.append("ray"))
+    monkeypatch.setattr(rlhf_train_deepspeed.group, "create_worker_group", lambda *a, **k: started.append("group"))
     with pytest.raises(CheckpointError) as error:
         DeepSpeedBackend().run_trainer("sft", cfg)
     assert isinstance(error.value, UserError)
     assert str(error.value).startswith(f"no intact checkpoint under {mgr.root}: step_00000004 (")
-    assert not ray.is_initialized()
+    assert started == []

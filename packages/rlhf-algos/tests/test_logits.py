@@ -77,6 +77,42 @@ def test_logprobs_and_entropy_in_one_pass_match_both_and_torch_autograd():
     assert lp.dtype == h.dtype == torch.float32 and z.grad.dtype == torch.bfloat16
 
 
+def test_logprobs_and_entropy_hold_at_most_two_vocabulary_buffers_besides_the_logits():
+    """The most float32 ``[n, V]`` buffers alive at once during forward and backward, besides the float32
+    logits (the input, and the one ``[n, V]`` saved for backward): two with the entropy in the loss
+    (backward's recomputed probabilities and the gradient), one with the log-probs alone (the gradient is
+    built in the probabilities' buffer). The code that saved the probabilities too and multiplied ``p * z``
+    out of place held four with both in the loss."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(5)
+    n, vocab = 64, 5000
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    buffer = n * vocab * 4
+
+    def most_alive(loss) -> float:
+        # a function of its own, so that the previous call's graph, leaf and gradient are gone (and their frees
+        # not recorded) before this one is profiled
+        z = logits.clone().requires_grad_(True)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss(*logprobs_and_entropy(z, labels)).backward()
+        # the raw allocator records, in time order (a free is a negative size): the function events would
+        # attribute them to ops and lose the order
+        records = sorted((r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
+                         key=lambda r: r.start_ns())
+        live = peak = 0
+        for r in records:
+            if abs(r.nbytes()) == buffer:
+                live += r.nbytes()
+                peak = max(peak, live)
+        return peak / buffer
+
+    assert most_alive(lambda lp, h: lp.sum() + 0.5 * h.sum()) == 2
+    assert most_alive(lambda lp, h: lp.sum() + h.detach().sum()) == 1
+    assert most_alive(lambda lp, h: h.sum()) == 2
+
+
 def _head_problem(n=37, hidden=16, vocab=1000, seed=3):
     gen = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(hidden, vocab, bias=False)
@@ -164,9 +200,9 @@ def test_head_logprobs_in_chunks_equal_a_full_log_softmax_with_gradients(monkeyp
 
 def test_head_logprobs_keep_no_logits_for_backward(monkeypatch):
     """What autograd saves for backward (counted with saved_tensors_hooks, parameters aside) is the hidden
-    states, the labels and the last chunk's logits and probabilities: the other chunks' logits are recomputed
-    in backward. Materialising the logits of all rows, as the code before chunking did, saves them (and the
-    probabilities): 37 rows x 1000 x 4 bytes each."""
+    states, the labels and the last chunk's logits (and a log-sum-exp and entropy per row): the other chunks'
+    logits are recomputed in backward, and the probabilities in backward of each chunk. Materialising the
+    logits of all rows, as the code before chunking did, saves them: 37 rows x 1000 x 4 bytes."""
     import rlhf_algos.logits as logits_mod
     from rlhf_algos.logits import head_logprobs, logprobs_and_entropy
 
@@ -191,7 +227,8 @@ def test_head_logprobs_keep_no_logits_for_backward(monkeypatch):
     hx = h.clone().requires_grad_(True)
     chunked = saved_bytes(lambda: head_logprobs(head, hx, labels, vocab, 0.7, with_entropy=True))
     whole = saved_bytes(lambda: logprobs_and_entropy(head(hx) / 0.7, labels))
-    assert whole >= 2 * len(h) * vocab * 4  # the reference does keep logits and probabilities
+    inputs = len(h) * (h.shape[1] * 4 + 8)  # the hidden states the head multiplies, and the int64 labels
+    per_row = vocab * 4 + 2 * 4  # the float32 logits, a log-sum-exp and an entropy
+    assert whole == inputs + len(h) * per_row
     last = len(h) % 8 or 8  # rows of the last chunk
-    per_row = 2 * vocab * 4 + 3 * 4  # its logits and probabilities, and a log-sum-exp, entropy and label per row
-    assert 2 * last * vocab * 4 <= chunked <= len(h) * h.shape[1] * 4 + len(h) * 8 + last * per_row
+    assert chunked == inputs + last * per_row

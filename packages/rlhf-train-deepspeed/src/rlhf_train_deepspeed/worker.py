@@ -30,7 +30,7 @@ from rlhf_core.batches import (
     to_device,
 )
 from rlhf_core.checkpoint import CheckpointError
-from rlhf_core.memory import keep_freed_memory, release_file_pages
+from rlhf_core.memory import keep_freed_memory, release_file_pages, release_free_heap
 from rlhf_train_deepspeed import shared_prefix
 from rlhf_train_deepspeed.models import (
     load_causal_lm,
@@ -292,12 +292,15 @@ class TrainWorker:
         those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``); ``teacher`` i > 0:
         those of multi-teacher OPD's teacher i (``ModelSpec.teacher_paths[i - 1]``)."""
         engine = self.teacher_engines[teacher - 1] if teacher else self.ref_engine if ref else self.engine
+        frozen = engine is not self.engine
+        if frozen:  # its weights come in next: first hand back the heap pages the last step freed
+            release_free_heap()
         engine.eval()
         out = []
         for b in batches:
             lp, ent, _ = response_logprobs(engine, self._dev(b), temperature, self.packing, with_entropy, ring=self.ring)
             out.append((lp.cpu(), ent.cpu()) if with_entropy else lp.cpu())
-        if engine is not self.engine:  # a frozen model, idle until the next step: its weights to the page cache
+        if frozen:  # idle until the next step: its weights to the page cache
             release_file_pages(engine.parameters())
         return out
 
@@ -709,6 +712,7 @@ class TrainWorker:
             ema = self.ema is not None
         if ema and self.ema is None:
             raise ValueError("export_hf(ema=True): this model keeps no EMA (--train.enable_ema is off)")
+        release_free_heap()  # the tokenizer and the files' buffers need not come on top of training's heap
         with self._ema_swapped_in() if ema else contextlib.nullcontext():
             self._write_hf(out_dir, config_updates, tokenizer_path)
 

@@ -294,11 +294,62 @@ def test_a_tied_heads_gradient_takes_the_embeddings_in_place(monkeypatch):
         num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=True, attn_implementation="sdpa"))
     grads, allocations = grads_and_vh_allocations(model)
     assert len(allocations) == 2 and "aten::add" not in allocations, allocations
-    monkeypatch.setattr(models._TiedHead, "apply", lambda h, weight: torch.nn.functional.linear(h, weight))
+    monkeypatch.setattr(models._TiedHead, "apply", lambda h, weight, into_grad: torch.nn.functional.linear(h, weight))
     linear_grads, linear_allocations = grads_and_vh_allocations(model)
     assert len(linear_allocations) == 3 and "aten::add" in linear_allocations, linear_allocations
     for name, grad in grads.items():
         assert torch.equal(grad, linear_grads[name]), name
+
+
+def test_a_tied_weight_can_take_both_gradients_straight_into_its_grad():
+    """``accumulate_tied_gradient_in_place``: the head and the input embedding add their parts of the tied
+    weight's gradient into ``.grad`` themselves. Over two backwards (the first finds no ``.grad``) the gradients
+    equal autograd's: every parameter but the tied weight bitwise (the same kernels), the tied weight to fp32
+    rounding of the same sums in another order (8 units in the last place of its largest entry), pad-id rows included (nn.Embedding's ``padding_idx`` takes no gradient from the lookup). The second
+    backward allocates no ``[V, H]`` (autograd: the head's gradient and the embedding's zero-filled one). A
+    model without a tied trained head is left alone."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_train_deepspeed.models import accumulate_tied_gradient_in_place
+
+    def tied_llama(tie: bool = True):
+        torch.manual_seed(5)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=WIDE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=tie, attn_implementation="sdpa"))
+
+    seq = make_sequence_batch([[1, 0, 5, 6]] * 4, [[7, 8, 0, 10, 11]] * 4, pad_token_id=0)  # pad ids inside
+
+    def two_backwards(model) -> tuple[dict, list[str]]:
+        model.zero_grad(set_to_none=True)
+        response_logprobs(model, seq, 0.7)[0].sum().backward()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            response_logprobs(model, seq, 0.7, with_entropy=True)[1].sum().backward()
+        vh = WIDE_VOCAB * 32 * 4
+        return ({n: p.grad.clone() for n, p in model.named_parameters()},
+                [e.name for e in prof.events() if e.self_cpu_memory_usage == vh])
+
+    want, autograd_allocations = two_backwards(tied_llama())
+    assert len(autograd_allocations) == 2, autograd_allocations
+    model = tied_llama()
+    assert accumulate_tied_gradient_in_place(model)
+    got, allocations = two_backwards(model)
+    assert allocations == []
+    tied = "model.embed_tokens.weight"
+    assert float(got[tied][0].abs().sum()) != 0.0  # the pad row: the head's part only
+    ulp = torch.finfo(torch.float32).eps * float(want[tied].abs().max())
+    torch.testing.assert_close(got[tied], want[tied], atol=8 * ulp, rtol=0)
+    for name, grad in want.items():
+        if name != tied:
+            assert torch.equal(got[name], grad), name
+    with torch.no_grad():  # a forward without autograd is the plain lookup
+        assert torch.equal(model.model.embed_tokens(seq.input_ids), model.model.embed_tokens.weight[seq.input_ids])
+
+    assert not accumulate_tied_gradient_in_place(tied_llama(tie=False))
+    frozen = tied_llama()
+    frozen.requires_grad_(False)
+    assert not accumulate_tied_gradient_in_place(frozen)
 
 
 def test_the_fused_adamw_steps_like_the_per_tensor_one_and_a_float64_adamw():

@@ -405,6 +405,44 @@ def test_a_hosted_engine_decodes_from_the_trainers_tensors_with_the_numbers_of_i
         worker.close()
 
 
+def test_a_tied_policy_adds_its_embeddings_gradient_into_grad_with_the_same_step(tmp_path):
+    """At ZeRO-0 in fp32 (DeepSpeed reads a plain ``.grad``) a policy whose head is tied to its input embedding
+    has both add the tied weight's gradient into ``.grad`` themselves (``accumulate_tied_gradient_in_place``:
+    no ``[V, H]`` transients at the end of each backward). An SFT step over 4 micro-batches gives the
+    parameters of the same step through autograd's sum: AdamW's first step moves each entry by about
+    ``lr * sign(g)``, so gradients equal to rounding give parameters equal to rounding (1e-6 here, where
+    |parameter| < 1 and the step is 1e-2). Not at bf16, whose optimizer keeps gradients of its own."""
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "tied", num_words=60, tie_word_embeddings=True)
+    stepped = {}
+    for direct in (True, False):
+        worker = inline_rank(path)
+        try:
+            embedding = worker._module().get_input_embeddings()
+            assert embedding.accumulates_into_grad
+            if not direct:
+                del embedding.forward, embedding.accumulates_into_grad
+            before = {n: p.detach().clone() for n, p in worker._module().named_parameters()}
+            mbs = global_batch()
+            assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+            stepped[direct] = {n: p.detach().clone() for n, p in worker._module().named_parameters()}
+        finally:
+            worker.close()
+    tied = "model.embed_tokens.weight"
+    assert not torch.equal(stepped[True][tied], before[tied])
+    for name, p in stepped[True].items():
+        torch.testing.assert_close(p, stepped[False][name], atol=1e-6, rtol=0, msg=name)
+
+    worker = TrainWorker(0, 1)
+    try:
+        worker.init_distributed(worker.master_address())
+        worker.init_model(spec(path, 4), DSConfig(zero_stage=0, param_dtype="bf16"))
+        assert not hasattr(worker._module().get_input_embeddings(), "accumulates_into_grad")
+    finally:
+        worker.close()
+
+
 def resident_kib(ptr: int) -> int:
     """Rss of the mapping of this process that holds address ``ptr``, from /proc/self/smaps."""
     with open("/proc/self/smaps") as f:

@@ -33,6 +33,7 @@ from rlhf_core.checkpoint import CheckpointError
 from rlhf_core.memory import keep_freed_memory, release_file_pages, release_free_heap
 from rlhf_train_deepspeed import shared_prefix
 from rlhf_train_deepspeed.models import (
+    accumulate_tied_gradient_in_place,
     load_causal_lm,
     load_value_model,
     normalize_rewards,
@@ -247,6 +248,9 @@ class TrainWorker:
                 grad_ckpt=spec.grad_ckpt,
                 grad_ckpt_reentrant=spec.grad_ckpt_reentrant,
             )
+            if spec.kind == "causal" and self.strategy.ds.zero_stage == 0 and dtype == torch.float32 \
+                    and not self._is_peft():  # DeepSpeed reads a plain .grad: no [V, H] transients at the peak
+                accumulate_tied_gradient_in_place(self._module())
             if spec.ema_beta is not None:
                 self.ema = [s.detach().to(torch.float32, copy=True) for s in self._local_shards()]
         else:

@@ -457,9 +457,15 @@ def resident_kib(ptr: int) -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/smaps")
-def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_llama):
+def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_llama, monkeypatch, tmp_path):
     """A CPU rank's reference model runs once a step; after its log-probs its weights' file mapping holds no
-    resident page (they wait in the page cache), and the next forward reads back the same numbers."""
+    resident page (they wait in the page cache), and the next forward reads back the same numbers. Before its
+    forward, and before an export, the rank hands the heap's free pages back (``release_free_heap``, recorded
+    here); not before the policy's own forward, whose activations reuse them."""
+    import rlhf_train_deepspeed.worker as worker_module
+
+    heap_releases = []
+    monkeypatch.setattr(worker_module, "release_free_heap", lambda: heap_releases.append(True))
     worker = TrainWorker(0, 1)
     try:
         worker.init_distributed(worker.master_address())
@@ -470,9 +476,12 @@ def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_l
         assert resident_kib(weight.data_ptr()) == 0
         for a, b in zip(first, worker.compute_logprobs(seqs, ref=True), strict=True):
             assert torch.equal(a, b)
+        assert len(heap_releases) == 2
         policy = worker._module().get_input_embeddings().weight
         worker.compute_logprobs(seqs)  # the policy's own weights stay where they are
-        assert resident_kib(policy.data_ptr()) > 0
+        assert resident_kib(policy.data_ptr()) > 0 and len(heap_releases) == 2
+        worker.export_hf(str(tmp_path / "export"))
+        assert len(heap_releases) == 3
     finally:
         worker.close()
 

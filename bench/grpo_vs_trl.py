@@ -854,13 +854,15 @@ torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__v
 
 
 REAL_NOTES = """
-Measured 2026-11-27 on an idle 2-core AMD EPYC (AVX2, no AVX-512), in two invocations of `--dtype fp32 --runs
-rlhf-default,trl --reps 1 --steps 3 --warmup 1` (the second with `--runs trl,rlhf-default`; rlhf-default is the
-command with no placement or precision flags: on this row one process, ZeRO-0, fp32). Against the goals: step
-speed 3.39x TRL's (3.31x and 3.47x per round), peak PSS 0.62x (short of 0.5x). An invocation earlier that day,
-before the last log-prob chunk kept its logits instead of recomputing them (a micro-batch's forward and backward
-8% faster, same gradients), gave 2.58x: rlhf 22.4 s and TRL 57.7 s per step. TRL's step took 65.8-68.6 s in
-these rounds, so about half of the change in the ratio is the machine, not rlhf.
+Measured 2026-11-27 (third session, after `1907481`..`4b5dbf3`: the log-prob kernel keeps only the logits;
+a tied weight's gradient goes straight into `.grad`) on an idle 2-core AMD EPYC (AVX2, no AVX-512), in two
+invocations of `--dtype fp32 --runs rlhf-default,trl --reps 1 --steps 3 --warmup 1` (the second with `--runs
+trl,rlhf-default`; rlhf-default is the command with no placement or precision flags: on this row one process,
+ZeRO-0, fp32). Against the goals: step speed 3.96x TRL's (4.03x and 4.30x per round: rlhf 12.22 and 12.26 s,
+TRL 49.20 and 52.75 s), peak PSS 0.62x (3266 and 3305 MiB against 5307 and 5325; short of 0.5x). Earlier the
+same day: 3.80x and 0.64x (rlhf 11.19 s, RSS 3517 MiB; TRL 42.53 s) in the second session, 3.39x and 0.62x in
+the first, and 2.58x (22.4 against 57.7 s) before the last log-prob chunk kept its logits. TRL's step ranged
+42.5-67.2 s across these sessions on the same machine type: compare ratios, not seconds, across sessions.
 
 Where rlhf's 22.4 s went before that change (cProfile of a step): the policy update took 16.0 s. Of that, 14 s are the forward and
 backward passes of 4 micro-batches at 3.5 s each. With shared prompts, the linear layers see 332 tokens per

@@ -486,6 +486,29 @@ def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_l
         worker.close()
 
 
+def test_a_cpu_training_forward_hands_back_the_heaps_free_pages_before_the_head(tiny_llama, monkeypatch):
+    """A CPU training step peaks where a micro-batch's forward reaches the head: every activation saved, the
+    logits next. There, and only in a forward that builds a graph, the rank hands the heap's free pages back
+    (``release_free_heap``, recorded here between the last layer's forward and the head's log-probs)."""
+    import rlhf_train_deepspeed.models as models_module
+
+    events = []
+    monkeypatch.setattr(models_module, "release_free_heap", lambda: events.append("release"))
+    head_logprobs = models_module.head_logprobs
+    monkeypatch.setattr(models_module, "head_logprobs", lambda *a: events.append("head") or head_logprobs(*a))
+    worker = inline_rank(tiny_llama)
+    try:
+        worker._module().model.layers[-1].register_forward_hook(lambda *a: events.append("layers"))
+        mbs = global_batch()
+        worker.compute_logprobs(mbs)
+        assert events == ["layers", "head"] * len(mbs)
+        events.clear()
+        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+        assert events == ["layers", "release", "head"] * len(mbs)
+    finally:
+        worker.close()
+
+
 def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained_policy(groups, tiny_llama, tmp_path):
     """A LoRA policy (rank 4 on q/v/down, ZeRO-3 over 2 ranks), trained two steps and synced after each, sends
     the engines its adapter pairs only: the bytes are counted (the base, 14x more, would fail it). An engine

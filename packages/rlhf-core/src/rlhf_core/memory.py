@@ -45,10 +45,11 @@ def keep_freed_memory() -> bool:
 
 def release_free_heap() -> bool:
     """Hand the free pages of glibc's heap back to the OS (``malloc_trim(0)``), which :func:`keep_freed_memory`
-    otherwise keeps resident. For a phase of a CPU rank that needs little of what the last one freed but
+    otherwise keeps resident. For a moment of a CPU rank that needs little of what was freed before it but
     brings in memory of its own: the reference model's forward after a training step (its 513 MiB of file
-    pages on top of ~870 MiB of freed activations and decode buffers, SmolLM2-135M), an export. The next
-    training step faults the pages in again, once. Returns False where the C library is not glibc."""
+    pages on top of ~870 MiB of freed activations and decode buffers, SmolLM2-135M), an export, a training
+    forward's head (the holes its freed temporaries left among the saved activations, ~150 MiB). Pages used
+    again fault in again, once. Returns False where the C library is not glibc."""
     try:
         malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):

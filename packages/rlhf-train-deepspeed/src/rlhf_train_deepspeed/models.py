@@ -21,6 +21,7 @@ from torch import nn
 
 from rlhf_algos.logits import head_logprobs
 from rlhf_core.batches import PRMBatch, SequenceBatch
+from rlhf_core.memory import release_free_heap
 from rlhf_core.vision import image_forward_inputs
 from rlhf_train_deepspeed import ring_attn, shared_prefix
 
@@ -161,6 +162,10 @@ def _head_logprobs(model, hidden, labels, temperature, with_entropy):
             z = torch.tanh(z.float() / cap) * cap
         return z
 
+    if torch.is_grad_enabled() and hidden.device.type == "cpu":
+        # a CPU training step peaks here, activations all saved: the heap's holes (the forward's freed
+        # temporaries, kept resident by keep_freed_memory) need not stay on top of them and the logits
+        release_free_heap()
     # a frozen ZeRO-3 head (LoRA) is gathered only while its module runs: see head_logprobs(reentrant=)
     frozen_zero3 = any(hasattr(p, "ds_id") and not p.requires_grad for p in head.parameters())
     return head_logprobs(logits, hidden, labels, config.vocab_size, temperature, with_entropy, frozen_zero3)

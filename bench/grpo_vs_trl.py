@@ -854,15 +854,18 @@ torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__v
 
 
 REAL_NOTES = """
-Measured 2026-11-27 (third session, after `1907481`..`4b5dbf3`: the log-prob kernel keeps only the logits;
-a tied weight's gradient goes straight into `.grad`) on an idle 2-core AMD EPYC (AVX2, no AVX-512), in two
-invocations of `--dtype fp32 --runs rlhf-default,trl --reps 1 --steps 3 --warmup 1` (the second with `--runs
-trl,rlhf-default`; rlhf-default is the command with no placement or precision flags: on this row one process,
-ZeRO-0, fp32). Against the goals: step speed 3.96x TRL's (4.03x and 4.30x per round: rlhf 12.22 and 12.26 s,
-TRL 49.20 and 52.75 s), peak PSS 0.62x (3266 and 3305 MiB against 5307 and 5325; short of 0.5x). Earlier the
-same day: 3.80x and 0.64x (rlhf 11.19 s, RSS 3517 MiB; TRL 42.53 s) in the second session, 3.39x and 0.62x in
-the first, and 2.58x (22.4 against 57.7 s) before the last log-prob chunk kept its logits. TRL's step ranged
-42.5-67.2 s across these sessions on the same machine type: compare ratios, not seconds, across sessions.
+Measured 2026-11-27 (fourth session, at `ba3372c`: a CPU training forward hands the heap's free pages back
+when it reaches the head) on an idle 2-core AMD EPYC with AVX-512 and AVX-512 bf16 (the sessions before ran on
+AVX2-only EPYCs). fp32: four invocations of `--dtype fp32 --runs rlhf-default,trl --reps 1 --steps 3 --warmup 1`,
+two of them with `--runs trl,rlhf-default` (rlhf-default is the command with no placement or precision flags: on
+this row one process, ZeRO-0, fp32). Per round, TRL/rlhf: 3.16x, 2.98x, 3.43x and 3.31x (rlhf 11.70-12.35 s,
+TRL 36.76-41.56 s); peak PSS 0.62x (3079-3169 MiB against 4694-5496). bf16: one invocation of `--dtype bf16
+--runs rlhf-single,trl --reps 1 --steps 2 --warmup 1`: 3.98x, PSS 0.68x. On this CPU bf16 is the faster
+precision for both sides (rlhf 9.0 s against 12.2 s in fp32); fp32 stays the CPU default because it keeps the
+engine's and the trainer's log-probs together (`resolve_param_dtype`). Earlier the same day, on AVX2: 3.96x and
+0.62x (rlhf 11.96 s, TRL 47.37 s), 3.80x and 0.64x, 3.39x and 0.62x, and 2.58x (22.4 against 57.7 s) before the
+last log-prob chunk kept its logits. TRL's fp32 step has ranged 36.8-67.2 s across these sessions while
+rlhf's stayed at 11.2-12.4 s: compare ratios, not seconds, across sessions and CPUs.
 
 Where rlhf's 22.4 s went before that change (cProfile of a step): the policy update took 16.0 s. Of that, 14 s are the forward and
 backward passes of 4 micro-batches at 3.5 s each. With shared prompts, the linear layers see 332 tokens per
@@ -874,16 +877,16 @@ phases already run at this CPU's rate. Against that TRL step, 3x needed 19.2 s: 
 matrix products: training's other work (attention, norms, the log-softmax: about 2.5 s), decode's sampling and
 attention (1.6 s), AdamW (0.7 s), and repacking the weights for decode after every sync (0.4 s).
 
-Memory: 0.5x TRL's peak PSS is 2657-2725 MiB (TRL: 5314-5450 MiB). The fp32 weights, gradients and AdamW moments alone take 2052 MiB
+Memory: 0.5x TRL's peak PSS is 2347-2748 MiB (TRL: 4694-5496 MiB in fp32). The fp32 weights, gradients and AdamW moments alone take 2052 MiB
 (134.5M x 4 B x 4), and the interpreter with torch, transformers and DeepSpeed imported takes 355 MiB. That
-leaves 250 MiB for the engine's KV cache (175 MiB for 64 rows of 62 tokens) and every training activation:
+leaves at most 340 MiB for the engine's KV cache (175 MiB for 64 rows of 62 tokens) and every training activation:
 in fp32 the goal is below what this run holds.
 
 Precision: before 2026-11-27 this section said bf16 was faster than fp32 here (22.9 against 36.5 s/step).
 Both rows were fp32 runs: rlhf-default keeps the default precision whatever `--dtype` says, and the bench now
-refuses that combination. The 36.5 s run shared the machine with other jobs. On this machine, bf16 linear
-layers of the model's shapes run at 16 GFLOP/s against fp32's 79-100, so fp32, the CPU default, is the faster
-precision.
+refuses that combination. The 36.5 s run shared the machine with other jobs. On the AVX2-only EPYC, bf16 linear
+layers of the model's shapes ran at 16 GFLOP/s against fp32's 79-100, so fp32 was the faster precision there;
+on the AVX-512 bf16 EPYC above, bf16 is (9.0 against 12.2 s a step).
 """
 
 

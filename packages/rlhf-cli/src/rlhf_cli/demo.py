@@ -215,7 +215,7 @@ def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple
           "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", str(prompts),
           "--rollout.max_new_tokens", str(REAL_NEW_TOKENS), "--rollout.micro_batch_size", "16",
           "--train.batch_size", str(8 * prompts), "--train.micro_batch_size", "16", "--train.max_steps", str(steps),
-          "--actor.adam.lr", "2e-5", "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0",
+          "--actor.adam.lr", "2e-5", "--actor.lr_scheduler", "cosine_with_min_lr", "--actor.lr_warmup_ratio", "0",
           "--ds.zero_stage", "0", "--ds.param_dtype", "fp32", "--train.colocate_all",
           "--ckpt.output_dir", str(work / "rl")]
     return [("RL (GRPO)", rl)]

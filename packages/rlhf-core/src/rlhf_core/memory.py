@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import re
 from collections.abc import Iterable
@@ -20,6 +21,13 @@ TRIM_THRESHOLD = 1 << 30
 MADV_DONTNEED = 4  # Linux
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, looked up once: ``find_library`` runs ``ldconfig``, and a training rank trims its heap every
+    micro-batch."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory in this process instead of handing it back to the OS.
 
@@ -32,8 +40,7 @@ def keep_freed_memory() -> bool:
     at its peak, which a worker reaches every step anyway. Returns False where the C library is not glibc
     (nothing changed)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -51,7 +58,7 @@ def release_free_heap() -> bool:
     forward's head (the holes its freed temporaries left among the saved activations, ~150 MiB). Pages used
     again fault in again, once. Returns False where the C library is not glibc."""
     try:
-        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        malloc_trim = _libc().malloc_trim
     except (OSError, AttributeError):
         return False
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int

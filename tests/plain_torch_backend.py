@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rlhf_core import hookimpl
+from rlhf_core import hookimpl, weight_sync
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, SequenceBatch
 from rlhf_core.errors import UserError
 
@@ -45,19 +44,20 @@ class PlainRank:
 
     def __init__(self, rank: int, world_size: int, threads: int):
         self.rank, self.world_size = rank, world_size
+        self.stores: dict[int, dist.TCPStore] = {}  # what master_address opened, by port, until it is joined
         torch.set_num_threads(threads)
 
     def master_address(self) -> tuple[str, int]:
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        """This node's address and the port of a store rank 0 listens on already, kept for the group it is for."""
+        store = weight_sync.listening_store()
+        self.stores[store.port] = store
+        return ray.util.get_node_ip_address(), store.port
 
     def init(self, addr: str, port: int, model_dir: str, lr: float, seed: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank,
-                                world_size=self.world_size)
+        store = self.stores.pop(port) if self.rank == 0 else dist.TCPStore(addr, port, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size)
         torch.manual_seed(seed)
         self.model_dir = model_dir
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -110,13 +110,12 @@ class PlainRank:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def broadcast_weights(self, addr: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
-        from rlhf_core.weight_sync import init_sync_group
-
         if self.rank:
             return 0
         # the engines keep the group for every sync; another address means a new group (an engine was replaced)
         if getattr(self, "sync", None) is None or self.sync.address != f"{addr}:{port}":
-            self.sync = init_sync_group(addr, port, 0, world_size, backend, timeout_s)
+            self.sync = weight_sync.init_sync_group(addr, port, 0, world_size, backend, timeout_s,
+                                                    store=self.stores.pop(port))
         self.sync.send(self.model.state_dict().items())
         return len(self.model.state_dict())
 
@@ -233,10 +232,15 @@ class PlainTorchBackend:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pool, placement_group_bundle_index=bundle_indices[r] if bundle_indices else r)
             ranks.append(ray.remote(PlainRank).options(**options).remote(r, num_workers, threads))
-        addr, port = ray.get(ranks[0].master_address.remote())
-        ray.get([a.init.remote(addr, port, cfg.actor.model_name_or_path, cfg.actor.adam.lr, cfg.train.seed)
-                 for a in ranks])
-        return PlainGroup(ranks)
+        group = PlainGroup(ranks)
+        try:
+            addr, port = ray.get(ranks[0].master_address.remote())
+            ray.get([a.init.remote(addr, port, cfg.actor.model_name_or_path, cfg.actor.adam.lr, cfg.train.seed)
+                     for a in ranks])
+        except BaseException:
+            group.shutdown()  # ranks outside a placement group would hold their CPUs for the tests after
+            raise
+        return group
 
     def run_trainer(self, mode: str, cfg):
         raise UserError(f"the plain_torch backend runs RL only, not rlhf train {mode}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import threading
 import time
@@ -15,12 +16,14 @@ from rlhf_core.weight_sync import (
     WeightSyncError,
     WeightSyncTimeout,
     init_sync_group,
+    listening_store,
 )
 
 
 def run_group(world_size: int, sender, receiver, timeout_s: float = 30.0):
     """Rank 0 runs ``sender(group)`` in this thread, ranks 1.. run ``receiver(group)`` in threads."""
-    port = free_port()
+    store = listening_store()
+    port = store.port
     results, errors = {}, {}
 
     def member(rank):
@@ -33,7 +36,7 @@ def run_group(world_size: int, sender, receiver, timeout_s: float = 30.0):
     threads = [threading.Thread(target=member, args=(r,)) for r in range(1, world_size)]
     for t in threads:
         t.start()
-    group = init_sync_group("127.0.0.1", port, 0, world_size, "gloo", timeout_s)
+    group = init_sync_group("127.0.0.1", port, 0, world_size, "gloo", timeout_s, store=store)
     results[0] = sender(group)
     for t in threads:
         t.join()
@@ -84,11 +87,12 @@ def test_the_group_leaves_the_default_process_group_alone():
 
 
 def test_a_sender_that_never_sends_makes_the_receiver_raise_within_the_timeout():
-    port = free_port()
+    store = listening_store()
+    port = store.port
     joined = threading.Event()
 
     def silent_sender():
-        group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=2.0)
+        group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=2.0, store=store)
         joined.set()
         time.sleep(6)  # alive, in the group, never calls send()
         group.close()
@@ -107,10 +111,11 @@ def test_a_sender_that_never_sends_makes_the_receiver_raise_within_the_timeout()
 
 
 def test_a_sender_that_leaves_makes_the_receiver_raise_at_once():
-    port = free_port()
+    store = listening_store()
+    port = store.port
 
     def leaving_sender():
-        group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30.0)
+        group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=30.0, store=store)
         group.close()  # drops its end of the connections, as a dying process would
 
     thread = threading.Thread(target=leaving_sender)
@@ -124,11 +129,24 @@ def test_a_sender_that_leaves_makes_the_receiver_raise_at_once():
 
 
 def test_a_receiver_that_never_joins_makes_the_sender_raise_within_the_timeout():
-    port = free_port()
+    store = listening_store()
     started = time.monotonic()
     with pytest.raises(WeightSyncTimeout, match=r"rank 0 waited 2s .* for all 2 ranks to join"):
-        init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=2.0)
+        init_sync_group("127.0.0.1", store.port, 0, 2, "gloo", timeout_s=2.0, store=store)
     assert time.monotonic() - started < 6
+
+
+def test_a_listening_store_holds_its_port_from_the_start():
+    """Its port is taken before anyone is told it (a port found free and released could be taken by another
+    process before the group listens on it); only rank 0 joins with it (run_group above joins through one)."""
+    import socket
+
+    store = listening_store()
+    with socket.socket() as s, pytest.raises(OSError) as info:
+        s.bind(("127.0.0.1", store.port))
+    assert info.value.errno == errno.EADDRINUSE
+    with pytest.raises(ValueError, match=f"rank 0's, on port {store.port}; got rank 1"):
+        init_sync_group("127.0.0.1", store.port, 1, 2, "gloo", timeout_s=2.0, store=store)
 
 
 def test_wrong_use_is_refused():

@@ -24,10 +24,9 @@ import torch
 from rlhf_core.config import RLConfig
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.testing import RolloutEngineConformance
-from rlhf_core.testing.engines import free_port
 from rlhf_core.testing.tiny import make_tiny_llama
 from rlhf_core.types import GenerationRequest, SamplingParams
-from rlhf_core.weight_sync import init_sync_group
+from rlhf_core.weight_sync import init_sync_group, listening_store
 from rlhf_rollout_vllm.engine import (
     CPU_INSTALL_HINT,
     WORKER_EXTENSION,
@@ -374,17 +373,17 @@ class Worker(WeightSyncWorkerExtension):
 
 
 def test_worker_extension_joins_at_its_rank_and_loads_what_rank_0_sends():
-    ports = [free_port(), free_port()]
+    stores = [listening_store(), listening_store()]
     tensors = [("a", torch.randn(4, 3)), ("b", torch.arange(5.0))]
     workers = [Worker(0), Worker(1)]  # tensor-parallel ranks of one engine at sync ranks 1 and 2
     left = []
 
     def run(worker):
-        worker.rlhf_init_weight_sync("127.0.0.1", ports[0], 1, 3, "gloo", 30.0)
+        worker.rlhf_init_weight_sync("127.0.0.1", stores[0].port, 1, 3, "gloo", 30.0)
         worker.rlhf_receive_weights()
         first = worker.rlhf_sync_group
         # a new group (the controller's, after it replaced a dead engine): the worker leaves the first one
-        worker.rlhf_init_weight_sync("127.0.0.1", ports[1], 1, 3, "gloo", 30.0)
+        worker.rlhf_init_weight_sync("127.0.0.1", stores[1].port, 1, 3, "gloo", 30.0)
         left.append(first._pg is None and worker.rlhf_sync_group is not first)
         worker.rlhf_receive_weights()
         worker.rlhf_close_weight_sync()
@@ -392,8 +391,8 @@ def test_worker_extension_joins_at_its_rank_and_loads_what_rank_0_sends():
     threads = [threading.Thread(target=run, args=(w,)) for w in workers]
     for t in threads:
         t.start()
-    for port in ports:
-        sender = init_sync_group("127.0.0.1", port, 0, 3, "gloo", 30.0)
+    for store in stores:
+        sender = init_sync_group("127.0.0.1", store.port, 0, 3, "gloo", 30.0, store=store)
         sender.send(tensors)
     for t in threads:
         t.join()
@@ -472,8 +471,8 @@ def save_tiny_decoder(path, family: str, tied: bool) -> str:
     return str(path)
 
 
-def send_weights(port: int, named: list, world_size: int = 2) -> None:
-    group = init_sync_group("127.0.0.1", port, 0, world_size, "gloo", 60.0)
+def send_weights(store, named: list, world_size: int = 2) -> None:
+    group = init_sync_group("127.0.0.1", store.port, 0, world_size, "gloo", 60.0, store=store)
     group.send(named)
     group.close()
 
@@ -483,10 +482,10 @@ def sync_weights(engine, named: list, through_group: bool) -> None:
     if not through_group:
         engine.update_weights(named)
         return
-    port = free_port()
-    sender = threading.Thread(target=send_weights, args=(port, named))
+    store = listening_store()
+    sender = threading.Thread(target=send_weights, args=(store, named))
     sender.start()
-    engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60.0)
+    engine.init_weight_sync("127.0.0.1", store.port, 1, 2, "gloo", 60.0)
     engine.receive_weights()
     sender.join()
     engine.close_weight_sync()
@@ -557,10 +556,10 @@ def test_tensor_parallel_2_shards_and_syncs(tmp_path):
                     p.add_(0.05 * torch.randn(p.shape, generator=gen))
             named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]
             if step == 1:
-                port = free_port()
-                sender = threading.Thread(target=send_weights, args=(port, named, 3))
+                store = listening_store()
+                sender = threading.Thread(target=send_weights, args=(store, named, 3))
                 sender.start()
-                engine.init_weight_sync("127.0.0.1", port, 1, 3, "gloo", 60.0)
+                engine.init_weight_sync("127.0.0.1", store.port, 1, 3, "gloo", 60.0)
                 engine.receive_weights()
                 sender.join()
                 engine.close_weight_sync()

@@ -352,6 +352,43 @@ def test_experts_implementation_reaches_the_trained_and_reference_moe_models(gro
 # DeepSpeed's all-reduce (the identity, through a flat copy of every gradient). One rank in this process, no Ray.
 
 
+def test_a_group_whose_set_up_fails_gives_its_cpus_back(ray_cluster, tmp_path):
+    """Ranks outside a placement group held their CPUs after a failed start while the error was kept (its
+    traceback holds the group), and the next test's run could not place its pools (CI): the failed group's
+    ranks are killed at once."""
+    import time
+
+    from rlhf_train_deepspeed.group import create_worker_group
+
+    free = ray_cluster.available_resources()["CPU"]
+    with pytest.raises(Exception, match="no_such_model") as kept:  # as pytest keeps a failed test's error
+        create_worker_group("actor", spec(str(tmp_path / "no_such_model"), 4), DSConfig(), 1, num_cpus_per_worker=2)
+    deadline = time.monotonic() + 30  # a killed actor's resources come back asynchronously
+    while ray_cluster.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_cluster.available_resources().get("CPU", 0) == free and kept.traceback
+
+
+def test_rank_0_listens_on_the_port_it_hands_out_until_its_group_is_joined():
+    """A port found free and released before the group listened on it was taken by another process in CI
+    (EADDRINUSE): the port master_address hands out is held from the start, and joining releases the hold."""
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    worker = TrainWorker(0, 1)
+    try:
+        host, port = worker.master_address()
+        with socket.socket() as s, pytest.raises(OSError) as info:
+            s.bind(("", port))
+        assert info.value.errno == errno.EADDRINUSE
+        worker.init_distributed((host, port))
+        assert dist.is_initialized() and not worker._stores
+    finally:
+        worker.close()
+
+
 def inline_rank(path: str) -> TrainWorker:
     worker = TrainWorker(0, 1)
     worker.init_distributed(worker.master_address())

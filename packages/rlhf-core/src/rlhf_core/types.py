@@ -559,7 +559,9 @@ class TrainGroup(Protocol):
         """Every weight as a full CPU tensor under its Hugging Face name (what an engine loads)."""
 
     def weight_sync_address(self) -> tuple[str, int]:
-        """A host and free port on rank 0's node for the weight-broadcast group."""
+        """Rank 0's host and a port for the weight-broadcast group. Rank 0 holds the port from now on (as the
+        store of ``rlhf_core.weight_sync.listening_store``, passed to ``init_sync_group``): a port found free
+        and released can be taken by another process before the group forms."""
 
     def broadcast_weights_to_engines_async(
         self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0

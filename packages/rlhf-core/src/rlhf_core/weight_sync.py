@@ -218,6 +218,14 @@ class SyncGroup:
         self._store = None
 
 
+def listening_store() -> dist.TCPStore:
+    """A store server for rank 0 of a group yet to form, already listening on a port the OS chose (its
+    ``port``, to hand the other ranks; it listens on every interface). A port picked by binding and closing
+    a socket stays free only until another process binds it: Ray's own connections took one in CI, and the
+    group failed with EADDRINUSE. A store that listens from the start leaves no such gap."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def init_sync_group(
     master_addr: str,
     master_port: int,
@@ -226,9 +234,11 @@ def init_sync_group(
     backend: str = "gloo",
     timeout_s: float = 600.0,
     device: str | torch.device | None = None,
+    store: dist.TCPStore | None = None,
 ) -> SyncGroup:
     """Join a weight-sync group of ``world_size`` ranks; rank 0 (the sender) hosts its store on
     ``master_addr:master_port``. Blocks until every rank has joined, at most ``timeout_s`` seconds.
+    Rank 0 passes the :func:`listening_store` whose port it handed out, or opens one on ``master_port`` here.
 
     ``backend`` is ``gloo`` (tensors travel through CPU memory) or ``nccl`` (``device`` must be the
     rank's GPU). The default process group, if any, is neither used nor changed. With NCCL, a stalled
@@ -243,10 +253,16 @@ def init_sync_group(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     device = torch.device(device)
+    if store is not None:
+        if rank != 0 or store.port != master_port:
+            raise ValueError(f"weight sync: a listening store is rank 0's, on port {master_port}; got rank {rank} "
+                             f"and port {store.port}")
+        store.set_timeout(timeout)
     try:
-        store = dist.TCPStore(
-            master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-        )
+        if store is None:
+            store = dist.TCPStore(
+                master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+            )
     except (RuntimeError, TimeoutError) as exc:
         role = "host the store" if rank == 0 else "reach rank 0's store"
         raise WeightSyncTimeout(

@@ -196,9 +196,15 @@ class WorkerGroup:
         return self.call_async("init_model", spec, ds, seed, full_determinism)
 
     def wait_ready(self) -> None:
-        """Wait for the set-up that ``create_worker_group(..., wait=False)`` left running (raising its errors)."""
+        """Wait for the set-up that ``create_worker_group(..., wait=False)`` left running (raising its errors).
+        A group whose set-up failed is shut down: ranks outside a placement group would keep their CPUs or GPUs
+        until the driver ends."""
         starting, self._starting = self._starting, []
-        inline.get(starting)
+        try:
+            inline.get(starting)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def host(self, name: str, cls: type, args: list[tuple]) -> list[HostedHandle]:
         """Build ``cls(*args[r])`` inside the process of rank ``r``, for the first ``len(args)`` ranks, and

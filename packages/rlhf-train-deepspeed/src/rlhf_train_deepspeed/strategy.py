@@ -257,9 +257,10 @@ class Strategy:
     # --- distributed ---
 
     @staticmethod
-    def init_distributed(timeout_s: float = 1800.0) -> None:
-        """Join the process group described by MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK (set by the
-        Ray worker group, not a launcher): NCCL with a GPU, gloo on CPU."""
+    def init_distributed(address: tuple[str, int], store: dist.TCPStore | None, timeout_s: float = 1800.0) -> None:
+        """Join the process group of RANK and WORLD_SIZE (set by the Ray worker group, not a launcher) whose
+        rank 0 listens at ``address``; rank 0 passes the store it listens with (``weight_sync.listening_store``).
+        NCCL with a GPU, gloo on CPU. A process already in a group (a single-process run's later ranks) keeps it."""
         import datetime
 
         import deepspeed
@@ -277,9 +278,13 @@ class Strategy:
 
             sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         if not dist.is_initialized():
-            deepspeed.init_distributed(
-                dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s), verbose=False
-            )
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if store is None:
+                store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+            store.set_timeout(timeout)
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts torch's group
             # NCCL warns of a leak at exit when the group was never destroyed (a single-process run keeps it
             # for later ranks in the process, so its end is the process's end)
             atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())

@@ -12,7 +12,7 @@ import contextlib
 import gc
 import os
 import random
-import socket
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_core import weight_sync
 from rlhf_core.batches import (
     CriticMicroBatch,
     PolicyMicroBatch,
@@ -176,6 +177,8 @@ class TrainWorker:
         self.teacher_engines: list = []
         self.spec: ModelSpec | None = None
         self._sync_group = None
+        self._stores: dict[int, Any] = {}
+        """Stores :meth:`master_address` opened, by port, until the group they are for is joined."""
         self._plugins = None
         self._hosted: dict[str, Any] = {}
         """Objects of other roles living in this rank's process (:meth:`host`), by name."""
@@ -187,21 +190,19 @@ class TrainWorker:
     # --- set-up ---
 
     def master_address(self) -> tuple[str, int]:
-        """Rank 0's address and a free port on it, shared with every rank by the group."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if self.world_size == 1:  # a lone rank (a single-process run may have no Ray at all)
-            return "127.0.0.1", port
-        import ray
-
-        return ray.util.get_node_ip_address(), port
+        """Rank 0's address and the port of a store it already listens on (``weight_sync.listening_store``),
+        for the ranks of its group or the engines of a weight-sync group; the call that joins takes the store."""
+        store = weight_sync.listening_store()
+        self._stores[store.port] = store
+        ray = sys.modules.get("ray")  # a single-process run has no Ray (nor imports it)
+        host = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
+        return host, store.port
 
     def init_distributed(self, address: tuple[str, int]) -> None:
         """Join the group whose rank 0 is at ``address`` (:meth:`master_address` of rank 0)."""
         os.environ["MASTER_ADDR"] = address[0]
         os.environ["MASTER_PORT"] = str(address[1])
-        Strategy.init_distributed()
+        Strategy.init_distributed(address, self._stores.pop(address[1], None))
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> dict:
         """Load the model described by ``spec`` into a DeepSpeed engine (replacing any previous one)."""
@@ -659,11 +660,9 @@ class TrainWorker:
         moves. Collective under ZeRO-3 (only the adapters are gathered)."""
         import deepspeed
 
-        from rlhf_core.weight_sync import lora_adapter_tensors
-
         module = self._module()
         with deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if "lora_" in n]):
-            yield from lora_adapter_tensors(module)
+            yield from weight_sync.lora_adapter_tensors(module)
 
     def engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight sync sends: a LoRA policy's adapters (:meth:`adapter_weights`), else every trained
@@ -685,14 +684,12 @@ class TrainWorker:
         (the engines after one was replaced) closes it and joins a new one. Other trainer ranks only take part
         in the ZeRO-3 gathers. A LoRA policy sends only its adapters (:meth:`engine_weights`). Returns the
         number of tensors sent (0 on ranks other than 0)."""
-        from rlhf_core import weight_sync
-
         if self.rank == 0 and self._sync_group is not None and self._sync_group.address != f"{master_addr}:{master_port}":
             self._sync_group.close()
             self._sync_group = None
         if self.rank == 0 and self._sync_group is None:
             self._sync_group = weight_sync.init_sync_group(
-                master_addr, master_port, 0, world_size, backend, timeout_s
+                master_addr, master_port, 0, world_size, backend, timeout_s, store=self._stores.pop(master_port, None)
             )
         weights = self.engine_weights()
         if self.rank == 0:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from rlhf_core.testing.engines import forward_logprobs, free_port, perturbed_weights
+from rlhf_core.testing.engines import forward_logprobs, perturbed_weights
 from rlhf_core.testing.tiny import make_tiny_llama
 from rlhf_core.weight_sync import (
     WeightSyncError,
@@ -166,14 +166,16 @@ def test_wrong_use_is_refused():
 # --- two processes: a trainer-side sender and an engine holder ------------------------------------------
 
 
-def sender_process(model_dir: str, port: int, requests, answers) -> None:
+def sender_process(model_dir: str, requests, answers) -> None:
     """Rank 0: a 'trained' policy (the tiny model with new weights) sends its weights, then scores
-    the sequences the engine holder sends back with its own forward pass."""
+    the sequences the engine holder sends back with its own forward pass. Its group's port is its first answer."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.load_state_dict(perturbed_weights(model_dir, seed=8))
-    group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
+    store = listening_store()
+    answers.put(store.port)
+    group = init_sync_group("127.0.0.1", store.port, 0, 2, "gloo", timeout_s=60, store=store)
     group.send(model.state_dict().items(), bucket_bytes=32 << 10)
     group.close()
     while (item := requests.get(timeout=60)) is not None:
@@ -194,11 +196,10 @@ def test_after_a_sync_engine_and_sender_compute_the_same_logprobs(tmp_path):
 
     ctx = multiprocessing.get_context("spawn")
     requests, answers = ctx.Queue(), ctx.Queue()
-    port = free_port()
-    sender = ctx.Process(target=sender_process, args=(model_dir, port, requests, answers), daemon=True)
+    sender = ctx.Process(target=sender_process, args=(model_dir, requests, answers), daemon=True)
     sender.start()
     try:
-        engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60)
+        engine.init_weight_sync("127.0.0.1", answers.get(timeout=60), 1, 2, "gloo", 60)
         engine.receive_weights()
         after = engine.generate([request])[0]
         assert [o.token_ids for o in after] != [o.token_ids for o in before]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
-import socket
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -42,20 +41,16 @@ def perturbed_weights(model_dir: str | Path, seed: int = 1) -> dict[str, torch.T
     return {name: t + 0.1 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for name, t in sorted(state.items())}
 
 
-def send_weights_process(model_dir: str, port: int, world_size: int, seed: int, timeout_s: float = 60.0) -> None:
-    """A weight sender for tests: joins a gloo sync group as rank 0 on 127.0.0.1:``port`` and sends
-    :func:`perturbed_weights`. Runs in its own process (``multiprocessing`` spawn)."""
-    from rlhf_core.weight_sync import init_sync_group
+def send_weights_process(model_dir: str, ports, world_size: int, seed: int, timeout_s: float = 60.0) -> None:
+    """A weight sender for tests: forms a gloo sync group as rank 0 on 127.0.0.1 (its port goes into the queue
+    ``ports``) and sends :func:`perturbed_weights`. Runs in its own process (``multiprocessing`` spawn)."""
+    from rlhf_core.weight_sync import init_sync_group, listening_store
 
-    group = init_sync_group("127.0.0.1", port, 0, world_size, "gloo", timeout_s)
+    store = listening_store()
+    ports.put(store.port)
+    group = init_sync_group("127.0.0.1", store.port, 0, world_size, "gloo", timeout_s, store=store)
     group.send(perturbed_weights(model_dir, seed).items(), bucket_bytes=16 << 10)
     group.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def copy_with_eos(model_dir: str | Path, eos_ids: list[int], dest: str | Path) -> str:
@@ -259,13 +254,12 @@ class RolloutEngineConformance:
     def test_weights_through_a_sync_group(self, engine, model_dir, original_weights):
         from transformers import AutoModelForCausalLM
 
-        port = free_port()
-        sender = multiprocessing.get_context("spawn").Process(
-            target=send_weights_process, args=(model_dir, port, 2, 5), daemon=True
-        )
+        spawn = multiprocessing.get_context("spawn")
+        ports = spawn.Queue()
+        sender = spawn.Process(target=send_weights_process, args=(model_dir, ports, 2, 5), daemon=True)
         sender.start()
         try:
-            engine.init_weight_sync("127.0.0.1", port, 1, 2, "gloo", 60.0)
+            engine.init_weight_sync("127.0.0.1", ports.get(timeout=60), 1, 2, "gloo", 60.0)
             engine.receive_weights()
             engine.reset_prefix_cache()
             sender.join(60)

@@ -30,18 +30,12 @@ def plan_pools(roles: dict[str, RoleDemand], shared: list[set[str]], gpus_availa
         placed.update(names)
         pool = "+".join(names)
         share = 1.0 / len(names)
-        if gpus_available:
-            width = max(roles[r].num_workers * roles[r].gpus_per_worker for r in names)
-            pools.append(BundlePool(pool, [{"GPU": 1.0, "CPU": 1.0} for _ in range(width)]))
-            for r in names:
-                groups.append(WorkerGroupSpec(r, roles[r].num_workers, pool,
-                                              num_gpus_per_worker=roles[r].gpus_per_worker * share,
-                                              num_cpus_per_worker=share))
-        else:
-            width = max(roles[r].num_workers for r in names)
-            pools.append(BundlePool(pool, [{"CPU": 1.0} for _ in range(width)]))
-            for r in names:
-                groups.append(WorkerGroupSpec(r, roles[r].num_workers, pool, num_cpus_per_worker=share))
+        gpus = {r: roles[r].gpus_per_worker if gpus_available else 0 for r in names}
+        width = max(roles[r].num_workers * (gpus[r] if gpus_available else 1) for r in names)
+        bundle = {"GPU": 1.0, "CPU": 1.0} if gpus_available else {"CPU": 1.0}
+        pools.append(BundlePool(pool, [dict(bundle) for _ in range(width)]))
+        groups += [WorkerGroupSpec(r, roles[r].num_workers, pool, num_gpus_per_worker=gpus[r] * share,
+                                   num_cpus_per_worker=share) for r in names]
     return PlacementPlan(pools, groups)
 
 
@@ -95,10 +89,6 @@ def strategy_name(cfg) -> str:
     """The strategy the config asks for: ``--train.placement``, else the colocate flags."""
     if cfg.train.placement:
         return cfg.train.placement
-    if cfg.train.colocate_all:
-        return "colocate_all"
-    if cfg.train.colocate_actor_ref:
-        return "colocate_actor_ref"
-    if cfg.train.colocate_critic_reward:
-        return "colocate_critic_reward"
-    return "separate"
+    # each colocate flag is named as the strategy it picks
+    flags = ("colocate_all", "colocate_actor_ref", "colocate_critic_reward")
+    return next((flag for flag in flags if getattr(cfg.train, flag)), "separate")

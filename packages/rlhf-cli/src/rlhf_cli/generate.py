@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,12 +270,8 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
     dropped (file rewritten through a temporary file), so the file holds only finished prompts."""
     path, meta_path = plan.samples_path, plan.samples_path.with_suffix(".meta.json")
     fingerprint = json.loads(json.dumps(plan.fingerprint()))  # as it reads back (tuples become lists)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(meta_path, json.dumps(fingerprint, indent=1) + "\n")
-        path.touch()
-        return set(), None
-    if meta_path.exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and meta_path.exists():
         saved = json.loads(meta_path.read_text())
         changed = [k for k in fingerprint if saved.get(k) != fingerprint[k]]
         if changed:
@@ -284,17 +281,16 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
                 "delete it or choose another --generate.output_path")
     else:
         write_atomic(meta_path, json.dumps(fingerprint, indent=1) + "\n")
+    if not path.exists():
+        path.touch()
+        return set(), None
     blob = path.read_bytes()
     complete = blob[: blob.rfind(b"\n") + 1]
     repaired = []
     if len(complete) != len(blob):
         repaired.append("a partial last line")
-    counts: dict[int, int] = {}
-    records = []
-    for line in complete.decode("utf-8").splitlines():
-        rec = json.loads(line)
-        records.append((rec["prompt_index"], line))
-        counts[rec["prompt_index"]] = counts.get(rec["prompt_index"], 0) + 1
+    records = [(json.loads(line)["prompt_index"], line) for line in complete.decode("utf-8").splitlines()]
+    counts = Counter(i for i, _ in records)
     done = {i for i, c in counts.items() if c == plan.n}
     unfinished = set(counts) - done
     if unfinished:
@@ -378,13 +374,9 @@ class GenerationWorker:
 
     def _request(self, samples: list[tuple]) -> RewardRequest:
         tok = self.tokenizer
-
-        def decode(ids: list[int], skip: bool) -> str:
-            return tok.decode(ids, skip_special_tokens=skip) if tok is not None else ""
-
         return RewardRequest(
-            queries=[decode(p["ids"] + list(ids), False) if tok is not None else p["text"] + text
-                     for p, _, ids, text, _ in samples],
+            queries=[tok.decode(p["ids"] + list(ids), skip_special_tokens=False) if tok is not None
+                     else p["text"] + text for p, _, ids, text, _ in samples],
             prompts=[p["text"] for p, *_ in samples],
             labels=[p["label"] for p, *_ in samples],
             prompt_ids=[list(p["ids"]) for p, *_ in samples],

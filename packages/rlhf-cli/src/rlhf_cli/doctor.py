@@ -21,11 +21,8 @@ def image_support(versions: dict[str, str | None]) -> list[str]:
     """What a vision-language run can use here, one line each. Image processors come in two
     implementations in transformers: PIL ones (need pillow) and faster torchvision ones; without
     torchvision (or with one built for another torch) transformers loads the PIL ones."""
-    lines = []
-    if versions.get("pillow"):
-        lines.append(f"reading images (pillow {versions['pillow']}): yes")
-    else:
-        lines.append("reading images: no, pillow is not installed (pip install pillow); --data.image_key cannot work")
+    lines = [f"reading images (pillow {versions['pillow']}): yes" if versions.get("pillow") else
+             "reading images: no, pillow is not installed (pip install pillow); --data.image_key cannot work"]
     if not versions.get("torchvision"):
         tv = "not installed"
     else:

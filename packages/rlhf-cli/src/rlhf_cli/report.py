@@ -51,9 +51,7 @@ def make_report(run_dir: str | Path) -> Path:
         for key, points in series.items():
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -61,11 +59,8 @@ def make_report(run_dir: str | Path) -> Path:
         plt.close(fig)
         made.append((fname, title))
     last = rows[-1] if rows else {}
-    summary = "".join(
-        f"<tr><td>{html.escape(k)}</td><td>{v:.4g}</td></tr>" if isinstance(v, float)
-        else f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
-        for k, v in sorted(last.items())
-    )
+    cells = {k: f"{v:.4g}" if isinstance(v, float) else html.escape(str(v)) for k, v in sorted(last.items())}
+    summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{v}</td></tr>" for k, v in cells.items())
     images = "".join(f'<figure><img src="{f}" alt="{html.escape(t)}"><figcaption>{html.escape(t)}</figcaption>'
                      f"</figure>" for f, t in made)
     page = (

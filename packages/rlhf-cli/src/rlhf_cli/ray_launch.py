@@ -30,9 +30,8 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
         return
     import torch
 
-    env = {**WORKER_ENV, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    if not torch.cuda.is_available():
-        env["DS_ACCELERATOR"] = "cpu"
+    accelerator = os.environ.get("DS_ACCELERATOR", "cpu") if torch.cuda.is_available() else "cpu"
+    env = {**WORKER_ENV, "DS_ACCELERATOR": accelerator}
     runtime_env: dict[str, Any] = {"env_vars": env}
     if os.environ.get(console.RUN_LOG_ENV):  # a run's workers write third-party output to its log file
         for var in (console.RUN_LOG_ENV, console.DEBUG_ENV, "VLLM_CONFIGURE_LOGGING"):
@@ -43,9 +42,7 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return
-    needed = 0.0
-    if plan is not None:
-        needed = sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
+    needed = 0.0 if plan is None else sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
     # "local": without it ray.init joins whatever cluster another program started on this machine
     ray.init(
         address="local",

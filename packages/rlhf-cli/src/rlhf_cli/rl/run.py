@@ -165,8 +165,7 @@ def run_rl(asm: Assembly) -> None:
         own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
         init_ray(cfg, asm.plan)
         pools = create_pools(asm.plan)
-    groups = None
-    logger = None
+    groups = logger = None
     try:
         groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)), tokenizer.pad_token_id or 0)
         controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,

@@ -400,10 +400,9 @@ class Progress:
     def update(self, records: list[dict], prompts: int) -> None:
         self.done += prompts
         self.samples += len(records)
-        for rec in records:
-            if rec["reward"] is not None:
-                self.reward_sum += rec["reward"]
-                self.scored += 1
+        rewards = [rec["reward"] for rec in records if rec["reward"] is not None]
+        self.reward_sum += sum(rewards)
+        self.scored += len(rewards)
         now = time.perf_counter()
         if now - self.last >= self.every_s or self.done == self.total:
             self.last = now

@@ -60,8 +60,7 @@ class Assembly:
 
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
-        for seam, name in self.chosen.items():
-            lines.append(f"  {seam:<22} {name:<20} ({self.provenance[seam]})")
+        lines += [f"  {seam:<22} {name:<20} ({self.provenance[seam]})" for seam, name in self.chosen.items()]
         if self.precision:
             lines.append(f"precision: {self.precision}")
         if self.zero:

@@ -255,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = {"before SFT": accuracy(files["base"], files["eval"])}
     timings["setup"] = time.perf_counter() - t0
     for stage, cmd in commands(files, work, args.quick, args.engine):
-        code = run_stage(stage, cmd, timings)
-        if code:
+        if code := run_stage(stage, cmd, timings):
             return code
         model = work / "sft" if stage == "SFT" else work / "rl" / "model"
         acc[f"after {stage.split()[0]}"] = accuracy(model, files["eval"])
@@ -302,8 +301,7 @@ def main_real(work: Path, seed: int, quick: bool) -> int:
     print(f"[demo] held-out accuracy before RL: {acc['before RL']:.1%}", flush=True)
     timings["setup and evaluation"] = time.perf_counter() - t0
     for stage, cmd in real_commands(files, work, quick):
-        code = run_stage(stage, cmd, timings)
-        if code:
+        if code := run_stage(stage, cmd, timings):
             return code
     t = time.perf_counter()
     acc["after RL"], examples["after RL"] = real_accuracy(work / "rl" / "model", files["eval"], limit)

@@ -11,6 +11,7 @@ README ("Agents as programs") has the whole contract.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -98,22 +99,18 @@ class CommandAgentExecutor(OpenAIServerAgentExecutor):
             stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,  # its own process group, to kill
         )
         stdout, stderr = bytearray(), bytearray()  # what was read survives a timeout
-        finished = False
         try:
             await asyncio.wait_for(asyncio.gather(
                 _feed(proc.stdin, row), _drain(proc.stdout, stdout), _drain(proc.stderr, stderr), proc.wait()
             ), self.env_step_timeout)
-            finished = True
-        except asyncio.TimeoutError:
-            raise self._fail("agent_timeout", f"ran longer than --train.env_step_timeout {self.env_step_timeout:g} s "
-                             "and was killed", stderr) from None
-        finally:
-            if not finished:  # timed out (perhaps a child kept its pipes open), or the episode was abandoned
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the program and whatever it started
-                except ProcessLookupError:
-                    pass
-                await proc.wait()
+        except BaseException as exc:  # timed out (a child may hold its pipes open), or abandoned
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the program and whatever it started
+            await proc.wait()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise self._fail("agent_timeout", f"ran longer than --train.env_step_timeout "
+                                 f"{self.env_step_timeout:g} s and was killed", stderr) from None
+            raise
         if proc.returncode != 0:
             raise self._fail("agent_exit", f"exited with status {proc.returncode}", stderr)
         try:
@@ -123,12 +120,10 @@ class CommandAgentExecutor(OpenAIServerAgentExecutor):
 
 
 async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
-    try:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a program need not read its row
         stdin.write(data)
         await stdin.drain()
         stdin.close()
-    except (BrokenPipeError, ConnectionResetError):  # the program did not read its row: its business
-        pass
 
 
 async def _drain(stream: asyncio.StreamReader, into: bytearray) -> None:

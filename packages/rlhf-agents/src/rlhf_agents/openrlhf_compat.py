@@ -39,9 +39,6 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname != "openrlhf.utils.agent")
 
-    def create_module(self, spec):
-        return None  # the default module object
-
     def exec_module(self, module: ModuleType) -> None:
         names = _exports()[module.__name__]
         module.__doc__ = f"rlhf's stand-in for {module.__name__} (OpenRLHF is not installed): {', '.join(names)}"

@@ -15,6 +15,7 @@ The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``),
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from typing import Any
 
@@ -34,15 +35,10 @@ from rlhf_core.types import RewardRequest, RewardResult, RewardSource
 
 def aggregate_steps(scores: list[float], how: str) -> float:
     """One reward from the step scores ``s_1..s_n`` (n >= 1): ``min s``, ``s_n``, ``mean s`` or ``prod s``."""
-    if how == "min":
-        return min(scores)
-    if how == "last":
-        return scores[-1]
-    if how == "mean":
-        return sum(scores) / len(scores)
-    if how == "prod":
-        return math.prod(scores)
-    raise ValueError(f"--reward.prm_aggregation {how!r}: choose one of {', '.join(PRM_AGGREGATIONS)}")
+    ways = {"min": min, "last": lambda s: s[-1], "mean": lambda s: sum(s) / len(s), "prod": math.prod}
+    if how not in ways:
+        raise ValueError(f"--reward.prm_aggregation {how!r}: choose one of {', '.join(PRM_AGGREGATIONS)}")
+    return ways[how](scores)
 
 
 def mark_steps(response: str, separator: str, placeholder: str) -> str:
@@ -105,11 +101,8 @@ class ProcessRewardModel:
         with torch.no_grad():
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             scores = step_scores(logits[rows, cols][:, self.tokens.reward_ids]).tolist()  # [N]
-        out, k = [], 0
-        for m in marks:
-            out.append(scores[k : k + len(m)])
-            k += len(m)
-        return out
+        flat = iter(scores)
+        return [list(itertools.islice(flat, len(m))) for m in marks]
 
 
 class PRMRewardSource(RewardSource):

@@ -10,6 +10,7 @@ baselines and the loss, and counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -126,10 +127,8 @@ def fill_result(
             continue
         result.rewards[i], result.scores[i] = reward, score
         for key, values in extra.items():
-            try:
+            with contextlib.suppress(TypeError):  # non-numeric log values are dropped
                 result.extra_logs.setdefault(key, [None] * n_total)[i] = to_float(values[j])
-            except TypeError:
-                pass  # non-numeric log values are dropped
 
 
 def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
@@ -211,14 +210,14 @@ class PythonFileRewardSource(RewardSource):
                 fail_samples(result, indices, self.description,
                              f"{self.description} raised {type(exc).__name__}: {exc}", exc)
                 return
-            parsed = None
-        if parsed is None:  # find the samples that raise, the rest still get scored. Outside the except block,
-            # so that the exception of one sample is not chained to those of the batch and of every half above it
-            half = len(indices) // 2
-            await self._score_part(request, indices[:half], result)
-            await self._score_part(request, indices[half:], result)
+        else:
+            fill_result(result, indices, parsed, self.description)
             return
-        fill_result(result, indices, parsed, self.description)
+        # The batch raised: find the samples that raise, the rest still get scored. Outside the except block,
+        # so that the exception of one sample is not chained to those of the batch and of every half above it.
+        half = len(indices) // 2
+        await self._score_part(request, indices[:half], result)
+        await self._score_part(request, indices[half:], result)
 
 
 # --- HTTP reward servers --------------------------------------------------------------------------------------
@@ -411,8 +410,7 @@ class WeightedRewardSource(RewardSource):
                     out.errors[i] = f"reward source {name!r}: {res.errors[i] if res.errors else 'no reward'}"
                     break
                 total += weight * res.rewards[i]
-                score = res.scores[i] if res.scores[i] is not None else res.rewards[i]
-                total_score += weight * score
+                total_score += weight * (res.rewards[i] if res.scores[i] is None else res.scores[i])
             else:
                 out.rewards[i], out.scores[i] = total, total_score
         return out

@@ -213,12 +213,13 @@ class RolloutWorker:
         self, text: str, ids: list[int], label: Any, uid: Any, index: int, params: SamplingParams, images: list
     ) -> Trajectory:
         with_images = {"images": images} if images else {}  # executors written for text models need not take them
-        if not self.episode_timeout:
-            traj = await self.executor.execute(
-                text, label, params, self.max_len, self.tokenizer, self.engine, prompt_ids=list(ids), **with_images
-            )
-        else:
-            traj = await self._bounded_episode(text, ids, label, params, with_images)
+        engine = EngineClock(self.engine) if self.episode_timeout else self.engine
+        episode = self.executor.execute(
+            text, label, params, self.max_len, self.tokenizer, engine, prompt_ids=list(ids), **with_images
+        )
+        if self.episode_timeout:
+            episode = self._bounded_episode(episode, engine, text, ids, label, images)
+        traj = await episode
         if not isinstance(traj, Trajectory):
             raise TypeError(
                 f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected an "
@@ -230,15 +231,12 @@ class RolloutWorker:
         return traj
 
     async def _bounded_episode(
-        self, text: str, ids: list[int], label: Any, params: SamplingParams, with_images: dict
+        self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int], label: Any, images: list
     ) -> Any:
-        """The executor's episode, ended once its own time (not counting its waits for the engine) passes
-        ``--train.episode_timeout``: then an unscorable trajectory counted in ``error/episode_timeout``."""
-        clock = EngineClock(self.engine)
+        """The executor's ``episode`` (on ``clock``), ended once its own time (not counting its waits for the
+        engine) passes ``--train.episode_timeout``: then unscorable, counted in ``error/episode_timeout``."""
         start = time.monotonic()
-        task = asyncio.ensure_future(self.executor.execute(
-            text, label, params, self.max_len, self.tokenizer, clock, prompt_ids=list(ids), **with_images
-        ))
+        task = asyncio.ensure_future(episode)
         while (left := self.episode_timeout - clock.agent_seconds(start)) > 0:
             done, _ = await asyncio.wait({task}, timeout=left)
             if done:
@@ -250,7 +248,7 @@ class RolloutWorker:
         log_failure_once(logger, where, message)
         return Trajectory(prompt_ids=list(ids), response_ids=[], action_mask=[], rollout_logprobs=[],
                           finish_reason="abort", prompt_text=text, label=label, error=message,
-                          extra_logs={"error/episode_timeout": 1.0}, images=list(with_images.get("images", [])))
+                          extra_logs={"error/episode_timeout": 1.0}, images=list(images))
 
     async def _score(self, trajectories: list[Trajectory]) -> None:
         """Score, in one batched call, every sample that has neither a reward nor an error yet."""

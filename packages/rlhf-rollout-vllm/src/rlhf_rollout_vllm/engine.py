@@ -249,9 +249,7 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
         """The object-store path: tensors (usually CPU) go to every worker's ``load_weights``; LoRA adapters
         are served as a new adapter instead."""
-        if isinstance(named_tensors, Mapping):
-            named_tensors = named_tensors.items()
-        named_tensors = list(named_tensors)
+        named_tensors = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if named_tensors and is_adapter(named_tensors[0][0]):
             save_peft_adapter(named_tensors, self._next_adapter_dir())
             with self._between_steps:

@@ -107,9 +107,7 @@ class WeightSyncWorkerExtension:
     ) -> None:
         """Join the weight-sync group as rank ``first_rank + self.rank`` (gloo groups go through CPU), leaving the
         one joined before (a new group replaces one that held a dead engine)."""
-        old = getattr(self, "rlhf_sync_group", None)
-        if old is not None:
-            old.close()
+        self.rlhf_close_weight_sync()
         device = self.device if backend == "nccl" else torch.device("cpu")
         self.rlhf_sync_group = init_sync_group(
             master_addr, master_port, first_rank + self.rank, world_size, backend, timeout_s, device=device

@@ -55,9 +55,7 @@ async def call_user(fn: Any, *args: Any, **kwargs: Any) -> Any:
         result = await fn(*args, **kwargs)
     else:
         result = await asyncio.to_thread(fn, *args, **kwargs)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
+    return await result if inspect.isawaitable(result) else result
 
 
 async def new_instance(cls: type) -> Any:
@@ -423,9 +421,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             if why is not None:
                 raise self._invalid("step", f"returned bad 'scores': {why.replace('reward', 'score', 1)}")
             state["score"] = score
-        feedback = result["environment_feedback"]
-        if feedback is None:
-            feedback = ""
+        feedback = "" if result["environment_feedback"] is None else result["environment_feedback"]
         if not isinstance(feedback, str):
             raise self._invalid("step", f"returned 'environment_feedback' as {describe(feedback)}; expected a str")
         state["extra"].update(numeric_logs(result.get("extra_logs"), logger, f"{self.where}.step"))

@@ -312,19 +312,14 @@ class RolloutWorker:
         if not self._drift_warned:
             self._drift_warned = True
             again = encode(self.tokenizer, self.tokenizer.decode(ids, skip_special_tokens=False))
+            shown, redone = ids[pos : pos + 6], again[pos : pos + 6]
             logger.warning(
                 "re-tokenizing the text of sample %s/%s changes its tokens from position %d (prompt has %d): "
                 "ids %s became %s, i.e. %r became %r. Training uses the rollout's token ids, so this only "
                 "matters for code that works on text (reward functions, chat templates). Further drift is "
                 "counted in tokenize/drift_samples, not logged.",
-                traj.prompt_uid,
-                traj.sample_index,
-                pos,
-                len(traj.prompt_ids),
-                ids[pos : pos + 6],
-                again[pos : pos + 6],
-                self.tokenizer.decode(ids[pos : pos + 6]),
-                self.tokenizer.decode(again[pos : pos + 6]),
+                traj.prompt_uid, traj.sample_index, pos, len(traj.prompt_ids), shown, redone,
+                self.tokenizer.decode(shown), self.tokenizer.decode(redone),
             )
         return True
 

@@ -103,8 +103,7 @@ class RewardModelScorer:
                 hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
                 values = self.head(hidden).squeeze(-1).float()  # [b, L]
             last = (mask.sum(-1) - 1).clamp(min=0)  # index of the last real token
-            out = values.gather(1, last[:, None]).squeeze(1)
-            out = (out - self.mean) / self.std
+            out = (values.gather(1, last[:, None]).squeeze(1) - self.mean) / self.std
             rewards += [float("nan") if len(seq) == 0 else float(r) for seq, r in zip(chunk, out.tolist())]
         return rewards
 

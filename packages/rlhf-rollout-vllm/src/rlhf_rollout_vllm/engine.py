@@ -280,10 +280,8 @@ class VLLMEngine(RolloutEngine):
     def receive_weights(self) -> None:
         """Every worker receives rank 0's broadcast and loads it (or writes the LoRA adapter it carries)."""
         with self._between_steps:
-            if self._lora_dir is None:
-                self.llm.collective_rpc("rlhf_receive_weights")
-                self._weights_discarded = False
-            elif any(self.llm.collective_rpc("rlhf_receive_weights", args=(self._next_adapter_dir(),))):
+            args = () if self._lora_dir is None else (self._next_adapter_dir(),)  # where an adapter goes
+            if any(self.llm.collective_rpc("rlhf_receive_weights", args=args)):  # it was an adapter
                 self._serve_next_adapter()
             else:
                 self._weights_discarded = False

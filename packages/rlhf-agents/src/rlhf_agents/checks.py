@@ -46,17 +46,17 @@ def numeric_logs(logs: Any, logger: logging.Logger, where: str) -> dict[str, flo
     return out
 
 
-def check_reward_value(value: Any) -> tuple[float | None, str | None]:
-    """``(reward, None)`` for a finite number, else ``(None, why it is unscorable)``."""
+def check_reward_value(value: Any, what: str = "reward") -> tuple[float | None, str | None]:
+    """``(value as a float, None)`` for a finite number, else ``(None, why the <what> is unscorable)``."""
     if value is None:
-        return None, "reward is None"
+        return None, f"{what} is None"
     try:
-        reward = to_float(value)
+        number = to_float(value)
     except TypeError as exc:
-        return None, f"reward has the wrong type: {exc}"
-    if not math.isfinite(reward):
-        return None, f"reward is {reward}"
-    return reward, None
+        return None, f"{what} has the wrong type: {exc}"
+    if not math.isfinite(number):
+        return None, f"{what} is {number}"
+    return number, None
 
 
 def log_failure_once(logger: logging.Logger, where: str, message: str, exc: BaseException | None = None) -> None:

@@ -416,9 +416,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             raise self._invalid("step", f"returned bad 'rewards': {why}")
         state["reward"] += reward
         if result.get("scores") is not None:
-            score, why = check_reward_value(result["scores"])
+            score, why = check_reward_value(result["scores"], "score")
             if why is not None:
-                raise self._invalid("step", f"returned bad 'scores': {why.replace('reward', 'score', 1)}")
+                raise self._invalid("step", f"returned bad 'scores': {why}")
             state["score"] = score
         feedback = "" if result["environment_feedback"] is None else result["environment_feedback"]
         if not isinstance(feedback, str):

@@ -475,7 +475,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         raw_score = result.get("score", result.get("scores"))
         if raw_score is None:
             return reward, reward, extra, None
-        score, why = check_reward_value(raw_score)
+        score, why = check_reward_value(raw_score, "score")
         if why is not None:
-            return None, None, extra, f"{where} returned a bad score: {why.replace('reward', 'score', 1)}"
+            return None, None, extra, f"{where} returned a bad score: {why}"
         return reward, score, extra, None

@@ -119,9 +119,8 @@ def fill_result(
     n_total = len(result.rewards)
     for j, i in enumerate(indices):
         reward, why = check_reward_value(rewards[j])
-        score, why_score = (reward, None) if scores is None else check_reward_value(scores[j])
-        if why is None and why_score is not None:
-            why = why_score.replace("reward", "score", 1)
+        score, why_score = (reward, None) if scores is None else check_reward_value(scores[j], "score")
+        why = why or why_score
         if why is not None:
             result.errors[i] = f"{where}: {why}"
             log_failure_once(logger, where, why)

@@ -474,7 +474,7 @@ class RewardModelFactory:
         return bool(path) and not remote_entries(cfg.reward) and not is_prm_model(path)  # a PRM has its own source
 
     def create(self, cfg: Any, reward_model_handle: Any = None) -> RewardSource:
-        handle = reward_model_handle if reward_model_handle is not None else RewardModelScorer.from_config(cfg)
+        handle = RewardModelScorer.from_config(cfg) if reward_model_handle is None else reward_model_handle
         return RewardModelSource(handle, description=f"reward model {cfg.reward.model_name_or_path}")
 
 

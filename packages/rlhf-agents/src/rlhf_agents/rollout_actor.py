@@ -87,8 +87,7 @@ class RolloutActor:
         return self.engine_thread.submit(fn, *args, **kwargs).result()
 
     def rollout(self, prompts: list[dict], sampling: SamplingParams, step: int) -> tuple[list[Trajectory], dict]:
-        trajs = self.worker.rollout(prompts, sampling, step)
-        return trajs, dict(self.worker.last_metrics)
+        return self.worker.rollout(prompts, sampling, step), dict(self.worker.last_metrics)  # this rollout's metrics
 
     def update_weights(self, state_dict: dict) -> int:
         """Load HF-named weights (from the object store, or from the rank hosting this actor)."""

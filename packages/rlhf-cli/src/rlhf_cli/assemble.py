@@ -471,10 +471,13 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         asm.notes.append("--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero (no reference "
                          "model is loaded); set --algo.kl.init_coef > 0 to regularise towards the reference")
 
-    needed = {"actor": True, "ref": cfg.algo.kl.init_coef > 0, "critic": estimator.needs_critic,
-              "reward": cfg.reward.model_name_or_path and not prm_reward}  # a PRM scores in the rollout actors
-    roles = {role: RoleDemand(getattr(cfg, role).num_nodes * getattr(cfg, role).num_gpus_per_node)
-             for role, wanted in needed.items() if wanted}
+    roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
+    if cfg.algo.kl.init_coef > 0:
+        roles["ref"] = RoleDemand(cfg.ref.num_nodes * cfg.ref.num_gpus_per_node)
+    if estimator.needs_critic:
+        roles["critic"] = RoleDemand(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
+    if cfg.reward.model_name_or_path and not prm_reward:  # a PRM scores in the rollout actors
+        roles["reward"] = RoleDemand(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
     roles["rollout"] = RoleDemand(cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1)
     asm.roles = roles
     hosts_roles = getattr(backend, "hosts_roles", False)  # the optional part of the training contract (TrainGroup)

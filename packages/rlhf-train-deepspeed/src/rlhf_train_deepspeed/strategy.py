@@ -101,9 +101,8 @@ def make_scheduler(optimizer, optim, total_steps: int) -> torch.optim.lr_schedul
     warmup = math.ceil(total_steps * optim.lr_warmup_ratio)
     name, ratio = optim.lr_scheduler, optim.min_lr_ratio
     lr_multiplier(0, name, total_steps, warmup, ratio)  # validates the name before training starts
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_multiplier(s, name, total_steps, warmup, ratio)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, name, total_steps, warmup,
+                                                                               ratio))
 
 
 def make_optimizer(model: torch.nn.Module, optim, offload: bool):
@@ -111,14 +110,10 @@ def make_optimizer(model: torch.nn.Module, optim, offload: bool):
     DeepSpeed's CPU Adam when the optimizer state is offloaded (``--ds.adam_offload``). Other ``--*.optim``
     values are refused by the parser."""
     params = [p for p in model.parameters() if p.requires_grad]
-
-    def ndim(p) -> int:  # ZeRO-3 parameters are empty placeholders; ds_shape is the real shape
-        return len(getattr(p, "ds_shape", p.shape))
-
-    groups = [
-        {"params": [p for p in params if ndim(p) >= 2], "weight_decay": optim.adam.weight_decay},
-        {"params": [p for p in params if ndim(p) < 2], "weight_decay": 0.0},
-    ]
+    # ZeRO-3 parameters are empty placeholders; ds_shape is the real shape
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    groups = [{"params": [p for p, m in zip(params, matrix) if m == decay], "weight_decay": wd}
+              for decay, wd in ((True, optim.adam.weight_decay), (False, 0.0))]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=optim.adam.lr, betas=tuple(optim.adam.betas), eps=optim.adam.eps)
     if offload:
@@ -136,11 +131,8 @@ def quantization_kwargs(ds, dtype: torch.dtype) -> dict:
         return {}
     from transformers import BitsAndBytesConfig
 
-    return {
-        "quantization_config": BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
-        )
-    }
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)}
 
 
 def apply_lora(model: torch.nn.Module, lora, task_type: str, trained_heads: list[str] | None = None) -> torch.nn.Module:
@@ -152,29 +144,15 @@ def apply_lora(model: torch.nn.Module, lora, task_type: str, trained_heads: list
 
     if getattr(model, "is_loaded_in_4bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-
     targets = lora.target_modules
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=targets[0] if targets == ["all-linear"] else targets,
-        task_type=getattr(TaskType, task_type),
-        modules_to_save=trained_heads,
-    )
-    return get_peft_model(model, config)
+    return get_peft_model(model, LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=getattr(TaskType, task_type),
+        target_modules=targets[0] if targets == ["all-linear"] else targets, modules_to_save=trained_heads,
+    ))
 
 
-def ds_config(
-    ds,
-    *,
-    train: bool,
-    micro_batch_size: int = 1,
-    grad_accum: int = 1,
-    world_size: int = 1,
-    max_norm: float = 0.0,
-    offload_params: bool = False,
-) -> dict[str, Any]:
+def ds_config(ds, *, train: bool, micro_batch_size: int = 1, grad_accum: int = 1, world_size: int = 1,
+              max_norm: float = 0.0, offload_params: bool = False) -> dict[str, Any]:
     """The DeepSpeed config dict for a trained (``train=True``) or frozen model.
 
     Frozen models (reference, reward) use ZeRO-3 when training does, so that their weights are
@@ -183,12 +161,9 @@ def ds_config(
     dtype = param_dtype(ds.param_dtype)
     pin = torch.cuda.is_available()
     if train:
-        zero: dict[str, Any] = {
-            "stage": ds.zero_stage,
-            "overlap_comm": ds.overlap_comm,
-            "contiguous_gradients": True,
-            "stage3_gather_16bit_weights_on_model_save": True,
-        }
+        zero: dict[str, Any] = {"stage": ds.zero_stage, "overlap_comm": ds.overlap_comm,
+                                "contiguous_gradients": True,
+                                "stage3_gather_16bit_weights_on_model_save": True}
         if ds.adam_offload:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
         if ds.zpg > 1:
@@ -323,34 +298,20 @@ class Strategy:
 
         return HfDeepSpeedConfig(ds_config(self.ds, train=train, world_size=self.world_size()))
 
-    def prepare_train(
-        self,
-        model: torch.nn.Module,
-        optim,
-        *,
-        micro_batch_size: int,
-        grad_accum: int,
-        total_steps: int,
-        grad_ckpt: bool = False,
-        grad_ckpt_reentrant: bool = False,
-    ):
-        """A DeepSpeed training engine for ``model`` with AdamW and the LR schedule of ``optim``."""
+    def prepare_train(self, model: torch.nn.Module, spec):
+        """A DeepSpeed training engine for ``model`` with AdamW, the LR schedule, batch sizes and gradient
+        checkpointing of ``spec`` (a ``worker.ModelSpec``)."""
         import deepspeed
 
-        if grad_ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": grad_ckpt_reentrant})
+        if spec.grad_ckpt:
+            reentrant = spec.grad_ckpt_reentrant
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()  # needed with reentrant checkpointing and LoRA
-        optimizer = make_optimizer(model, optim, self.ds.adam_offload)
-        scheduler = make_scheduler(optimizer, optim, total_steps)
-        cfg = ds_config(
-            self.ds,
-            train=True,
-            micro_batch_size=micro_batch_size,
-            grad_accum=grad_accum,
-            world_size=self.world_size(),
-            max_norm=optim.max_norm,
-        )
+        optimizer = make_optimizer(model, spec.optim, self.ds.adam_offload)
+        scheduler = make_scheduler(optimizer, spec.optim, spec.total_steps)
+        cfg = ds_config(self.ds, train=True, micro_batch_size=spec.micro_batch_size,
+                        grad_accum=spec.grad_accum, world_size=self.world_size(), max_norm=spec.optim.max_norm)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
         if self.world_size() == 1 and self.ds.zero_stage == 0:
             # A lone rank's all-reduce is the identity, but DeepSpeed's ZeRO-0 path first copies every gradient
@@ -370,12 +331,8 @@ class Strategy:
 
     # --- the training step ---
 
-    def optimizer_step(
-        self,
-        engine,
-        micro_batches: Sequence[Any],
-        loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float], float]],
-    ) -> StepResult:
+    def optimizer_step(self, engine, micro_batches: Sequence[Any],
+                       loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float], float]]) -> StepResult:
         """One optimizer step over ``micro_batches`` (every rank must pass the same number).
 
         ``loss_fn(micro_batch) -> (loss, metrics, weight)``: ``loss`` is already normalised by the global
@@ -390,10 +347,8 @@ class Strategy:
         engine.train()
         lr = engine.get_lr()[0] if engine.lr_scheduler is not None else 0.0
         n = len(micro_batches)
-        total, metrics, skipped = 0.0, {}, False
-        dp = self.dp_size
+        total, metrics, skipped, grad_norm = 0.0, {}, False, None
         no_overflow_path = self.ds.zero_stage == 0 and self.dtype == torch.float32
-        grad_norm = None
         for i, mb in enumerate(micro_batches):
             loss, mb_metrics, weight = loss_fn(mb)
             skipped = self.any_rank(not bool(torch.isfinite(loss.detach()).all()))
@@ -414,7 +369,7 @@ class Strategy:
                     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
                     grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
                 engine.step()
-            total += float(loss.detach()) / dp
+            total += float(loss.detach()) / self.dp_size
             add_metrics(metrics, mb_metrics, weight)
         if not skipped and grad_norm is None and hasattr(engine, "get_global_grad_norm"):
             norm = engine.get_global_grad_norm()

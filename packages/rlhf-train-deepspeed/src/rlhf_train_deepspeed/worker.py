@@ -78,7 +78,6 @@ class ModelSpec:
     teacher_paths: list[str] = field(default_factory=list)
     """Multi-teacher OPD: the teachers after the first (the group's own model, or ``ref_path`` where the
     policy's ranks host the reference), each loaded frozen beside it; ``compute_logprobs(teacher=i)``."""
-    init_value_head: bool = True
     ema_beta: float | None = None
     """Trained models: keep an EMA of the weights with this decay (``--train.enable_ema``,
     ``--train.ema_beta``) and export it instead of the trained weights; None: no EMA."""
@@ -89,11 +88,9 @@ class ModelSpec:
 def move_zero3_state(engine, asleep: bool) -> None:
     """Hybrid engine: move a ZeRO-3 engine's training state to CPU memory (``asleep``) or back to its device.
 
-    DeepSpeed's ``offload_states`` moves the bf16 parameters, gradients and buckets, but refuses the fp32
-    master partitions and Adam moments unless the optimizer is its own FusedAdam (a CUDA op compiled on
-    first use); torch's fused AdamW, which rlhf uses, keeps its moments under the same state keys, so
-    those two move here, as DeepSpeed moves them. CPU ranks make the same calls: their state stays where it
-    is, in CPU memory (test_ema.py runs them mid-run on ZeRO-3 ranks)."""
+    DeepSpeed's ``offload_states`` moves the bf16 parameters, gradients and buckets but, unless the optimizer
+    is its own FusedAdam, not the fp32 master partitions and Adam moments; torch's fused AdamW keeps its
+    moments under the same state keys, so those two move here. CPU ranks make the same calls (a no-op)."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
     from deepspeed.runtime.zero.offload_states import offload_adam_states, reload_adam_states
@@ -206,8 +203,7 @@ class TrainWorker:
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> dict:
         """Load the model described by ``spec`` into a DeepSpeed engine (replacing any previous one)."""
-        self.spec = spec
-        self.ema = None
+        self.spec, self.ema = spec, None
         self.strategy = Strategy(ds, full_determinism)
         random.seed(seed)
         np.random.seed(seed % (1 << 32))
@@ -218,9 +214,15 @@ class TrainWorker:
             from rlhf_train_deepspeed.ring_attn import attn_implementation
 
             attn = attn_implementation(self.strategy.ring)
-        zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
         # None leaves the choice to transformers (a MoE model's grouped_mm where it can run, else eager)
         experts = {"experts_implementation": ds.experts_implementation} if ds.experts_implementation else {}
+
+        def load_frozen(path: str, offload: bool):
+            zero3 = self.strategy.zero3_init_context(False)  # noqa: F841 - must stay alive while loading
+            frozen = load_causal_lm(path, dtype, causal_attn(path, ds, attn), **experts)
+            return self.strategy.prepare_eval(frozen, offload)
+
+        zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
         if spec.kind == "value":
             model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
@@ -240,15 +242,7 @@ class TrainWorker:
                 model = apply_lora(model, ds.lora, "CAUSAL_LM")
             else:
                 model = apply_lora(model, ds.lora, "FEATURE_EXTRACTION", [ds.value_head_prefix])
-            self.engine = self.strategy.prepare_train(
-                model,
-                spec.optim,
-                micro_batch_size=spec.micro_batch_size,
-                grad_accum=spec.grad_accum,
-                total_steps=spec.total_steps,
-                grad_ckpt=spec.grad_ckpt,
-                grad_ckpt_reentrant=spec.grad_ckpt_reentrant,
-            )
+            self.engine = self.strategy.prepare_train(model, spec)
             if spec.kind == "causal" and self.strategy.ds.zero_stage == 0 and dtype == torch.float32 \
                     and not self._is_peft():  # DeepSpeed reads a plain .grad: no [V, H] transients at the peak
                 accumulate_tied_gradient_in_place(self._module())
@@ -256,17 +250,9 @@ class TrainWorker:
                 self.ema = [s.detach().to(torch.float32, copy=True) for s in self._local_shards()]
         else:
             self.engine = self.strategy.prepare_eval(model, spec.offload)
-        self.ref_engine = None
-        if spec.ref_path:
-            zero3 = self.strategy.zero3_init_context(False)  # noqa: F841
-            ref = load_causal_lm(spec.ref_path, dtype, causal_attn(spec.ref_path, ds, attn), **experts)
-            self.ref_engine = self.strategy.prepare_eval(ref, spec.ref_offload)
-        self.teacher_engines = []
-        for path in spec.teacher_paths:
-            zero3 = self.strategy.zero3_init_context(False)  # noqa: F841
-            teacher = load_causal_lm(path, dtype, causal_attn(path, ds, attn), **experts)
-            self.teacher_engines.append(self.strategy.prepare_eval(teacher, spec.ref_offload or spec.offload))
         del zero3
+        self.ref_engine = load_frozen(spec.ref_path, spec.ref_offload) if spec.ref_path else None
+        self.teacher_engines = [load_frozen(p, spec.ref_offload or spec.offload) for p in spec.teacher_paths]
         return {"rank": self.rank, "num_parameters": sum(p.numel() for p in model.parameters())}
 
     @property
@@ -319,19 +305,15 @@ class TrainWorker:
     def compute_rewards(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
         """Per micro-batch ``[B]`` rewards: value head at the last token, normalised when configured."""
         self.engine.eval()
-        out = []
-        for b in batches:
-            r = sequence_rewards(self.engine, self._dev(b), self.packing, self.ring)
-            if self.spec.normalize_reward:
-                r = normalize_rewards(r, self.hf_config)
-            out.append(r.cpu())
-        return out
+        rewards = [sequence_rewards(self.engine, self._dev(b), self.packing, self.ring) for b in batches]
+        if self.spec.normalize_reward:
+            rewards = [normalize_rewards(r, self.hf_config) for r in rewards]
+        return [r.cpu() for r in rewards]
 
     # --- RL steps ---
 
-    def train_policy(
-        self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig, counts: dict[str, float]
-    ) -> StepResult:
+    def train_policy(self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig,
+                     counts: dict[str, float]) -> StepResult:
         """One optimizer step of the policy loss ``cfg.loss`` (+ entropy bonus, + KL loss) over the
         micro-batches; ``counts`` holds the step's global ``num_tokens`` / ``num_sequences``."""
         from rlhf_algos.kl import kl_loss
@@ -341,41 +323,25 @@ class TrainWorker:
 
         if self._plugins is None:  # reading the entry points costs ~10 ms: once per worker, not per step
             self._plugins = get_plugin_manager()
-        pm = self._plugins
-        policy_loss = resolve(pm, "policy_losses", cfg.loss, "--actor.policy_loss_type")
-        kl_fn = resolve(pm, "kl_estimators", cfg.kl_estimator, "--algo.kl.estimator") if cfg.kl_coef else None
-        agg = LossAggregation(
-            mode=cfg.agg_mode,
-            num_tokens=counts["num_tokens"],
-            num_sequences=counts["num_sequences"],
-            max_len=cfg.max_len,
-            dp_size=self.dp_size,
-        )
+        policy_loss = resolve(self._plugins, "policy_losses", cfg.loss, "--actor.policy_loss_type")
+        kl_fn = resolve(self._plugins, "kl_estimators", cfg.kl_estimator, "--algo.kl.estimator") \
+            if cfg.kl_coef else None
+        agg = LossAggregation(mode=cfg.agg_mode, num_tokens=counts["num_tokens"],
+                              num_sequences=counts["num_sequences"], max_len=cfg.max_len, dp_size=self.dp_size)
 
         def loss_fn(mb: PolicyMicroBatch):
             mb = self._dev(mb)
             lp, ent, mask = response_logprobs(
-                self.engine, mb.seq, cfg.temperature, self.packing, with_entropy=True, entropy_grad=bool(cfg.entropy_coef),
-                ring=self.ring,
-            )
+                self.engine, mb.seq, cfg.temperature, self.packing, with_entropy=True,
+                entropy_grad=bool(cfg.entropy_coef), ring=self.ring)
             on_policy = mb.old_logprobs is None
-            out = policy_loss(
-                PolicyLossInput(
-                    logprobs=lp,
-                    old_logprobs=lp.detach() if on_policy else mb.old_logprobs,
-                    advantages=mb.advantages,
-                    action_mask=mask,
-                    rollout_logprobs=mb.rollout_logprobs,
-                    eps_clip_low=cfg.eps_clip_low,
-                    eps_clip_high=cfg.eps_clip_high,
-                    dual_clip=cfg.dual_clip,
-                    is_correction=cfg.is_correction,
-                    is_threshold=tuple(cfg.is_threshold),
-                    aggregation=agg,
-                )
-            )
-            loss = out.loss
-            metrics = dict(out.metrics)
+            out = policy_loss(PolicyLossInput(
+                logprobs=lp, old_logprobs=lp.detach() if on_policy else mb.old_logprobs,
+                advantages=mb.advantages, action_mask=mask, rollout_logprobs=mb.rollout_logprobs,
+                eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
+                is_correction=cfg.is_correction, is_threshold=tuple(cfg.is_threshold), aggregation=agg,
+            ))
+            loss, metrics = out.loss, dict(out.metrics)
             with torch.no_grad():
                 metrics["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
                 if on_policy and mb.rollout_logprobs is not None:  # else the controller reports it
@@ -399,9 +365,8 @@ class TrainWorker:
                                          **self.gpu_memory}, 1.0)
         return result
 
-    def train_critic(
-        self, micro_batches: list[CriticMicroBatch], value_clip: float | None, counts: dict[str, float]
-    ) -> StepResult:
+    def train_critic(self, micro_batches: list[CriticMicroBatch], value_clip: float | None,
+                     counts: dict[str, float]) -> StepResult:
         """One optimizer step of the clipped value loss (``rlhf_algos.value_loss``)."""
         from rlhf_algos.value_loss import value_loss
         from rlhf_core.types import LossAggregation
@@ -412,9 +377,8 @@ class TrainWorker:
             mb = self._dev(mb)
             values, mask = response_values(self.engine, mb.seq, self.packing, self.ring)
             out = value_loss(values, mb.old_values, mb.returns, mask, value_clip, agg)
-            metrics = dict(out.metrics)
-            metrics["values"] = float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
-            return out.loss, metrics, float(mask.sum())
+            mean = float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
+            return out.loss, {**out.metrics, "values": mean}, float(mask.sum())
 
         return self.strategy.optimizer_step(self.engine, micro_batches, loss_fn)
 
@@ -466,7 +430,7 @@ class TrainWorker:
             out = rm_loss(rewards[:b], rewards[b:], margin, cfg.loss_type)
             metrics = dict(out.metrics)
             if not train:
-                metrics["_rewards"] = rewards[:b].detach().cpu().tolist() + rewards[b:].detach().cpu().tolist()
+                metrics["_rewards"] = rewards.detach().cpu().tolist()  # chosen, then rejected
             return per_pair(out.loss, b), metrics, float(b)
         if cfg.mode not in ("dpo", "kto"):
             raise ValueError(f"unknown supervised mode {cfg.mode!r}")
@@ -480,8 +444,7 @@ class TrainWorker:
         logps, ref_logps = (lp * mask).sum(-1), (ref_lp * mask).sum(-1)
         if cfg.mode == "dpo":
             out = dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], cfg.beta, cfg.label_smoothing, cfg.ipo)
-            loss = out.loss
-            metrics = dict(out.metrics)
+            loss, metrics = out.loss, dict(out.metrics)
             if cfg.nll_loss_coef:
                 nll = nll_loss(logps[:b], mask[:b].sum(-1))
                 loss = loss + cfg.nll_loss_coef * nll
@@ -531,9 +494,8 @@ class TrainWorker:
         # CheckpointManager.latest() checked the files in the driver; this names the checkpoint when damage it
         # cannot see (garbage of the right size and structure) makes DeepSpeed fail
         try:
-            load_path, _ = self.engine.load_checkpoint(
-                path, tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
+            load_path, _ = self.engine.load_checkpoint(path, tag=ENGINE_TAG, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=True)
         except Exception as exc:
             raise CheckpointError(f"{path}/{ENGINE_TAG}: DeepSpeed could not load rank {self.rank}'s state: "
                                   f"{type(exc).__name__}: {exc}") from exc
@@ -561,10 +523,8 @@ class TrainWorker:
             return
         saved = torch.load(ema_file, weights_only=True)
         if [tuple(e.shape) for e in saved] != [tuple(s.shape) for s in shards]:
-            raise ValueError(
-                f"{ema_file}: the saved EMA shards do not fit this model's local shards (a checkpoint of another "
-                f"model, LoRA setting, number of ranks or ZeRO stage?)"
-            )
+            raise ValueError(f"{ema_file}: the saved EMA shards do not fit this model's local shards (a "
+                             "checkpoint of another model, LoRA setting, number of ranks or ZeRO stage?)")
         self.ema = [e.to(device=s.device, dtype=torch.float32) for e, s in zip(saved, shards, strict=True)]
 
     def _module(self):
@@ -573,11 +533,7 @@ class TrainWorker:
     def _local_shards(self) -> list[torch.Tensor]:
         """This rank's part of every trainable parameter: the flat ZeRO-3 partition ``p.ds_tensor`` (a view
         into the optimizer's flat buffer, updated in place by each step), else the whole ``p.data``."""
-        return [
-            p.ds_tensor if hasattr(p, "ds_tensor") else p.data
-            for p in self._module().parameters()
-            if p.requires_grad
-        ]
+        return [getattr(p, "ds_tensor", p.data) for p in self._module().parameters() if p.requires_grad]
 
     @contextlib.contextmanager
     def _ema_swapped_in(self):
@@ -636,23 +592,14 @@ class TrainWorker:
                     module.unmerge_adapter()
             return
         params = [(n, p) for n, p in module.named_parameters() if p.requires_grad or not trainable_only]
-        bucket: list[tuple[str, torch.nn.Parameter]] = []
-        size = 0
-
-        def flush():
-            with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
-                for n, p in bucket:
-                    yield n, p.data.detach().clone()
-
-        for name, p in params:
-            numel = getattr(p, "ds_numel", p.numel())
+        bucket, size = [], 0
+        for i, (name, p) in enumerate(params):
             bucket.append((name, p))
-            size += numel * p.element_size()
-            if size >= bucket_bytes:
-                yield from flush()
+            size += getattr(p, "ds_numel", p.numel()) * p.element_size()
+            if size >= bucket_bytes or i == len(params) - 1:
+                with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
+                    yield from ((n, p.data.detach().clone()) for n, p in bucket)
                 bucket, size = [], 0
-        if bucket:
-            yield from flush()
 
     def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """A LoRA policy's adapters in the sync's wire format (:func:`rlhf_core.weight_sync.lora_adapter_tensors`):
@@ -698,13 +645,8 @@ class TrainWorker:
             pass
         return 0
 
-    def export_hf(
-        self,
-        out_dir: str,
-        config_updates: dict | None = None,
-        tokenizer_path: str | None = None,
-        ema: bool | None = None,
-    ) -> None:
+    def export_hf(self, out_dir: str, config_updates: dict | None = None, tokenizer_path: str | None = None,
+                  ema: bool | None = None) -> None:
         """Write an HF model (safetensors) to ``out_dir`` on rank 0: a causal LM loadable with
         ``AutoModelForCausalLM``, or a value model loadable with ``AutoModelForSequenceClassification``.
         With LoRA the PEFT adapter is written instead (merge it with ``rlhf lora-merge``). ``ema`` (default:

@@ -23,19 +23,13 @@ from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWo
 def merge_steps(results: list[StepResult]) -> dict[str, float]:
     """One metrics dict for a step: the global loss (sum over ranks), weighted means of the other
     metrics over all micro-batches of all ranks, and the skip flag."""
-    out: dict[str, float] = {
-        "loss": sum(r.loss for r in results),
-        "skipped": float(results[0].skipped),
-        "lr": results[0].lr,
-    }
+    out = {"loss": sum(r.loss for r in results), "skipped": float(results[0].skipped), "lr": results[0].lr}
     if results[0].grad_norm is not None:
         out["grad_norm"] = results[0].grad_norm
     totals: dict[str, list[float]] = {}
     for r in results:
-        for k, (s, w) in r.metrics.items():
-            t = totals.setdefault(k, [0.0, 0.0])
-            t[0] += s
-            t[1] += w
+        for k, sw in r.metrics.items():
+            totals[k] = [t + x for t, x in zip(totals.get(k, (0.0, 0.0)), sw, strict=True)]
     out.update({k: s / w for k, (s, w) in totals.items() if w > 0})
     return out
 
@@ -149,10 +143,9 @@ class WorkerGroup:
         """Weighted-mean metrics over evaluation micro-batches, and (RM) the rewards seen."""
         per_batch = self.gather_sharded(*self.call_sharded_async("eval_supervised", micro_batches, cfg))
         totals: dict[str, list[float]] = {}
-        rewards: list[float] = []
-        for metrics, weight, batch_rewards in per_batch:
-            rewards += batch_rewards
+        for metrics, weight, _ in per_batch:
             add_metrics(totals, metrics, weight)
+        rewards = [r for *_, batch_rewards in per_batch for r in batch_rewards]
         return {k: s / w for k, (s, w) in totals.items() if w > 0}, rewards
 
     # --- checkpoints, export, weight sync ---
@@ -256,20 +249,13 @@ class HostedRef:
             raise ValueError(f"a hosted reference model only computes log-probs, not {method!r}")
         return self.policy.call_sharded_async(method, items, *args, ref=True, **kwargs)
 
-    def gather_sharded(self, refs: list, real: list[int]) -> list:
-        return self.policy.gather_sharded(refs, real)
-
-    def compute_logprobs(self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False) -> list:
-        return self.gather_sharded(*self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy))
+    gather_sharded = WorkerGroup.gather_sharded
+    compute_logprobs = WorkerGroup.compute_logprobs
 
     def sleep(self) -> None:
-        pass
+        """Sleeping, waking up and shutting down are the policy group's."""
 
-    def wake_up(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
+    wake_up = shutdown = sleep
 
 
 class HostedHandle(inline.ActorLike):
@@ -285,19 +271,9 @@ class HostedHandle(inline.ActorLike):
 
 
 def create_worker_group(
-    role: str,
-    spec: ModelSpec,
-    ds,
-    num_workers: int,
-    *,
-    seed: int = 42,
-    full_determinism: bool = False,
-    pool: Any = None,
-    bundle_indices: list[int] | None = None,
-    num_gpus_per_worker: float | None = None,
-    num_cpus_per_worker: float = 1,
-    num_threads: int | None = None,
-    wait: bool = True,
+    role: str, spec: ModelSpec, ds, num_workers: int, *, seed: int = 42, full_determinism: bool = False,
+    pool: Any = None, bundle_indices: list[int] | None = None, num_gpus_per_worker: float | None = None,
+    num_cpus_per_worker: float = 1, num_threads: int | None = None, wait: bool = True,
     inline_rank: bool = False,
 ) -> WorkerGroup:
     """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model.
@@ -336,6 +312,7 @@ def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, nu
                num_cpus_per_worker: float, num_threads: int | None) -> list:
     """Start the Ray actors of ``num_workers`` ranks (see :func:`create_worker_group` for the options)."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpus = num_gpus_per_worker
     if gpus is None:  # one per rank when the cluster has GPUs
@@ -355,17 +332,10 @@ def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, nu
     actor_cls = ray.remote(TrainWorker)
     actors = []
     for r in range(num_workers):
-        options: dict[str, Any] = {
-            "num_cpus": num_cpus_per_worker,
-            "num_gpus": gpus,
-            "runtime_env": {"env_vars": env},
-        }
+        options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": gpus,
+                                   "runtime_env": {"env_vars": env}}
         if pool is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            index = bundle_indices[r] if bundle_indices else r
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pool, placement_group_bundle_index=index
-            )
+                placement_group=pool, placement_group_bundle_index=bundle_indices[r] if bundle_indices else r)
         actors.append(actor_cls.options(**options).remote(r, num_workers, threads))
     return actors

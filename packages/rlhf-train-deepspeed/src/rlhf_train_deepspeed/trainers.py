@@ -73,17 +73,10 @@ class BatchPlan:
 def loss_settings(mode: str, cfg, reward_token_ids: list[int] | None = None) -> SupervisedConfigLite:
     model = cfg.model
     return SupervisedConfigLite(
-        mode=mode,
-        beta=model.beta,
-        ipo=model.ipo_enable,
-        label_smoothing=model.label_smoothing,
-        nll_loss_coef=model.nll_loss_coef,
-        loss_type=model.loss_type,
-        margin_loss=model.margin_loss_enable,
-        desirable_weight=model.desirable_weight,
-        undesirable_weight=model.undesirable_weight,
-        reward_token_ids=reward_token_ids,
-        kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
+        mode=mode, beta=model.beta, ipo=model.ipo_enable, label_smoothing=model.label_smoothing,
+        nll_loss_coef=model.nll_loss_coef, loss_type=model.loss_type, margin_loss=model.margin_loss_enable,
+        desirable_weight=model.desirable_weight, undesirable_weight=model.undesirable_weight,
+        reward_token_ids=reward_token_ids, kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
     )
 
 
@@ -118,9 +111,8 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         return [collate(mode, items[i : i + size], pad_id) for i in range(0, len(items), size)]
 
     stats = DataStats()
-    rows = load_rows(
-        cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split, cfg.train.seed, cfg.data.max_samples
-    )
+    rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split, cfg.train.seed,
+                     cfg.data.max_samples)
     examples = build_examples(mode, rows, tokenizer, cfg, stats, prm)
     eval_examples = []
     if cfg.eval.dataset:
@@ -130,22 +122,15 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
           f"{len(eval_examples)} eval examples", flush=True)
     steps_per_epoch = len(examples) // plan.global_batch
     if steps_per_epoch == 0:
-        raise DataError(
-            f"{len(examples)} usable examples are fewer than one batch (--train.batch_size {plan.global_batch})"
-        )
+        raise DataError(f"{len(examples)} usable examples are fewer than one batch (--train.batch_size "
+                        f"{plan.global_batch})")
     total_steps = steps_per_epoch * cfg.train.max_epochs
-    if cfg.train.max_steps > 0:
-        total_steps = min(total_steps, cfg.train.max_steps)
+    total_steps = min(total_steps, cfg.train.max_steps) if cfg.train.max_steps > 0 else total_steps
 
     spec = ModelSpec(
-        path=cfg.model.model_name_or_path,
-        kind="value" if mode == "rm" else "causal",
-        trainable=True,
-        optim=cfg.model,
-        micro_batch_size=plan.micro_batch_size,
-        grad_accum=plan.grad_accum,
-        total_steps=total_steps,
-        grad_ckpt=cfg.model.gradient_checkpointing_enable,
+        path=cfg.model.model_name_or_path, kind="value" if mode == "rm" else "causal", trainable=True,
+        optim=cfg.model, micro_batch_size=plan.micro_batch_size, grad_accum=plan.grad_accum,
+        total_steps=total_steps, grad_ckpt=cfg.model.gradient_checkpointing_enable,
         grad_ckpt_reentrant=cfg.model.gradient_checkpointing_reentrant,
         ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto")
         else cfg.teacher.model_name_or_path if mode == "kd" else None,
@@ -155,22 +140,15 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     start_step = 0
     # What must not change between a run and its resume (the data position is a step number).
-    fingerprint = {
-        "mode": mode,
-        "datasets": list(cfg.data.dataset),
-        "num_examples": len(examples),
-        "global_batch": plan.global_batch,
-        "world_size": plan.world_size,
-    }
+    fingerprint = {"mode": mode, "datasets": list(cfg.data.dataset), "num_examples": len(examples),
+                   "global_batch": plan.global_batch, "world_size": plan.world_size}
     latest = ckpt.latest() if cfg.ckpt.load_enable else None
     if latest is not None:
         state = ckpt.load_client_state(latest)
         for key, value in fingerprint.items():
             if state["fingerprint"].get(key) != value:
-                raise ConfigError(
-                    f"cannot resume from {latest}: it was saved with {key}={state['fingerprint'].get(key)}, "
-                    f"this run has {key}={value}"
-                )
+                raise ConfigError(f"cannot resume from {latest}: it was saved with "
+                                  f"{key}={state['fingerprint'].get(key)}, this run has {key}={value}")
         if not state.get("has_ds_state", True):
             raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
 
@@ -210,13 +188,9 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             if cfg.ckpt.save_hf:
                 group.export_hf(str(tmp / "hf"))
 
-        client = {
-            "step": step,
-            "fingerprint": fingerprint,
-            "has_ds_state": not cfg.ckpt.disable_ds,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        }
-        ckpt.save(step, write, client)
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        ckpt.save(step, write, {"step": step, "fingerprint": fingerprint, "rng": rng,
+                                "has_ds_state": not cfg.ckpt.disable_ds})
 
     def evaluate() -> tuple[dict[str, float], list[float]]:
         if not eval_examples:

@@ -70,8 +70,9 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
-def _fit(prompt: list[int], responses: list[list[int]], data, where: str, stats: DataStats):
-    """Apply the prompt budget (``max_len - 1``: one response token at least) and cut responses to fit."""
+def _fit(prompt: list[int], responses: list[list[int]], data, where: str, stats: DataStats, make, *extra):
+    """Apply the prompt budget (``max_len - 1``: one response token at least) and cut responses to fit;
+    ``make(prompt, *responses, *extra)``, or None where ``--data.overlong_prompt_policy`` drops the row."""
     prompt = fit_prompt(prompt, data.max_len - 1, data.overlong_prompt_policy, where, stats)
     if prompt is None:
         return None
@@ -79,7 +80,7 @@ def _fit(prompt: list[int], responses: list[list[int]], data, where: str, stats:
     truncated = sum(len(r) > room for r in responses)
     if truncated:
         stats.add("responses_truncated", truncated)
-    return prompt, [r[:room] for r in responses]
+    return make(prompt, *[r[:room] for r in responses], *extra)
 
 
 def _prompt_ids(tokenizer, text: str) -> list[int]:
@@ -102,19 +103,17 @@ def build_examples(mode: str, rows: list[Row], tokenizer, cfg, stats: DataStats,
     mode = "sft" if mode == "kd" else mode  # distillation reads SFT data
     out = []
     for row in rows:
-        try:
+        try:  # a PRM row is read and tokenized at once
             if mode == "prm":
-                example = _prm_example(row, tokenizer, data, prm, stats)
-                if example is not None:
-                    out.append(example)
-                continue
-            fields = _read_fields(mode, row, data, model)
+                fields = _prm_example(row, tokenizer, data, prm, stats)
+            else:
+                fields = _read_fields(mode, row, data, model)
         except DataError:
             if not data.skip_bad_rows:
                 raise
             stats.add("bad_rows_skipped")
             continue
-        example = _tokenize(mode, fields, row.where(), tokenizer, cfg, stats)
+        example = fields if mode == "prm" else _tokenize(mode, fields, row.where(), tokenizer, cfg, stats)
         if example is not None:
             out.append(example)
     return out
@@ -146,18 +145,17 @@ def _prm_example(row: Row, tokenizer, data, prm: PRMTokens, stats: DataStats) ->
             f"{where}: {len(positions)} steps marked with {prm.placeholder!r} but {len(labels)} labels in "
             f"key {label_key!r}: give one label per step{merged}"
         )
-    classes, soft = [], []
-    for k, label in enumerate(labels):
-        c, p = _prm_label(label, prm, tokenizer, f"{where}: step {k} label {label!r} (key {label_key!r})")
-        classes.append(c)
-        soft.append(p)
+    classes, soft = zip(*[
+        _prm_label(label, prm, tokenizer, f"{where}: step {k} label {label!r} (key {label_key!r})")
+        for k, label in enumerate(labels)
+    ], strict=True)
     kept = sum(1 for p in positions if p < data.max_len)
     if kept < len(positions):
         stats.add("prm_steps_truncated", len(positions) - kept)
         if kept == 0:
             stats.add("prm_rows_without_steps")
             return None
-    return PRMExample(ids[: data.max_len], positions[:kept], classes[:kept], soft[:kept])
+    return PRMExample(ids[: data.max_len], positions[:kept], list(classes[:kept]), list(soft[:kept]))
 
 
 def _prm_label(label, prm: PRMTokens, tokenizer, where: str) -> tuple[int, float]:
@@ -195,23 +193,19 @@ def _read_fields(mode: str, row: Row, data, model) -> dict:
             raise DataError("SFT needs --data.output_key (or --data.multiturn, or --model.pretrain_mode_enable)")
         return {"prompt": prompt, "response": get_field(row, data.output_key, str, "--data.output_key")}
     if mode in ("rm", "dpo"):
-        fields = {
+        return {
             "prompt": get_field(row, data.prompt_key, text_or_chat, "--data.prompt_key") if data.prompt_key else "",
             "chosen": get_field(row, data.chosen_key, text_or_chat, "--data.chosen_key"),
             "rejected": get_field(row, data.rejected_key, text_or_chat, "--data.rejected_key"),
-            "margin": 0.0,
+            "margin": float(get_field(row, "margin", (int, float), "--model.margin_loss_enable"))
+            if model.margin_loss_enable else 0.0,
         }
-        if model.margin_loss_enable:
-            fields["margin"] = float(get_field(row, "margin", (int, float), "--model.margin_loss_enable"))
-        return fields
     if mode == "kto":
         if not data.output_key:
             raise DataError("KTO needs --data.output_key (the completion column)")
-        return {
-            "prompt": get_field(row, data.input_key, text_or_chat, "--data.input_key"),
-            "completion": get_field(row, data.output_key, str, "--data.output_key"),
-            "desirable": get_field(row, data.label_kto_key, bool, "--data.label_kto_key"),
-        }
+        return {"prompt": get_field(row, data.input_key, text_or_chat, "--data.input_key"),
+                "completion": get_field(row, data.output_key, str, "--data.output_key"),
+                "desirable": get_field(row, data.label_kto_key, bool, "--data.label_kto_key")}
     raise ValueError(f"unknown supervised mode {mode!r}")
 
 
@@ -224,23 +218,18 @@ def _tokenize(mode: str, f: dict, where: str, tokenizer, cfg, stats: DataStats):
                 stats.add("rows_without_assistant_turn")
                 return None
             p = max(1, mask.index(1))
-            fitted = _fit(ids[:p], [ids[p:]], data, where, stats)
-            if fitted is None:
-                return None
-            prompt, (resp,) = fitted
-            return Example(prompt, resp, mask[p : p + len(resp)])
+            return _fit(ids[:p], [ids[p:]], data, where, stats, lambda prompt, resp: Example(
+                prompt, resp, mask[p : p + len(resp)]))
         if "text" in f:
             ids = _with_eos(encode(tokenizer, f["text"]), tokenizer)
-            fitted = _fit(ids[:1], [ids[1:]], data, where, stats)
-            return None if fitted is None else Example(fitted[0], fitted[1][0])
+            return _fit(ids[:1], [ids[1:]], data, where, stats, Example)
         prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template)
         if data.apply_chat_template:
             messages = [{"role": "user", "content": f["prompt"]}] if isinstance(f["prompt"], str) else f["prompt"]
             response = encode(tokenizer, _chat_response(tokenizer, messages, f["response"], prompt_text, where))
         else:
             response = _with_eos(encode(tokenizer, f["response"]), tokenizer)
-        fitted = _fit(_prompt_ids(tokenizer, prompt_text), [response], data, where, stats)
-        return None if fitted is None else Example(fitted[0], fitted[1][0])
+        return _fit(_prompt_ids(tokenizer, prompt_text), [response], data, where, stats, Example)
     if mode in ("rm", "dpo"):
         prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template) if f["prompt"] else ""
         responses = []
@@ -260,15 +249,12 @@ def _tokenize(mode: str, f: dict, where: str, tokenizer, cfg, stats: DataStats):
                 # at a second EOS appended after the newline
                 text = text.rstrip()
             responses.append(_with_eos(encode(tokenizer, text), tokenizer))
-        fitted = _fit(_prompt_ids(tokenizer, prompt_text), responses, data, where, stats)
-        if fitted is None:
-            return None
-        prompt, (chosen, rejected) = fitted
-        return PairExample(prompt, chosen, rejected, f["margin"])
+        prompt = _prompt_ids(tokenizer, prompt_text)
+        return _fit(prompt, responses, data, where, stats, PairExample, f["margin"])
     prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template)
     completion = _with_eos(encode(tokenizer, f["completion"]), tokenizer)
-    fitted = _fit(_prompt_ids(tokenizer, prompt_text), [completion], data, where, stats)
-    return None if fitted is None else KTOExample(fitted[0], fitted[1][0], f["desirable"])
+    prompt = _prompt_ids(tokenizer, prompt_text)
+    return _fit(prompt, [completion], data, where, stats, KTOExample, f["desirable"])
 
 
 def collate(mode: str, examples: list, pad_token_id: int):

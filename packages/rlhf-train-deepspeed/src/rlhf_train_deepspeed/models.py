@@ -58,13 +58,8 @@ def response_positions(batch: SequenceBatch, offsets: torch.Tensor) -> tuple[tor
 
 
 def response_logprobs(
-    model: nn.Module,
-    batch: SequenceBatch,
-    temperature: float = 1.0,
-    packing: bool = False,
-    with_entropy: bool = False,
-    entropy_grad: bool = True,
-    ring: ring_attn.RingGroup | None = None,
+    model: nn.Module, batch: SequenceBatch, temperature: float = 1.0, packing: bool = False,
+    with_entropy: bool = False, entropy_grad: bool = True, ring: ring_attn.RingGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``, ``[B, T]``
     each and zero where masked, and the ``[B, T]`` mask. A temperature of 0 (greedy) is treated as 1.
@@ -116,7 +111,7 @@ def head_inputs(model: nn.Module, kwargs: dict, logits_to_keep) -> torch.Tensor:
     slice of it instead (a forward pre-hook), so the forward builds no logits. Going through the model's
     own forward keeps what wraps it working: DeepSpeed (ZeRO-3 gathers the head's weight in its hooks), PEFT,
     vision-language inputs, the shared-prompt attention."""
-    head = _output_embeddings(model)
+    head = getattr(model, "module", model).get_output_embeddings()  # a DeepSpeed engine's model; PEFT forwards
     captured = []
 
     def take(module, args):
@@ -131,23 +126,17 @@ def head_inputs(model: nn.Module, kwargs: dict, logits_to_keep) -> torch.Tensor:
     return captured[0]
 
 
-def _output_embeddings(model: nn.Module) -> nn.Module:
-    """The LM head of a causal LM, possibly wrapped by DeepSpeed (``.module``) or PEFT (forwards the call)."""
-    return getattr(model, "module", model).get_output_embeddings()
-
-
 def _head_logprobs(model, hidden, labels, temperature, with_entropy):
     """:func:`rlhf_algos.logits.head_logprobs` with ``model``'s LM head and the scaling some architectures
     apply to its output in their forward (``logit_scale``: Cohere; ``logits_scaling``: Granite;
     ``final_logit_softcapping``: Gemma 2/3), as their ``*ForCausalLM`` forward does."""
-    config = getattr(model, "module", model).config.get_text_config()
-    head = _output_embeddings(model)
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    config = inner.config.get_text_config()
+    head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
     multiplier = getattr(config, "logit_scale", None) or 1.0
     if getattr(config, "logits_scaling", None):
         multiplier = 1.0 / config.logits_scaling
     cap = getattr(config, "final_logit_softcapping", None)
-
-    embedding = getattr(model, "module", model).get_input_embeddings()
     # a trained head tied to the input embedding, whole (not a ZeRO-3 partition, gathered only in its forward)
     tied = (isinstance(head, nn.Linear) and head.bias is None and head.weight is getattr(embedding, "weight", None)
             and head.weight.requires_grad and not hasattr(head.weight, "ds_id"))
@@ -291,23 +280,24 @@ def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, r
     return whole_row(lp), None if ent is None else whole_row(ent)
 
 
-def token_values(model: nn.Module, kwargs: dict, batch: SequenceBatch, ring=None) -> torch.Tensor:
-    """Value-head output for every token of the flattened model input (``[B * L]`` padded, ``[N]`` packed);
-    with ``ring`` this rank runs its slice and the values are all-gathered (``[N']``, padding at the end)."""
+def token_values(model: nn.Module, batch: SequenceBatch, packing: bool, ring=None) -> tuple[torch.Tensor, ...]:
+    """Value-head output for every token of the flattened model input (``[B * L]`` padded, ``[N]`` packed),
+    and the ``[B]`` row offsets in it (:func:`model_inputs`); with ``ring`` this rank runs its slice and the
+    values are all-gathered (``[N']``, padding at the end)."""
+    kwargs, offsets = model_inputs(batch, packing)
     if ring is None:
-        return model(**kwargs).reshape(-1).float()
-    if "position_ids" not in kwargs:
+        return model(**kwargs).reshape(-1).float(), offsets
+    if not packing:
         raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
-    return ring_attn.all_gather_cat(model(**sl.inputs).reshape(-1).float(), ring.group, 0)
+    return ring_attn.all_gather_cat(model(**sl.inputs).reshape(-1).float(), ring.group, 0), offsets
 
 
 def response_values(
     model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic values of the state before each response token, ``[B, T]`` (zero where masked), and the mask."""
-    kwargs, offsets = model_inputs(batch, packing)
-    values = token_values(model, kwargs, batch, ring)
+    values, offsets = token_values(model, batch, packing, ring)
     pos, mask = response_positions(batch, offsets)
     return values[pos] * mask, mask
 
@@ -316,8 +306,7 @@ def sequence_rewards(
     model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
 ) -> torch.Tensor:
     """``[B]`` value-head output at the last non-pad token of each sequence."""
-    kwargs, offsets = model_inputs(batch, packing)
-    values = token_values(model, kwargs, batch, ring)
+    values, offsets = token_values(model, batch, packing, ring)
     return values[offsets + batch.attention_mask.sum(-1).to(offsets.device) - 1]
 
 

@@ -71,19 +71,12 @@ def setup_ring(size: int, head_stride: int = 1, backend: str | None = None) -> R
     """Create the ring groups of the current process group (once per process) and return this rank's.
 
     Collective: ``dist.new_group`` must be called by every rank for every group, in the same order, so
-    every rank creates all ``W / size`` groups and keeps its own.
+    every rank creates all ``W / size`` groups and keeps its own. ``size`` divides ``W`` (the strategy checks).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % size:
-        raise ValueError(f"ring size {size} does not divide the {world} ranks")
     if (world, size) not in _GROUPS:
-        mine = None
-        for d in range(world // size):
-            ranks = list(range(d * size, (d + 1) * size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine = group
-        _GROUPS[(world, size)] = mine
+        groups = [dist.new_group(list(range(d * size, (d + 1) * size))) for d in range(world // size)]
+        _GROUPS[(world, size)] = groups[rank // size]
     backend = backend or ("llama3" if torch.cuda.is_available() else "gather")
     return RingGroup(_GROUPS[(world, size)], rank % size, size, head_stride, backend)
 
@@ -112,12 +105,6 @@ def packed_cu_seqlens(lengths: torch.Tensor, total: int) -> torch.Tensor:
     if total > int(cu[-1]):
         cu = torch.cat([cu, cu.new_tensor([total])])
     return cu.to(torch.int32)
-
-
-def sequence_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``[N']``: the index of the sequence each token belongs to."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
 
 
 @dataclass
@@ -178,7 +165,8 @@ def shard_packed(inputs: dict, lengths: torch.Tensor, ring: RingGroup, pad_token
 
         sl.llama3 = llama3_flash_attn_prepare_cu_seqlens(cu, True, ring.rank, ring.size)
     else:
-        seq = sequence_ids(cu)
+        lengths = (cu[1:] - cu[:-1]).long()
+        seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)  # [N'] sequence
         q = torch.arange(start, end, device=ids.device)
         k = torch.arange(total, device=ids.device)
         sl.allowed = (seq[q][:, None] == seq[None, :]) & (k[None, :] <= q[:, None])
@@ -200,7 +188,9 @@ def all_gather_cat(local: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def _active() -> RingSlice:
+def _active(kwargs: dict) -> RingSlice:
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("ring attention does not support sliding-window attention")
     if _ACTIVE is None:
         raise RuntimeError("ring attention was called outside a sliced forward (shard_packed sets its context)")
     return _ACTIVE
@@ -213,9 +203,7 @@ def gather_attention(module, query, key, value, attention_mask, scaling=None, dr
     """Exact ring attention: all-gather K/V (``[1, Hkv, n, D]`` -> ``[1, Hkv, N', D]``, autograd-aware) over the
     ring group and run SDPA for the local queries ``[1, H, n, D]`` with the causal, same-sequence mask of
     the global positions. GQA: KV heads are repeated to the query heads. Returns ``[1, n, H, D]``."""
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("ring attention does not support sliding-window attention")
-    sl = _active()
+    sl = _active(kwargs)
     k = all_gather_cat(key, sl.ring.group, 2)
     v = all_gather_cat(value, sl.ring.group, 2)
     rep = query.shape[1] // key.shape[1]
@@ -235,29 +223,17 @@ def llama3_attention(module, query, key, value, attention_mask, scaling=None, dr
     time and reduce-scatters their gradients; GQA is native to flash-attn. Called directly rather than
     through ``substitute_hf_flash_attn``, which patches a private transformers function whose signature
     changes between versions."""
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("ring attention does not support sliding-window attention")
     from ring_flash_attn import llama3_flash_attn_varlen_func
 
-    sl = _active()
+    sl = _active(kwargs)
     if key.shape[1] % sl.ring.head_stride:
         raise ValueError(
             f"--ds.ring_attn_head_stride {sl.ring.head_stride} must divide the {key.shape[1]} key/value heads"
         )
     cu_q, cu_k, max_q, max_k, k_slice = sl.llama3
     out = llama3_flash_attn_varlen_func(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        heads_k_stride=sl.ring.head_stride,
-        local_k_slice=k_slice,
-        dropout_p=dropout,
-        softmax_scale=scaling,
-        causal=True,
-        group=sl.ring.group,
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
+        heads_k_stride=sl.ring.head_stride, local_k_slice=k_slice, dropout_p=dropout, softmax_scale=scaling,
+        causal=True, group=sl.ring.group,
     )
     return out[None], None

@@ -99,16 +99,13 @@ def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: tor
     or None when it would not run fewer tokens than the padded batch (no prompt shared, or groups so
     uneven that the empty slots cost more than the prompts saved), or when its attention mask would pass
     :data:`MAX_MASK_ENTRIES` (long sequences, where the padded path's causal kernels need no mask at all)."""
-    lengths = attention_mask.sum(-1).tolist()
-    plens = prompt_lens.tolist()
-    rows = input_ids.tolist()
+    lengths, plens, rows = attention_mask.sum(-1).tolist(), prompt_lens.tolist(), input_ids.tolist()
     groups: dict[tuple, list[int]] = {}
     for i, (row, p) in enumerate(zip(rows, plens, strict=True)):
         groups.setdefault(tuple(row[:p]), []).append(i)
     members = list(groups.values())
     b, g = len(rows), len(members)
-    P = max(plens)
-    S = max(len(m) for m in members)
+    P, S = max(plens), max(len(m) for m in members)
     R = max(n - p for n, p in zip(lengths, plens, strict=True))
     W = max(R - 1, 1)
     if g == b or g * (P + S * W) >= b * input_ids.shape[1] or g * S * W * (P + W) > MAX_MASK_ENTRIES:
@@ -170,14 +167,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         return torch.cat([prompt, slots(x[:, :, P:])], 2)
 
     gqa = heads != kv
-    out_prompt = F.scaled_dot_product_attention(
-        query[:, :, :P], key[:, :, :P], value[:, :, :P], attn_mask=layout.prompt_mask, dropout_p=dropout,
-        scale=scaling, enable_gqa=gqa,
-    )
-    out_slots = F.scaled_dot_product_attention(
+    out_prompt = F.scaled_dot_product_attention(query[:, :, :P], key[:, :, :P], value[:, :, :P],
+                                                attn_mask=layout.prompt_mask, dropout_p=dropout, scale=scaling,
+                                                enable_gqa=gqa)
+    out_slots = F.scaled_dot_product_attention(  # [G*S, H, W, D]
         slots(query[:, :, P:]), with_prompt(key), with_prompt(value), attn_mask=layout.response_mask,
-        dropout_p=dropout, scale=scaling, enable_gqa=gqa,
-    )  # [G*S, H, W, D]
+        dropout_p=dropout, scale=scaling, enable_gqa=gqa)
     out_slots = out_slots.reshape(g, S, heads, W, d).permute(0, 1, 3, 2, 4).reshape(g, S * W, heads, d)
     return torch.cat([out_prompt.transpose(1, 2), out_slots], 1).contiguous(), None
 

@@ -39,10 +39,7 @@ class WorkerGroup:
     ``create_group``)."""
 
     def __init__(self, actors: list, role: str, spec: ModelSpec):
-        self.actors = actors
-        self.role = role
-        self.spec = spec
-        self.world_size = len(actors)
+        self.actors, self.role, self.spec, self.world_size = actors, role, spec, len(actors)
         self.ring_size = 1
         """Ranks per ring-attention group (``--ds.ring_attn_size``): consecutive ranks ``[d*R, (d+1)*R)``
         receive the same micro-batches and return the same results; data parallelism is over the groups."""
@@ -89,9 +86,8 @@ class WorkerGroup:
 
     # --- forward-only ---
 
-    def compute_logprobs(
-        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False
-    ) -> list:
+    def compute_logprobs(self, batches: list[SequenceBatch], temperature: float = 1.0,
+                         with_entropy: bool = False) -> list:
         """``[B, T]`` response log-probs per micro-batch (with entropies: ``(logprobs, entropy)`` pairs)."""
         return self.gather_sharded(*self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy))
 
@@ -109,11 +105,7 @@ class WorkerGroup:
         if len(micro_batches) % self.dp_size:
             raise ValueError(f"{method}: {len(micro_batches)} micro-batches cannot be split evenly over "
                              f"{self.dp_size} data-parallel ranks")
-        per = len(micro_batches) // self.dp_size
-        refs = []
-        for r, a in enumerate(self.actors):
-            d = r // self.ring_size  # the ring group: its ranks all get the same share
-            refs.append(getattr(a, method).remote(micro_batches[d * per : (d + 1) * per], *args, counts))
+        refs, _ = self.call_sharded_async(method, micro_batches, *args, counts)  # even shares: no padding
         metrics = merge_steps(inline.get(refs)[:: self.ring_size])  # one rank per ring group
         if metrics["skipped"]:
             self.nonfinite_steps += 1
@@ -170,9 +162,8 @@ class WorkerGroup:
         """An address and free port on rank 0's node, for the ``master_addr``/``master_port`` of the sync group."""
         return inline.get(self.actors[0].master_address.remote())
 
-    def broadcast_weights_to_engines_async(
-        self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0
-    ) -> list:
+    def broadcast_weights_to_engines_async(self, master_addr: str, master_port: int, world_size: int,
+                                           backend: str = "gloo", timeout_s: float = 600.0) -> list:
         """Start sending the weights through ``rlhf_core.weight_sync`` (rank 0 sends, as sync rank 0); the
         engines must join the group (ranks 1..world_size-1) and ``receive`` meanwhile. Returns Ray refs;
         ``ray.get`` on them gives the tensor count on rank 0's entry."""
@@ -237,8 +228,7 @@ class HostedRef:
     ranks; sleeping and shutting down are the policy group's."""
 
     def __init__(self, policy: WorkerGroup):
-        self.policy = policy
-        self.role = "ref"
+        self.policy, self.role = policy, "ref"
 
     @property
     def actors(self) -> list:
@@ -263,8 +253,7 @@ class HostedHandle(inline.ActorLike):
     rank's own calls, and returns an ObjectRef. Killing the rank's actor ends it."""
 
     def __init__(self, actor, name: str):
-        self.actor = actor
-        self.name = name
+        self.actor, self.name = actor, name
 
     def _call(self, method: str, *args, **kwargs):
         return self.actor.call_hosted.remote(self.name, method, *args, **kwargs)
@@ -286,8 +275,7 @@ def create_worker_group(
     the ranks on CPU, ``num_cpus_per_worker`` with GPUs).
 
     ``inline_rank=True`` builds the one rank of a single-process run in this process, without Ray
-    (:mod:`rlhf_core.inline`; ``num_workers`` must be 1, and ``pool`` None).
-    """
+    (:mod:`rlhf_core.inline`; ``num_workers`` must be 1, and ``pool`` None)."""
     if num_workers < 1:
         raise ValueError(f"{role}: num_workers must be at least 1, got {num_workers}")
     if inline_rank:
@@ -323,9 +311,8 @@ def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, nu
     env = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}
     if not gpus:
         env["DS_ACCELERATOR"] = "cpu"
-    for var in ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "DS_ACCELERATOR", "HF_HUB_OFFLINE"):
-        if var in os.environ:
-            env.setdefault(var, os.environ[var])
+    passed = ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "DS_ACCELERATOR", "HF_HUB_OFFLINE")
+    env = {var: os.environ[var] for var in passed if var in os.environ} | env  # env's own values win
     # CPU ranks split the cores between them (Ray would give each actor one thread); GPU ranks need few.
     threads = num_threads or (max(1, int(num_cpus_per_worker)) if gpus else max(1, (os.cpu_count() or 1) // num_workers))
     env["OMP_NUM_THREADS"] = str(threads)

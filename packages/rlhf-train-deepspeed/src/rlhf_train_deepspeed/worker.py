@@ -143,8 +143,7 @@ def ema_update_(ema: list[torch.Tensor], params: list[torch.Tensor], beta: float
     ``ema_i`` is float32 with the shape of ``params_i`` (any shape: here one rank's local shard of a trainable
     parameter, the flat ``p.ds_tensor`` slice under ZeRO-3 or ``p.data`` under ZeRO 0-2). ``params_i`` may be
     bf16 or live on another device; it is upcast to float32 on ``ema_i``'s device. Under bf16 the average is
-    over the bf16 module weights (what an export writes), not the optimizer's fp32 master weights.
-    """
+    over the bf16 module weights (what an export writes), not the optimizer's fp32 master weights."""
     if len(ema) != len(params):
         raise ValueError(f"ema_update_: {len(ema)} EMA tensors for {len(params)} parameters")
     for e, p in zip(ema, params, strict=True):
@@ -159,8 +158,7 @@ class TrainWorker:
         self.rank, self.world_size = rank, world_size
         # what close() gives back to a process that outlives the rank (a single-process run's driver)
         self._saved = ({k: os.environ.get(k) for k in DIST_ENV}, torch.get_num_threads())
-        os.environ["RANK"] = str(rank)
-        os.environ["WORLD_SIZE"] = str(world_size)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
         # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES, so the local device is 0 unless one
         # actor sees several GPUs.
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -169,8 +167,7 @@ class TrainWorker:
             torch.set_num_threads(num_threads)
         if not visible:  # a CPU rank frees and reallocates its activations every step
             keep_freed_memory()
-        self.engine = None
-        self.ref_engine = None
+        self.engine = self.ref_engine = None
         self.teacher_engines: list = []
         self.spec: ModelSpec | None = None
         self._sync_group = None
@@ -197,8 +194,7 @@ class TrainWorker:
 
     def init_distributed(self, address: tuple[str, int]) -> None:
         """Join the group whose rank 0 is at ``address`` (:meth:`master_address` of rank 0)."""
-        os.environ["MASTER_ADDR"] = address[0]
-        os.environ["MASTER_PORT"] = str(address[1])
+        os.environ.update(MASTER_ADDR=address[0], MASTER_PORT=str(address[1]))
         Strategy.init_distributed(address, self._stores.pop(address[1], None))
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> dict:
@@ -426,8 +422,7 @@ class TrainWorker:
             both = concat_batches([mb.chosen, mb.rejected], pad)
             rewards = sequence_rewards(self.engine, both, self.packing, self.ring)
             b = len(mb.chosen)
-            margin = mb.margin if cfg.margin_loss else None
-            out = rm_loss(rewards[:b], rewards[b:], margin, cfg.loss_type)
+            out = rm_loss(rewards[:b], rewards[b:], mb.margin if cfg.margin_loss else None, cfg.loss_type)
             metrics = dict(out.metrics)
             if not train:
                 metrics["_rewards"] = rewards.detach().cpu().tolist()  # chosen, then rejected
@@ -455,16 +450,14 @@ class TrainWorker:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(kl)
             kl = kl / self.world_size
-        out = kto_loss(
-            logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight
-        )
+        out = kto_loss(logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight,
+                       cfg.undesirable_weight)
         return per_pair(out.loss, b), dict(out.metrics), float(b)
 
     def train_supervised(self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]) -> StepResult:
         """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss over the micro-batches."""
-        return self.strategy.optimizer_step(
-            self.engine, micro_batches, lambda mb: self._supervised_loss(mb, cfg, counts)
-        )
+        return self.strategy.optimizer_step(self.engine, micro_batches,
+                                            lambda mb: self._supervised_loss(mb, cfg, counts))
 
     @torch.no_grad()
     def eval_supervised(self, micro_batches: list, cfg: SupervisedConfigLite) -> list[tuple[dict, float, list]]:
@@ -568,9 +561,8 @@ class TrainWorker:
     def _is_peft(self) -> bool:
         return hasattr(self._module(), "peft_config")
 
-    def named_weights(
-        self, bucket_bytes: int = WEIGHT_BUCKET_BYTES, trainable_only: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES,
+                      trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` pairs, ZeRO-3 parameters gathered bucket by bucket
         (``deepspeed.zero.GatheredParameters``). Collective: every rank must exhaust the iterator. With LoRA
         the adapters are merged into the base weights (names without peft's prefixes). ``trainable_only``
@@ -622,9 +614,8 @@ class TrainWorker:
         out = {name: t.cpu() for name, t in self.engine_weights() if self.rank == 0}  # every rank gathers
         return out if self.rank == 0 else None
 
-    def broadcast_weights_to_engines(
-        self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0
-    ) -> int:
+    def broadcast_weights_to_engines(self, master_addr: str, master_port: int, world_size: int,
+                                     backend: str = "gloo", timeout_s: float = 600.0) -> int:
         """Send the weights to the rollout engines through ``rlhf_core.weight_sync``: rank 0 is rank 0 of the
         sync group (hosting its store at ``master_addr:master_port``; the engines take ranks 1..world_size-1
         and call ``receive``). The group is joined on the first call and kept; a call with another address
@@ -635,9 +626,9 @@ class TrainWorker:
             self._sync_group.close()
             self._sync_group = None
         if self.rank == 0 and self._sync_group is None:
-            self._sync_group = weight_sync.init_sync_group(
-                master_addr, master_port, 0, world_size, backend, timeout_s, store=self._stores.pop(master_port, None)
-            )
+            store = self._stores.pop(master_port, None)
+            self._sync_group = weight_sync.init_sync_group(master_addr, master_port, 0, world_size, backend,
+                                                           timeout_s, store=store)
         weights = self.engine_weights()
         if self.rank == 0:
             return self._sync_group.send(weights)["tensors"]
@@ -664,8 +655,7 @@ class TrainWorker:
         if self._is_peft():
             import deepspeed
 
-            lora = [p for n, p in module.named_parameters() if "lora_" in n]
-            with deepspeed.zero.GatheredParameters(lora):
+            with deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if "lora_" in n]):
                 if self.rank == 0:
                     module.save_pretrained(out_dir, safe_serialization=True)
         else:
@@ -700,24 +690,21 @@ class TrainWorker:
         if self.ema is not None:
             self.ema = [e.to("cpu") for e in self.ema]
         if self.strategy.ds.zero_stage == 3 and self.spec.trainable:
-            gpu = torch.cuda.is_available()
-            if gpu:
-                self.gpu_memory["gpu_before_sleep_gib"] = torch.cuda.memory_allocated() / 2**30
+            self._note_gpu_memory("gpu_before_sleep_gib")
             move_zero3_state(self.engine, asleep=True)
-            if gpu:
-                self.gpu_memory["gpu_asleep_gib"] = torch.cuda.memory_allocated() / 2**30
+            self._note_gpu_memory("gpu_asleep_gib")
 
     def wake_up(self) -> None:
         """Undo :meth:`sleep` before the next training or forward call."""
         if self.strategy.ds.zero_stage == 3 and self.spec.trainable:
             move_zero3_state(self.engine, asleep=False)
-            if torch.cuda.is_available():
-                self.gpu_memory["gpu_woken_gib"] = torch.cuda.memory_allocated() / 2**30
+            self._note_gpu_memory("gpu_woken_gib")
         if self.ema is not None:
             self.ema = [e.to(s.device) for e, s in zip(self.ema, self._local_shards(), strict=True)]
 
-    def ping(self) -> int:
-        return self.rank
+    def _note_gpu_memory(self, key: str) -> None:
+        if torch.cuda.is_available():
+            self.gpu_memory[key] = torch.cuda.memory_allocated() / 2**30
 
     def close(self) -> None:
         """Drop the models, optimizer and hosted objects and give back the environment and thread count: the end
@@ -729,9 +716,8 @@ class TrainWorker:
         gc.collect()
         env, threads = self._saved
         for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
+            os.environ.pop(k, None)
+            if v is not None:
                 os.environ[k] = v
         torch.set_num_threads(threads)
 

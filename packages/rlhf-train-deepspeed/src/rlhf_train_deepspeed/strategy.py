@@ -1,21 +1,19 @@
 """DeepSpeed set-up: distributed init, ZeRO config, optimizer and LR schedule, LoRA, and the training step.
 
-One :class:`Strategy` per worker process. It turns the ``--ds.*`` and optimizer flags into a DeepSpeed
-config, wraps models into engines, and runs an optimizer step over a list of micro-batches
-(:meth:`Strategy.optimizer_step`) with two guarantees:
-
-- the gradient of a step does not depend on how its batch was split into micro-batches or ranks, as long
-  as each micro-batch loss is already normalised by the global count of the step (``LossAggregation``);
-- a non-finite loss on any rank skips the step on every rank: the parameters, optimizer state and LR
-  schedule stay exactly as they were, and the skip is counted.
+One :class:`Strategy` per worker process turns the ``--ds.*`` and optimizer flags into a DeepSpeed config,
+wraps models into engines, and runs optimizer steps (:meth:`Strategy.optimizer_step`): a step's gradient
+does not depend on how its batch was split into micro-batches or ranks, and a non-finite loss on any rank
+skips the step on every rank, leaving parameters, optimizer state and LR schedule as they were (counted).
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +36,9 @@ def param_dtype(name: str) -> torch.dtype:
     """The training dtype of ``--ds.param_dtype`` (``auto``: bf16 on a GPU, fp32 on CPU); fp16 is refused (no
     loss scaling here)."""
     if name == "fp16":
-        raise ConfigError(
-            "--ds.param_dtype fp16 is not supported: fp16 needs loss scaling, which this backend does not do. "
-            "Use bf16 (also works on CPU), fp32 or auto (the default: bf16 on a GPU, fp32 on CPU)."
-        )
+        raise ConfigError("--ds.param_dtype fp16 is not supported: fp16 needs loss scaling, which this "
+                          "backend does not do. Use bf16 (also works on CPU), fp32 or auto (the default: "
+                          "bf16 on a GPU, fp32 on CPU).")
     name = resolve_param_dtype(name)
     if name not in PRECISIONS:
         raise ConfigError(f"--ds.param_dtype must be one of {sorted(PRECISIONS)}, got {name!r}")
@@ -51,10 +48,9 @@ def param_dtype(name: str) -> torch.dtype:
 def check_features(ds) -> None:
     """Fail early, naming the flag (and the package to install), when a requested feature cannot run."""
     if ds.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError(
-            "--ds.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed "
-            "(pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine), or use sdpa"
-        )
+        raise ConfigError("--ds.attn_implementation flash_attention_2 needs the flash-attn package, which "
+                          "is not installed (pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine), "
+                          "or use sdpa")
     if ds.ring_attn_size > 1:
         # On CUDA ring attention runs ring-flash-attn; without CUDA an exact all-gather-K/V attention
         # (rlhf_train_deepspeed.ring_attn) serves, so only a CUDA machine needs the packages.
@@ -62,10 +58,9 @@ def check_features(ds) -> None:
             missing = [p for p, m in (("ring-flash-attn", "ring_flash_attn"), ("flash-attn", "flash_attn"))
                        if importlib.util.find_spec(m) is None]
             if missing:
-                raise ConfigError(
-                    f"--ds.ring_attn_size {ds.ring_attn_size} needs the {' and '.join(missing)} package(s) on a "
-                    "CUDA machine, which are not installed (pip install 'rlhf-train-deepspeed[flash]')"
-                )
+                raise ConfigError(f"--ds.ring_attn_size {ds.ring_attn_size} needs the {' and '.join(missing)} "
+                                  "package(s) on a CUDA machine, which are not installed (pip install "
+                                  "'rlhf-train-deepspeed[flash]')")
         if not ds.packing_samples:
             raise ConfigError("--ds.ring_attn_size > 1 needs --ds.packing_samples")
         if ds.ring_attn_head_stride < 1:
@@ -82,8 +77,7 @@ def lr_multiplier(step: int, name: str, total_steps: int, warmup_steps: int, min
 
     Warm-up: ``step / warmup_steps`` for ``step < warmup_steps``. Then with ``p = (step - warmup) /
     (total - warmup)``: constant ``1``; linear ``max(0, 1 - p)``; cosine_with_min_lr
-    ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2``.
-    """
+    ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2``."""
     if name not in LR_SCHEDULERS:
         raise ConfigError(f"--lr_scheduler must be one of {LR_SCHEDULERS}, got {name!r}")
     if step < warmup_steps:
@@ -156,8 +150,7 @@ def ds_config(ds, *, train: bool, micro_batch_size: int = 1, grad_accum: int = 1
     """The DeepSpeed config dict for a trained (``train=True``) or frozen model.
 
     Frozen models (reference, reward) use ZeRO-3 when training does, so that their weights are
-    partitioned too, else stage 0; ``offload_params`` keeps a ZeRO-3 frozen model's weights in CPU memory.
-    """
+    partitioned too, else stage 0; ``offload_params`` keeps a ZeRO-3 frozen model's weights in CPU memory."""
     dtype = param_dtype(ds.param_dtype)
     pin = torch.cuda.is_available()
     if train:
@@ -224,9 +217,8 @@ class Strategy:
             from rlhf_train_deepspeed import ring_attn
 
             if self.world_size() % ds.ring_attn_size:
-                raise ConfigError(
-                    f"--ds.ring_attn_size {ds.ring_attn_size} must divide the number of ranks ({self.world_size()})"
-                )
+                raise ConfigError(f"--ds.ring_attn_size {ds.ring_attn_size} must divide the number of ranks "
+                                  f"({self.world_size()})")
             self.ring = ring_attn.setup_ring(ds.ring_attn_size, ds.ring_attn_head_stride)
 
     # --- distributed ---
@@ -236,8 +228,6 @@ class Strategy:
         """Join the process group of RANK and WORLD_SIZE (set by the Ray worker group, not a launcher) whose
         rank 0 listens at ``address``; rank 0 passes the store it listens with (``weight_sync.listening_store``).
         NCCL with a GPU, gloo on CPU. A process already in a group (a single-process run's later ranks) keeps it."""
-        import datetime
-
         import deepspeed
 
         if torch.cuda.is_available():
@@ -247,8 +237,6 @@ class Strategy:
             backend = "gloo"
             # DeepSpeed JIT-compiles a shared-memory all-reduce kernel on CPU (~50 s, and rebuilt whenever
             # another environment shares the cache). Only AutoTP inference uses it; gloo serves training.
-            import sys
-
             import deepspeed.comm.torch  # noqa: F401 - the attribute `torch` of deepspeed.comm is torch itself
 
             sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
@@ -342,8 +330,7 @@ class Strategy:
         A non-finite loss on any rank (an all-reduced flag per micro-batch) ends the step: the last
         backward is made non-finite on purpose so that DeepSpeed's own overflow path discards every
         gradient accumulated so far, keeps parameters and optimizer state bitwise unchanged and does not
-        advance the LR schedule. ZeRO-0 in fp32 has no overflow path; there the gradients are dropped here.
-        """
+        advance the LR schedule. ZeRO-0 in fp32 has no overflow path; there the gradients are dropped here."""
         engine.train()
         lr = engine.get_lr()[0] if engine.lr_scheduler is not None else 0.0
         n = len(micro_batches)

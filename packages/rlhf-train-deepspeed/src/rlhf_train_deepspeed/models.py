@@ -32,8 +32,7 @@ def model_inputs(batch: SequenceBatch, packing: bool) -> tuple[dict, torch.Tenso
     """The keyword arguments of the forward pass, and ``[B]`` offsets of each row in the flattened output.
 
     Padded: ``input_ids [B, L]`` with the attention mask; row ``i`` starts at ``i * L``. Packed: one row of
-    ``sum(lengths)`` tokens with ``position_ids`` restarting per sequence and no attention mask.
-    """
+    ``sum(lengths)`` tokens with ``position_ids`` restarting per sequence and no attention mask."""
     lengths = batch.attention_mask.sum(-1)
     if not packing:
         offsets = torch.arange(len(batch), device=lengths.device) * batch.input_ids.shape[1]
@@ -49,8 +48,7 @@ def response_positions(batch: SequenceBatch, offsets: torch.Tensor) -> tuple[tor
     """Flat indices ``[B, T]`` of the outputs that predict each response token, and the ``[B, T]`` mask.
 
     Response token ``t`` of row ``i`` (token ``p_i + t``) is predicted at position ``p_i + t - 1``.
-    Masked entries point at index 0 so they can be gathered safely.
-    """
+    Masked entries point at index 0 so they can be gathered safely."""
     t = torch.arange(batch.num_response_positions, device=offsets.device)
     mask = batch.response_mask().to(offsets.device)
     pos = offsets[:, None] + batch.prompt_lens[:, None].to(offsets.device) - 1 + t[None, :]
@@ -67,8 +65,7 @@ def response_logprobs(
     The model runs up to its LM head's input (:func:`head_inputs`); the head then runs on the real response
     positions only, a chunk at a time (:func:`rlhf_algos.logits.head_logprobs`), so no more than one
     chunk's logits exist at once, in forward or backward. With ``entropy_grad=False`` the entropy is a
-    detached diagnostic. With ``ring`` (packing only) see :func:`_ring_logprobs`.
-    """
+    detached diagnostic. With ``ring`` (packing only) see :func:`_ring_logprobs`."""
     kwargs, offsets = model_inputs(batch, packing)
     pos, mask = response_positions(batch, offsets)
     if batch.images is not None:
@@ -76,8 +73,6 @@ def response_logprobs(
             raise ValueError("a batch with images is not packed (images are per row): drop --ds.packing_samples")
         kwargs.update(image_forward_inputs(model, batch.input_ids, batch.attention_mask, batch.images)[0])
     if ring is not None:
-        if not packing:
-            raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
         lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring)
     else:
         targets = kwargs["input_ids"].reshape(-1)[pos + 1][mask]
@@ -231,9 +226,8 @@ def accumulate_tied_gradient_in_place(model: nn.Module) -> bool:
         return False
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return nn.functional.embedding(ids, embedding.weight, embedding.padding_idx)
-        return _EmbeddingIntoGrad.apply(ids, embedding.weight, embedding.padding_idx)
+        fn = _EmbeddingIntoGrad.apply if torch.is_grad_enabled() else nn.functional.embedding
+        return fn(ids, embedding.weight, embedding.padding_idx)
 
     embedding.forward = forward
     embedding.accumulates_into_grad = True
@@ -264,8 +258,7 @@ def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, r
 
     The local tokens that predict a response token go through the head (labels: the next token of the full
     packed row); their results are written into a ``[n]`` vector of the slice, all-gathered into ``[N']``
-    over the ring group and read at the response positions ``pos[mask]`` like the unsliced path.
-    """
+    over the ring group and read at the response positions ``pos[mask]`` like the unsliced path."""
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
     wanted = torch.zeros(sl.total, dtype=torch.bool, device=pos.device)
     wanted[pos[mask]] = True
@@ -287,24 +280,20 @@ def token_values(model: nn.Module, batch: SequenceBatch, packing: bool, ring=Non
     kwargs, offsets = model_inputs(batch, packing)
     if ring is None:
         return model(**kwargs).reshape(-1).float(), offsets
-    if not packing:
-        raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
     return ring_attn.all_gather_cat(model(**sl.inputs).reshape(-1).float(), ring.group, 0), offsets
 
 
-def response_values(
-    model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def response_values(model: nn.Module, batch: SequenceBatch, packing: bool = False,
+                    ring: ring_attn.RingGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic values of the state before each response token, ``[B, T]`` (zero where masked), and the mask."""
     values, offsets = token_values(model, batch, packing, ring)
     pos, mask = response_positions(batch, offsets)
     return values[pos] * mask, mask
 
 
-def sequence_rewards(
-    model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
-) -> torch.Tensor:
+def sequence_rewards(model: nn.Module, batch: SequenceBatch, packing: bool = False,
+                     ring: ring_attn.RingGroup | None = None) -> torch.Tensor:
     """``[B]`` value-head output at the last non-pad token of each sequence."""
     values, offsets = token_values(model, batch, packing, ring)
     return values[offsets + batch.attention_mask.sum(-1).to(offsets.device) - 1]
@@ -318,8 +307,7 @@ def value_model_class(config, head_prefix: str = "score") -> type:
     head named ``head_prefix``. Its ``forward`` returns per-token values ``[B, L]`` (fp32 head input).
 
     Parameter names are ``<base_model_prefix>.*`` and ``<head_prefix>.weight``, the layout of
-    ``*ForSequenceClassification`` with ``num_labels=1`` when the prefix is ``score``.
-    """
+    ``*ForSequenceClassification`` with ``num_labels=1`` when the prefix is ``score``."""
     from transformers import AutoModel
 
     base_cls = AutoModel._model_mapping[type(config)]
@@ -374,8 +362,7 @@ def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "
     """A value model (:func:`value_model_class`) from a causal LM, a base model or a saved RM / critic.
 
     A checkpoint without the head (a causal LM) gets a freshly initialised head; one with it (an RM
-    trained here, or any ``*ForSequenceClassification`` with one label and the same head name) keeps it.
-    """
+    trained here, or any ``*ForSequenceClassification`` with one label and the same head name) keeps it."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)

@@ -98,15 +98,6 @@ def padded_length(n: int, size: int) -> int:
     return -(-n // size) * size
 
 
-def packed_cu_seqlens(lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """``[S + 1]`` int32 sequence boundaries ``[0, l0, l0 + l1, ..., total]`` of a packed row; the padding
-    ``total - sum(lengths)``, when there is some, is one more (dummy) sequence."""
-    cu = F.pad(torch.cumsum(lengths.long(), 0), (1, 0))
-    if total > int(cu[-1]):
-        cu = torch.cat([cu, cu.new_tensor([total])])
-    return cu.to(torch.int32)
-
-
 @dataclass
 class RingSlice:
     """One packed micro-batch as seen by one ring rank: its inputs and the metadata attention needs."""
@@ -139,9 +130,10 @@ def shard_packed(inputs: dict, lengths: torch.Tensor, ring: RingGroup, pad_token
     multiple of the ring size, cut out this rank's slice and make it the active ring-attention context.
 
     The pad tokens form a dummy sequence with positions ``0 .. pad-1``; labels are taken before slicing,
-    so the last token of a slice is labelled with the first token of the next one.
-    """
+    so the last token of a slice is labelled with the first token of the next one."""
     global _ACTIVE
+    if "position_ids" not in inputs:
+        raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
     ids, positions = inputs["input_ids"], inputs["position_ids"]
     n = ids.shape[1]
     total = padded_length(n, ring.size)
@@ -151,12 +143,12 @@ def shard_packed(inputs: dict, lengths: torch.Tensor, ring: RingGroup, pad_token
     labels = F.pad(ids[0, 1:], (0, 1), value=0)
     per = total // ring.size
     start, end = ring.rank * per, (ring.rank + 1) * per
-    cu = packed_cu_seqlens(lengths.to(ids.device), total)
-    sl = RingSlice(
-        ring, start, end, total,
-        {"input_ids": ids[:, start:end], "position_ids": positions[:, start:end]},
-        labels[start:end], cu,
-    )
+    cu = F.pad(torch.cumsum(lengths.to(ids.device).long(), 0), (1, 0))  # [S + 1]: [0, l0, l0 + l1, ...]
+    if total > int(cu[-1]):  # the padding is one more (dummy) sequence
+        cu = torch.cat([cu, cu.new_tensor([total])])
+    cu = cu.to(torch.int32)
+    inputs = {"input_ids": ids[:, start:end], "position_ids": positions[:, start:end]}
+    sl = RingSlice(ring, start, end, total, inputs, labels[start:end], cu)
     if ring.backend == "llama3":
         # ring-flash-attn (API read in the source of zhuzilin/ring-flash-attention 0.1.7):
         # llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size) ->
@@ -209,9 +201,8 @@ def gather_attention(module, query, key, value, attention_mask, scaling=None, dr
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(
-        query, k, v, attn_mask=sl.allowed[None, None], dropout_p=dropout, scale=scaling
-    )
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=sl.allowed[None, None], dropout_p=dropout,
+                                         scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -227,9 +218,8 @@ def llama3_attention(module, query, key, value, attention_mask, scaling=None, dr
 
     sl = _active(kwargs)
     if key.shape[1] % sl.ring.head_stride:
-        raise ValueError(
-            f"--ds.ring_attn_head_stride {sl.ring.head_stride} must divide the {key.shape[1]} key/value heads"
-        )
+        raise ValueError(f"--ds.ring_attn_head_stride {sl.ring.head_stride} must divide the {key.shape[1]} "
+                         "key/value heads")
     cu_q, cu_k, max_q, max_k, k_slice = sl.llama3
     out = llama3_flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,

@@ -155,8 +155,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"shared-prompt attention does not support {name}; use --ds.shared_prefix false")
-    g, heads, _, d = query.shape
-    kv = key.shape[1]
+    (g, heads, _, d), kv = query.shape, key.shape[1]
     P, S, W = layout.prompt_len, layout.slots, layout.slot_len
 
     def slots(x: torch.Tensor) -> torch.Tensor:  # [G, h, S*W, D] -> [G*S, h, W, D]

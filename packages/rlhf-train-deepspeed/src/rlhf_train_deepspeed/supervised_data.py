@@ -130,21 +130,16 @@ def _prm_example(row: Row, tokenizer, data, prm: PRMTokens, stats: DataStats) ->
     ids = encode(tokenizer, text)
     positions = [i for i, t in enumerate(ids) if t == prm.placeholder_id]
     # a marker glued to its neighbours tokenizes into other tokens and goes missing
-    merged = (
+    merged = "" if text.count(prm.placeholder) <= len(positions) else (
         f"; {prm.placeholder!r} appears {text.count(prm.placeholder)} times in the text, so it merges with the "
-        "text around it: put a space on each side"
-        if text.count(prm.placeholder) > len(positions) else ""
-    )
+        "text around it: put a space on each side")
     if not positions:
-        raise DataError(
-            f"{where}: key {data.input_key!r} has no placeholder token {prm.placeholder!r} "
-            f"(--prm.placeholder_token), so none of its {len(labels)} labels has a step to go to{merged}"
-        )
+        raise DataError(f"{where}: key {data.input_key!r} has no placeholder token {prm.placeholder!r} "
+                        f"(--prm.placeholder_token), so none of its {len(labels)} labels has a step to go "
+                        f"to{merged}")
     if len(positions) != len(labels):
-        raise DataError(
-            f"{where}: {len(positions)} steps marked with {prm.placeholder!r} but {len(labels)} labels in "
-            f"key {label_key!r}: give one label per step{merged}"
-        )
+        raise DataError(f"{where}: {len(positions)} steps marked with {prm.placeholder!r} but {len(labels)} "
+                        f"labels in key {label_key!r}: give one label per step{merged}")
     classes, soft = zip(*[
         _prm_label(label, prm, tokenizer, f"{where}: step {k} label {label!r} (key {label_key!r})")
         for k, label in enumerate(labels)
@@ -281,11 +276,10 @@ def collate(mode: str, examples: list, pad_token_id: int):
     if mode == "kto":
         prompts = [e.prompt for e in examples]
         completions = [e.completion for e in examples]
-        shifted = completions[1:] + completions[:1]
         return KTOBatch(
             make_sequence_batch(prompts, completions, pad_token_id),
             torch.tensor([e.desirable for e in examples], dtype=torch.bool),
-            make_sequence_batch(prompts, shifted, pad_token_id),
+            make_sequence_batch(prompts, completions[1:] + completions[:1], pad_token_id),  # mismatched pairs
         )
     raise ValueError(f"unknown supervised mode {mode!r}")
 
@@ -305,13 +299,7 @@ def step_counts(mode: str, micro_batches: list) -> dict[str, float]:
 
 def batch_tokens(mode: str, micro_batches: list) -> int:
     """Non-pad tokens that go through the trained model in one step (for tokens/s)."""
-    total = 0
-    for b in micro_batches:
-        if isinstance(b, SequenceBatch):
-            seqs = [b]
-        elif isinstance(b, PairBatch):
-            seqs = [b.chosen, b.rejected]
-        else:
-            seqs = [b.seq] if isinstance(b, PRMBatch) else [b.seq, b.kl_seq]
-        total += sum(int(s.attention_mask.sum()) for s in seqs)
-    return total
+    pair = ("chosen", "rejected")
+    parts = {"rm": pair, "dpo": pair, "prm": ("seq",), "kto": ("seq", "kl_seq")}  # sft, kd: SequenceBatch
+    seqs = [getattr(b, p) for b in micro_batches for p in parts[mode]] if mode in parts else micro_batches
+    return sum(int(s.attention_mask.sum()) for s in seqs)

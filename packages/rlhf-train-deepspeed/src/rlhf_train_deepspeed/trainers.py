@@ -64,9 +64,8 @@ class BatchPlan:
         world = cfg.model.num_nodes * cfg.model.num_gpus_per_node
         mb, gb = cfg.train.micro_batch_size, cfg.train.batch_size
         if gb % (mb * world):
-            raise ConfigError(
-                f"--train.batch_size {gb} must be a multiple of --train.micro_batch_size {mb} x {world} ranks"
-            )
+            raise ConfigError(f"--train.batch_size {gb} must be a multiple of --train.micro_batch_size {mb} x "
+                              f"{world} ranks")
         return cls(world, mb, gb // (mb * world), gb)
 
 
@@ -84,8 +83,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     """Train ``cfg.model`` with the ``mode`` loss; returns the last step's metrics and the output paths.
 
     ``group_factory(role, spec, ds, num_workers, seed)`` builds the worker group (default:
-    :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors.
-    """
+    :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors."""
     from tqdm.auto import tqdm
 
     if mode not in MODES:
@@ -193,15 +191,11 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
                                 "has_ds_state": not cfg.ckpt.disable_ds})
 
     def evaluate() -> tuple[dict[str, float], list[float]]:
-        if not eval_examples:
-            return {}, []
         metrics, rewards = group.eval_supervised(micro_batches(eval_examples), losses)
         return {f"eval/{k}": v for k, v in metrics.items()}, rewards
 
     order_epoch, order, consecutive_skips = -1, None, 0
-    final_eval: dict[str, float] = {}
-    rewards: list[float] = []
-    last: dict[str, float] = {}
+    final_eval, rewards, last = {}, [], {}  # the last evaluation, its RM rewards, the last step's metrics
     bar = tqdm(total=total_steps, initial=start_step, desc=f"{mode}", dynamic_ncols=True, disable=None)
     for step in range(start_step, total_steps):
         epoch, within = divmod(step, steps_per_epoch)
@@ -217,10 +211,9 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         metrics.update(stats.as_metrics())
         consecutive_skips = consecutive_skips + 1 if metrics["skipped"] else 0
         if cfg.train.max_nonfinite_steps and consecutive_skips >= cfg.train.max_nonfinite_steps:
-            raise FloatingPointError(
-                f"{consecutive_skips} consecutive steps had a non-finite loss and were skipped "
-                f"(--train.max_nonfinite_steps {cfg.train.max_nonfinite_steps}); the last checkpoint is intact"
-            )
+            raise FloatingPointError(f"{consecutive_skips} consecutive steps had a non-finite loss and were "
+                                     "skipped (--train.max_nonfinite_steps "
+                                     f"{cfg.train.max_nonfinite_steps}); the last checkpoint is intact")
         done = step + 1
         if eval_examples and (done == total_steps or (cfg.eval.steps > 0 and done % cfg.eval.steps == 0)):
             final_eval, rewards = evaluate()

@@ -3,8 +3,7 @@
 One :class:`Strategy` per worker process turns the ``--ds.*`` and optimizer flags into a DeepSpeed config,
 wraps models into engines, and runs optimizer steps (:meth:`Strategy.optimizer_step`): a step's gradient
 does not depend on how its batch was split into micro-batches or ranks, and a non-finite loss on any rank
-skips the step on every rank, leaving parameters, optimizer state and LR schedule as they were (counted).
-"""
+skips the step on every rank, leaving parameters, optimizer state and LR schedule as they were (counted)."""
 
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from rlhf_core.config import resolve_param_dtype, resolve_zero_stage
 from rlhf_core.errors import UserError
+from rlhf_train_deepspeed import ring_attn
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LR_SCHEDULERS = ("cosine_with_min_lr", "linear", "constant")
@@ -141,16 +141,14 @@ def apply_lora(model: torch.nn.Module, lora, task_type: str, trained_heads: list
     targets = lora.target_modules
     return get_peft_model(model, LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=getattr(TaskType, task_type),
-        target_modules=targets[0] if targets == ["all-linear"] else targets, modules_to_save=trained_heads,
-    ))
+        target_modules=targets[0] if targets == ["all-linear"] else targets, modules_to_save=trained_heads))
 
 
 def ds_config(ds, *, train: bool, micro_batch_size: int = 1, grad_accum: int = 1, world_size: int = 1,
               max_norm: float = 0.0, offload_params: bool = False) -> dict[str, Any]:
-    """The DeepSpeed config dict for a trained (``train=True``) or frozen model.
-
-    Frozen models (reference, reward) use ZeRO-3 when training does, so that their weights are
-    partitioned too, else stage 0; ``offload_params`` keeps a ZeRO-3 frozen model's weights in CPU memory."""
+    """The DeepSpeed config dict for a trained (``train=True``) or frozen model. Frozen models (reference,
+    reward) use ZeRO-3 when training does, so that their weights are partitioned too, else stage 0;
+    ``offload_params`` keeps a ZeRO-3 frozen model's weights in CPU memory."""
     dtype = param_dtype(ds.param_dtype)
     pin = torch.cuda.is_available()
     if train:
@@ -166,16 +164,11 @@ def ds_config(ds, *, train: bool, micro_batch_size: int = 1, grad_accum: int = 1
         if offload_params and ds.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": micro_batch_size * grad_accum * world_size,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-        "zero_optimization": zero,
+        "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch_size * grad_accum * world_size, "zero_optimization": zero,
+        "steps_per_print": 1 << 30, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
         "gradient_clipping": max_norm if train else 0.0,
-        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
-        "zero_allow_untested_optimizer": True,
-    }
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True}}
     if train and ds.grad_accum_dtype:
         cfg["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     return cfg
@@ -195,9 +188,8 @@ class StepResult:
 
 def add_metrics(acc: dict[str, list[float]], metrics: dict[str, float], weight: float) -> None:
     for k, v in metrics.items():
-        entry = acc.setdefault(k, [0.0, 0.0])
-        entry[0] += float(v) * weight
-        entry[1] += weight
+        s, w = acc.get(k, (0.0, 0.0))
+        acc[k] = [s + float(v) * weight, w + weight]
 
 
 class Strategy:
@@ -214,8 +206,6 @@ class Strategy:
         self.ring = None
         """This rank's :class:`~rlhf_train_deepspeed.ring_attn.RingGroup` with ``--ds.ring_attn_size`` > 1."""
         if ds.ring_attn_size > 1:
-            from rlhf_train_deepspeed import ring_attn
-
             if self.world_size() % ds.ring_attn_size:
                 raise ConfigError(f"--ds.ring_attn_size {ds.ring_attn_size} must divide the number of ranks "
                                   f"({self.world_size()})")

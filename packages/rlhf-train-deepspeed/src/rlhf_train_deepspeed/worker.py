@@ -3,8 +3,7 @@ engines.
 
 :class:`TrainWorker` is a plain class; :mod:`rlhf_train_deepspeed.group` runs N of them as Ray actors and
 fans calls out. Every method that touches a ZeRO-3 model is collective: all ranks must call it, with the
-same number of micro-batches.
-"""
+same number of micro-batches."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from rlhf_core.batches import (
 )
 from rlhf_core.checkpoint import CheckpointError
 from rlhf_core.memory import keep_freed_memory, release_file_pages, release_free_heap
-from rlhf_train_deepspeed import shared_prefix
+from rlhf_train_deepspeed import ring_attn, shared_prefix
 from rlhf_train_deepspeed.models import (
     accumulate_tied_gradient_in_place,
     load_causal_lm,
@@ -205,11 +204,8 @@ class TrainWorker:
         np.random.seed(seed % (1 << 32))
         torch.manual_seed(seed)
         dtype = self.strategy.dtype
-        attn = ds.attn_implementation
-        if self.strategy.ring is not None:  # sequence parallelism: load with the ring attention function
-            from rlhf_train_deepspeed.ring_attn import attn_implementation
-
-            attn = attn_implementation(self.strategy.ring)
+        ring = self.strategy.ring  # sequence parallelism: load with the ring attention function
+        attn = ds.attn_implementation if ring is None else ring_attn.attn_implementation(ring)
         # None leaves the choice to transformers (a MoE model's grouped_mm where it can run, else eager)
         experts = {"experts_implementation": ds.experts_implementation} if ds.experts_implementation else {}
 
@@ -273,8 +269,7 @@ class TrainWorker:
     @torch.no_grad()
     def compute_logprobs(
         self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False, ref: bool = False,
-        teacher: int = 0,
-    ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
+        teacher: int = 0) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
         """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU; with ``ref``,
         those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``); ``teacher`` i > 0:
         those of multi-teacher OPD's teacher i (``ModelSpec.teacher_paths[i - 1]``)."""
@@ -335,8 +330,7 @@ class TrainWorker:
                 logprobs=lp, old_logprobs=lp.detach() if on_policy else mb.old_logprobs,
                 advantages=mb.advantages, action_mask=mask, rollout_logprobs=mb.rollout_logprobs,
                 eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high, dual_clip=cfg.dual_clip,
-                is_correction=cfg.is_correction, is_threshold=tuple(cfg.is_threshold), aggregation=agg,
-            ))
+                is_correction=cfg.is_correction, is_threshold=tuple(cfg.is_threshold), aggregation=agg))
             loss, metrics = out.loss, dict(out.metrics)
             with torch.no_grad():
                 metrics["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
@@ -674,10 +668,8 @@ class TrainWorker:
         if self.rank == 0 and tokenizer_path:
             from transformers import AutoTokenizer
 
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a model directory without a tokenizer
                 AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out_dir)
-            except (OSError, ValueError):
-                pass  # a model directory without a tokenizer: nothing to copy
         if torch.distributed.is_initialized():
             # NCCL wants the rank's device named, or warns that it guesses it
             nccl = torch.distributed.get_backend() == "nccl"

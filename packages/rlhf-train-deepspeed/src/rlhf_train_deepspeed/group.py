@@ -3,8 +3,7 @@
 The group is set up without the ``deepspeed`` launcher: rank 0 picks a free port on its node, every rank
 gets MASTER_ADDR/PORT, RANK, WORLD_SIZE and LOCAL_RANK, and they join one process group (NCCL with GPUs,
 gloo on CPU). The handle's methods take the micro-batches of a whole step, give each rank its contiguous
-share, and gather the results in order. The README of this package documents every method.
-"""
+share, and gather the results in order. The README of this package documents every method."""
 
 from __future__ import annotations
 
@@ -118,8 +117,7 @@ class WorkerGroup:
         masks = [mb.seq.response_mask() for mb in micro_batches]
         counts = {  # sequences without any action token take no part in the normalisation
             "num_tokens": float(sum(m.sum() for m in masks)),
-            "num_sequences": float(sum(m.any(-1).sum() for m in masks)),
-        }
+            "num_sequences": float(sum(m.any(-1).sum() for m in masks))}
         return self._step("train_policy", micro_batches, cfg, counts=counts)
 
     def train_critic_step(self, micro_batches: list[CriticMicroBatch], value_clip: float | None = 0.5) -> dict[str, float]:
@@ -263,8 +261,7 @@ def create_worker_group(
     role: str, spec: ModelSpec, ds, num_workers: int, *, seed: int = 42, full_determinism: bool = False,
     pool: Any = None, bundle_indices: list[int] | None = None, num_gpus_per_worker: float | None = None,
     num_cpus_per_worker: float = 1, num_threads: int | None = None, wait: bool = True,
-    inline_rank: bool = False,
-) -> WorkerGroup:
+    inline_rank: bool = False) -> WorkerGroup:
     """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model.
     With ``wait=False`` it returns at once, the ranks still starting: several groups then start side by side,
     and :meth:`WorkerGroup.wait_ready` waits for them (calls made meanwhile queue behind the set-up).
@@ -298,7 +295,6 @@ def create_worker_group(
 
 def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, num_gpus_per_worker: float | None,
                num_cpus_per_worker: float, num_threads: int | None) -> list:
-    """Start the Ray actors of ``num_workers`` ranks (see :func:`create_worker_group` for the options)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

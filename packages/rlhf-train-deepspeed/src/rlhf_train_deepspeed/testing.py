@@ -29,8 +29,7 @@ class ReusedGroup:
     starting new actors for every run (actor start-up dominates short runs on small machines)."""
 
     def __init__(self, num_workers: int):
-        self.num_workers = num_workers
-        self.group = None
+        self.num_workers, self.group = num_workers, None
 
     def __call__(self, role, spec, ds, n, seed):
         from rlhf_train_deepspeed.group import create_worker_group

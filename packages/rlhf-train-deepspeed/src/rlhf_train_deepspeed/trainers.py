@@ -8,8 +8,7 @@ resumed run is just its step number.
 
 Run directory (``--ckpt.output_dir``): ``metrics.jsonl`` (one JSON line per logged step, every
 ``--logger.logging_steps``), TensorBoard events, W&B when asked,
-``checkpoints/`` and, at the end, the HF model (safetensors) with its tokenizer.
-"""
+``checkpoints/`` and, at the end, the HF model (safetensors) with its tokenizer."""
 
 from __future__ import annotations
 
@@ -69,19 +68,8 @@ class BatchPlan:
         return cls(world, mb, gb // (mb * world), gb)
 
 
-def loss_settings(mode: str, cfg, reward_token_ids: list[int] | None = None) -> SupervisedConfigLite:
-    model = cfg.model
-    return SupervisedConfigLite(
-        mode=mode, beta=model.beta, ipo=model.ipo_enable, label_smoothing=model.label_smoothing,
-        nll_loss_coef=model.nll_loss_coef, loss_type=model.loss_type, margin_loss=model.margin_loss_enable,
-        desirable_weight=model.desirable_weight, undesirable_weight=model.undesirable_weight,
-        reward_token_ids=reward_token_ids, kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
-    )
-
-
 def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     """Train ``cfg.model`` with the ``mode`` loss; returns the last step's metrics and the output paths.
-
     ``group_factory(role, spec, ds, num_workers, seed)`` builds the worker group (default:
     :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors."""
     from tqdm.auto import tqdm
@@ -166,7 +154,13 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
                                        inline_rank=in_driver)
 
     group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
-    losses = loss_settings(mode, cfg, prm.reward_ids if prm else None)
+    model = cfg.model
+    losses = SupervisedConfigLite(
+        mode=mode, beta=model.beta, ipo=model.ipo_enable, label_smoothing=model.label_smoothing,
+        nll_loss_coef=model.nll_loss_coef, loss_type=model.loss_type, margin_loss=model.margin_loss_enable,
+        desirable_weight=model.desirable_weight, undesirable_weight=model.undesirable_weight,
+        reward_token_ids=prm.reward_ids if prm else None, kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
+    )
 
     if latest is not None:
         group.load_checkpoint(str(latest))

@@ -11,8 +11,7 @@ Batches are right-padded sequences of prompt + response (:class:`SequenceBatch`)
 (:func:`model_inputs`), they have no attention mask: transformers then builds a block-diagonal causal mask
 (flash-attn varlen on GPU, a masked SDPA on CPU), so packed and padded computations give the same numbers.
 Ring attention (:func:`_ring_logprobs`) and a vision-language model's images (``SequenceBatch.images``,
-padded batches only) are handled in :func:`response_logprobs`.
-"""
+padded batches only) are handled in :func:`response_logprobs`."""
 
 from __future__ import annotations
 
@@ -30,15 +29,13 @@ from rlhf_train_deepspeed import ring_attn, shared_prefix
 
 def model_inputs(batch: SequenceBatch, packing: bool) -> tuple[dict, torch.Tensor]:
     """The keyword arguments of the forward pass, and ``[B]`` offsets of each row in the flattened output.
-
     Padded: ``input_ids [B, L]`` with the attention mask; row ``i`` starts at ``i * L``. Packed: one row of
     ``sum(lengths)`` tokens with ``position_ids`` restarting per sequence and no attention mask."""
     lengths = batch.attention_mask.sum(-1)
     if not packing:
         offsets = torch.arange(len(batch), device=lengths.device) * batch.input_ids.shape[1]
         return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}, offsets
-    keep = batch.attention_mask.bool()
-    ids = batch.input_ids[keep][None, :]
+    ids = batch.input_ids[batch.attention_mask.bool()][None, :]
     positions = torch.cat([torch.arange(int(n), device=ids.device) for n in lengths])[None, :]
     offsets = torch.cumsum(lengths, 0) - lengths
     return {"input_ids": ids, "position_ids": positions}, offsets
@@ -46,9 +43,8 @@ def model_inputs(batch: SequenceBatch, packing: bool) -> tuple[dict, torch.Tenso
 
 def response_positions(batch: SequenceBatch, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices ``[B, T]`` of the outputs that predict each response token, and the ``[B, T]`` mask.
-
-    Response token ``t`` of row ``i`` (token ``p_i + t``) is predicted at position ``p_i + t - 1``.
-    Masked entries point at index 0 so they can be gathered safely."""
+    Response token ``t`` of row ``i`` (token ``p_i + t``) is predicted at position ``p_i + t - 1``. Masked
+    entries point at index 0 so they can be gathered safely."""
     t = torch.arange(batch.num_response_positions, device=offsets.device)
     mask = batch.response_mask().to(offsets.device)
     pos = offsets[:, None] + batch.prompt_lens[:, None].to(offsets.device) - 1 + t[None, :]
@@ -254,11 +250,10 @@ def step_logits(model: nn.Module, batch: PRMBatch, packing: bool = False) -> tor
 
 def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring):
     """``[M]`` log-probs (and entropies, else None) of the ``M`` real response positions, with this rank
-    running only its ring slice.
-
-    The local tokens that predict a response token go through the head (labels: the next token of the full
-    packed row); their results are written into a ``[n]`` vector of the slice, all-gathered into ``[N']``
-    over the ring group and read at the response positions ``pos[mask]`` like the unsliced path."""
+    running only its ring slice. The local tokens that predict a response token go through the head (labels:
+    the next token of the full packed row); their results are written into a ``[n]`` vector of the slice,
+    all-gathered into ``[N']`` over the ring group and read at the response positions ``pos[mask]`` like the
+    unsliced path."""
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
     wanted = torch.zeros(sl.total, dtype=torch.bool, device=pos.device)
     wanted[pos[mask]] = True
@@ -359,12 +354,10 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
 
 
 def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", head_prefix: str = "score", **kwargs):
-    """A value model (:func:`value_model_class`) from a causal LM, a base model or a saved RM / critic.
-
-    A checkpoint without the head (a causal LM) gets a freshly initialised head; one with it (an RM
-    trained here, or any ``*ForSequenceClassification`` with one label and the same head name) keeps it."""
+    """A value model (:func:`value_model_class`) from a causal LM, a base model or a saved RM / critic. A
+    checkpoint without the head (a causal LM) gets a freshly initialised head; one with it (an RM trained
+    here, or any ``*ForSequenceClassification`` with one label and the same head name) keeps it."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
-    cls = value_model_class(config, head_prefix)
+    cls = value_model_class(AutoConfig.from_pretrained(path), head_prefix)
     return cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)

@@ -30,8 +30,7 @@ lives on one rank. So every operation of the forward is back-propagated exactly 
 by ``R``: summed over the ring the parameter gradient is ``R * c * dL_d/dtheta``. DeepSpeed then averages
 over all ``W`` ranks: ``grad = (1/W) * sum_d R * c * dL_d/dtheta = (R * c / W) * dL/dtheta``, which is
 ``dL/dtheta`` for ``c = W / R = D``. So the loss multiplier is the data-parallel size ``D`` (not ``W``),
-and summing the reported losses over ranks must use one rank per ring group.
-"""
+and summing the reported losses over ranks must use one rank per ring group."""
 
 from __future__ import annotations
 
@@ -69,10 +68,8 @@ _GROUPS: dict[tuple[int, int], Any] = {}
 
 def setup_ring(size: int, head_stride: int = 1, backend: str | None = None) -> RingGroup:
     """Create the ring groups of the current process group (once per process) and return this rank's.
-
-    Collective: ``dist.new_group`` must be called by every rank for every group, in the same order, so
-    every rank creates all ``W / size`` groups and keeps its own. ``size`` divides ``W`` (the strategy checks).
-    """
+    Collective: ``dist.new_group`` must be called by every rank for every group, in the same order, so every
+    rank creates all ``W / size`` groups and keeps its own. ``size`` divides ``W`` (the strategy checks)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if (world, size) not in _GROUPS:
         groups = [dist.new_group(list(range(d * size, (d + 1) * size))) for d in range(world // size)]
@@ -126,11 +123,10 @@ _ACTIVE: RingSlice | None = None
 
 
 def shard_packed(inputs: dict, lengths: torch.Tensor, ring: RingGroup, pad_token_id: int = 0) -> RingSlice:
-    """Pad a packed row (``input_ids`` / ``position_ids`` ``[1, N]``, sequences of ``lengths``) to a
-    multiple of the ring size, cut out this rank's slice and make it the active ring-attention context.
-
-    The pad tokens form a dummy sequence with positions ``0 .. pad-1``; labels are taken before slicing,
-    so the last token of a slice is labelled with the first token of the next one."""
+    """Pad a packed row (``input_ids`` / ``position_ids`` ``[1, N]``, sequences of ``lengths``) to a multiple
+    of the ring size, cut out this rank's slice and make it the active ring-attention context. The pad tokens
+    form a dummy sequence with positions ``0 .. pad-1``; labels are taken before slicing, so the last token of
+    a slice is labelled with the first token of the next one."""
     global _ACTIVE
     if "position_ids" not in inputs:
         raise ValueError("ring attention needs packed micro-batches (--ds.packing_samples)")
@@ -159,8 +155,7 @@ def shard_packed(inputs: dict, lengths: torch.Tensor, ring: RingGroup, pad_token
     else:
         lengths = (cu[1:] - cu[:-1]).long()
         seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)  # [N'] sequence
-        q = torch.arange(start, end, device=ids.device)
-        k = torch.arange(total, device=ids.device)
+        q, k = torch.arange(start, end, device=ids.device), torch.arange(total, device=ids.device)
         sl.allowed = (seq[q][:, None] == seq[None, :]) & (k[None, :] <= q[:, None])
     _ACTIVE = sl
     return sl
@@ -196,8 +191,7 @@ def gather_attention(module, query, key, value, attention_mask, scaling=None, dr
     ring group and run SDPA for the local queries ``[1, H, n, D]`` with the causal, same-sequence mask of
     the global positions. GQA: KV heads are repeated to the query heads. Returns ``[1, n, H, D]``."""
     sl = _active(kwargs)
-    k = all_gather_cat(key, sl.ring.group, 2)
-    v = all_gather_cat(value, sl.ring.group, 2)
+    k, v = (all_gather_cat(x, sl.ring.group, 2) for x in (key, value))
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -208,10 +202,8 @@ def gather_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def llama3_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """ring-flash-attn's ``llama3_flash_attn_varlen_func`` (zhuzilin/ring-flash-attention; API read in the
-    source of 0.1.7, exported at the package top level): ``(q, k, v, cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice, dropout_p, softmax_scale, causal, ...,
-    group)`` with ``[tokens, heads, head_dim]`` tensors. It all-gathers K/V ``heads_k_stride`` KV heads at a
-    time and reduce-scatters their gradients; GQA is native to flash-attn. Called directly rather than
+    source of 0.1.7) on ``[tokens, heads, head_dim]`` tensors. It all-gathers K/V ``heads_k_stride`` KV heads
+    at a time and reduce-scatters their gradients; GQA is native to flash-attn. Called directly rather than
     through ``substitute_hf_flash_attn``, which patches a private transformers function whose signature
     changes between versions."""
     from ring_flash_attn import llama3_flash_attn_varlen_func
@@ -224,6 +216,5 @@ def llama3_attention(module, query, key, value, attention_mask, scaling=None, dr
     out = llama3_flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
         heads_k_stride=sl.ring.head_stride, local_k_slice=k_slice, dropout_p=dropout, softmax_scale=scaling,
-        causal=True, group=sl.ring.group,
-    )
+        causal=True, group=sl.ring.group)
     return out[None], None

@@ -19,8 +19,7 @@ samples of a 32-token prompt and 64-token responses, 30% fewer. The prompt's key
 to every slot, so autograd sums the group's gradients into the one prompt.
 
 Without a layout (``shared_prefix`` keyword absent) the function is transformers' SDPA, and its masks are
-SDPA's: a model loaded with it computes everything else exactly as with ``sdpa``.
-"""
+SDPA's: a model loaded with it computes everything else exactly as with ``sdpa``."""
 
 from __future__ import annotations
 

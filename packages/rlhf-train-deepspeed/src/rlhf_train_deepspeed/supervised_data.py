@@ -8,8 +8,7 @@ text with the positions of its step markers and their labels.
 Bad rows (a missing key, a wrong type) fail with the file, row and key named, or are skipped and counted
 as ``data/bad_rows_skipped`` with ``--data.skip_bad_rows``. A prompt over its budget follows
 ``--data.overlong_prompt_policy``; a response cut to fit ``--data.max_len`` is counted as
-``data/responses_truncated``.
-"""
+``data/responses_truncated``."""
 
 from __future__ import annotations
 
@@ -193,8 +192,7 @@ def _read_fields(mode: str, row: Row, data, model) -> dict:
             "chosen": get_field(row, data.chosen_key, text_or_chat, "--data.chosen_key"),
             "rejected": get_field(row, data.rejected_key, text_or_chat, "--data.rejected_key"),
             "margin": float(get_field(row, "margin", (int, float), "--model.margin_loss_enable"))
-            if model.margin_loss_enable else 0.0,
-        }
+            if model.margin_loss_enable else 0.0}
     if mode == "kto":
         if not data.output_key:
             raise DataError("KTO needs --data.output_key (the completion column)")
@@ -259,11 +257,9 @@ def collate(mode: str, examples: list, pad_token_id: int):
         return make_sequence_batch([e.prompt for e in examples], [e.response for e in examples], pad_token_id, masks)
     if mode in ("rm", "dpo"):
         prompts = [e.prompt for e in examples]
-        return PairBatch(
-            make_sequence_batch(prompts, [e.chosen for e in examples], pad_token_id),
-            make_sequence_batch(prompts, [e.rejected for e in examples], pad_token_id),
-            torch.tensor([e.margin for e in examples], dtype=torch.float32),
-        )
+        return PairBatch(make_sequence_batch(prompts, [e.chosen for e in examples], pad_token_id),
+                         make_sequence_batch(prompts, [e.rejected for e in examples], pad_token_id),
+                         torch.tensor([e.margin for e in examples], dtype=torch.float32))
     if mode == "prm":
         rows = [i for i, e in enumerate(examples) for _ in e.positions]
         return PRMBatch(
@@ -271,16 +267,13 @@ def collate(mode: str, examples: list, pad_token_id: int):
             torch.tensor(rows, dtype=torch.long),
             torch.tensor([p for e in examples for p in e.positions], dtype=torch.long),
             torch.tensor([c for e in examples for c in e.classes], dtype=torch.long),
-            torch.tensor([p for e in examples for p in e.soft_labels], dtype=torch.float32),
-        )
+            torch.tensor([p for e in examples for p in e.soft_labels], dtype=torch.float32))
     if mode == "kto":
         prompts = [e.prompt for e in examples]
         completions = [e.completion for e in examples]
-        return KTOBatch(
-            make_sequence_batch(prompts, completions, pad_token_id),
-            torch.tensor([e.desirable for e in examples], dtype=torch.bool),
-            make_sequence_batch(prompts, completions[1:] + completions[:1], pad_token_id),  # mismatched pairs
-        )
+        return KTOBatch(make_sequence_batch(prompts, completions, pad_token_id),
+                        torch.tensor([e.desirable for e in examples], dtype=torch.bool),
+                        make_sequence_batch(prompts, completions[1:] + completions[:1], pad_token_id))
     raise ValueError(f"unknown supervised mode {mode!r}")
 
 

@@ -80,8 +80,7 @@ class WorkerGroup:
         return refs, real
 
     def gather_sharded(self, refs: list, real: list[int]) -> list:
-        results = inline.get(refs)
-        return [x for res, n in zip(results, real, strict=True) for x in res[:n]]
+        return [x for res, n in zip(inline.get(refs), real, strict=True) for x in res[:n]]
 
     # --- forward-only ---
 

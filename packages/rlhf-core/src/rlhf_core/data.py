@@ -17,6 +17,7 @@ datasets often keep each configuration in one).
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -123,24 +124,19 @@ def _read_dir(path: Path, split: str) -> list[Row]:
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
         import datasets
 
-        ds = datasets.load_from_disk(str(path))
+        ds, where = datasets.load_from_disk(str(path)), str(path)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise DataError(f"{path}: no split {split!r}; it has {', '.join(ds)}")
-            ds = ds[split]
-            where = f"{path}[{split}]"
-        else:
-            where = str(path)
+            ds, where = ds[split], f"{path}[{split}]"
         return [Row(r, where, i) for i, r in enumerate(ds)]
     data_files = sorted(p for p in path.rglob("*") if p.suffix.lower() in FILE_FORMATS)
     files = [p for p in data_files if p.name.startswith(split)]
     if split == "train" and not any(p.name.startswith(SPLIT_NAMES) for p in data_files):
         files = data_files  # the rule of datasets.load_dataset: no split in the names means all is train
     if not files:
-        raise DataError(
-            f"{path}: no data files for split {split!r} (looked for {split}*{{{','.join(FILE_FORMATS)}}}, "
-            "or a dataset saved with save_to_disk)"
-        )
+        raise DataError(f"{path}: no data files for split {split!r} (looked for "
+                        f"{split}*{{{','.join(FILE_FORMATS)}}}, or a dataset saved with save_to_disk)")
     return [row for f in files for row in _read_file(f, split)]
 
 
@@ -179,12 +175,8 @@ def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
     return _read_hub(name, data_dir or None, split)
 
 
-def mix_rows(
-    sources: Sequence[Sequence[Row]],
-    probs: Sequence[float] | None = None,
-    seed: int = 0,
-    max_samples: int | None = None,
-) -> list[Row]:
+def mix_rows(sources: Sequence[Sequence[Row]], probs: Sequence[float] | None = None, seed: int = 0,
+             max_samples: int | None = None) -> list[Row]:
     """Mix several datasets into one list of ``min(sum of sizes, max_samples)`` rows.
 
     Each output row picks its source with probability ``probs[k]`` (normalised); a source is read in a
@@ -205,22 +197,12 @@ def mix_rows(
             raise DataError(f"dataset {k} is empty but has mixing probability {probs[k]}")
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(sources), size=limit, p=p / p.sum())
-    orders = [rng.permutation(len(s)) for s in sources]
-    used = [0] * len(sources)
-    out = []
-    for k in picks:
-        out.append(sources[k][orders[k][used[k] % len(sources[k])]])
-        used[k] += 1
-    return out
+    orders = [itertools.cycle(rng.permutation(len(s))) for s in sources]
+    return [sources[k][next(orders[k])] for k in picks]
 
 
-def load_rows(
-    paths: Sequence[str],
-    probs: Sequence[float] | None = None,
-    split: str = "train",
-    seed: int = 0,
-    max_samples: int | None = None,
-) -> list[Row]:
+def load_rows(paths: Sequence[str], probs: Sequence[float] | None = None, split: str = "train", seed: int = 0,
+              max_samples: int | None = None) -> list[Row]:
     """Read and mix ``paths`` (see :func:`read_rows` and :func:`mix_rows`)."""
     if not paths:
         raise DataError("no dataset given (--data.dataset)")
@@ -251,9 +233,7 @@ def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> li
     and ``{"type": "image"}`` items, as vision-language chat templates take them."""
 
     def content_ok(c: Any) -> bool:
-        if isinstance(c, str):
-            return True
-        return parts and isinstance(c, list) and all(
+        return isinstance(c, str) or parts and isinstance(c, list) and all(
             isinstance(x, dict) and (x.get("type") == "image" or (x.get("type") == "text" and isinstance(x.get("text"), str)))
             for x in c
         )
@@ -268,12 +248,8 @@ def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> li
     return messages
 
 
-def render_prompt(
-    tokenizer: Any,
-    prompt: str | list[dict],
-    input_template: str | None = None,
-    apply_chat_template: bool = False,
-) -> str:
+def render_prompt(tokenizer: Any, prompt: str | list[dict], input_template: str | None = None,
+                  apply_chat_template: bool = False) -> str:
     """The prompt text a model sees.
 
     With ``apply_chat_template`` a string becomes one user message, and the tokenizer's chat template is
@@ -330,14 +306,12 @@ def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], l
         end_ids = ids_of(messages[: k + 1], False)
         if full[: len(end_ids)] != end_ids:
             raise DataError("the chat template does not render conversation prefixes as prefixes")
-        for t in range(start, len(end_ids)):
-            mask[t] = 1
+        mask[start : len(end_ids)] = [1] * (len(end_ids) - start)
     return full, mask
 
 
-def fit_prompt(
-    ids: list[int], budget: int, policy: str, where: str, stats: DataStats | None = None
-) -> list[int] | None:
+def fit_prompt(ids: list[int], budget: int, policy: str, where: str,
+               stats: DataStats | None = None) -> list[int] | None:
     """Apply ``--data.overlong_prompt_policy`` to a prompt of ``len(ids)`` tokens with ``budget`` allowed.
 
     ``error`` raises a DataError naming ``where`` (file and row); ``skip`` returns None and counts
@@ -349,10 +323,9 @@ def fit_prompt(
     if len(ids) <= budget:
         return ids
     if policy == "error":
-        raise DataError(
-            f"{where}: prompt has {len(ids)} tokens, more than the {budget} allowed (--data.max_len / "
-            "--data.prompt_max_len); set --data.overlong_prompt_policy skip or truncate_left to go on"
-        )
+        raise DataError(f"{where}: prompt has {len(ids)} tokens, more than the {budget} allowed "
+                        "(--data.max_len / --data.prompt_max_len); set --data.overlong_prompt_policy skip or "
+                        "truncate_left to go on")
     if stats is not None:
         stats.add("overlong_prompts_skipped" if policy == "skip" else "overlong_prompts_truncated")
     return None if policy == "skip" else ids[len(ids) - budget :]

@@ -100,9 +100,7 @@ class Registered:
 
 def _env_list(var: str) -> list[str] | None:
     value = os.environ.get(var)
-    if value is None:
-        return None
-    return [x.strip() for x in value.split(",") if x.strip()]
+    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
 
 
 def _normalise(name: str) -> str:
@@ -121,23 +119,18 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     pm.rlhf_distributions = {}
     if load_entrypoints:
         only = _env_list("RLHF_LOAD_PLUGINS")
+        only = None if only is None else {_normalise(x) for x in only}
         blocked = {_normalise(x) for x in (_env_list("RLHF_DISABLE_PLUGINS") or [])}
         for ep in md.entry_points(group=hookspecs.PROJECT):
             dist = ep.dist.name if ep.dist is not None else ep.name
             keys = {_normalise(dist), _normalise(ep.name)}
-            if keys & blocked:
-                continue
-            if only is not None and not keys & {_normalise(x) for x in only}:
-                continue
-            if pm.get_plugin(ep.name) is not None:
+            if keys & blocked or (only is not None and not keys & only) or pm.get_plugin(ep.name) is not None:
                 continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must say who it is
-                raise PluginError(
-                    f"could not load rlhf plugin {ep.name!r} ({ep.value}) from distribution {dist!r}: "
-                    f"{type(exc).__name__}: {exc}. {_skip_hint(dist)}"
-                ) from exc
+                raise PluginError(f"could not load rlhf plugin {ep.name!r} ({ep.value}) from distribution "
+                                  f"{dist!r}: {type(exc).__name__}: {exc}. {_skip_hint(dist)}") from exc
             pm.register(plugin, name=ep.name)
             pm.rlhf_distributions[ep.name] = (dist, ep.dist.version if ep.dist is not None else "")
     for name, plugin in _TEST_PLUGINS:
@@ -198,15 +191,12 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
             if not isinstance(name, str) or not name:
                 raise PluginError(f"{_where} registered a {seam} entry with an invalid name {name!r}")
             if name in out:
-                raise PluginError(
-                    f"{seam} name {name!r} is registered twice: by {out[name].distribution} and by {_dist}"
-                )
-            problem = protocol_problem(seam, obj)
-            if problem:
-                raise PluginError(
-                    f"{_where} registered {name!r} as {_a(SINGULAR[seam])}, but {problem}; "
-                    f"docs/plugin-hooks.md says what {_a(SINGULAR[seam])} provides. {_skip_hint(_dist)}"
-                )
+                raise PluginError(f"{seam} name {name!r} is registered twice: by {out[name].distribution} "
+                                  f"and by {_dist}")
+            if problem := protocol_problem(seam, obj):
+                what = _a(SINGULAR[seam])
+                raise PluginError(f"{_where} registered {name!r} as {what}, but {problem}; "
+                                  f"docs/plugin-hooks.md says what {what} provides. {_skip_hint(_dist)}")
             out[name] = Registered(seam, name, obj, _dist, _version)
 
         try:
@@ -226,12 +216,10 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
     what = f"{flag} {name}" if flag else repr(name)
     known = ", ".join(sorted(found)) or "none"
     msg = f"no {SINGULAR[seam]} named {name!r} (asked for by {what})."
-    close = difflib.get_close_matches(str(name), list(found), n=1)
-    if close:
+    if close := difflib.get_close_matches(str(name), list(found), n=1):
         msg += f" Did you mean {close[0]!r}?"
     msg += f" Registered: {known}."
-    provider = KNOWN_PROVIDERS.get(seam, {}).get(name)
-    if provider:
+    if provider := KNOWN_PROVIDERS.get(seam, {}).get(name):
         msg += f" {name!r} is provided by {provider}: pip install {provider}"
     raise PluginError(msg)
 

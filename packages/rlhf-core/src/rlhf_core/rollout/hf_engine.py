@@ -39,16 +39,9 @@ ATTENTION_NAME = "rlhf_rollout"
 # masks and attention are exact for them. Anything else takes the generic path.
 FAST_PATH_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+DTYPES = {**dict.fromkeys(("float32", "fp32", "float"), torch.float32),
+          **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+          **dict.fromkeys(("float16", "fp16", "half"), torch.float16)}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -63,9 +56,10 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
     """Attention as the HF engine runs it; registered with transformers as ``rlhf_rollout``.
 
     query ``[B, H, q, d]``; key/value ``[B, Hkv, L, d]`` (views of the KV cache); attention_mask
-    ``[B, 1, q, L]``, additive or bool (True = attend), or None for plain causal attention. Returns ``([B, q, H, d], None)`` like every HF attention
-    function. One query token: ``softmax(q k^T * scale + mask) v`` as two batched matmuls over the query
-    heads that share a KV head, so K/V are never copied. Longer queries (prefill) use torch SDPA.
+    ``[B, 1, q, L]``, additive or bool (True = attend), or None for plain causal attention. Returns
+    ``([B, q, H, d], None)`` like every HF attention function. One query token: ``softmax(q k^T * scale +
+    mask) v`` as two batched matmuls over the query heads that share a KV head, so K/V are never copied.
+    Longer queries (prefill) use torch SDPA.
     """
     b, h, q, d = query.shape
     kv_heads = key.shape[1]
@@ -118,16 +112,16 @@ class GrowingKVLayer(DynamicLayer):
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
+        return self._views()
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.key_buffer = self.key_buffer[indices]
-            self.value_buffer = self.value_buffer[indices]
-            self.keys = self.key_buffer[:, :, : self.length]
-            self.values = self.value_buffer[:, :, : self.length]
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self._views()
 
 
 # Below this hidden size oneDNN's per-call cost outweighs the packing it saves.
@@ -170,13 +164,12 @@ def _stack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_stack`, the parameters of ``linears`` becoming views of the stacked tensors."""
     weight, bias = _stack(linears)
-    start = 0
-    for m in linears:
-        end = start + m.out_features
-        m.weight.data = weight[start:end]
+    sizes = [m.out_features for m in linears]
+    biases = [None] * len(linears) if bias is None else bias.split(sizes)
+    for m, w, b in zip(linears, weight.split(sizes), biases, strict=True):
+        m.weight.data = w
         if m.bias is not None:
-            m.bias.data = bias[start:end]
-        start = end
+            m.bias.data = b
     return weight, bias
 
 
@@ -187,11 +180,8 @@ def fuse_projections(plan: dict, in_place: bool = True) -> list[tuple]:
     Returns per layer ``(qkv weight, qkv bias, gate_up weight, gate_up bias)``; a bias is None when no
     projection of the group has one."""
     group = _fuse if in_place else _stack
-    fused = []
-    for layer in plan["inner"].layers:
-        at, mlp = layer.self_attn, layer.mlp
-        fused.append((*group([at.q_proj, at.k_proj, at.v_proj]), *group([mlp.gate_proj, mlp.up_proj])))
-    return fused
+    return [(*group([at.q_proj, at.k_proj, at.v_proj]), *group([mlp.gate_proj, mlp.up_proj]))
+            for at, mlp in ((layer.self_attn, layer.mlp) for layer in plan["inner"].layers)]
 
 
 def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) -> dict:
@@ -204,33 +194,28 @@ def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) ->
     them (:class:`HFEngine` does).
     """
 
-    def own(m: torch.nn.Linear) -> list:
-        return [(m.weight, m.bias)]
+    def group(*pairs) -> list:
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        return [(pack(w, pack_rows) if pack_rows else w, b) for w, b in pairs]
+
+    def own(*linears: torch.nn.Linear) -> list:
+        return group(*((m.weight, m.bias) for m in linears))
 
     layers = []
     for i, layer in enumerate(plan["inner"].layers):
         at, mlp = layer.self_attn, layer.mlp
         if fused is None:
-            qkv, gate_up = own(at.q_proj) + own(at.k_proj) + own(at.v_proj), own(mlp.gate_proj) + own(mlp.up_proj)
+            qkv, gate_up = own(at.q_proj, at.k_proj, at.v_proj), own(mlp.gate_proj, mlp.up_proj)
         else:
-            qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = fused[i]
-            qkv, gate_up = [(qkv_weight, qkv_bias)], [(gate_up_weight, gate_up_bias)]
+            qkv, gate_up = group(fused[i][:2]), group(fused[i][2:])
         layers.append((qkv, own(at.o_proj), gate_up, own(mlp.down_proj)))
-    lm_head = own(plan["lm_head"])
-    if pack_rows:
-        def pack(group: list) -> list:
-            return [(torch.ops.mkldnn._reorder_linear_weight(w, pack_rows), b) for w, b in group]
-
-        layers, lm_head = [tuple(pack(g) for g in groups) for groups in layers], pack(lm_head)
-    return {"layers": layers, "lm_head": lm_head, "packed": bool(pack_rows)}
+    return {"layers": layers, "lm_head": own(plan["lm_head"]), "packed": bool(pack_rows)}
 
 
 def _project(x: torch.Tensor, group: list, packed: bool) -> torch.Tensor:
     """``x`` through each ``(weight, bias)`` of ``group`` (:func:`decode_weights`), outputs concatenated."""
-    if packed:
-        outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in group]
-    else:
-        outs = [F.linear(x, w, b) for w, b in group]
+    outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") if packed else F.linear(x, w, b)
+            for w, b in group]
     return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
 
@@ -341,26 +326,21 @@ class HFEngine(RolloutEngine):
         self.device = next(model.parameters()).device
         if eos_token_id is None:
             eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = config.eos_token_id
+            eos_token_id = config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        layer_types, _ = get_layer_types_and_kwargs(config)
         self.fast_path = config.model_type in FAST_PATH_MODEL_TYPES and all(
-            t == "full_attention" for t in layer_types
-        )
+            t == "full_attention" for t in get_layer_types_and_kwargs(config)[0])
         self.num_layers = config.num_hidden_layers
         self.plan = decode_plan(model) if self.fast_path else None
-        if pack_weights is None:
-            pack_weights = config.hidden_size >= PACK_MIN_HIDDEN
+        pack_weights = config.hidden_size >= PACK_MIN_HIDDEN if pack_weights is None else pack_weights
         self.own_weights = own_weights and self.plan is not None
         self._fused = fuse_projections(self.plan) if self.own_weights else None
         self.pack_weights = (pack_weights and self.own_weights and self.device.type == "cpu"
                              and model.lm_head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self._weights: dict | None = None  # decode_weights of an owned model; dropped whenever they change
-        self.borrowed = False
-        """The parameters are a trainer's own tensors (:meth:`share_weights`), which change behind our back."""
+        self.borrowed = False  # the parameters are a trainer's tensors (share_weights), changing behind us
         # Every name a trainer may send (tied weights appear under both names) -> the tensor to fill.
         self._targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -380,23 +360,20 @@ class HFEngine(RolloutEngine):
         if self._asleep:
             raise RuntimeError(f"HFEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()")
         if self._missing:
-            raise RuntimeError(
-                f"HFEngine.generate: {len(self._missing)} weights (e.g. {sorted(self._missing)[0]}) were discarded "
-                "by sleep(level=2) and not sent again; call update_weights first"
-            )
+            raise RuntimeError(f"HFEngine.generate: {len(self._missing)} weights (e.g. {min(self._missing)})"
+                               " were discarded by sleep(level=2) and not sent again; call update_weights"
+                               " first")
         check_requests(requests, self.vocab_size)
         for i, req in enumerate(requests):
             if self.max_positions is not None and len(req.prompt_ids) >= self.max_positions:
-                raise ValueError(
-                    f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, leaving no room to "
-                    f"generate in the model's max_position_embeddings={self.max_positions}"
-                )
+                raise ValueError(f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, "
+                                 "leaving no room to generate in the model's max_position_embeddings="
+                                 f"{self.max_positions}")
             if req.images and self.image_token_id is None:
                 raise ValueError(f"generation request {i} has images but the model is not a vision-language model")
-            if self.image_token_id is not None:
-                mismatch = count_image_tokens(req.prompt_ids, req.images, self.image_token_id)
-                if mismatch:
-                    raise ValueError(f"generation request {i}: the prompt has {mismatch}")
+            if self.image_token_id is not None and (
+                    mismatch := count_image_tokens(req.prompt_ids, req.images, self.image_token_id)):
+                raise ValueError(f"generation request {i}: the prompt has {mismatch}")
         # one row per sample: (request index, sample index, prompt ids, params, seed, images)
         rows = [(i, j, req.prompt_ids, req.params, seed, tuple(req.images))
                 for i, req in enumerate(requests) for j, seed in enumerate(sample_seeds(req.params))]
@@ -407,9 +384,8 @@ class HFEngine(RolloutEngine):
         if rows and self.plan is not None and weights is None:
             pack_rows = min(len(rows), self.max_batch_size) if self.pack_weights else 0
             # borrowed weights: the fused groups (and packed copies) of this call only, freed when it returns
-            fused = fuse_projections(self.plan, in_place=False) if self.borrowed else self._fused
-            weights = decode_weights(self.plan, fused, pack_rows)
-            del fused
+            weights = decode_weights(self.plan, fuse_projections(self.plan, in_place=False) if self.borrowed
+                                     else self._fused, pack_rows)
             if self.own_weights:  # else rebuilt per call: a module we do not own may change between calls
                 self._weights = weights
         saved_attention = self.model.config._attn_implementation
@@ -424,10 +400,8 @@ class HFEngine(RolloutEngine):
                 for (i, j, *_), out in zip(chunk, outs, strict=True):
                     results[i][j] = out
                 if n_chunks > 1:
-                    logger.info(
-                        "HFEngine: batch %d/%d, %d samples, %d tokens in %.1fs", k + 1, n_chunks, len(chunk),
-                        sum(len(o.token_ids) for o in outs), time.perf_counter() - began,
-                    )
+                    logger.info("HFEngine: batch %d/%d, %d samples, %d tokens in %.1fs", k + 1, n_chunks,
+                                len(chunk), sum(len(o.token_ids) for o in outs), time.perf_counter() - began)
         finally:
             self.model.config._attn_implementation = saved_attention
         return results
@@ -450,11 +424,8 @@ class HFEngine(RolloutEngine):
         params = [row[1] for row in rows]
         # [R, S] each row's stop ids (EOS and stop_token_ids); a shorter row repeats its first id
         stops = [[] if p.ignore_eos else sorted(self.eos_token_ids | set(p.stop_token_ids)) for p in params]
-        stop_ids = torch.zeros(n_rows, max(1, max(map(len, stops))), dtype=torch.long)
-        for r, row_stops in enumerate(stops):
-            if row_stops:
-                stop_ids[r] = row_stops[0]
-                stop_ids[r, : len(row_stops)] = torch.tensor(row_stops)
+        n_stops = max(1, *map(len, stops))
+        stop_ids = torch.tensor([(row + row[:1] * n_stops or [0] * n_stops)[:n_stops] for row in stops])
         filtering = any(p.top_k > 0 or p.top_p < 1 for p in params)
         max_min_new = max(p.min_new_tokens for p in params)
         # Everything indexed by batch slot; slots of finished samples are dropped together from time to time.
@@ -526,16 +497,10 @@ class HFEngine(RolloutEngine):
         for t in range(steps):
             s = slots
             tok, lp = sample_next(
-                logits,
-                s["temperature"],
-                s["keys"],
-                t,
-                top_k=s["top_k"] if filtering else None,
-                top_p=s["top_p"] if filtering else None,
-                stop_ids=s["stop_ids"],
+                logits, s["temperature"], s["keys"], t, top_k=s["top_k"] if filtering else None,
+                top_p=s["top_p"] if filtering else None, stop_ids=s["stop_ids"],
                 suppress=(t < s["min_new"]) & s["has_stops"] if t < max_min_new else None,
-                never=self.image_token_id,
-            )
+                never=self.image_token_id)
             live = s["live"]
             tokens[s["row"], t] = tok
             logprobs[s["row"], t] = lp
@@ -568,15 +533,8 @@ class HFEngine(RolloutEngine):
     def _forward(self, input_ids, position_ids, attention_mask, cache, **images) -> torch.Tensor:
         """Logits ``[R, V]`` (float32) of the last position; ``images``: :func:`image_forward_inputs` of a VLM
         prefill, without its positions (which come as ``position_ids``)."""
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **images,
-        )
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1, **images)
         return out.logits[:, -1].float()
 
     # --- weights --------------------------------------------------------------------------------
@@ -607,9 +565,8 @@ class HFEngine(RolloutEngine):
             canonical = self._canonical.get(id(target))
             expected = self._shapes[canonical] if canonical is not None else target.shape
             if tuple(tensor.shape) != tuple(expected):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected)}"
-                )
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
+                                 f"expects {tuple(expected)}")
             target.copy_(tensor)
             self._missing.discard(canonical)
 
@@ -650,15 +607,8 @@ class HFEngine(RolloutEngine):
         self.own_weights, self.borrowed = False, True
         return True
 
-    def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        first_rank: int,
-        world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 600.0,
-    ) -> None:
+    def init_weight_sync(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
+                         backend: str = "gloo", timeout_s: float = 600.0) -> None:
         """Join the weight-sync group as rank ``first_rank`` (the sender is rank 0); see
         :func:`rlhf_core.weight_sync.init_sync_group`. Call it on every engine while the sender joins; a group
         joined before is left first (a new group replaces one that held a dead engine)."""

@@ -57,13 +57,9 @@ class SequenceBatch:
         return self.input_ids.shape[0]
 
 
-def make_sequence_batch(
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    pad_token_id: int,
-    action_masks: list[list[int]] | None = None,
-    images: list[list[ImageInput]] | None = None,
-) -> SequenceBatch:
+def make_sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+                        action_masks: list[list[int]] | None = None,
+                        images: list[list[ImageInput]] | None = None) -> SequenceBatch:
     """Build a :class:`SequenceBatch` from token-id lists (e.g. ``Trajectory.prompt_ids`` / ``response_ids``
     / ``action_mask``) and, for a vision-language model, each row's images (``Trajectory.images``)."""
     if len(prompts) != len(responses):
@@ -72,12 +68,10 @@ def make_sequence_batch(
         if not p:
             raise ValueError(f"sequence {i} has an empty prompt; at least one prompt token is needed")
     lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    length = max(lens)
-    ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    ids = torch.full((len(prompts), max(lens)), pad_token_id, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         ids[i, : lens[i]] = torch.tensor(p + r, dtype=torch.long)
-        mask[i, : lens[i]] = 1
+    mask = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lens)[:, None]).long()
     amask = None
     if action_masks is not None:
         t = max((len(r) for r in responses), default=0)

@@ -46,8 +46,7 @@ def fault_point(site: str, step: int) -> None:
     Sites used by the trainers: ``after_step`` (after step N, including its checkpoint) and ``mid_save``
     (inside the save of step N, after the model state is written and before it is committed).
     """
-    spec = os.environ.get("RLHF_FAULT", "")
-    if spec and spec == f"{site}:{step}":
+    if os.environ.get("RLHF_FAULT") == f"{site}:{step}":
         print(f"RLHF_FAULT: exiting at {site}:{step}", flush=True)
         os._exit(137)
 
@@ -212,9 +211,6 @@ class CheckpointManager:
 
     def _prune(self, keep: Path) -> None:
         older = [p for p in self.checkpoints() if p != keep]
-        while len(older) + 1 > self.max_num:
+        while older and (len(older) >= self.max_num or self.max_mem_gb is not None
+                         and sum(map(_dir_bytes, [keep, *older])) > self.max_mem_gb * (1 << 30)):
             shutil.rmtree(older.pop(0))
-        if self.max_mem_gb is not None:
-            limit = self.max_mem_gb * (1 << 30)
-            while older and _dir_bytes(keep) + sum(_dir_bytes(p) for p in older) > limit:
-                shutil.rmtree(older.pop(0))

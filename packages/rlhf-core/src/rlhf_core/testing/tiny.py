@@ -27,19 +27,11 @@ def make_tiny_tokenizer(path: str | Path | None = None, num_words: int = 200):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for i in range(num_words):
-        vocab[f"w{i}"] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [f"w{i}" for i in range(num_words)])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        padding_side="right",
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                  eos_token="</s>", unk_token="<unk>", padding_side="right")
     tok.chat_template = CHAT_TEMPLATE
     if path is not None:
         tok.save_pretrained(str(path))
@@ -76,32 +68,22 @@ def tiny_decoder(kind: str):
     norms and a head_dim that is not hidden/heads, Mistral's GQA. Biases and norm weights are random, so
     that a code path that misses one shows. ``kind``: llama, qwen2, qwen3, mistral."""
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers as tf
 
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2)
-    torch.manual_seed(0)
-    if kind == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True, rope_parameters=rope))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
-    elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
-    else:
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    families = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig, dict(attention_bias=True, mlp_bias=True,
+                                                                      rope_parameters=rope)),
+                "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config, {}),
+                "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, dict(head_dim=16)),
+                "mistral": (tf.MistralForCausalLM, tf.MistralConfig, dict(sliding_window=None))}
+    if kind not in families:
         raise ValueError(f"unknown kind {kind!r}: llama, qwen2, qwen3 or mistral")
+    model_cls, config_cls, extra = families[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common, **extra))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

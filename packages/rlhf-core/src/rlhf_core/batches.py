@@ -97,9 +97,8 @@ def concat_batches(batches: list[SequenceBatch], pad_token_id: int) -> SequenceB
     mask = torch.cat([pad(b.attention_mask, length, 0) for b in batches])
     amask = None
     if any(b.action_mask is not None for b in batches):
-        amask = torch.cat(
-            [pad(b.response_mask().long() if b.action_mask is None else b.action_mask[:, :t], t, 0) for b in batches]
-        )
+        masks = [b.response_mask().long() if b.action_mask is None else b.action_mask[:, :t] for b in batches]
+        amask = torch.cat([pad(m, t, 0) for m in masks])
     return SequenceBatch(ids, mask, torch.cat([b.prompt_lens for b in batches]), amask)
 
 

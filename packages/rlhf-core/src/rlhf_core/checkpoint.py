@@ -158,10 +158,9 @@ def resume_point(root: Path) -> Path | None:
                       + "; ".join(skipped) + ". A later save of the same step replaces a damaged one.")
             return path
         skipped.append(f"{path.name} ({reason})")
-    raise CheckpointError(
-        f"no intact checkpoint under {root}: " + "; ".join(skipped) + ". Restore the damaged files, "
-        "or start from scratch without --ckpt.load_enable (or with another --ckpt.path)."
-    )
+    raise CheckpointError(f"no intact checkpoint under {root}: {'; '.join(skipped)}. Restore the damaged "
+                          "files, or start from scratch without --ckpt.load_enable (or with another "
+                          "--ckpt.path).")
 
 
 class CheckpointManager:

@@ -148,12 +148,11 @@ def _read_hub(name: str, data_dir: str | None, split: str) -> list[Row]:
         ds = datasets.load_dataset(name, data_dir=data_dir)
     except Exception as exc:  # the hub, the network or the cache: the reason is in the message
         offline = datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE
-        raise DataError(
-            f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset could not load it "
-            f"from the Hugging Face hub{' (offline mode: only datasets already in the cache load)' if offline else ''}"
-            f": {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (cache: "
-            f"{datasets.config.HF_DATASETS_CACHE})"
-        ) from None
+        offline = " (offline mode: only datasets already in the cache load)" if offline else ""
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise DataError(f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset "
+                        f"could not load it from the Hugging Face hub{offline}: {type(exc).__name__}: "
+                        f"{first_line} (cache: {datasets.config.HF_DATASETS_CACHE})") from None
     if split not in ds:
         raise DataError(f"dataset {shown!r}: no split {split!r}; it has {', '.join(ds)}")
     return [Row(r, f"{shown}[{split}]", i) for i, r in enumerate(ds[split])]

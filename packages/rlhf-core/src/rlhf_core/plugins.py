@@ -161,10 +161,8 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
         members = CLASS_MEMBERS[seam]
     else:
         proto = PROTOCOLS[seam]
-        members = sorted(
-            set(getattr(proto, "__annotations__", {}))
-            | {n for n, v in vars(proto).items() if callable(v) and (n == "__call__" or not n.startswith("_"))}
-        )
+        members = sorted(set(getattr(proto, "__annotations__", {})) | {
+            n for n, v in vars(proto).items() if callable(v) and (n == "__call__" or not n.startswith("_"))})
     missing = [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]
     if not missing:
         return None
@@ -231,8 +229,7 @@ def describe(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
         dists.setdefault(dist, {"distribution": dist, "version": version, "seams": {}})
     for seam in SEAMS:
         for reg in collect(pm, seam).values():
-            entry = dists.setdefault(
-                reg.distribution, {"distribution": reg.distribution, "version": reg.version, "seams": {}}
-            )
+            entry = dists.setdefault(reg.distribution,
+                                     {"distribution": reg.distribution, "version": reg.version, "seams": {}})
             entry["seams"].setdefault(seam, []).append(reg.name)
     return sorted(dists.values(), key=lambda d: d["distribution"])

@@ -211,9 +211,8 @@ def count_image_tokens(ids: Sequence[int], images: Sequence[ImageInput], image_t
 # --- forward passes ---------------------------------------------------------------------------------------
 
 
-def image_forward_inputs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[Sequence[ImageInput]]
-) -> tuple[dict, torch.Tensor]:
+def image_forward_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         images: Sequence[Sequence[ImageInput]]) -> tuple[dict, torch.Tensor]:
     """Keyword arguments that make ``model(input_ids=..., attention_mask=..., **kwargs)`` see each row's
     images, and the ``[B, 1]`` M-RoPE offset of each row.
 

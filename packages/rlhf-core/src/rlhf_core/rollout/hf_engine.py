@@ -75,9 +75,8 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
     if kv_heads != h:
         key = key.repeat_interleave(h // kv_heads, dim=1)
         value = value.repeat_interleave(h // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
-    )
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         is_causal=attention_mask is None)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -136,11 +135,9 @@ def decode_plan(model) -> dict | None:
     projections that are not plain ``nn.Linear`` (adapters, quantized layers), forward hooks (ZeRO-3
     gathering), or RoPE scaling that changes with the sequence length."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return None
-    if getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES:
-        return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if (not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb")
+            or getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES
+            or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
         return None
     linears = [model.lm_head]
     for layer in inner.layers:
@@ -155,10 +152,10 @@ def decode_plan(model) -> dict | None:
 def _stack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy)."""
     weight = torch.cat([m.weight.detach() for m in linears])
-    bias = None
-    if any(m.bias is not None for m in linears):
-        bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
-    return weight, bias
+    if all(m.bias is None for m in linears):
+        return weight, None
+    return weight, torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
+                              for m in linears])
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -287,17 +284,10 @@ class HFEngine(RolloutEngine):
     :meth:`share_weights` makes it borrow a trainer's tensors in the same process.
     """
 
-    def __init__(
-        self,
-        model_name_or_path: str,
-        dtype: str = "float32",
-        device: str | None = None,
-        attn_implementation: str = "sdpa",
-        max_batch_size: int = 256,
-        eos_token_id: int | Sequence[int] | None = None,
-        num_threads: int | None = None,
-        pack_weights: bool | None = None,
-    ):
+    def __init__(self, model_name_or_path: str, dtype: str = "float32", device: str | None = None,
+                 attn_implementation: str = "sdpa", max_batch_size: int = 256,
+                 eos_token_id: int | Sequence[int] | None = None, num_threads: int | None = None,
+                 pack_weights: bool | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -306,10 +296,9 @@ class HFEngine(RolloutEngine):
         self._setup(model.to(device).eval(), eos_token_id, max_batch_size, True, pack_weights)
 
     @classmethod
-    def from_model(
-        cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None, max_batch_size: int = 256,
-        own_weights: bool = False, pack_weights: bool | None = None,
-    ) -> HFEngine:
+    def from_model(cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None,
+                   max_batch_size: int = 256, own_weights: bool = False,
+                   pack_weights: bool | None = None) -> HFEngine:
         """Wrap a model that is already loaded (tests, or a trainer sharing its module); no copy is made.
         ``own_weights``: the module's weights change only through this engine (``update_weights``), never
         behind its back, so the engine may lay them out fused (its parameters become views) and keep
@@ -418,9 +407,7 @@ class HFEngine(RolloutEngine):
         max_new = [int(min(p.max_new_tokens, limit - len(ids))) for ids, p, *_ in rows]
         steps = max(max_new)
 
-        ids = torch.zeros(n_rows, width, dtype=torch.long)
-        for r, (prompt, *_) in enumerate(rows):
-            ids[r, width - len(prompt) :] = torch.tensor(prompt)
+        ids = torch.tensor([[0] * (width - len(prompt)) + list(prompt) for prompt, *_ in rows])
         params = [row[1] for row in rows]
         # [R, S] each row's stop ids (EOS and stop_token_ids); a shorter row repeats its first id
         stops = [[] if p.ignore_eos else sorted(self.eos_token_ids | set(p.stop_token_ids)) for p in params]
@@ -507,8 +494,7 @@ class HFEngine(RolloutEngine):
             lengths[s["row"]] += live.long()
             hit_stop = (s["stop_ids"] == tok[:, None]).any(1) & s["has_stops"] & live
             stopped[s["row"]] |= hit_stop
-            live = live & ~hit_stop & (t + 1 < s["max_new"])
-            s["live"] = live
+            s["live"] = live = live & ~hit_stop & (t + 1 < s["max_new"])
             n_live = int(live.sum())
             if n_live == 0:
                 break
@@ -545,17 +531,13 @@ class HFEngine(RolloutEngine):
         policy's adapters (``<layer>.lora_A``/``.lora_B`` pairs, :mod:`rlhf_core.weight_sync`) are merged instead:
         the layer's weight becomes ``W0 + B @ A``, ``W0`` the base weight the engine held before its first
         adapter (kept as a copy of each adapted weight)."""
-        if isinstance(named_tensors, Mapping):
-            named_tensors = named_tensors.items()
         self._weights = None  # packed copies are snapshots
-        named_tensors = iter(named_tensors)
-        first = next(named_tensors, None)
-        if first is None:
+        named_tensors = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if (first := next(named_tensors, None)) is None:
             return
         named_tensors = itertools.chain([first], named_tensors)
         if is_adapter(first[0]):
-            self._merge_adapters(named_tensors)
-            return
+            return self._merge_adapters(named_tensors)
         for name, tensor in named_tensors:
             self._lora_base.pop(name, None)  # a full weight replaces the base an adapter was merged into
             target = self._targets.get(name)

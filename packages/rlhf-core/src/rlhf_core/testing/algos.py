@@ -43,14 +43,9 @@ class AdvantageEstimatorConformance:
         n = max(self.n_samples_per_prompt, est.min_samples_per_prompt)
         b = groups * n
         mask = _random_mask(b, t, gen)
-        return AdvantageInput(
-            rewards=torch.randn(b, generator=gen),
-            action_mask=mask,
-            n_samples_per_prompt=n,
-            kl=torch.rand(b, t, generator=gen) * 0.1 * mask,
-            kl_coef=0.05,
-            values=torch.randn(b, t, generator=gen) * mask if est.needs_critic else None,
-        )
+        return AdvantageInput(rewards=torch.randn(b, generator=gen), action_mask=mask, n_samples_per_prompt=n,
+                              kl=torch.rand(b, t, generator=gen) * 0.1 * mask, kl_coef=0.05,
+                              values=torch.randn(b, t, generator=gen) * mask if est.needs_critic else None)
 
     def test_declares_its_needs(self):
         est = self.estimator()
@@ -134,13 +129,9 @@ class PolicyLossConformance:
         mask = _random_mask(b, t, gen)
         old = -torch.rand(b, t, generator=gen) * 3
         new = (old + torch.randn(b, t, generator=gen) * 0.3).requires_grad_(True)
-        return PolicyLossInput(
-            logprobs=new,
-            old_logprobs=old,
-            advantages=torch.randn(b, t, generator=gen) * mask,
-            action_mask=mask,
-            rollout_logprobs=old + torch.randn(b, t, generator=gen) * 0.01,
-        )
+        adv = torch.randn(b, t, generator=gen) * mask
+        return PolicyLossInput(logprobs=new, old_logprobs=old, advantages=adv, action_mask=mask,
+                               rollout_logprobs=old + torch.randn(b, t, generator=gen) * 0.01)
 
     def test_scalar_loss_and_float_metrics(self):
         out = self.loss()(self.make_batch())

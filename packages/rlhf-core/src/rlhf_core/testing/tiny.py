@@ -125,21 +125,17 @@ def make_tiny_vlm(path: str | Path, seed: int = 0, num_words: int = 200, kind: s
     text_config = {**_text_config(tok),
                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
                    **(text or {})}
-    vision_config = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
-                         temporal_patch_size=2, in_chans=3)
-    if kind == "qwen2_vl":
-        vision_config.update(embed_dim=32, mlp_ratio=2)
-    elif kind == "qwen2_5_vl":
-        vision_config.update(intermediate_size=64, out_hidden_size=32, window_size=56, fullatt_block_indexes=[0])
-    else:
+    per_kind = {"qwen2_vl": dict(embed_dim=32, mlp_ratio=2), "qwen2_5_vl": dict(
+        intermediate_size=64, out_hidden_size=32, window_size=56, fullatt_block_indexes=[0])}
+    if kind not in per_kind:
         raise ValueError(f"unknown kind {kind!r}: qwen2_vl or qwen2_5_vl")
-    vision_config.update(vision or {})
+    vision_config = {**dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
+                            temporal_patch_size=2, in_chans=3), **per_kind[kind], **(vision or {})}
     config = AutoConfig.for_model(
         kind, text_config=text_config, vision_config=vision_config, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
-    )
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(str(path))

@@ -171,20 +171,16 @@ def token_budget_micro_batches(
     per_rank: list[list[list[int]]] = []
     for share in shares:
         mbs: list[list[int]] = []
-        sums: list[int] = []  # tokens and longest row of each micro-batch, so that a try costs O(1)
-        widest: list[int] = []
+        stats: list[tuple[int, int]] = []  # tokens and longest row of each micro-batch: a try costs O(1)
         for i in share:
             n = lengths[i]
-            k = next((k for k, mb in enumerate(mbs)
-                      if (sums[k] + n if packed else (len(mb) + 1) * max(widest[k], n)) <= max_tokens), None)
-            if k is None:
-                mbs.append([i])
-                sums.append(n)
-                widest.append(n)
-            else:
-                mbs[k].append(i)
-                sums[k] += n
-                widest[k] = max(widest[k], n)
+            k = next((k for k, (tok, wide) in enumerate(stats)
+                      if (tok + n if packed else (len(mbs[k]) + 1) * max(wide, n)) <= max_tokens), len(mbs))
+            if k == len(mbs):
+                mbs.append([])
+                stats.append((0, 0))
+            mbs[k].append(i)
+            stats[k] = (stats[k][0] + n, max(stats[k][1], n))
         per_rank.append(mbs)
     target = max(len(mbs) for mbs in per_rank)
     for mbs in per_rank:

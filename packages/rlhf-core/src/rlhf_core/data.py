@@ -234,12 +234,10 @@ def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> li
     def content_ok(c: Any) -> bool:
         return isinstance(c, str) or parts and isinstance(c, list) and all(
             isinstance(x, dict) and (x.get("type") == "image" or (x.get("type") == "text" and isinstance(x.get("text"), str)))
-            for x in c
-        )
+            for x in c)
 
-    ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and content_ok(m.get("content")) for m in messages
-    )
+    ok = isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                            and content_ok(m.get("content")) for m in messages)
     if not ok or not messages:
         kind = "a str or a list of {'type': 'text'|'image'} items" if parts else "a str"
         raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages, each "

@@ -65,8 +65,7 @@ class ConditionalSFT:
 
     def check(self, options: PostProcessOptions) -> None:
         template = options.reward_template or DEFAULT_CSFT_TEMPLATE
-        missing = [f for f in ("{input}", "{reward}") if f not in template]
-        if missing:
+        if missing := [f for f in ("{input}", "{reward}") if f not in template]:
             raise ValueError(f"--generate.reward_template {template!r} must contain {' and '.join(missing)}")
         try:
             template.format(input="", reward="")

@@ -120,8 +120,7 @@ class SyncGroup:
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
+        opts.rootRank = opts.rootTensor = 0
         opts.timeout = timedelta(seconds=self.timeout_s)
         started = time.monotonic()
         try:

@@ -99,9 +99,8 @@ class GrowingKVLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        b, heads, _, d = key_states.shape
-        self.key_buffer = key_states.new_empty(b, heads, self.capacity, d)
-        self.value_buffer = value_states.new_empty(b, value_states.shape[1], self.capacity, value_states.shape[-1])
+        self.key_buffer, self.value_buffer = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1])
+                                              for x in (key_states, value_states))
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -454,7 +453,7 @@ class HFEngine(RolloutEngine):
             rope = plan["inner"].rotary_emb
             table = torch.arange(width + steps, device=dev)[None]
             cos, sin = (x[0] for x in rope(torch.zeros((), dtype=dtype, device=dev), table))
-        slots = {k: v.to(dev) for k, v in slots.items()}
+        s = {k: v.to(dev) for k, v in slots.items()}  # the slots, on the device
 
         tokens = torch.zeros(n_rows, steps, dtype=torch.long, device=dev)
         logprobs = torch.zeros(n_rows, steps, dtype=torch.float32, device=dev)
@@ -466,9 +465,8 @@ class HFEngine(RolloutEngine):
         distinct: dict[tuple, int] = {}
         source = [distinct.setdefault((tuple(row[0]), *map(id, row[3])), len(distinct)) for row in rows]
         first = torch.tensor([source.index(k) for k in range(len(distinct))])
-        source = torch.tensor(source)
-        if prefill_mask is not None:
-            prefill_mask = prefill_mask[first].to(dev)
+        source = torch.tensor(source, device=dev)
+        prefill_mask = None if prefill_mask is None else prefill_mask[first].to(dev)
         prefill_positions = positions[first].to(dev)
         images = {}
         if self.image_token_id is not None:
@@ -476,13 +474,12 @@ class HFEngine(RolloutEngine):
             images, offsets = image_forward_inputs(self.model, ids[first].to(dev), key_valid[first].long().to(dev),
                                                    [rows[k][3] for k in first.tolist()])
             prefill_positions = images.pop("position_ids")
-            slots["rope_offset"] = offsets[:, 0][source.to(dev)]
+            s["rope_offset"] = offsets[:, 0][source]
         logits = self._forward(ids[first].to(dev), prefill_positions, prefill_mask, cache, **images)
         if len(distinct) < n_rows:
-            cache.batch_select_indices(source.to(dev))
-            logits = logits[source.to(dev)]
+            cache.batch_select_indices(source)
+            logits = logits[source]
         for t in range(steps):
-            s = slots
             tok, lp = sample_next(
                 logits, s["temperature"], s["keys"], t, top_k=s["top_k"] if filtering else None,
                 top_p=s["top_p"] if filtering else None, stop_ids=s["stop_ids"],
@@ -495,12 +492,11 @@ class HFEngine(RolloutEngine):
             hit_stop = (s["stop_ids"] == tok[:, None]).any(1) & s["has_stops"] & live
             stopped[s["row"]] |= hit_stop
             s["live"] = live = live & ~hit_stop & (t + 1 < s["max_new"])
-            n_live = int(live.sum())
-            if n_live == 0:
+            if (n_live := int(live.sum())) == 0:
                 break
             if n_live <= len(live) // 2 and len(live) >= 8:
                 keep = live.nonzero().squeeze(1)
-                slots = s = {k: v[keep] for k, v in s.items()}
+                s = {k: v[keep] for k, v in s.items()}
                 cache.batch_select_indices(keep)
                 tok = tok[keep]
             mask = s["mask"][..., : width + t + 1]

@@ -59,8 +59,7 @@ def copy_with_eos(model_dir: str | Path, eos_ids: list[int], dest: str | Path) -
     for name in ("config.json", "generation_config.json"):
         path = dest / name
         if path.exists():
-            data = json.loads(path.read_text())
-            data["eos_token_id"] = list(eos_ids)
+            data = {**json.loads(path.read_text()), "eos_token_id": list(eos_ids)}
             path.write_text(json.dumps(data, indent=2))
     return str(dest)
 

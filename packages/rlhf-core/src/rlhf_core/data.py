@@ -88,9 +88,8 @@ def _as_dict(obj: Any, path: Path, i: int) -> dict:
 
 
 def _read_json(path: Path, split: str) -> list[Row]:
-    text = path.read_text(encoding="utf-8")
     try:
-        obj = json.loads(text)
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return _read_jsonl(path)  # HF's "json" loader also accepts JSON lines in a .json file
     if isinstance(obj, dict) and isinstance(obj.get(split), list):

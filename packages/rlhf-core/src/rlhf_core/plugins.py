@@ -98,9 +98,10 @@ class Registered:
     version: str
 
 
-def _env_list(var: str) -> list[str] | None:
+def _env_names(var: str) -> set[str] | None:
+    """The names listed in ``$var`` (comma-separated), normalised; None when it is unset."""
     value = os.environ.get(var)
-    return None if value is None else [x.strip() for x in value.split(",") if x.strip()]
+    return None if value is None else {_normalise(x.strip()) for x in value.split(",") if x.strip()}
 
 
 def _normalise(name: str) -> str:
@@ -118,9 +119,7 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     # plugin name -> (distribution, version), for provenance in `rlhf plugins` and run metadata
     pm.rlhf_distributions = {}
     if load_entrypoints:
-        only = _env_list("RLHF_LOAD_PLUGINS")
-        only = None if only is None else {_normalise(x) for x in only}
-        blocked = {_normalise(x) for x in (_env_list("RLHF_DISABLE_PLUGINS") or [])}
+        only, blocked = _env_names("RLHF_LOAD_PLUGINS"), _env_names("RLHF_DISABLE_PLUGINS") or set()
         for ep in md.entry_points(group=hookspecs.PROJECT):
             dist = ep.dist.name if ep.dist is not None else ep.name
             keys = {_normalise(dist), _normalise(ep.name)}

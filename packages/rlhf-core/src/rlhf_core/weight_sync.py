@@ -24,6 +24,7 @@ merges the pair (:func:`merge_lora_pair`, the HF engine) or serves it as an adap
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -188,8 +189,7 @@ class SyncGroup:
         """
         if self.rank == 0:
             raise WeightSyncError("SyncGroup.receive: rank 0 is the sender")
-        index = 0
-        while True:
+        for index in itertools.count():
             header = torch.zeros(2, dtype=torch.int64, device=self.device)
             self._broadcast(header, f"the header of bucket {index}")
             meta_len, size = header.tolist()
@@ -204,7 +204,6 @@ class SyncGroup:
                 if not isinstance(dtype, torch.dtype):
                     raise WeightSyncError(f"weight sync: received unknown dtype {dtype_name!r}")
                 yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
-            index += 1
 
     def close(self) -> None:
         shutdown = getattr(self._pg, "shutdown", None)

@@ -94,8 +94,7 @@ class GrowingKVLayer(DynamicLayer):
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.capacity = capacity
-        self.length = 0
+        self.capacity, self.length = capacity, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

@@ -106,9 +106,7 @@ class AdvantageEstimatorConformance:
 
     def test_invalid_samples_get_zero_advantage(self):
         batch = self.make_batch(seed=3)
-        valid = torch.ones_like(batch.rewards, dtype=torch.bool)
-        valid[1] = False
-        batch.valid = valid
+        batch.valid = torch.arange(len(batch.rewards)) != 1  # sample 1 is invalid
         batch.rewards = batch.rewards.clone()
         batch.rewards[1] = float("nan")  # an unscorable sample must not poison the others
         out = self.estimator()(batch)

@@ -111,9 +111,8 @@ def to_device(obj, device: torch.device):
     return obj
 
 
-def token_budget_micro_batches(
-    lengths: list[int], num_ranks: int, max_tokens: int, packed: bool, prompts: Sequence[Hashable] | None = None
-) -> list[list[int]]:
+def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: int, packed: bool,
+                               prompts: Sequence[Hashable] | None = None) -> list[list[int]]:
     """Row indices grouped into micro-batches that each fit a token budget (dynamic batching), rank-major,
     with the same number of micro-batches on every rank.
 

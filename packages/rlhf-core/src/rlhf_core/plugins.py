@@ -43,18 +43,16 @@ SEAMS: dict[str, str] = {seam: f"rlhf_register_{seam}" for seam in SINGULAR}
 
 # Names the first-party packages register, so that asking for one that is missing says what to install.
 KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
-    "advantage_estimators": dict.fromkeys(
-        ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "opd"], "rlhf-algos"
-    ),
+    "advantage_estimators": dict.fromkeys(["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm",
+                                           "dr_grpo", "opd"], "rlhf-algos"),
     "policy_losses": dict.fromkeys(["ppo", "gspo"], "rlhf-algos"),
     "kl_estimators": dict.fromkeys(["k1", "k2", "k3"], "rlhf-algos"),
     "agent_executors": dict.fromkeys(["single_turn", "multi_turn", "openai_server"], "rlhf-agents"),
     "environments": {},
     "reward_sources": dict.fromkeys(["python_file", "http", "reward_model", "prm"], "rlhf-agents"),
     "post_processors": dict.fromkeys(["rs", "iter_dpo", "csft"], "rlhf-core"),
-    "placement_strategies": dict.fromkeys(
-        ["colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate"], "rlhf-cli"
-    ),
+    "placement_strategies": dict.fromkeys(["colocate_all", "colocate_actor_ref", "colocate_critic_reward",
+                                           "separate"], "rlhf-cli"),
     "rollout_engines": {"hf": "rlhf-core", "vllm": "rlhf-rollout-vllm[vllm]"},
     "train_backends": {"deepspeed": "rlhf-train-deepspeed"},
 }

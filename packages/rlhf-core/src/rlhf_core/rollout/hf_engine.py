@@ -574,9 +574,8 @@ class HFEngine(RolloutEngine):
         :meth:`sleep` ends the sharing: after :meth:`wake_up` the engine owns its weights again and needs
         :meth:`update_weights`."""
         if self._asleep or not (self.own_weights or self.borrowed) or not all(
-            (t := named_tensors.get(name)) is not None and t.shape == p.shape and t.dtype == p.dtype
-            and t.device == p.device for name, p in self._params.items()
-        ):
+                (t := named_tensors.get(name)) is not None and t.shape == p.shape and t.dtype == p.dtype
+                and t.device == p.device for name, p in self._params.items()):
             return False
         for name, p in self._params.items():
             p.data = named_tensors[name].detach()

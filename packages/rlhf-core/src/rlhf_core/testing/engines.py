@@ -142,15 +142,14 @@ class RolloutEngineConformance:
                     for i, n in enumerate([1, 2, 3])]
         results = engine.generate(requests)
         assert [len(r) for r in results] == [1, 2, 3]
-        for outs in results:
-            for out in outs:
-                assert isinstance(out, GenerationOutput)
-                assert 1 <= len(out.token_ids) <= 6 and len(out.logprobs) == len(out.token_ids)
-                assert all(isinstance(t, int) and 0 <= t < vocab for t in out.token_ids)
-                assert all(isinstance(x, float) and -1e4 < x <= 1e-6 for x in out.logprobs)
-                assert out.finish_reason in ("stop", "length")
-                if out.finish_reason == "length":
-                    assert len(out.token_ids) == 6
+        for out in [out for outs in results for out in outs]:
+            assert isinstance(out, GenerationOutput)
+            assert 1 <= len(out.token_ids) <= 6 and len(out.logprobs) == len(out.token_ids)
+            assert all(isinstance(t, int) and 0 <= t < vocab for t in out.token_ids)
+            assert all(isinstance(x, float) and -1e4 < x <= 1e-6 for x in out.logprobs)
+            assert out.finish_reason in ("stop", "length")
+            if out.finish_reason == "length":
+                assert len(out.token_ids) == 6
 
     def test_max_new_tokens_ends_with_length(self, engine):
         outs = self.generate_one(engine, PROMPTS[0], n=3, max_new_tokens=5, ignore_eos=True, seed=3)

@@ -49,9 +49,7 @@ class SequenceBatch:
         lens = self.response_lens
         t = torch.arange(self.num_response_positions, device=lens.device)
         valid = t[None, :] < lens[:, None]
-        if self.action_mask is None:
-            return valid
-        return self.action_mask[:, : valid.shape[1]].bool() & valid
+        return valid if self.action_mask is None else self.action_mask[:, : valid.shape[1]].bool() & valid
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -151,8 +151,7 @@ def resume_point(root: Path) -> Path | None:
         candidates = [root / name] + [p for p in newest_first if p.name < name or not _NAME.match(name)]
     skipped = []
     for path in candidates:
-        reason = damage(path)
-        if reason is None:
+        if (reason := damage(path)) is None:
             if skipped:
                 _warn(f"resuming from {path.name}, the newest intact checkpoint; skipped "
                       + "; ".join(skipped) + ". A later save of the same step replaces a damaged one.")
@@ -167,9 +166,7 @@ class CheckpointManager:
     def __init__(self, root: str | Path, max_num: int = 3, max_mem_gb: float | None = None):
         if max_num < 1:
             raise ValueError(f"--ckpt.max_num must be at least 1, got {max_num}")
-        self.root = Path(root)
-        self.max_num = max_num
-        self.max_mem_gb = max_mem_gb
+        self.root, self.max_num, self.max_mem_gb = Path(root), max_num, max_mem_gb
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-*"):  # saves that never committed
             shutil.rmtree(stale, ignore_errors=True)

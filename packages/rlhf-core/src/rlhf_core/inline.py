@@ -89,8 +89,7 @@ DEAD_PEER_WAIT_S = 30.0
 def kill(actor: Any) -> None:
     """``ray.kill`` for either kind of actor; an inline one calls its object's ``close()`` if it has one."""
     if isinstance(actor, InlineActor):
-        close = getattr(actor.obj, "close", None)
-        if close is not None:
+        if (close := getattr(actor.obj, "close", None)) is not None:
             close()
         return
     import ray

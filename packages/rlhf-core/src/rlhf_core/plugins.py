@@ -160,8 +160,7 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
         proto = PROTOCOLS[seam]
         members = sorted(set(getattr(proto, "__annotations__", {})) | {
             n for n, v in vars(proto).items() if callable(v) and (n == "__call__" or not n.startswith("_"))})
-    missing = [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]
-    if not missing:
+    if not (missing := [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]):
         return None
     attrs = [m for m in missing if m != "__call__"]
     faults = (["is not callable"] if "__call__" in missing else []) + ([f"has no {', '.join(attrs)}"] if attrs else [])

@@ -535,8 +535,7 @@ class HFEngine(RolloutEngine):
             return self._merge_adapters(named_tensors)
         for name, tensor in named_tensors:
             self._lora_base.pop(name, None)  # a full weight replaces the base an adapter was merged into
-            target = self._targets.get(name)
-            if target is None:
+            if (target := self._targets.get(name)) is None:
                 some = ", ".join(list(self._params)[:3])
                 raise KeyError(f"update_weights: {name!r} is not a weight of this model (names look like {some}, ...)")
             canonical = self._canonical.get(id(target))
@@ -551,8 +550,7 @@ class HFEngine(RolloutEngine):
         # Merged rather than run as extra matmuls: decode keeps its fused, packed fast path (decode_token).
         for layer, lora_a, lora_b in lora_pairs(pairs):
             name = layer + ".weight"
-            target = self._params.get(name)
-            if target is None:
+            if (target := self._params.get(name)) is None:
                 some = ", ".join(list(self._params)[:3])
                 raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this model "
                                f"(names look like {some}, ...)")

@@ -80,8 +80,7 @@ class AdvantageEstimatorConformance:
         positive rescaling of the batch, identical rows stay tied unless the KL is applied."""
         batch = self.make_batch(seed=5)
         for field in ("rewards", "action_mask", "kl", "values"):
-            t = getattr(batch, field)
-            if t is not None:
+            if (t := getattr(batch, field)) is not None:
                 t = t.clone()
                 t[1] = t[0]
                 setattr(batch, field, t)

@@ -214,10 +214,9 @@ def get_field(row: Row, key: str, types: type | tuple[type, ...] = str, flag: st
     """``row.data[key]``, checked to be an instance of ``types``; a :class:`DataError` naming file, row and
     key (and the flag that named the key) otherwise."""
     named = f" (set by {flag})" if flag else ""
-    if key not in row.data or row.data[key] is None:
+    if (value := row.data.get(key)) is None:
         have = ", ".join(map(str, row.data)) or "none"
         raise DataError(f"{row.where()}: missing key {key!r}{named}; the row has keys: {have}")
-    value = row.data[key]
     if not isinstance(value, types):
         want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise DataError(f"{row.where()}: key {key!r}{named} should be {want}, got {type(value).__name__}")

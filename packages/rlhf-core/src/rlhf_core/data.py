@@ -146,8 +146,8 @@ def _read_hub(name: str, data_dir: str | None, split: str) -> list[Row]:
     try:
         ds = datasets.load_dataset(name, data_dir=data_dir)
     except Exception as exc:  # the hub, the network or the cache: the reason is in the message
-        offline = datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE
-        offline = " (offline mode: only datasets already in the cache load)" if offline else ""
+        offline = " (offline mode: only datasets already in the cache load)" if (
+            datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE) else ""
         first_line = str(exc).splitlines()[0] if str(exc) else ""
         raise DataError(f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset "
                         f"could not load it from the Hugging Face hub{offline}: {type(exc).__name__}: "

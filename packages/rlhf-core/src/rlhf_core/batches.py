@@ -49,21 +49,15 @@ class SequenceBatch:
         lens = self.response_lens
         t = torch.arange(self.num_response_positions, device=lens.device)
         valid = t[None, :] < lens[:, None]
-        if self.action_mask is None:
-            return valid
-        return self.action_mask[:, : valid.shape[1]].bool() & valid
+        return valid if self.action_mask is None else self.action_mask[:, : valid.shape[1]].bool() & valid
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
 
-def make_sequence_batch(
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    pad_token_id: int,
-    action_masks: list[list[int]] | None = None,
-    images: list[list[ImageInput]] | None = None,
-) -> SequenceBatch:
+def make_sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+                        action_masks: list[list[int]] | None = None,
+                        images: list[list[ImageInput]] | None = None) -> SequenceBatch:
     """Build a :class:`SequenceBatch` from token-id lists (e.g. ``Trajectory.prompt_ids`` / ``response_ids``
     / ``action_mask``) and, for a vision-language model, each row's images (``Trajectory.images``)."""
     if len(prompts) != len(responses):
@@ -72,12 +66,10 @@ def make_sequence_batch(
         if not p:
             raise ValueError(f"sequence {i} has an empty prompt; at least one prompt token is needed")
     lens = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    length = max(lens)
-    ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    ids = torch.full((len(prompts), max(lens)), pad_token_id, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         ids[i, : lens[i]] = torch.tensor(p + r, dtype=torch.long)
-        mask[i, : lens[i]] = 1
+    mask = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lens)[:, None]).long()
     amask = None
     if action_masks is not None:
         t = max((len(r) for r in responses), default=0)
@@ -103,9 +95,8 @@ def concat_batches(batches: list[SequenceBatch], pad_token_id: int) -> SequenceB
     mask = torch.cat([pad(b.attention_mask, length, 0) for b in batches])
     amask = None
     if any(b.action_mask is not None for b in batches):
-        amask = torch.cat(
-            [pad(b.response_mask().long() if b.action_mask is None else b.action_mask[:, :t], t, 0) for b in batches]
-        )
+        masks = [b.response_mask().long() if b.action_mask is None else b.action_mask[:, :t] for b in batches]
+        amask = torch.cat([pad(m, t, 0) for m in masks])
     return SequenceBatch(ids, mask, torch.cat([b.prompt_lens for b in batches]), amask)
 
 
@@ -118,9 +109,8 @@ def to_device(obj, device: torch.device):
     return obj
 
 
-def token_budget_micro_batches(
-    lengths: list[int], num_ranks: int, max_tokens: int, packed: bool, prompts: Sequence[Hashable] | None = None
-) -> list[list[int]]:
+def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: int, packed: bool,
+                               prompts: Sequence[Hashable] | None = None) -> list[list[int]]:
     """Row indices grouped into micro-batches that each fit a token budget (dynamic batching), rank-major,
     with the same number of micro-batches on every rank.
 
@@ -178,20 +168,16 @@ def token_budget_micro_batches(
     per_rank: list[list[list[int]]] = []
     for share in shares:
         mbs: list[list[int]] = []
-        sums: list[int] = []  # tokens and longest row of each micro-batch, so that a try costs O(1)
-        widest: list[int] = []
+        stats: list[tuple[int, int]] = []  # tokens and longest row of each micro-batch: a try costs O(1)
         for i in share:
             n = lengths[i]
-            k = next((k for k, mb in enumerate(mbs)
-                      if (sums[k] + n if packed else (len(mb) + 1) * max(widest[k], n)) <= max_tokens), None)
-            if k is None:
-                mbs.append([i])
-                sums.append(n)
-                widest.append(n)
-            else:
-                mbs[k].append(i)
-                sums[k] += n
-                widest[k] = max(widest[k], n)
+            k = next((k for k, (tok, wide) in enumerate(stats)
+                      if (tok + n if packed else (len(mbs[k]) + 1) * max(wide, n)) <= max_tokens), len(mbs))
+            if k == len(mbs):
+                mbs.append([])
+                stats.append((0, 0))
+            mbs[k].append(i)
+            stats[k] = (stats[k][0] + n, max(stats[k][1], n))
         per_rank.append(mbs)
     target = max(len(mbs) for mbs in per_rank)
     for mbs in per_rank:

@@ -46,8 +46,7 @@ def fault_point(site: str, step: int) -> None:
     Sites used by the trainers: ``after_step`` (after step N, including its checkpoint) and ``mid_save``
     (inside the save of step N, after the model state is written and before it is committed).
     """
-    spec = os.environ.get("RLHF_FAULT", "")
-    if spec and spec == f"{site}:{step}":
+    if os.environ.get("RLHF_FAULT") == f"{site}:{step}":
         print(f"RLHF_FAULT: exiting at {site}:{step}", flush=True)
         os._exit(137)
 
@@ -152,26 +151,22 @@ def resume_point(root: Path) -> Path | None:
         candidates = [root / name] + [p for p in newest_first if p.name < name or not _NAME.match(name)]
     skipped = []
     for path in candidates:
-        reason = damage(path)
-        if reason is None:
+        if (reason := damage(path)) is None:
             if skipped:
                 _warn(f"resuming from {path.name}, the newest intact checkpoint; skipped "
                       + "; ".join(skipped) + ". A later save of the same step replaces a damaged one.")
             return path
         skipped.append(f"{path.name} ({reason})")
-    raise CheckpointError(
-        f"no intact checkpoint under {root}: " + "; ".join(skipped) + ". Restore the damaged files, "
-        "or start from scratch without --ckpt.load_enable (or with another --ckpt.path)."
-    )
+    raise CheckpointError(f"no intact checkpoint under {root}: {'; '.join(skipped)}. Restore the damaged "
+                          "files, or start from scratch without --ckpt.load_enable (or with another "
+                          "--ckpt.path).")
 
 
 class CheckpointManager:
     def __init__(self, root: str | Path, max_num: int = 3, max_mem_gb: float | None = None):
         if max_num < 1:
             raise ValueError(f"--ckpt.max_num must be at least 1, got {max_num}")
-        self.root = Path(root)
-        self.max_num = max_num
-        self.max_mem_gb = max_mem_gb
+        self.root, self.max_num, self.max_mem_gb = Path(root), max_num, max_mem_gb
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp-*"):  # saves that never committed
             shutil.rmtree(stale, ignore_errors=True)
@@ -212,9 +207,6 @@ class CheckpointManager:
 
     def _prune(self, keep: Path) -> None:
         older = [p for p in self.checkpoints() if p != keep]
-        while len(older) + 1 > self.max_num:
+        while older and (len(older) >= self.max_num or self.max_mem_gb is not None
+                         and sum(map(_dir_bytes, [keep, *older])) > self.max_mem_gb * (1 << 30)):
             shutil.rmtree(older.pop(0))
-        if self.max_mem_gb is not None:
-            limit = self.max_mem_gb * (1 << 30)
-            while older and _dir_bytes(keep) + sum(_dir_bytes(p) for p in older) > limit:
-                shutil.rmtree(older.pop(0))

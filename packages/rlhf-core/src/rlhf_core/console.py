@@ -37,8 +37,7 @@ def library_loggers_to_root() -> None:
     hf_logging.disable_progress_bar()
     for name in ("DeepSpeed", "vllm"):
         logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
+        logger.handlers.clear()
         logger.propagate = True
 
 

@@ -17,6 +17,7 @@ datasets often keep each configuration in one).
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -87,9 +88,8 @@ def _as_dict(obj: Any, path: Path, i: int) -> dict:
 
 
 def _read_json(path: Path, split: str) -> list[Row]:
-    text = path.read_text(encoding="utf-8")
     try:
-        obj = json.loads(text)
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return _read_jsonl(path)  # HF's "json" loader also accepts JSON lines in a .json file
     if isinstance(obj, dict) and isinstance(obj.get(split), list):
@@ -123,24 +123,19 @@ def _read_dir(path: Path, split: str) -> list[Row]:
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
         import datasets
 
-        ds = datasets.load_from_disk(str(path))
+        ds, where = datasets.load_from_disk(str(path)), str(path)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise DataError(f"{path}: no split {split!r}; it has {', '.join(ds)}")
-            ds = ds[split]
-            where = f"{path}[{split}]"
-        else:
-            where = str(path)
+            ds, where = ds[split], f"{path}[{split}]"
         return [Row(r, where, i) for i, r in enumerate(ds)]
     data_files = sorted(p for p in path.rglob("*") if p.suffix.lower() in FILE_FORMATS)
     files = [p for p in data_files if p.name.startswith(split)]
     if split == "train" and not any(p.name.startswith(SPLIT_NAMES) for p in data_files):
         files = data_files  # the rule of datasets.load_dataset: no split in the names means all is train
     if not files:
-        raise DataError(
-            f"{path}: no data files for split {split!r} (looked for {split}*{{{','.join(FILE_FORMATS)}}}, "
-            "or a dataset saved with save_to_disk)"
-        )
+        raise DataError(f"{path}: no data files for split {split!r} (looked for "
+                        f"{split}*{{{','.join(FILE_FORMATS)}}}, or a dataset saved with save_to_disk)")
     return [row for f in files for row in _read_file(f, split)]
 
 
@@ -151,13 +146,12 @@ def _read_hub(name: str, data_dir: str | None, split: str) -> list[Row]:
     try:
         ds = datasets.load_dataset(name, data_dir=data_dir)
     except Exception as exc:  # the hub, the network or the cache: the reason is in the message
-        offline = datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE
-        raise DataError(
-            f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset could not load it "
-            f"from the Hugging Face hub{' (offline mode: only datasets already in the cache load)' if offline else ''}"
-            f": {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (cache: "
-            f"{datasets.config.HF_DATASETS_CACHE})"
-        ) from None
+        offline = " (offline mode: only datasets already in the cache load)" if (
+            datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE) else ""
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        raise DataError(f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset "
+                        f"could not load it from the Hugging Face hub{offline}: {type(exc).__name__}: "
+                        f"{first_line} (cache: {datasets.config.HF_DATASETS_CACHE})") from None
     if split not in ds:
         raise DataError(f"dataset {shown!r}: no split {split!r}; it has {', '.join(ds)}")
     return [Row(r, f"{shown}[{split}]", i) for i, r in enumerate(ds[split])]
@@ -179,12 +173,8 @@ def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
     return _read_hub(name, data_dir or None, split)
 
 
-def mix_rows(
-    sources: Sequence[Sequence[Row]],
-    probs: Sequence[float] | None = None,
-    seed: int = 0,
-    max_samples: int | None = None,
-) -> list[Row]:
+def mix_rows(sources: Sequence[Sequence[Row]], probs: Sequence[float] | None = None, seed: int = 0,
+             max_samples: int | None = None) -> list[Row]:
     """Mix several datasets into one list of ``min(sum of sizes, max_samples)`` rows.
 
     Each output row picks its source with probability ``probs[k]`` (normalised); a source is read in a
@@ -205,22 +195,12 @@ def mix_rows(
             raise DataError(f"dataset {k} is empty but has mixing probability {probs[k]}")
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(sources), size=limit, p=p / p.sum())
-    orders = [rng.permutation(len(s)) for s in sources]
-    used = [0] * len(sources)
-    out = []
-    for k in picks:
-        out.append(sources[k][orders[k][used[k] % len(sources[k])]])
-        used[k] += 1
-    return out
+    orders = [itertools.cycle(rng.permutation(len(s))) for s in sources]
+    return [sources[k][next(orders[k])] for k in picks]
 
 
-def load_rows(
-    paths: Sequence[str],
-    probs: Sequence[float] | None = None,
-    split: str = "train",
-    seed: int = 0,
-    max_samples: int | None = None,
-) -> list[Row]:
+def load_rows(paths: Sequence[str], probs: Sequence[float] | None = None, split: str = "train", seed: int = 0,
+              max_samples: int | None = None) -> list[Row]:
     """Read and mix ``paths`` (see :func:`read_rows` and :func:`mix_rows`)."""
     if not paths:
         raise DataError("no dataset given (--data.dataset)")
@@ -234,10 +214,9 @@ def get_field(row: Row, key: str, types: type | tuple[type, ...] = str, flag: st
     """``row.data[key]``, checked to be an instance of ``types``; a :class:`DataError` naming file, row and
     key (and the flag that named the key) otherwise."""
     named = f" (set by {flag})" if flag else ""
-    if key not in row.data or row.data[key] is None:
+    if (value := row.data.get(key)) is None:
         have = ", ".join(map(str, row.data)) or "none"
         raise DataError(f"{row.where()}: missing key {key!r}{named}; the row has keys: {have}")
-    value = row.data[key]
     if not isinstance(value, types):
         want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise DataError(f"{row.where()}: key {key!r}{named} should be {want}, got {type(value).__name__}")
@@ -251,16 +230,12 @@ def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> li
     and ``{"type": "image"}`` items, as vision-language chat templates take them."""
 
     def content_ok(c: Any) -> bool:
-        if isinstance(c, str):
-            return True
-        return parts and isinstance(c, list) and all(
+        return isinstance(c, str) or parts and isinstance(c, list) and all(
             isinstance(x, dict) and (x.get("type") == "image" or (x.get("type") == "text" and isinstance(x.get("text"), str)))
-            for x in c
-        )
+            for x in c)
 
-    ok = isinstance(messages, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and content_ok(m.get("content")) for m in messages
-    )
+    ok = isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                            and content_ok(m.get("content")) for m in messages)
     if not ok or not messages:
         kind = "a str or a list of {'type': 'text'|'image'} items" if parts else "a str"
         raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages, each "
@@ -268,12 +243,8 @@ def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> li
     return messages
 
 
-def render_prompt(
-    tokenizer: Any,
-    prompt: str | list[dict],
-    input_template: str | None = None,
-    apply_chat_template: bool = False,
-) -> str:
+def render_prompt(tokenizer: Any, prompt: str | list[dict], input_template: str | None = None,
+                  apply_chat_template: bool = False) -> str:
     """The prompt text a model sees.
 
     With ``apply_chat_template`` a string becomes one user message, and the tokenizer's chat template is
@@ -330,14 +301,12 @@ def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], l
         end_ids = ids_of(messages[: k + 1], False)
         if full[: len(end_ids)] != end_ids:
             raise DataError("the chat template does not render conversation prefixes as prefixes")
-        for t in range(start, len(end_ids)):
-            mask[t] = 1
+        mask[start : len(end_ids)] = [1] * (len(end_ids) - start)
     return full, mask
 
 
-def fit_prompt(
-    ids: list[int], budget: int, policy: str, where: str, stats: DataStats | None = None
-) -> list[int] | None:
+def fit_prompt(ids: list[int], budget: int, policy: str, where: str,
+               stats: DataStats | None = None) -> list[int] | None:
     """Apply ``--data.overlong_prompt_policy`` to a prompt of ``len(ids)`` tokens with ``budget`` allowed.
 
     ``error`` raises a DataError naming ``where`` (file and row); ``skip`` returns None and counts
@@ -349,10 +318,9 @@ def fit_prompt(
     if len(ids) <= budget:
         return ids
     if policy == "error":
-        raise DataError(
-            f"{where}: prompt has {len(ids)} tokens, more than the {budget} allowed (--data.max_len / "
-            "--data.prompt_max_len); set --data.overlong_prompt_policy skip or truncate_left to go on"
-        )
+        raise DataError(f"{where}: prompt has {len(ids)} tokens, more than the {budget} allowed "
+                        "(--data.max_len / --data.prompt_max_len); set --data.overlong_prompt_policy skip or "
+                        "truncate_left to go on")
     if stats is not None:
         stats.add("overlong_prompts_skipped" if policy == "skip" else "overlong_prompts_truncated")
     return None if policy == "skip" else ids[len(ids) - budget :]

@@ -89,8 +89,7 @@ DEAD_PEER_WAIT_S = 30.0
 def kill(actor: Any) -> None:
     """``ray.kill`` for either kind of actor; an inline one calls its object's ``close()`` if it has one."""
     if isinstance(actor, InlineActor):
-        close = getattr(actor.obj, "close", None)
-        if close is not None:
+        if (close := getattr(actor.obj, "close", None)) is not None:
             close()
         return
     import ray
@@ -113,16 +112,14 @@ def single_process(cfg: Any, processes: int, backend_can: bool = True) -> bool:
     if setting == "false":
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    reasons = []
-    if processes != 1:
-        reasons.append(f"the run needs {processes} worker processes (one per training rank, reference model, "
-                       "critic, reward model and rollout engine that cannot share the actor rank's process)")
-    if not backend_can:
-        reasons.append(f"--train.backend {cfg.train.backend} cannot run its rank in the driver's process")
-    if address:
-        reasons.append(f"a Ray cluster is named ({'--ray.address' if cfg.ray.address else '$RAY_ADDRESS'} {address})")
-    if cfg.ray.dashboard:
-        reasons.append("--ray.dashboard asks for a Ray cluster")
+    named = "--ray.address" if cfg.ray.address else "$RAY_ADDRESS"
+    reasons = [why for applies, why in (
+        (processes != 1, f"the run needs {processes} worker processes (one per training rank, reference "
+                         "model, critic, reward model and rollout engine that cannot share the actor rank's "
+                         "process)"),
+        (not backend_can, f"--train.backend {cfg.train.backend} cannot run its rank in the driver's process"),
+        (address, f"a Ray cluster is named ({named} {address})"),
+        (cfg.ray.dashboard, "--ray.dashboard asks for a Ray cluster")) if applies]
     if setting == "true" and reasons:
         raise ValueError("--ray.single_process true cannot be honoured: " + "; ".join(reasons))
     ray = sys.modules.get("ray")

@@ -43,18 +43,16 @@ SEAMS: dict[str, str] = {seam: f"rlhf_register_{seam}" for seam in SINGULAR}
 
 # Names the first-party packages register, so that asking for one that is missing says what to install.
 KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
-    "advantage_estimators": dict.fromkeys(
-        ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "opd"], "rlhf-algos"
-    ),
+    "advantage_estimators": dict.fromkeys(["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm",
+                                           "dr_grpo", "opd"], "rlhf-algos"),
     "policy_losses": dict.fromkeys(["ppo", "gspo"], "rlhf-algos"),
     "kl_estimators": dict.fromkeys(["k1", "k2", "k3"], "rlhf-algos"),
     "agent_executors": dict.fromkeys(["single_turn", "multi_turn", "openai_server"], "rlhf-agents"),
     "environments": {},
     "reward_sources": dict.fromkeys(["python_file", "http", "reward_model", "prm"], "rlhf-agents"),
     "post_processors": dict.fromkeys(["rs", "iter_dpo", "csft"], "rlhf-core"),
-    "placement_strategies": dict.fromkeys(
-        ["colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate"], "rlhf-cli"
-    ),
+    "placement_strategies": dict.fromkeys(["colocate_all", "colocate_actor_ref", "colocate_critic_reward",
+                                           "separate"], "rlhf-cli"),
     "rollout_engines": {"hf": "rlhf-core", "vllm": "rlhf-rollout-vllm[vllm]"},
     "train_backends": {"deepspeed": "rlhf-train-deepspeed"},
 }
@@ -98,11 +96,10 @@ class Registered:
     version: str
 
 
-def _env_list(var: str) -> list[str] | None:
+def _env_names(var: str) -> set[str] | None:
+    """The names listed in ``$var`` (comma-separated), normalised; None when it is unset."""
     value = os.environ.get(var)
-    if value is None:
-        return None
-    return [x.strip() for x in value.split(",") if x.strip()]
+    return None if value is None else {_normalise(x.strip()) for x in value.split(",") if x.strip()}
 
 
 def _normalise(name: str) -> str:
@@ -120,24 +117,17 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
     # plugin name -> (distribution, version), for provenance in `rlhf plugins` and run metadata
     pm.rlhf_distributions = {}
     if load_entrypoints:
-        only = _env_list("RLHF_LOAD_PLUGINS")
-        blocked = {_normalise(x) for x in (_env_list("RLHF_DISABLE_PLUGINS") or [])}
+        only, blocked = _env_names("RLHF_LOAD_PLUGINS"), _env_names("RLHF_DISABLE_PLUGINS") or set()
         for ep in md.entry_points(group=hookspecs.PROJECT):
             dist = ep.dist.name if ep.dist is not None else ep.name
             keys = {_normalise(dist), _normalise(ep.name)}
-            if keys & blocked:
-                continue
-            if only is not None and not keys & {_normalise(x) for x in only}:
-                continue
-            if pm.get_plugin(ep.name) is not None:
+            if keys & blocked or (only is not None and not keys & only) or pm.get_plugin(ep.name) is not None:
                 continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must say who it is
-                raise PluginError(
-                    f"could not load rlhf plugin {ep.name!r} ({ep.value}) from distribution {dist!r}: "
-                    f"{type(exc).__name__}: {exc}. {_skip_hint(dist)}"
-                ) from exc
+                raise PluginError(f"could not load rlhf plugin {ep.name!r} ({ep.value}) from distribution "
+                                  f"{dist!r}: {type(exc).__name__}: {exc}. {_skip_hint(dist)}") from exc
             pm.register(plugin, name=ep.name)
             pm.rlhf_distributions[ep.name] = (dist, ep.dist.version if ep.dist is not None else "")
     for name, plugin in _TEST_PLUGINS:
@@ -168,12 +158,9 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
         members = CLASS_MEMBERS[seam]
     else:
         proto = PROTOCOLS[seam]
-        members = sorted(
-            set(getattr(proto, "__annotations__", {}))
-            | {n for n, v in vars(proto).items() if callable(v) and (n == "__call__" or not n.startswith("_"))}
-        )
-    missing = [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]
-    if not missing:
+        members = sorted(set(getattr(proto, "__annotations__", {})) | {
+            n for n, v in vars(proto).items() if callable(v) and (n == "__call__" or not n.startswith("_"))})
+    if not (missing := [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]):
         return None
     attrs = [m for m in missing if m != "__call__"]
     faults = (["is not callable"] if "__call__" in missing else []) + ([f"has no {', '.join(attrs)}"] if attrs else [])
@@ -198,15 +185,12 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
             if not isinstance(name, str) or not name:
                 raise PluginError(f"{_where} registered a {seam} entry with an invalid name {name!r}")
             if name in out:
-                raise PluginError(
-                    f"{seam} name {name!r} is registered twice: by {out[name].distribution} and by {_dist}"
-                )
-            problem = protocol_problem(seam, obj)
-            if problem:
-                raise PluginError(
-                    f"{_where} registered {name!r} as {_a(SINGULAR[seam])}, but {problem}; "
-                    f"docs/plugin-hooks.md says what {_a(SINGULAR[seam])} provides. {_skip_hint(_dist)}"
-                )
+                raise PluginError(f"{seam} name {name!r} is registered twice: by {out[name].distribution} "
+                                  f"and by {_dist}")
+            if problem := protocol_problem(seam, obj):
+                what = _a(SINGULAR[seam])
+                raise PluginError(f"{_where} registered {name!r} as {what}, but {problem}; "
+                                  f"docs/plugin-hooks.md says what {what} provides. {_skip_hint(_dist)}")
             out[name] = Registered(seam, name, obj, _dist, _version)
 
         try:
@@ -226,12 +210,10 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
     what = f"{flag} {name}" if flag else repr(name)
     known = ", ".join(sorted(found)) or "none"
     msg = f"no {SINGULAR[seam]} named {name!r} (asked for by {what})."
-    close = difflib.get_close_matches(str(name), list(found), n=1)
-    if close:
+    if close := difflib.get_close_matches(str(name), list(found), n=1):
         msg += f" Did you mean {close[0]!r}?"
     msg += f" Registered: {known}."
-    provider = KNOWN_PROVIDERS.get(seam, {}).get(name)
-    if provider:
+    if provider := KNOWN_PROVIDERS.get(seam, {}).get(name):
         msg += f" {name!r} is provided by {provider}: pip install {provider}"
     raise PluginError(msg)
 
@@ -243,8 +225,7 @@ def describe(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
         dists.setdefault(dist, {"distribution": dist, "version": version, "seams": {}})
     for seam in SEAMS:
         for reg in collect(pm, seam).values():
-            entry = dists.setdefault(
-                reg.distribution, {"distribution": reg.distribution, "version": reg.version, "seams": {}}
-            )
+            entry = dists.setdefault(reg.distribution,
+                                     {"distribution": reg.distribution, "version": reg.version, "seams": {}})
             entry["seams"].setdefault(seam, []).append(reg.name)
     return sorted(dists.values(), key=lambda d: d["distribution"])

@@ -37,11 +37,8 @@ class RejectionSampling:
         pass
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
-        rows = []
-        for group in batch.groups:
-            best, _ = best_and_worst(group)
-            rows.append({"input": best.input, "output": best.output, "reward": best.reward})
-        return rows
+        best = [best_and_worst(group)[0] for group in batch.groups]
+        return [{"input": b.input, "output": b.output, "reward": b.reward} for b in best]
 
 
 class IterativeDPO:
@@ -53,14 +50,10 @@ class IterativeDPO:
         pass
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
-        rows = []
-        for group in batch.groups:
-            best, worst = best_and_worst(group)
-            if best.reward == worst.reward:
-                continue
-            rows.append({"prompt": best.input, "chosen": best.output, "chosen_reward": best.reward,
-                         "rejected": worst.output, "rejected_reward": worst.reward})
-        return rows
+        pairs = [best_and_worst(group) for group in batch.groups]
+        return [{"prompt": best.input, "chosen": best.output, "chosen_reward": best.reward,
+                 "rejected": worst.output, "rejected_reward": worst.reward}
+                for best, worst in pairs if best.reward != worst.reward]
 
 
 class ConditionalSFT:
@@ -72,8 +65,7 @@ class ConditionalSFT:
 
     def check(self, options: PostProcessOptions) -> None:
         template = options.reward_template or DEFAULT_CSFT_TEMPLATE
-        missing = [f for f in ("{input}", "{reward}") if f not in template]
-        if missing:
+        if missing := [f for f in ("{input}", "{reward}") if f not in template]:
             raise ValueError(f"--generate.reward_template {template!r} must contain {' and '.join(missing)}")
         try:
             template.format(input="", reward="")

@@ -95,8 +95,5 @@ class MetricsWriter:
 
 def _plain(v):
     """JSON-safe scalars: tensors become floats, non-finite floats become null."""
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
+    v = v.item() if hasattr(v, "item") else v
+    return None if isinstance(v, float) and not math.isfinite(v) else v

@@ -62,20 +62,16 @@ class PRMTokens:
 def prm_tokens(tokenizer: Any, placeholder: str | None, reward_tokens: list[str] | None) -> PRMTokens:
     """Resolve ``--prm.placeholder_token`` and ``--prm.reward_tokens`` to single token ids."""
     if not placeholder:
-        raise SetupError(
-            "rlhf train prm needs --prm.placeholder_token (OpenRLHF: --placeholder_token), the marker the "
-            "dataset puts after every step"
-        )
+        raise SetupError("rlhf train prm needs --prm.placeholder_token (OpenRLHF: --placeholder_token), the "
+                         "marker the dataset puts after every step")
     pid = single_token_id(tokenizer, placeholder, "--prm.placeholder_token")
     ids = None
     if reward_tokens is not None:
         if len(reward_tokens) < 2:
             raise SetupError(f"--prm.reward_tokens {reward_tokens}: give at least two tokens, positive first")
         if len(set(reward_tokens)) != len(reward_tokens) or placeholder in reward_tokens:
-            raise SetupError(
-                f"--prm.reward_tokens {reward_tokens}: the tokens must differ from each other and from "
-                f"--prm.placeholder_token {placeholder!r}"
-            )
+            raise SetupError(f"--prm.reward_tokens {reward_tokens}: the tokens must differ from each other "
+                             f"and from --prm.placeholder_token {placeholder!r}")
         ids = [single_token_id(tokenizer, t, "--prm.reward_tokens") for t in reward_tokens]
     return PRMTokens(placeholder, pid, list(reward_tokens) if reward_tokens else None, ids)
 

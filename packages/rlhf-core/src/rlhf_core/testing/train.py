@@ -40,11 +40,9 @@ def micro_batches() -> list[SequenceBatch]:
 def policy_micro_batches() -> list[PolicyMicroBatch]:
     """On-policy micro-batches (no old log-probs): the PPO ratio is 1, so the token-mean loss is
     ``-sum_i A_i |y_i| / sum_i |y_i|`` = -(3 - 1 - 2 + 2) / 8 = -0.25."""
-    out = []
-    for k, seq in enumerate(micro_batches()):
-        adv = torch.tensor(ADVANTAGES[2 * k:2 * k + 2])[:, None] * seq.response_mask().float()
-        out.append(PolicyMicroBatch(seq, None, adv, rollout_logprobs=None))
-    return out
+    adv = torch.tensor(ADVANTAGES).view(2, 2, 1)
+    return [PolicyMicroBatch(seq, None, adv[k] * seq.response_mask().float(), rollout_logprobs=None)
+            for k, seq in enumerate(micro_batches())]
 
 
 def reference_logprobs(state: dict[str, torch.Tensor], model_dir: str) -> list[list[float]]:

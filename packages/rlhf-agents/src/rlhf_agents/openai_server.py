@@ -137,8 +137,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     async def run_agent(self, base_url: str, prompt: str, label: Any) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} must implement async run_agent(base_url, prompt, label) (subclass "
-            f"rlhf_agents.OpenAIServerAgentExecutor in the --train.agent_func_path file)"
-        )
+            f"rlhf_agents.OpenAIServerAgentExecutor in the --train.agent_func_path file)")
 
     # --- the server ----------------------------------------------------------------------------------
 
@@ -193,10 +192,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             value = body.get(key)
             if value is not None and value != getattr(session.params, key) and key not in self._warned:
                 self._warned.add(key)
-                logger.warning(
-                    "the agent asked for %s=%s; the run's %s=%s is used (the trainer recomputes log-probs with it)",
-                    key, value, key, getattr(session.params, key),
-                )
+                logger.warning("the agent asked for %s=%s; the run's %s=%s is used (the trainer recomputes "
+                               "log-probs with it)", key, value, key, getattr(session.params, key))
         return session, body
 
     async def _handle_models(self, request: Any) -> Any:
@@ -240,8 +237,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if choice not in ("auto", "none"):
             raise _BadRequest(
                 f"tool_choice={json.dumps(choice)} is not supported: forcing a call would sample the policy off its "
-                "own distribution; use 'auto' (the model decides) or 'none'"
-            )
+                "own distribution; use 'auto' (the model decides) or 'none'")
         return tools, bool(tools) and choice == "auto"
 
     @staticmethod
@@ -262,9 +258,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
         def template(msgs: list[dict], with_tools: list | None) -> str:
             try:
-                return session.tokenizer.apply_chat_template(
-                    msgs, tools=with_tools, tokenize=False, add_generation_prompt=True
-                )
+                return session.tokenizer.apply_chat_template(msgs, tools=with_tools, tokenize=False,
+                                                             add_generation_prompt=True)
             except Exception as exc:
                 raise _BadRequest(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
 
@@ -298,18 +293,14 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                             {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids})
 
     @staticmethod
-    def _answer(
-        id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict
-    ) -> Any:
+    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int],
+                choice: dict) -> Any:
         """An OpenAI response object of ``kind`` with one choice."""
         from aiohttp import web
 
         return web.json_response({
-            "id": f"{id_prefix}-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": body.get("model", "policy"),
-            "choices": [{"index": 0, **choice}],
+            "id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": body.get("model", "policy"), "choices": [{"index": 0, **choice}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
                       "total_tokens": len(ids) + len(out_ids)},
         })
@@ -334,12 +325,9 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             asked = body.get("max_completion_tokens") or body.get("max_tokens") or session.params.max_new_tokens
             if not isinstance(asked, int) or asked < 1:
                 raise _BadRequest("max_tokens must be a positive integer")
-            params = dataclasses.replace(
-                session.params,
-                n=1,
-                max_new_tokens=min(asked, session.params.max_new_tokens, room),
-                seed=None if session.params.seed is None else derive_seed(session.params.seed, "turn", session.calls),
-            )
+            seed, most = session.params.seed, min(asked, session.params.max_new_tokens, room)
+            seed = None if seed is None else derive_seed(seed, "turn", session.calls)
+            params = dataclasses.replace(session.params, n=1, max_new_tokens=most, seed=seed)
             (out,) = await session.engine.generate(GenerationRequest(prompt_ids=list(ids), params=params))
             session.calls += 1
             session.finish = out.finish_reason
@@ -398,23 +386,12 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         try:
             return await asyncio.wait_for(self.run_agent(base_url, prompt, label), self.env_step_timeout)
         except asyncio.TimeoutError:
-            raise EpisodeFailure(
-                "env_timeout",
-                f"{self.agent_name()} took longer than --train.env_step_timeout {self.env_step_timeout:g} s",
-            ) from None
+            raise EpisodeFailure("env_timeout", f"{self.agent_name()} took longer than "
+                                 f"--train.env_step_timeout {self.env_step_timeout:g} s") from None
 
-    async def execute(
-        self,
-        prompt: str,
-        label: Any,
-        sampling_params: SamplingParams,
-        max_length: int,
-        hf_tokenizer: Any,
-        llm_engine: Any,
-        images: Any = None,
-        *,
-        prompt_ids: list[int] | None = None,
-    ) -> Trajectory:
+    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
+                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
+                      prompt_ids: list[int] | None = None) -> Trajectory:
         await self._start()
         sid = uuid.uuid4().hex
         session = _Session(hf_tokenizer, llm_engine, sampling_params, max_length, self.per_call_samples)
@@ -448,16 +425,9 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             segments = [s.to_trajectory() for s in session.segments]
             extra["per_call/samples"] = float(len(segments))
         return session.segments[-1].to_trajectory(
-            reward=reward,
-            score=score,
-            finish_reason=session.finish,
-            truncated=session.truncated,
-            prompt_text=prompt,
-            label=label,
-            error=error,
-            extra_logs={**extra, "num_turns": float(session.calls)},
-            segments=segments,
-        )
+            reward=reward, score=score, finish_reason=session.finish, truncated=session.truncated,
+            prompt_text=prompt, label=label, error=error,
+            extra_logs={**extra, "num_turns": float(session.calls)}, segments=segments)
 
     @staticmethod
     def _read_result(result: Any, where: str) -> tuple[float | None, float | None, dict, str | None]:

@@ -102,15 +102,8 @@ class RolloutWorker:
     latest call.
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        tokenizer: Any,
-        executor: AgentExecutorBase,
-        reward_source: RewardSource | None,
-        cfg: Any,
-        image_processing: Any = None,
-    ):
+    def __init__(self, engine: Any, tokenizer: Any, executor: AgentExecutorBase,
+                 reward_source: RewardSource | None, cfg: Any, image_processing: Any = None):
         if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
             from rlhf_core.rollout.async_engine import AsyncEngine
 
@@ -135,23 +128,15 @@ class RolloutWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(
-        cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None, reward_model_handle: Any = None,
-        image_processing: Any = None,
-    ) -> RolloutWorker:
+    def from_config(cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None,
+                    reward_model_handle: Any = None, image_processing: Any = None) -> RolloutWorker:
         """Executor and reward source resolved by name through the plugins of this process;
         ``image_processing``: a vision-language model's ``rlhf_core.vision.ImageProcessing``."""
         from rlhf_core.plugins import get_plugin_manager
 
         pm = pm if pm is not None else get_plugin_manager()
-        return cls(
-            engine,
-            tokenizer,
-            build_executor(cfg, pm),
-            build_reward_source(cfg, pm, reward_model_handle=reward_model_handle),
-            cfg,
-            image_processing,
-        )
+        reward_source = build_reward_source(cfg, pm, reward_model_handle=reward_model_handle)
+        return cls(engine, tokenizer, build_executor(cfg, pm), reward_source, cfg, image_processing)
 
     # --- the public calls ---------------------------------------------------------------------------
 
@@ -164,13 +149,10 @@ class RolloutWorker:
     async def arollout(self, prompts: Sequence[dict], sampling: SamplingParams, step: int) -> list[Trajectory]:
         start = time.perf_counter()
         rows = [self._read_row(row, row_index) for row_index, row in enumerate(prompts)]
-        trajectories = await _gather_all(
-            [
-                self._episode(text, ids, label, uid, i, self._sample_params(sampling, step, uid, i), images)
-                for text, ids, label, uid, images in rows
-                for i in range(sampling.n)
-            ]
-        )
+        trajectories = await _gather_all([
+            self._episode(text, ids, label, uid, i, dataclasses.replace(
+                sampling, n=1, seed=derive_seed(self.seed, step, uid, i)), images)
+            for text, ids, label, uid, images in rows for i in range(sampling.n)])
         generated = time.perf_counter()
         await self._score(trajectories)
         scored = time.perf_counter()
@@ -192,14 +174,10 @@ class RolloutWorker:
 
     # --- the steps ----------------------------------------------------------------------------------
 
-    def _sample_params(self, sampling: SamplingParams, step: int, uid: Any, index: int) -> SamplingParams:
-        return dataclasses.replace(sampling, n=1, seed=derive_seed(self.seed, step, uid, index))
-
     def _read_row(self, row: Any, row_index: int) -> tuple[str, list[int], Any, Any, list]:
         if not isinstance(row, dict):
-            raise TypeError(
-                f"prompt row {row_index} is a {describe(row)}; expected a dict with 'prompt_text' or 'prompt_ids'"
-            )
+            raise TypeError(f"prompt row {row_index} is a {describe(row)}; expected a dict with "
+                            "'prompt_text' or 'prompt_ids'")
         text, ids = row.get("prompt_text"), row.get("prompt_ids")
         if text is None and ids is None:
             raise ValueError(f"prompt row {row_index} has neither 'prompt_text' nor 'prompt_ids' (keys: {sorted(row)})")
@@ -214,17 +192,14 @@ class RolloutWorker:
     ) -> Trajectory:
         with_images = {"images": images} if images else {}  # executors written for text models need not take them
         engine = EngineClock(self.engine) if self.episode_timeout else self.engine
-        episode = self.executor.execute(
-            text, label, params, self.max_len, self.tokenizer, engine, prompt_ids=list(ids), **with_images
-        )
+        episode = self.executor.execute(text, label, params, self.max_len, self.tokenizer, engine,
+                                        prompt_ids=list(ids), **with_images)
         if self.episode_timeout:
             episode = self._bounded_episode(episode, engine, text, ids, label, images)
         traj = await episode
         if not isinstance(traj, Trajectory):
-            raise TypeError(
-                f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected an "
-                f"rlhf_core.types.Trajectory"
-            )
+            raise TypeError(f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected "
+                            "an rlhf_core.types.Trajectory")
         traj.prompt_uid, traj.sample_index = uid, index
         traj.prompt_text = traj.prompt_text or text
         traj.label = label if traj.label is None else traj.label
@@ -262,8 +237,7 @@ class RolloutWorker:
         if self.reward_source is None:
             raise ValueError(
                 f"{len(pending)} samples need a reward but no reward source is configured: set "
-                f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path"
-            )
+                f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path")
         decode = self.tokenizer.decode
         images = self.executor.image_processing
 
@@ -274,21 +248,16 @@ class RolloutWorker:
             return decode(ids, skip_special_tokens=False)
 
         request = RewardRequest(
-            queries=[query(t) for t in pending],
-            prompts=[t.prompt_text for t in pending],
-            labels=[t.label for t in pending],
-            prompt_ids=[list(t.prompt_ids) for t in pending],
+            queries=[query(t) for t in pending], prompts=[t.prompt_text for t in pending],
+            labels=[t.label for t in pending], prompt_ids=[list(t.prompt_ids) for t in pending],
             response_ids=[list(t.response_ids) for t in pending],
             finish_reasons=[t.finish_reason for t in pending],
-            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending],
-        )
+            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending])
         result = await self.reward_source.score(request)
         where = self._reward_source_name()
         if len(result.rewards) != len(pending) or len(result.scores) != len(pending):
-            raise ValueError(
-                f"reward source {where} returned {len(result.rewards)} rewards and {len(result.scores)} scores "
-                f"for {len(pending)} samples"
-            )
+            raise ValueError(f"reward source {where} returned {len(result.rewards)} rewards and "
+                             f"{len(result.scores)} scores for {len(pending)} samples")
         for k, traj in enumerate(pending):
             traj.reward = result.rewards[k]
             if traj.reward is None:
@@ -323,9 +292,8 @@ class RolloutWorker:
             )
         return True
 
-    def _metrics(
-        self, trajectories: list[Trajectory], drifted: int | None, generate_s: float, reward_s: float
-    ) -> dict[str, float]:
+    def _metrics(self, trajectories: list[Trajectory], drifted: int | None, generate_s: float,
+                 reward_s: float) -> dict[str, float]:
         n = len(trajectories)
         rewards = [t.reward for t in trajectories if t.reward is not None]
         metrics = {
@@ -357,13 +325,9 @@ class RolloutWorker:
             return
         causes = Counter(k.removeprefix("error/") for t in failed for k in t.extra_logs if k.startswith("error/"))
         first_errors = list(dict.fromkeys(t.error for t in failed if t.error))[:3]
-        sources = []
-        if self.reward_source is not None:
-            sources.append(f"reward source: {self._reward_source_name()}")
-        if self.agent_file:
-            sources.append(f"agent file: {self.agent_file}")
-        if self.agent_command:
-            sources.append(f"agent command: {self.agent_command}")
+        sources = [f"reward source: {self._reward_source_name()}"] if self.reward_source is not None else []
+        agent = (("file", self.agent_file), ("command", self.agent_command))
+        sources += [f"agent {what}: {value}" for what, value in agent if value]
         raise RolloutFailureError(
             f"step {step}: {len(failed)} of {len(trajectories)} samples could not be scored, more than "
             f"--reward.max_failure_fraction {self.max_failure_fraction:g}"

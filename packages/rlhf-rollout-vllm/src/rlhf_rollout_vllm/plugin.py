@@ -65,8 +65,8 @@ class VLLMEngineFactory:
         """What vLLM cannot run in this configuration, found in the driver (and ``--dry-run``) before any worker
         starts; None when nothing is wrong. On any device: vLLM's Qwen-VL model code imports transformers'
         torchvision image processor, so a vision-language run needs a torchvision that imports; a LoRA policy's
-        rank must be one vLLM serves (512 at most). On CPU only:
-        no sleep mode, attention heads of at least 32 dimensions. A hub id (no local config) is judged by flags."""
+        rank must be one vLLM serves (512 at most). On CPU only: no sleep mode, attention heads of at least 32
+        dimensions. A hub id (no local config) is judged by flags."""
         import torch
 
         if cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
@@ -110,14 +110,10 @@ class VLLMEngineFactory:
         v = cfg.vllm
         precision = resolve_param_dtype(cfg.ds.param_dtype)
         kwargs = {
-            "model_name_or_path": cfg.actor.model_name_or_path,
-            "dtype": precision,
-            "tensor_parallel_size": v.tensor_parallel_size,
-            "gpu_memory_utilization": v.gpu_memory_utilization,
-            "enable_prefix_caching": v.enable_prefix_caching,
-            "enforce_eager": v.enforce_eager,
-            "enable_sleep": v.enable_sleep,
-            "seed": cfg.train.seed + index,
+            "model_name_or_path": cfg.actor.model_name_or_path, "dtype": precision,
+            "tensor_parallel_size": v.tensor_parallel_size, "enable_prefix_caching": v.enable_prefix_caching,
+            "gpu_memory_utilization": v.gpu_memory_utilization, "enforce_eager": v.enforce_eager,
+            "enable_sleep": v.enable_sleep, "seed": cfg.train.seed + index,
             "lora_rank": cfg.ds.lora.rank,  # a LoRA policy's syncs send adapters, which vLLM serves as such
         }
         import torch
@@ -128,10 +124,9 @@ class VLLMEngineFactory:
             model = AutoConfig.from_pretrained(cfg.actor.model_name_or_path)
             model = getattr(model, "text_config", model)
             heads = model.num_attention_heads
-            max_len = min(cfg.data.max_len, model.max_position_embeddings)
+            kwargs["max_model_len"] = max_len = min(cfg.data.max_len, model.max_position_embeddings)
             seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             dtype = getattr(torch, DTYPES.get(precision, precision))
-            kwargs["max_model_len"] = max_len
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                 model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,
                 getattr(model, "head_dim", None) or model.hidden_size // heads, dtype.itemsize,

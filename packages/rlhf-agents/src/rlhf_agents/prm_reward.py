@@ -146,11 +146,8 @@ class PRMRewardFactory:
 
     def create(self, cfg: Any) -> RewardSource:
         r = cfg.reward
-        prm = ProcessRewardModel(
-            r.model_name_or_path,
-            step_separator=r.prm_step_separator.encode("latin-1", "backslashreplace").decode("unicode_escape"),
-            max_len=cfg.data.max_len,
-            batch_size=cfg.rollout.micro_batch_size,
-            dtype=resolve_param_dtype(cfg.ds.param_dtype),
-        )
+        separator = r.prm_step_separator.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        prm = ProcessRewardModel(r.model_name_or_path, step_separator=separator, max_len=cfg.data.max_len,
+                                 batch_size=cfg.rollout.micro_batch_size,
+                                 dtype=resolve_param_dtype(cfg.ds.param_dtype))
         return PRMRewardSource(prm, r.prm_aggregation, description=f"PRM {r.model_name_or_path}")

@@ -152,9 +152,7 @@ class RewardModelWorkers:
     """
 
     def __init__(self, group, pad_token_id: int, micro_batch_size: int):
-        self.group = group
-        self.pad = pad_token_id
-        self.micro = micro_batch_size
+        self.group, self.pad, self.micro = group, pad_token_id, micro_batch_size
 
     def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
         from rlhf_core.batches import make_sequence_batch

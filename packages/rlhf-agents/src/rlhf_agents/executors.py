@@ -366,9 +366,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return done, feedback, new_params
 
 
-def fit_feedback(
-    ids: list[int], images: list[ImageInput], room: int, image_token_id: int | None
-) -> tuple[list[int], list[ImageInput]]:
+def fit_feedback(ids: list[int], images: list[ImageInput], room: int,
+                 image_token_id: int | None) -> tuple[list[int], list[ImageInput]]:
     """The longest prefix of ``ids`` (image tokens expanded) within ``room`` tokens that cuts no image in two,
     and the images whose tokens it holds: an image that does not fit ends the prefix before it."""
     if not images:

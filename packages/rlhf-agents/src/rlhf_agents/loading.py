@@ -54,6 +54,5 @@ def load_symbol(path: str | Path, symbol: str, flag: str) -> Any:
     if not hasattr(module, symbol):
         defined = sorted(n for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, ModuleType))
         raise UserCodeError(
-            f"{flag} {path}: the file defines no {symbol!r}; it defines: {', '.join(defined) or 'nothing'}"
-        )
+            f"{flag} {path}: the file defines no {symbol!r}; it defines: {', '.join(defined) or 'nothing'}")
     return getattr(module, symbol)

@@ -117,8 +117,7 @@ class PRMRewardSource(RewardSource):
         n = len(request.queries)
         result = empty_result(n)
         responses = request.responses if len(request.responses) == n else [
-            q[len(p):] if q.startswith(p) else q for q, p in zip(request.queries, request.prompts)
-        ]
+            q[len(p):] if q.startswith(p) else q for q, p in zip(request.queries, request.prompts)]
         try:
             # in a thread: the forward must not block the rollout's event loop
             steps = await asyncio.to_thread(self.prm.step_scores, list(request.prompts), list(responses))

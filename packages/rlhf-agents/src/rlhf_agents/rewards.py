@@ -251,10 +251,8 @@ class HttpRewardSource(RewardSource):
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
             self._session_loop = loop  # a session belongs to the loop it was made on
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=self.max_concurrency),
-            )
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency))
             self._slots = asyncio.Semaphore(self.max_concurrency)
         return self._session
 

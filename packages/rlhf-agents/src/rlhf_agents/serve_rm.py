@@ -60,8 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use_ms", action="store_true", help="Not supported (ModelScope): refused with a message.")
     p.add_argument("--api_key", "--api-key", dest="api_key", default=None,
                    help=f"Require 'Authorization: Bearer KEY' on /get_reward (default: ${API_KEY_ENV}).")
-    p.add_argument("--insecure", action="store_true",
-                   help="Allow a non-loopback --host without an API key.")
+    p.add_argument("--insecure", action="store_true", help="Allow a non-loopback --host without an API key.")
     p.add_argument("--max_body_bytes", type=int, default=8 * 1024 * 1024, help="Larger request bodies get 413.")
     p.add_argument("--max_batch", type=int, default=1024, help="Requests with more queries get 422.")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])

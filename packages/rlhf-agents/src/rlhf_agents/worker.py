@@ -187,9 +187,8 @@ class RolloutWorker:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return text, list(ids), row.get("label"), row.get("prompt_uid", row_index), list(row.get("images") or [])
 
-    async def _episode(
-        self, text: str, ids: list[int], label: Any, uid: Any, index: int, params: SamplingParams, images: list
-    ) -> Trajectory:
+    async def _episode(self, text: str, ids: list[int], label: Any, uid: Any, index: int,
+                       params: SamplingParams, images: list) -> Trajectory:
         with_images = {"images": images} if images else {}  # executors written for text models need not take them
         engine = EngineClock(self.engine) if self.episode_timeout else self.engine
         episode = self.executor.execute(text, label, params, self.max_len, self.tokenizer, engine,
@@ -205,9 +204,8 @@ class RolloutWorker:
         traj.label = label if traj.label is None else traj.label
         return traj
 
-    async def _bounded_episode(
-        self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int], label: Any, images: list
-    ) -> Any:
+    async def _bounded_episode(self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int],
+                               label: Any, images: list) -> Any:
         """The executor's ``episode`` (on ``clock``), ended once its own time (not counting its waits for the
         engine) passes ``--train.episode_timeout``: then unscorable, counted in ``error/episode_timeout``."""
         start = time.monotonic()
@@ -296,18 +294,15 @@ class RolloutWorker:
                  reward_s: float) -> dict[str, float]:
         n = len(trajectories)
         rewards = [t.reward for t in trajectories if t.reward is not None]
-        metrics = {
-            "rollout/samples": float(n),
-            "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
-            "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
-            "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
-            "reward/mean": _mean(rewards),
-            "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
-            "reward/unscorable": float(n - len(rewards)),
-            "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
-            "timing/generate_s": generate_s,
-            "timing/reward_s": reward_s,
-        }
+        metrics = {"rollout/samples": float(n),
+                   "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
+                   "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
+                   "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
+                   "reward/mean": _mean(rewards),
+                   "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
+                   "reward/unscorable": float(n - len(rewards)),
+                   "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
+                   "timing/generate_s": generate_s, "timing/reward_s": reward_s}
         if drifted is not None:
             metrics["tokenize/drift_samples"] = float(drifted)
         logged: dict[str, list[float]] = {}

@@ -77,11 +77,10 @@ def import_vllm():
 
 def to_vllm_sampling_params(vllm: Any, params: SamplingParams, seed: int) -> Any:
     """One sample of a request as ``vllm.SamplingParams`` (``n=1``, its own seed, sampled log-prob only)."""
-    return vllm.SamplingParams(
-        n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-        max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens,
-        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, seed=seed, logprobs=0,
-        detokenize=False)
+    return vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                               top_k=max(params.top_k, 0), max_tokens=params.max_new_tokens,
+                               min_tokens=params.min_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                               ignore_eos=params.ignore_eos, seed=seed, logprobs=0, detokenize=False)
 
 
 def to_generation_output(completion: Any) -> GenerationOutput:

@@ -59,10 +59,8 @@ async def call_user(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 async def new_instance(cls: type) -> Any:
-    """``cls()``, also when ``cls`` defines ``async def __init__`` (plain ``cls()`` raises TypeError then).
-
-    A plain ``__init__`` runs in a thread: environments may do slow set-up there.
-    """
+    """``cls()``, also when ``cls`` defines ``async def __init__`` (plain ``cls()`` raises TypeError then); a
+    plain ``__init__`` runs in a thread: environments may do slow set-up there."""
     if inspect.iscoroutinefunction(cls.__init__):
         obj = cls.__new__(cls)
         await obj.__init__()
@@ -188,11 +186,9 @@ class EpisodeFailure(Exception):
 
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
-    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done.
-
-    Every turn may generate at most ``sampling_params.max_new_tokens`` tokens and the whole episode (prompt
-    and response) at most ``max_length``; an episode that reaches ``max_length`` ends with ``truncated``.
-    """
+    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done. Every
+    turn may generate at most ``sampling_params.max_new_tokens`` tokens and the whole episode (prompt and
+    response) at most ``max_length``; an episode that reaches ``max_length`` ends with ``truncated``."""
 
     def __init__(self, agent_instance_cls: type):
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):

@@ -31,12 +31,10 @@ def right_padded(seqs: list[list[int]], pad_id: int, device: Any) -> tuple[Any, 
 
 
 class RewardModelScorer:
-    """A reward model loaded from a local HF directory, scoring batches of sequences.
-
-    Sequences longer than ``max_len`` keep their last ``max_len`` tokens (the reward is read at the end).
-    With ``normalize``, rewards become ``(r - mean) / std`` using ``config.mean`` and ``config.std`` as
-    stored at RM training time.
-    """
+    """A reward model loaded from a local HF directory, scoring batches of sequences. Sequences longer than
+    ``max_len`` keep their last ``max_len`` tokens (the reward is read at the end). With ``normalize``,
+    rewards become ``(r - mean) / std`` using ``config.mean`` and ``config.std`` as stored at RM training
+    time."""
 
     def __init__(self, model_name_or_path: str, value_head_prefix: str = "score", normalize: bool = False,
                  max_len: int = 2048, batch_size: int = 16, dtype: str = "fp32",

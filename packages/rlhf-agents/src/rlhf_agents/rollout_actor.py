@@ -33,11 +33,9 @@ class OneThreadEngine(AsyncEngine):
 
 
 class RolloutActor:
-    """One rollout engine (resolved by name in this process) plus an ``rlhf_agents.RolloutWorker``.
-
-    The controller makes it a Ray actor; everything it is given is plain data (config, names), never a
-    plugin manager or a model.
-    """
+    """One rollout engine (resolved by name in this process) plus an ``rlhf_agents.RolloutWorker``. The
+    controller makes it a Ray actor; everything it is given is plain data (config, names), never a plugin
+    manager or a model."""
 
     def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None,
                  hosted: bool = False):
@@ -109,9 +107,8 @@ class RolloutActor:
     def weight_sync_ranks(self) -> int:
         """Ranks the engine takes in the weight-broadcast group (one per tensor-parallel worker), or 0 for an
         engine without ``init_weight_sync``, whose weights then come through the object store."""
-        if not hasattr(self.engine, "init_weight_sync"):
-            return 0
-        return getattr(self.engine, "tensor_parallel_size", 1)
+        syncs = hasattr(self.engine, "init_weight_sync")
+        return getattr(self.engine, "tensor_parallel_size", 1) if syncs else 0
 
     def init_weight_sync(self, **kwargs) -> None:
         """The engine joins the broadcast group (``master_addr``, ``master_port``, ``first_rank``,

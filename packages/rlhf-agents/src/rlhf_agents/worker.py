@@ -32,10 +32,8 @@ class RolloutFailureError(UserError, RuntimeError):
 
 def retokenization_drift(tokenizer: Any, ids: list[int]) -> int | None:
     """Where re-tokenizing the decoded text of ``ids`` first differs from ``ids``; None when it does not.
-
     Decoding keeps special tokens and encoding adds none, so only genuine text-level drift (merges across
-    turn boundaries, normalisation, lost bytes) shows up.
-    """
+    turn boundaries, normalisation, lost bytes) shows up."""
     again = encode(tokenizer, tokenizer.decode(ids, skip_special_tokens=False))
     if again == ids:
         return None

@@ -419,8 +419,7 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
         if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
             raise UserCodeError(
                 f"--train.agent_func_path {path}: AgentExecutor is a {describe(cls)}; expected a subclass of "
-                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)"
-            )
+                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)")
         where, args, error = f"--train.agent_func_path {path}: AgentExecutor", (), UserCodeError
     else:
         name = train.agent_executor or ("multi_turn" if train.env else "single_turn")

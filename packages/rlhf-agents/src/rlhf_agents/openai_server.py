@@ -108,8 +108,7 @@ def hermes_tools_block(tools: list) -> str:
     return (
         "You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
         f"{listed}\n</tools>\nTo call a function, reply with a JSON object inside tags:\n"
-        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 class OpenAIServerAgentExecutor(AgentExecutorBase):
@@ -302,8 +301,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             "id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
             "model": body.get("model", "policy"), "choices": [{"index": 0, **choice}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
-                      "total_tokens": len(ids) + len(out_ids)},
-        })
+                      "total_tokens": len(ids) + len(out_ids)}})
 
     @staticmethod
     def _reply_text(session: _Session, out_ids: list[int], finish: str, body: dict) -> str:
@@ -358,8 +356,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 "%s: model call %d of an episode does not extend the conversation so far (a chat template that "
                 "drops earlier turns' content, or edited history), so such episodes are trained as one sample per "
                 "call, all sharing the episode's reward (--train.per_call_samples auto; 'never' makes them "
-                "unscorable). This is logged once.", type(self).__name__, session.calls + 1,
-            )
+                "unscorable). This is logged once.", type(self).__name__, session.calls + 1)
         session.segments.append(TokenTrace(prompt_ids=list(ids)))
 
     def _violation(self, session: _Session, so_far: list[int], ids: list[int]) -> str:
@@ -370,8 +367,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             f"{len(so_far)} tokens of the conversation so far; they differ at token {pos} (expected "
             f"{decode(so_far[pos : pos + 8])!r}, got {decode(ids[pos : pos + 8])!r}). Re-rendering earlier "
             f"turns changed their tokens (chat template or re-tokenized replies): send the assistant replies "
-            f"back unchanged, or call /v1/completions with token ids"
-        )
+            f"back unchanged, or call /v1/completions with token ids")
         log_failure_once(logger, type(self).__name__, message)
         return message
 

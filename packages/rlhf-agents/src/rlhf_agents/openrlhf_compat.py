@@ -29,8 +29,7 @@ def _exports() -> dict[str, dict[str, object]]:
         "openrlhf": {},
         "openrlhf.utils": {"extract_boxed_answer": extract_boxed_answer, "grade_answer": grade_answer},
         "openrlhf.utils.agent": {"AgentInstanceBase": AgentInstanceBase, "AgentExecutorBase": AgentExecutorBase,
-                                 "MultiTurnAgentExecutor": MultiTurnAgentExecutor},
-    }
+                                 "MultiTurnAgentExecutor": MultiTurnAgentExecutor}}
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -50,8 +49,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             # ImportError, not AttributeError: `from m import x` would replace an AttributeError's message
             raise ImportError(
                 f"{module.__name__}.{attr} is OpenRLHF's, which is not installed; rlhf provides only "
-                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names"
-            )
+                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names")
 
         module.__getattr__ = __getattr__
 

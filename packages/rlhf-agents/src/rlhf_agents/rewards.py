@@ -369,8 +369,7 @@ class WeightedRewardSource(RewardSource):
     def __init__(self, parts: Sequence[tuple[str, float, RewardSource]]):
         self.parts = list(parts)
         self.description = " + ".join(
-            f"{w:g} * {getattr(src, 'description', name)}" for name, w, src in self.parts
-        )
+            f"{w:g} * {getattr(src, 'description', name)}" for name, w, src in self.parts)
 
     async def score(self, request: RewardRequest) -> RewardResult:
         results = await asyncio.gather(*(src.score(request) for _, _, src in self.parts))
@@ -464,8 +463,7 @@ def _pick(factories: dict[str, Any], cfg: Any) -> Any:
     if not accepted:
         raise PluginError(
             f"no reward source accepts {what!r} (registered: {', '.join(sorted(factories)) or 'none'}); a "
-            f"reward file must end in .py and a reward server URL start with http:// or https://"
-        )
+            f"reward file must end in .py and a reward server URL start with http:// or https://")
     if len(accepted) > 1:
         raise PluginError(f"reward sources {accepted} all accept {what!r}; pick one with --reward.source NAME")
     return factories[accepted[0]].obj

@@ -80,8 +80,7 @@ def check_bind(host: str, api_key: str | None, insecure: bool) -> str | None:
         return None
     return (
         f"refusing to listen on {host} without an API key: anyone who can reach this machine could use the "
-        f"reward model. Give --api_key KEY (or set ${API_KEY_ENV}), or --insecure to accept that."
-    )
+        f"reward model. Give --api_key KEY (or set ${API_KEY_ENV}), or --insecure to accept that.")
 
 
 def create_app(score_texts: Callable[[list[str]], list[float]], api_key: str | None = None,

@@ -284,8 +284,7 @@ class RolloutWorker:
                 "matters for code that works on text (reward functions, chat templates). Further drift is "
                 "counted in tokenize/drift_samples, not logged.",
                 traj.prompt_uid, traj.sample_index, pos, len(traj.prompt_ids), shown, redone,
-                self.tokenizer.decode(shown), self.tokenizer.decode(redone),
-            )
+                self.tokenizer.decode(shown), self.tokenizer.decode(redone))
         return True
 
     def _metrics(self, trajectories: list[Trajectory], drifted: int | None, generate_s: float,
@@ -326,6 +325,5 @@ class RolloutWorker:
             f"--reward.max_failure_fraction {self.max_failure_fraction:g}"
             + (f" ({'; '.join(sources)})" if sources else "")
             + f". Causes: {dict(causes) or 'unknown'}. First errors:\n  "
-            + "\n  ".join(first_errors)
-        )
+            + "\n  ".join(first_errors))
 

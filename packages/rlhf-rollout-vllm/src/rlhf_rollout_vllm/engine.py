@@ -70,8 +70,7 @@ def import_vllm():
     except ImportError as exc:
         raise ImportError(
             f"the vllm rollout engine needs vLLM, which is not installed here ({exc}). Install it with "
-            f"`{INSTALL_HINT}`, or use the built-in engine: --rollout.engine hf"
-        ) from exc
+            f"`{INSTALL_HINT}`, or use the built-in engine: --rollout.engine hf") from exc
     return vllm
 
 

@@ -131,8 +131,7 @@ class VLLMEngineFactory:
                 model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,
                 getattr(model, "head_dim", None) or model.hidden_size // heads, dtype.itemsize,
                 math.ceil(seqs / v.num_engines), max_len, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                v.gpu_memory_utilization, v.num_engines,
-            )
+                v.gpu_memory_utilization, v.num_engines)
         if cfg.data.max_images_per_prompt:  # vLLM sizes its multimodal budget by it
             kwargs["limit_mm_per_prompt"] = {"image": cfg.data.max_images_per_prompt}
         return kwargs

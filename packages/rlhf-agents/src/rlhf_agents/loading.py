@@ -1,7 +1,5 @@
 """Loading user Python files (reward functions, agents) by path, with errors that name the path and symbol.
-
-A user file runs with the trainer's privileges: it can do anything the training process can.
-"""
+A user file runs with the trainer's privileges: it can do anything the training process can."""
 
 from __future__ import annotations
 

@@ -93,11 +93,9 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict]]:
         end = match.end()
         for c in items:
             arguments = c.get("arguments", c.get("parameters", {}))
-            calls.append({
-                "id": f"{call_id}_{len(calls)}",
-                "type": "function",
-                "function": {"name": c["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
-            })
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+            calls.append({"id": f"{call_id}_{len(calls)}", "type": "function",
+                          "function": {"name": c["name"], "arguments": arguments}})
     content = ("".join(kept) + text[end:]).strip() if calls else text
     return (content or None), calls
 
@@ -416,9 +414,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if error is not None:
             reward = score = None
             extra[f"error/{kind}"] = 1.0
-        segments = []
-        if len(session.segments) > 1:
-            segments = [s.to_trajectory() for s in session.segments]
+        segments = [s.to_trajectory() for s in session.segments] if len(session.segments) > 1 else []
+        if segments:
             extra["per_call/samples"] = float(len(segments))
         return session.segments[-1].to_trajectory(
             reward=reward, score=score, finish_reason=session.finish, truncated=session.truncated,
@@ -439,9 +436,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if why is not None:
             return None, None, extra, f"{where} returned a bad reward: {why}"
         raw_score = result.get("score", result.get("scores"))
-        if raw_score is None:
-            return reward, reward, extra, None
-        score, why = check_reward_value(raw_score, "score")
+        score, why = (reward, None) if raw_score is None else check_reward_value(raw_score, "score")
         if why is not None:
             return None, None, extra, f"{where} returned a bad score: {why}"
         return reward, score, extra, None

@@ -1,9 +1,6 @@
 """Scoring with a reward model: an HF ``AutoModelForSequenceClassification`` whose value head (``score``)
-gives one number per sequence, read at its last non-pad token.
-
-Used by ``rlhf serve-rm`` (text in) and by the ``reward_model`` reward source when no Ray reward-model
-workers are given (token ids in).
-"""
+gives one number per sequence, read at its last non-pad token. Used by ``rlhf serve-rm`` (text in) and by the
+``reward_model`` reward source when no Ray reward-model workers are given (token ids in)."""
 
 from __future__ import annotations
 

@@ -316,14 +316,12 @@ class HttpRewardSource(RewardSource):
                     try:
                         return json.loads(text), url
                     except ValueError:
-                        raise RewardRequestError(
-                            f"reward server {shown} answered {status} with a body that is not JSON: {text[:200]!r}"
-                        ) from None
+                        raise RewardRequestError(f"reward server {shown} answered {status} with a body that "
+                                                 f"is not JSON: {text[:200]!r}") from None
                 last = f"{shown}: status {status}: {text[:200]!r}"
                 if status < 500 and status not in RETRIED_4XX:
-                    raise RewardRequestError(
-                        f"reward server {shown} refused the request (not retried): status {status}: {text[:200]!r}"
-                    )
+                    raise RewardRequestError(f"reward server {shown} refused the request (not retried): "
+                                             f"status {status}: {text[:200]!r}")
             if attempt + 1 < self.max_attempts:
                 await asyncio.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt)))
         raise RewardRequestError(f"reward server request failed after {self.max_attempts} attempts; last "

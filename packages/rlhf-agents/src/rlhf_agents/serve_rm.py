@@ -107,6 +107,7 @@ def create_app(score_texts: Callable[[list[str]], list[float]], api_key: str | N
     app = FastAPI(title="rlhf serve-rm", version=__version__,
                   description="A reward model over HTTP: POST /get_reward scores prompt+response texts.")
     model_lock = threading.Lock()  # one forward pass at a time; the model is not re-entrant
+    schema = {"application/json": {"schema": RewardQuery.model_json_schema()}}
 
     def scored(texts: list[str]) -> list[float]:
         with model_lock:
@@ -119,7 +120,6 @@ def create_app(score_texts: Callable[[list[str]], list[float]], api_key: str | N
     async def health() -> dict:
         return {"status": "ok"}
 
-    schema = {"application/json": {"schema": RewardQuery.model_json_schema()}}
     @app.post("/get_reward", response_model=RewardAnswer, responses={400: {}, 401: {}, 413: {}, 422: {}},
               openapi_extra={"requestBody": {"required": True, "content": schema}})
     async def get_reward(request: Request) -> Any:

@@ -1,8 +1,6 @@
 """The rollout worker: runs every episode of a batch of prompts concurrently, then scores them in batches.
-
 It is a plain class; the RL trainer hosts one per rollout engine inside a Ray actor (``arollout`` for an
-async actor, ``rollout`` otherwise). Nothing here imports Ray.
-"""
+async actor, ``rollout`` otherwise). Nothing here imports Ray."""
 
 from __future__ import annotations
 
@@ -58,9 +56,8 @@ class EngineClock:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        self.waited = 0.0
+        self.waited, self.since = 0.0, 0.0
         self.in_flight = 0  # generate calls of the episode not yet answered (an agent may make several at once)
-        self.since = 0.0
 
     async def generate(self, request: Any) -> Any:
         if self.in_flight == 0:

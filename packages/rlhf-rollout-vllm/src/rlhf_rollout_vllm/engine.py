@@ -177,8 +177,7 @@ class VLLMEngine(RolloutEngine):
             self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
             self.vocab_size = None
-        self._asleep = 0
-        self._weights_discarded = False
+        self._asleep, self._weights_discarded = 0, False
         self._lora_dir = tempfile.mkdtemp(prefix="rlhf-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) \
             if lora_rank > 0 else None
         self._lora_request = None  # the adapter of the last sync, served with every request

@@ -10,8 +10,7 @@ fixes: ``async def __init__`` works, and a failing or hanging environment ends o
 sample is marked unscorable and counted) instead of the whole step.
 
 Vision-language models: a prompt's images go with every request of its episode; an environment's
-``environment_images`` are processed once and appended like any feedback.
-"""
+``environment_images`` are processed once and appended like any feedback."""
 
 from __future__ import annotations
 
@@ -108,8 +107,7 @@ class AgentExecutorBase(ABC):
     (``rlhf_core.rollout.async_engine.AsyncEngine`` or a Ray engine handle wrapped the same way).
     ``prompt_ids`` are the prompt's token ids when the caller already has them (the rollout worker always
     passes them); they are used verbatim. A trajectory whose ``reward`` is None and ``error`` is None is
-    scored afterwards by the run's reward source, in batches.
-    """
+    scored afterwards by the run's reward source, in batches."""
 
     env_step_timeout: float | None = None
     """Seconds an environment call may take (set from ``--train.env_step_timeout``); None: no limit."""

@@ -15,8 +15,7 @@ file runs as it is (:mod:`rlhf_agents.openrlhf_compat` serves the import), and n
   same elements in any order (the solutions ``2, -3``).
 
 Model output is never evaluated as Python: an expression reaches sympy only when it consists of digits,
-operators, brackets, single-letter variables and ``sqrt``/``pi``, with no exponent above 99.
-"""
+operators, brackets, single-letter variables and ``sqrt``/``pi``, with no exponent above 99."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ per run of calls that do extend one another; a message says so once), ``always``
 ``never`` makes the episode unscorable with a *prefix violation* (``error/prefix_violation``).
 
 Tool calls (``tools``, ``tool_calls``) are supported in the Hermes format (:func:`parse_tool_calls`,
-``_render``); the package README has the details.
-"""
+``_render``); the package README has the details."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict]]:
     Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block (a JSON object, or a list of
     them) becomes a ``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}`` entry, ids
     ``f"{call_id}_{k}"``; the text outside the blocks is the content (None when blank). A block that is not such
-    JSON stays in the content, so a malformed call reads as text, as it would to a user.
-    """
+    JSON stays in the content, so a malformed call reads as text, as it would to a user."""
     calls: list[dict] = []
     kept: list[str] = []
     end = 0
@@ -117,8 +115,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text.
 
     The run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request
-    may ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only.
-    """
+    may ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only."""
 
     host = "127.0.0.1"
     per_call_samples: str = "auto"
@@ -127,7 +124,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
         self._runner: Any = None
-        self._start_lock: asyncio.Lock | None = None
+        self._start_lock = asyncio.Lock()
         self._warned: set[str] = set()
         self.port: int | None = None
 
@@ -141,8 +138,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     async def _start(self) -> None:
         from aiohttp import web
 
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._runner is not None:
                 return

@@ -9,8 +9,7 @@ rlhf has the same names with the same contracts (:mod:`rlhf_agents.executors`, :
 When OpenRLHF is not installed, :func:`install` puts a finder at the end of ``sys.meta_path`` that answers
 for ``openrlhf``, ``openrlhf.utils`` and ``openrlhf.utils.agent`` with modules holding only those names; any
 other ``openrlhf`` module stays missing, and a missing name says which ones are offered. A real OpenRLHF
-install wins: the finder is consulted last, after the one that finds installed packages.
-"""
+install wins: the finder is consulted last, after the one that finds installed packages."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ among the reward tokens, at the marker. The sample's reward aggregates the step 
 ``last``, ``mean`` or ``prod``). Each sample's step scores come back in ``RewardResult.step_scores``; the
 RL metrics get ``prm/steps`` and ``prm/min_step``, ``prm/mean_step``, ``prm/last_step``.
 
-The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``), not on Ray workers.
-"""
+The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``), not on Ray workers."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Every source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) an
 sample. A sample the source cannot score gets ``reward`` None and an ``error``: its reward function
 raised, returned None/NaN/Inf, or the call's output cannot be matched to its samples (wrong length or
 type, named with the file, function, expected and actual). Downstream such samples are left out of
-baselines and the loss, and counted.
-"""
+baselines and the loss, and counted."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[A
 
     Accepts OpenRLHF's ``{"rewards": [n], "scores": [n], "extra_logs": {key: [n]}}`` (lists, tensors or
     arrays) or a bare list/tensor of rewards. Raises RewardContractError on a wrong length or type; per-sample
-    values are checked later (None/NaN make only their sample unscorable).
-    """
+    values are checked later (None/NaN make only their sample unscorable)."""
     if isinstance(raw, dict):
         if "rewards" not in raw:
             raise RewardContractError(
@@ -142,8 +140,7 @@ class PythonFileRewardSource(RewardSource):
 
     Besides the three lists, it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and
     ``responses`` that its signature names (all of them when it takes ``**kwargs``). When a call raises, the
-    batch is split in halves and retried, so that only the samples that make it raise become unscorable.
-    """
+    batch is split in halves and retried, so that only the samples that make it raise become unscorable."""
 
     KWARGS = ("prompt_ids", "response_ids", "finish_reasons", "responses")
 
@@ -221,8 +218,7 @@ class HttpRewardSource(RewardSource):
     request goes to the URL with the fewest requests in flight), at most ``max_concurrency`` at a time over
     one shared connection pool. A request that times out, cannot connect, or gets a 5xx, 408 or 429 is
     retried, up to ``max_attempts`` attempts in all, after an exponential backoff with full jitter (and on
-    another URL when there is one); any other 4xx is not retried.
-    """
+    another URL when there is one); any other 4xx is not retried."""
 
     def __init__(self, urls: Sequence[str], timeout: float = 180.0, max_attempts: int = 5,
                  max_concurrency: int = 32, request_batch_size: int = 64, backoff_base: float = 0.5,
@@ -490,8 +486,7 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
     - ``--reward.remote_url``: a ``.py`` reward file, or http(s) URLs of one reward server (load-balanced).
     - ``--reward.model_name_or_path``: a reward model.
     - ``--reward.weights w1,w2,...``: each remote_url entry (then the reward model, when set) is its own
-      source, combined as a weighted sum; name and weight are None for a single unweighted source.
-    """
+      source, combined as a weighted sum; name and weight are None for a single unweighted source."""
     pm = pm if pm is not None else get_plugin_manager()
     reward = cfg.reward
     if reward.func is not None:

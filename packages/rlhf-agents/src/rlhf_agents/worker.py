@@ -94,8 +94,7 @@ class RolloutWorker:
     sampled ``sampling.n`` times; sample ``i`` of prompt ``uid`` at step ``step`` draws with seed
     ``derive_seed(cfg.train.seed, step, uid, i)``, so a resumed run samples the same tokens. Trajectories
     come back prompt by prompt, samples of one prompt consecutive. ``last_metrics`` holds the metrics of the
-    latest call.
-    """
+    latest call."""
 
     def __init__(self, engine: Any, tokenizer: Any, executor: AgentExecutorBase,
                  reward_source: RewardSource | None, cfg: Any, image_processing: Any = None):

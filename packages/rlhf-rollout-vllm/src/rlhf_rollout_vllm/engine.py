@@ -23,8 +23,7 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
   binding to the caller's thread count and turns chunked prefill off (``VLLMEngine.__init__`` says why).
 - a vision-language model's request goes in as vLLM's multimodal input: the token ids with one image
   placeholder per image (vLLM repeats it for the image itself) and ``multi_modal_data={"image": [...]}``
-  holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them.
-"""
+  holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them."""
 
 from __future__ import annotations
 
@@ -108,8 +107,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep: allow :meth:`sleep` / :meth:`wake_up` (vLLM sleep mode; refused on CPU).
         seed: engine seed (per-sample seeds still come from the requests).
         lora_rank: the LoRA rank of a policy whose syncs send adapters (0: full weights are sent).
-        **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ``kv_cache_memory_bytes``, ...).
-    """
+        **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ``kv_cache_memory_bytes``, ...)."""
 
     def __init__(self, model_name_or_path: str, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
@@ -282,8 +280,7 @@ class VLLMEngine(RolloutEngine):
         if self._asleep:
             return
         self.llm.sleep(level=level)
-        self._asleep = level
-        self._weights_discarded = self._weights_discarded or level == 2
+        self._asleep, self._weights_discarded = level, self._weights_discarded or level == 2
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Retake memory; ``tags`` (``["weights"]`` then ``["kv_cache"]``) wakes in stages to limit peaks."""

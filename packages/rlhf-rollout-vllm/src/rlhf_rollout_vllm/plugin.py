@@ -43,8 +43,7 @@ class VLLMEngineFactory:
     """The ``vllm`` rollout engine (:class:`rlhf_rollout_vllm.engine.VLLMEngine`).
 
     ``create(cfg, index=0, **overrides)`` builds one in this process; a caller that wants a Ray actor does
-    ``ray.remote(num_gpus=tp)(factory.engine_class()).remote(**factory.engine_kwargs(cfg, index))``.
-    """
+    ``ray.remote(num_gpus=tp)(factory.engine_class()).remote(**factory.engine_kwargs(cfg, index))``."""
 
     def available(self) -> str | None:
         try:

@@ -14,8 +14,7 @@ Either way, a layer whose weight is shared with another (tied input/output embed
 afterwards; see :func:`reprocess_tied_layers`. A LoRA policy's sync carries only its adapters
 (:mod:`rlhf_core.weight_sync`): they are not loaded into the model but written as a PEFT adapter directory
 (:func:`save_peft_adapter`), which the engine then serves with vLLM's LoRA support. This module does not
-import vLLM.
-"""
+import vLLM."""
 
 from __future__ import annotations
 

@@ -101,9 +101,8 @@ class TokenTrace:
 
 
 class AgentExecutorBase(ABC):
-    """Turns one prompt into one :class:`Trajectory`, token in and token out.
-
-    ``llm_engine`` has ``async generate(GenerationRequest) -> list[GenerationOutput]``
+    """Turns one prompt into one :class:`Trajectory`, token in and token out. ``llm_engine`` has
+    ``async generate(GenerationRequest) -> list[GenerationOutput]``
     (``rlhf_core.rollout.async_engine.AsyncEngine`` or a Ray engine handle wrapped the same way).
     ``prompt_ids`` are the prompt's token ids when the caller already has them (the rollout worker always
     passes them); they are used verbatim. A trajectory whose ``reward`` is None and ``error`` is None is

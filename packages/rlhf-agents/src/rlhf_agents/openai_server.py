@@ -70,12 +70,11 @@ def _content_text(content: Any) -> Any:
 
 
 def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict]]:
-    """Split a reply in the Hermes/Qwen tool-call format into OpenAI ``(content, tool_calls)``.
-
-    Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block (a JSON object, or a list of
-    them) becomes a ``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}`` entry, ids
-    ``f"{call_id}_{k}"``; the text outside the blocks is the content (None when blank). A block that is not such
-    JSON stays in the content, so a malformed call reads as text, as it would to a user."""
+    """Split a reply in the Hermes/Qwen tool-call format into OpenAI ``(content, tool_calls)``. Each
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block (a JSON object, or a list of them)
+    becomes a ``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}`` entry, ids
+    ``f"{call_id}_{k}"``; the text outside the blocks is the content (None when blank). A block that is not
+    such JSON stays in the content, so a malformed call reads as text, as it would to a user."""
     calls: list[dict] = []
     kept: list[str] = []
     end = 0
@@ -108,14 +107,12 @@ def hermes_tools_block(tools: list) -> str:
 
 
 class OpenAIServerAgentExecutor(AgentExecutorBase):
-    """Runs :meth:`run_agent` against a local OpenAI-compatible server and returns its token trace.
-
-    Subclass it and implement ``async run_agent(base_url, prompt, label)``: talk to ``base_url`` with any
-    OpenAI client (``api_key`` is not checked), and return the episode's reward (a number), a dict with
-    ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text.
-
-    The run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request
-    may ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only."""
+    """Runs :meth:`run_agent` against a local OpenAI-compatible server and returns its token trace. Subclass
+    it and implement ``async run_agent(base_url, prompt, label)``: talk to ``base_url`` with any OpenAI client
+    (``api_key`` is not checked), and return the episode's reward (a number), a dict with
+    ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text. The
+    run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request may
+    ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only."""
 
     host = "127.0.0.1"
     per_call_samples: str = "auto"

@@ -61,7 +61,6 @@ def _as_list(value: Any, n: int, where: str, key: str) -> list[Any]:
 
 def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[Any] | None, dict[str, list[Any]]]:
     """Split a reward call's output into per-sample ``rewards``, ``scores`` (or None) and ``extra_logs``.
-
     Accepts OpenRLHF's ``{"rewards": [n], "scores": [n], "extra_logs": {key: [n]}}`` (lists, tensors or
     arrays) or a bare list/tensor of rewards. Raises RewardContractError on a wrong length or type; per-sample
     values are checked later (None/NaN make only their sample unscorable)."""
@@ -135,12 +134,11 @@ def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
 
 
 class PythonFileRewardSource(RewardSource):
-    """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file (or the function itself, ``func``:
-    the Python API's ``reward_func=``), sync or async, called on batches.
-
-    Besides the three lists, it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and
-    ``responses`` that its signature names (all of them when it takes ``**kwargs``). When a call raises, the
-    batch is split in halves and retried, so that only the samples that make it raise become unscorable."""
+    """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file (or the function itself,
+    ``func``: the Python API's ``reward_func=``), sync or async, called on batches. Besides the three lists,
+    it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and ``responses`` that its
+    signature names (all of them when it takes ``**kwargs``). When a call raises, the batch is split in halves
+    and retried, so that only the samples that make it raise become unscorable."""
 
     KWARGS = ("prompt_ids", "response_ids", "finish_reasons", "responses")
 
@@ -212,13 +210,12 @@ RETRIED_4XX = (408, 429)
 
 
 class HttpRewardSource(RewardSource):
-    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads ``{"rewards", "scores", "extra_logs"}``.
-
-    A batch is split into requests of at most ``request_batch_size`` samples, spread over the URLs (each
-    request goes to the URL with the fewest requests in flight), at most ``max_concurrency`` at a time over
-    one shared connection pool. A request that times out, cannot connect, or gets a 5xx, 408 or 429 is
-    retried, up to ``max_attempts`` attempts in all, after an exponential backoff with full jitter (and on
-    another URL when there is one); any other 4xx is not retried."""
+    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads
+    ``{"rewards", "scores", "extra_logs"}``. A batch is split into requests of at most ``request_batch_size``
+    samples, spread over the URLs (each request goes to the URL with the fewest requests in flight), at most
+    ``max_concurrency`` at a time over one shared connection pool. A request that times out, cannot connect,
+    or gets a 5xx, 408 or 429 is retried, up to ``max_attempts`` attempts in all, after an exponential backoff
+    with full jitter (and on another URL when there is one); any other 4xx is not retried."""
 
     def __init__(self, urls: Sequence[str], timeout: float = 180.0, max_attempts: int = 5,
                  max_concurrency: int = 32, request_batch_size: int = 64, backoff_base: float = 0.5,

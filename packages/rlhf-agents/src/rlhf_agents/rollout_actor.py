@@ -139,9 +139,8 @@ class RolloutActor:
 
 
 class RewardModelWorkers:
-    """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out.
-
-    The driver runs it as a Ray actor on its own node, because the group handle it holds belongs to the train
+    """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out. The
+    driver runs it as a Ray actor on its own node, because the group handle it holds belongs to the train
     backend's package, which an inference node does not install; rollout actors reach it through
     :class:`RemoteRewardModel`. One actor also keeps the engines' calls from interleaving on the ranks."""
 

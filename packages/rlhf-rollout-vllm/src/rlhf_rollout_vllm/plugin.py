@@ -30,18 +30,16 @@ CPU_BLOCK_SIZE = 128  # tokens per KV-cache block, vLLM's CPU default
 def cpu_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_seqs: int,
                        max_len: int, memory_bytes: int, memory_fraction: float, num_engines: int) -> int:
     """KV-cache bytes for one CPU engine: room for all its sequences of a rollout at full length, at most
-    ``memory_fraction`` of the machine's memory split between the engines, at least one sequence.
-
-    A sequence takes ``ceil(max_len / CPU_BLOCK_SIZE)`` whole blocks of ``CPU_BLOCK_SIZE`` tokens, a token
-    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes. (vLLM's CPU default takes
-    most of the machine; short of room it preempts sequences, so the cap costs speed, never a failure.)"""
+    ``memory_fraction`` of the machine's memory split between the engines, at least one sequence. A sequence
+    takes ``ceil(max_len / CPU_BLOCK_SIZE)`` whole blocks of ``CPU_BLOCK_SIZE`` tokens, a token
+    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes. (vLLM's CPU default takes most
+    of the machine; short of room it preempts sequences, so the cap costs speed, never a failure.)"""
     per_seq = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * CPU_BLOCK_SIZE * math.ceil(max_len / CPU_BLOCK_SIZE)
     return max(per_seq, min(per_seq * num_seqs, int(memory_bytes * memory_fraction / num_engines)))
 
 
 class VLLMEngineFactory:
     """The ``vllm`` rollout engine (:class:`rlhf_rollout_vllm.engine.VLLMEngine`).
-
     ``create(cfg, index=0, **overrides)`` builds one in this process; a caller that wants a Ray actor does
     ``ray.remote(num_gpus=tp)(factory.engine_class()).remote(**factory.engine_kwargs(cfg, index))``."""
 

@@ -52,12 +52,11 @@ def save_peft_adapter(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str) -
 
 def reprocess_tied_layers(model: torch.nn.Module) -> int:
     """Run ``quant_method.process_weights_after_loading`` again on every layer whose ``weight`` parameter is
-    shared with another layer; returns how many were processed.
-
-    With tied embeddings the trainer sends only ``embed_tokens.weight`` and vLLM skips ``lm_head.*``, so the
-    LM head receives nothing. Where it reads the shared parameter (CUDA) that is enough; where it reads a copy
-    made at load time (the CPU build packs the head's weight for oneDNN), the head would keep the first
-    weights for good. Processing again repacks from the shared, updated parameter."""
+    shared with another layer; returns how many were processed. With tied embeddings the trainer sends only
+    ``embed_tokens.weight`` and vLLM skips ``lm_head.*``, so the LM head receives nothing. Where it reads the
+    shared parameter (CUDA) that is enough; where it reads a copy made at load time (the CPU build packs the
+    head's weight for oneDNN), the head would keep the first weights for good. Processing again repacks from
+    the shared, updated parameter."""
     owners: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None

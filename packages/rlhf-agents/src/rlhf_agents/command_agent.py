@@ -1,5 +1,4 @@
 """Agents that are programs: ``--train.agent_command "..."`` runs one process per episode, in any language.
-
 The program talks to the episode's OpenAI-compatible endpoint (:class:`OpenAIServerAgentExecutor`, its URL in
 ``OPENAI_BASE_URL``), which records the tokens; it reads the prompt row as one JSON object on stdin and prints
 its result last on stdout (:func:`parse_agent_output`). A program that exits non-zero, outlives

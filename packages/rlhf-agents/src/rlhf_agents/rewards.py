@@ -1,10 +1,9 @@
-"""Reward sources: a Python reward file, HTTP reward servers, a reward model, and weighted combinations.
-
-Every source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per
-sample. A sample the source cannot score gets ``reward`` None and an ``error``: its reward function
-raised, returned None/NaN/Inf, or the call's output cannot be matched to its samples (wrong length or
-type, named with the file, function, expected and actual). Downstream such samples are left out of
-baselines and the loss, and counted."""
+"""Reward sources: a Python reward file, HTTP reward servers, a reward model, and weighted combinations. Every
+source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per sample. A
+sample the source cannot score gets ``reward`` None and an ``error``: its reward function raised, returned
+None/NaN/Inf, or the call's output cannot be matched to its samples (wrong length or type, named with the
+file, function, expected and actual). Downstream such samples are left out of baselines and the loss, and
+counted."""
 
 from __future__ import annotations
 
@@ -368,8 +367,7 @@ class WeightedRewardSource(RewardSource):
         out = empty_result(n)
         for (name, _, _), res in zip(self.parts, results):
             out.extra_logs[f"reward/{name}"] = list(res.rewards)
-            for key, values in res.extra_logs.items():
-                out.extra_logs[f"{name}/{key}"] = list(values)
+            out.extra_logs.update({f"{name}/{key}": list(values) for key, values in res.extra_logs.items()})
         for i in range(n):
             total, total_score = 0.0, 0.0
             for (name, weight, _), res in zip(self.parts, results):

@@ -58,8 +58,5 @@ _FINDER = _Finder()
 
 def install() -> None:
     """Serve OpenRLHF's names to user files, unless OpenRLHF itself is importable. Idempotent."""
-    if _FINDER in sys.meta_path or "openrlhf" in sys.modules:
-        return
-    if importlib.util.find_spec("openrlhf") is not None:
-        return
-    sys.meta_path.append(_FINDER)
+    if not (_FINDER in sys.meta_path or "openrlhf" in sys.modules or importlib.util.find_spec("openrlhf")):
+        sys.meta_path.append(_FINDER)

@@ -256,9 +256,8 @@ class RolloutWorker:
                 traj.extra_logs["error/reward"] = 1.0
             else:
                 traj.score = result.scores[k] if result.scores[k] is not None else traj.reward
-            for key, values in result.extra_logs.items():
-                if values[k] is not None:
-                    traj.extra_logs[key] = float(values[k])
+            logs = result.extra_logs.items()
+            traj.extra_logs.update({key: float(values[k]) for key, values in logs if values[k] is not None})
 
     def _reward_source_name(self) -> str:
         return getattr(self.reward_source, "description", type(self.reward_source).__name__)

@@ -1,11 +1,8 @@
-"""rlhf-agents: how experience is collected, token in and token out.
-
-Agent executors (generate once; drive an environment with OpenRLHF's agent API; agent code on a local
-OpenAI-compatible endpoint), reward sources (:func:`build_reward_source`), the :class:`RolloutWorker` that
-runs a batch of prompts through them, ``rlhf serve-rm`` and a math-answer verifier (:func:`grade_answer`).
-OpenRLHF's agent and math reward files run as they are (:mod:`rlhf_agents.openrlhf_compat`). The package
-README describes each.
-"""
+"""rlhf-agents: how experience is collected, token in and token out. Agent executors (generate once; drive an
+environment with OpenRLHF's agent API; agent code on a local OpenAI-compatible endpoint), reward sources
+(:func:`build_reward_source`), the :class:`RolloutWorker` that runs a batch of prompts through them,
+``rlhf serve-rm`` and a math-answer verifier (:func:`grade_answer`). OpenRLHF's agent and math reward files
+run as they are (:mod:`rlhf_agents.openrlhf_compat`). The package README describes each."""
 
 import importlib.metadata
 
@@ -31,23 +28,8 @@ from rlhf_agents.worker import RolloutFailureError, RolloutWorker, retokenizatio
 
 # The version lives in pyproject.toml only; an installed distribution reports it.
 __version__ = importlib.metadata.version("rlhf-agents")
-__all__ = [
-    "AgentExecutorBase",
-    "AgentInstanceBase",
-    "HttpRewardSource",
-    "MultiTurnAgentExecutor",
-    "OpenAIServerAgentExecutor",
-    "PythonFileRewardSource",
-    "RewardModelSource",
-    "RolloutFailureError",
-    "RolloutWorker",
-    "SingleTurnAgentExecutor",
-    "TokenTrace",
-    "UserCodeError",
-    "WeightedRewardSource",
-    "build_executor",
-    "build_reward_source",
-    "extract_boxed_answer",
-    "grade_answer",
-    "retokenization_drift",
-]
+__all__ = ["AgentExecutorBase", "AgentInstanceBase", "HttpRewardSource", "MultiTurnAgentExecutor",
+           "OpenAIServerAgentExecutor", "PythonFileRewardSource", "RewardModelSource", "RolloutFailureError",
+           "RolloutWorker", "SingleTurnAgentExecutor", "TokenTrace", "UserCodeError", "WeightedRewardSource",
+           "build_executor", "build_reward_source", "extract_boxed_answer", "grade_answer",
+           "retokenization_drift"]

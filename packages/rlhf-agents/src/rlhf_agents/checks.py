@@ -22,10 +22,8 @@ def describe(value: Any) -> str:
 
 
 def to_float(value: Any) -> float:
-    """A Python float from a number, or a one-element torch tensor or numpy value.
-
-    Raises TypeError naming what the value was. NaN and Inf pass through: callers decide what they mean.
-    """
+    """A Python float from a number, or a one-element torch tensor or numpy value; raises TypeError naming
+    what the value was. NaN and Inf pass through: callers decide what they mean."""
     if isinstance(value, (bool, int, float)):
         return float(value)
     item = getattr(value, "item", None)
@@ -61,10 +59,8 @@ def check_reward_value(value: Any, what: str = "reward") -> tuple[float | None, 
 
 def log_failure_once(logger: logging.Logger, where: str, message: str, exc: BaseException | None = None) -> None:
     """Log a failure of user code with its traceback the first time it is seen, at debug level after that.
-
-    Failures are keyed by ``where`` and the frame that raised, so one bad line logs one traceback however
-    many samples hit it.
-    """
+    Keyed by ``where`` and the frame that raised: one bad line logs one traceback however many samples hit
+    it."""
     key: tuple[str, ...] = (where, message if exc is None else type(exc).__name__)
     if exc is not None and exc.__traceback__ is not None:
         last = traceback.extract_tb(exc.__traceback__)[-1]

@@ -10,8 +10,7 @@ fixes: ``async def __init__`` works, and a failing or hanging environment ends o
 sample is marked unscorable and counted) instead of the whole step.
 
 Vision-language models: a prompt's images go with every request of its episode; an environment's
-``environment_images`` are processed once and appended like any feedback.
-"""
+``environment_images`` are processed once and appended like any feedback."""
 
 from __future__ import annotations
 
@@ -59,10 +58,8 @@ async def call_user(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 async def new_instance(cls: type) -> Any:
-    """``cls()``, also when ``cls`` defines ``async def __init__`` (plain ``cls()`` raises TypeError then).
-
-    A plain ``__init__`` runs in a thread: environments may do slow set-up there.
-    """
+    """``cls()``, also when ``cls`` defines ``async def __init__`` (plain ``cls()`` raises TypeError then); a
+    plain ``__init__`` runs in a thread: environments may do slow set-up there."""
     if inspect.iscoroutinefunction(cls.__init__):
         obj = cls.__new__(cls)
         await obj.__init__()
@@ -87,9 +84,8 @@ class TokenTrace:
 
     def add_action(self, out: GenerationOutput) -> None:
         if len(out.token_ids) != len(out.logprobs):
-            raise ValueError(
-                f"the rollout engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} log-probs"
-            )
+            raise ValueError(f"the rollout engine returned {len(out.token_ids)} tokens but "
+                             f"{len(out.logprobs)} log-probs")
         self.response_ids += list(out.token_ids)
         self.action_mask += [1] * len(out.token_ids)
         self.logprobs += [float(x) for x in out.logprobs]
@@ -100,24 +96,17 @@ class TokenTrace:
         self.logprobs += [0.0] * len(ids)
 
     def to_trajectory(self, **kwargs: Any) -> Trajectory:
-        return Trajectory(
-            prompt_ids=list(self.prompt_ids),
-            response_ids=list(self.response_ids),
-            action_mask=list(self.action_mask),
-            rollout_logprobs=list(self.logprobs),
-            **kwargs,
-        )
+        return Trajectory(prompt_ids=list(self.prompt_ids), response_ids=list(self.response_ids),
+                          action_mask=list(self.action_mask), rollout_logprobs=list(self.logprobs), **kwargs)
 
 
 class AgentExecutorBase(ABC):
-    """Turns one prompt into one :class:`Trajectory`, token in and token out.
-
-    ``llm_engine`` has ``async generate(GenerationRequest) -> list[GenerationOutput]``
+    """Turns one prompt into one :class:`Trajectory`, token in and token out. ``llm_engine`` has
+    ``async generate(GenerationRequest) -> list[GenerationOutput]``
     (``rlhf_core.rollout.async_engine.AsyncEngine`` or a Ray engine handle wrapped the same way).
     ``prompt_ids`` are the prompt's token ids when the caller already has them (the rollout worker always
     passes them); they are used verbatim. A trajectory whose ``reward`` is None and ``error`` is None is
-    scored afterwards by the run's reward source, in batches.
-    """
+    scored afterwards by the run's reward source, in batches."""
 
     env_step_timeout: float | None = None
     """Seconds an environment call may take (set from ``--train.env_step_timeout``); None: no limit."""
@@ -129,18 +118,9 @@ class AgentExecutorBase(ABC):
     are dropped."""
 
     @abstractmethod
-    async def execute(
-        self,
-        prompt: str,
-        label: Any,
-        sampling_params: SamplingParams,
-        max_length: int,
-        hf_tokenizer: Any,
-        llm_engine: Any,
-        images: Any = None,
-        *,
-        prompt_ids: list[int] | None = None,
-    ) -> Trajectory: ...
+    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
+                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
+                      prompt_ids: list[int] | None = None) -> Trajectory: ...
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release what the executor holds (servers, connections)."""
@@ -149,41 +129,23 @@ class AgentExecutorBase(ABC):
 class SingleTurnAgentExecutor(AgentExecutorBase):
     """Generate once; the reward source scores the result (in batches, after the episodes finish)."""
 
-    async def execute(
-        self,
-        prompt: str,
-        label: Any,
-        sampling_params: SamplingParams,
-        max_length: int,
-        hf_tokenizer: Any,
-        llm_engine: Any,
-        images: Any = None,
-        *,
-        prompt_ids: list[int] | None = None,
-    ) -> Trajectory:
+    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
+                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
+                      prompt_ids: list[int] | None = None) -> Trajectory:
         ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
         trace = TokenTrace(prompt_ids=ids)
         if len(ids) >= max_length:  # no room to generate: unscorable
             return trace.to_trajectory(
-                finish_reason="length",
-                truncated=True,
-                prompt_text=prompt,
-                label=label,
+                finish_reason="length", truncated=True, prompt_text=prompt, label=label,
                 error=f"the prompt has {len(ids)} tokens, which leaves no room under max_len {max_length}",
-                extra_logs={"error/overlong_prompt": 1.0},
-            )
+                extra_logs={"error/overlong_prompt": 1.0})
         max_new = min(sampling_params.max_new_tokens, max_length - len(ids))
         params = dataclasses.replace(sampling_params, n=1, max_new_tokens=max_new)
         images = list(images or [])
         (out,) = await llm_engine.generate(GenerationRequest(prompt_ids=ids, params=params, images=images))
         trace.add_action(out)
-        return trace.to_trajectory(
-            finish_reason=out.finish_reason,
-            truncated=out.finish_reason == "length",
-            prompt_text=prompt,
-            label=label,
-            images=images,
-        )
+        return trace.to_trajectory(finish_reason=out.finish_reason, truncated=out.finish_reason == "length",
+                                   prompt_text=prompt, label=label, images=images)
 
 
 class AgentInstanceBase(ABC):
@@ -221,18 +183,14 @@ class EpisodeFailure(Exception):
 
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
-    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done.
-
-    Every turn may generate at most ``sampling_params.max_new_tokens`` tokens and the whole episode (prompt
-    and response) at most ``max_length``; an episode that reaches ``max_length`` ends with ``truncated``.
-    """
+    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done. Every
+    turn may generate at most ``sampling_params.max_new_tokens`` tokens and the whole episode (prompt and
+    response) at most ``max_length``; an episode that reaches ``max_length`` ends with ``truncated``."""
 
     def __init__(self, agent_instance_cls: type):
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
-            raise TypeError(
-                f"MultiTurnAgentExecutor needs a subclass of rlhf_agents.AgentInstanceBase, got "
-                f"{describe(agent_instance_cls)}"
-            )
+            raise TypeError("MultiTurnAgentExecutor needs a subclass of rlhf_agents.AgentInstanceBase, got "
+                            f"{describe(agent_instance_cls)}")
         self.agent_instance_cls = agent_instance_cls
         self.where = describe_class(agent_instance_cls)
 
@@ -240,11 +198,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         try:
             return await asyncio.wait_for(call_user(fn, *args), self.env_step_timeout)
         except asyncio.TimeoutError:
-            raise EpisodeFailure(
-                "env_timeout",
-                f"{self.where}.{method} took longer than --train.env_step_timeout "
-                f"{self.env_step_timeout:g} s; the episode was ended",
-            ) from None
+            raise EpisodeFailure("env_timeout", f"{self.where}.{method} took longer than "
+                                 f"--train.env_step_timeout {self.env_step_timeout:g} s; the episode "
+                                 "was ended") from None
         except Exception as exc:
             message = f"{method} raised {type(exc).__name__}: {exc}"
             log_failure_once(logger, self.where, message, exc)
@@ -255,18 +211,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         log_failure_once(logger, self.where, message)
         return EpisodeFailure("env_invalid", message)
 
-    async def execute(
-        self,
-        prompt: str,
-        label: Any,
-        sampling_params: SamplingParams,
-        max_length: int,
-        hf_tokenizer: Any,
-        llm_engine: Any,
-        images: Any = None,
-        *,
-        prompt_ids: list[int] | None = None,
-    ) -> Trajectory:
+    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
+                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
+                      prompt_ids: list[int] | None = None) -> Trajectory:
         ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
         trace = TokenTrace(prompt_ids=ids)
         state = {"reward": 0.0, "score": None, "extra": {}, "turns": 0, "finish": "stop", "truncated": False,
@@ -274,9 +221,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         instance, error = None, None
         try:
             instance = await self._env("__init__", new_instance, self.agent_instance_cls)
-            await self._run(
-                instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine
-            )
+            await self._run(instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer,
+                            llm_engine)
         except EpisodeFailure as failure:
             error = str(failure)
             state["extra"][f"error/{failure.kind}"] = 1.0
@@ -291,27 +237,12 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return trace.to_trajectory(
             reward=state["reward"] if scored else None,
             score=(state["reward"] if state["score"] is None else state["score"]) if scored else None,
-            finish_reason=state["finish"],
-            truncated=state["truncated"],
-            prompt_text=prompt,
-            label=label,
-            error=error,
-            extra_logs={**state["extra"], "num_turns": float(state["turns"])},
-            images=state["images"],
-        )
+            finish_reason=state["finish"], truncated=state["truncated"], prompt_text=prompt, label=label,
+            error=error, extra_logs={**state["extra"], "num_turns": float(state["turns"])},
+            images=state["images"])
 
-    async def _run(
-        self,
-        instance: Any,
-        trace: TokenTrace,
-        state: dict,
-        prompt: str,
-        label: Any,
-        params: SamplingParams,
-        max_length: int,
-        tokenizer: Any,
-        engine: Any,
-    ) -> None:
+    async def _run(self, instance: Any, trace: TokenTrace, state: dict, prompt: str, label: Any,
+                   params: SamplingParams, max_length: int, tokenizer: Any, engine: Any) -> None:
         reset = await self._env("reset", instance.reset, {"observation": prompt, "label": label})
         observation_text = reset.get("observation") if isinstance(reset, dict) else None
         if not isinstance(observation_text, str):
@@ -326,17 +257,12 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                                         f"{exc}") from None
         if len(trace) >= max_length:
             state["truncated"], state["finish"] = True, "length"
-            raise EpisodeFailure(
-                "overlong_prompt",
-                f"the prompt has {len(trace)} tokens, which leaves no room under max_len {max_length}",
-            )
+            raise EpisodeFailure("overlong_prompt", f"the prompt has {len(trace)} tokens, which leaves no "
+                                 f"room under max_len {max_length}")
         while True:
             turn_params = dataclasses.replace(
-                params,
-                n=1,
-                max_new_tokens=min(params.max_new_tokens, max_length - len(trace)),
-                seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]),
-            )
+                params, n=1, max_new_tokens=min(params.max_new_tokens, max_length - len(trace)),
+                seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]))
             context = trace.all_ids()
             request = GenerationRequest(prompt_ids=context, params=turn_params, images=list(state["images"]))
             (out,) = await engine.generate(request)
@@ -344,18 +270,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             state["turns"] += 1
             state["finish"] = out.finish_reason
             action_text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
-            result = await self._env(
-                "step",
-                instance.step,
-                {
-                    "observation_text": observation_text,
-                    "action_text": action_text,
-                    "label": label,
-                    "sampling_params": params,
-                    "observation_ids": context,
-                    "action_ids": list(out.token_ids),
-                },
-            )
+            result = await self._env("step", instance.step, {
+                "observation_text": observation_text, "action_text": action_text, "label": label,
+                "sampling_params": params, "observation_ids": context, "action_ids": list(out.token_ids)})
             done, feedback, params = self._read_step(result, state, params)
             observation_text += action_text + feedback
             feedback_ids = encode(tokenizer, feedback)
@@ -433,11 +350,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         elif new_params is None:
             new_params = params
         elif not isinstance(new_params, SamplingParams):
-            raise self._invalid(
-                "step",
-                f"returned sampling_params as {describe(new_params)}; expected rlhf_core.types.SamplingParams "
-                f"or a dict",
-            )
+            raise self._invalid("step", f"returned sampling_params as {describe(new_params)}; expected "
+                                "rlhf_core.types.SamplingParams or a dict")
         try:
             done = bool(result["done"])
         except Exception as exc:
@@ -445,9 +359,8 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return done, feedback, new_params
 
 
-def fit_feedback(
-    ids: list[int], images: list[ImageInput], room: int, image_token_id: int | None
-) -> tuple[list[int], list[ImageInput]]:
+def fit_feedback(ids: list[int], images: list[ImageInput], room: int,
+                 image_token_id: int | None) -> tuple[list[int], list[ImageInput]]:
     """The longest prefix of ``ids`` (image tokens expanded) within ``room`` tokens that cuts no image in two,
     and the images whose tokens it holds: an image that does not fit ends the prefix before it."""
     if not images:
@@ -503,8 +416,7 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
         if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
             raise UserCodeError(
                 f"--train.agent_func_path {path}: AgentExecutor is a {describe(cls)}; expected a subclass of "
-                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)"
-            )
+                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)")
         where, args, error = f"--train.agent_func_path {path}: AgentExecutor", (), UserCodeError
     else:
         name = train.agent_executor or ("multi_turn" if train.env else "single_turn")

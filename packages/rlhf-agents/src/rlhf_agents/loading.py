@@ -1,7 +1,5 @@
 """Loading user Python files (reward functions, agents) by path, with errors that name the path and symbol.
-
-A user file runs with the trainer's privileges: it can do anything the training process can.
-"""
+A user file runs with the trainer's privileges: it can do anything the training process can."""
 
 from __future__ import annotations
 
@@ -54,6 +52,5 @@ def load_symbol(path: str | Path, symbol: str, flag: str) -> Any:
     if not hasattr(module, symbol):
         defined = sorted(n for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, ModuleType))
         raise UserCodeError(
-            f"{flag} {path}: the file defines no {symbol!r}; it defines: {', '.join(defined) or 'nothing'}"
-        )
+            f"{flag} {path}: the file defines no {symbol!r}; it defines: {', '.join(defined) or 'nothing'}")
     return getattr(module, symbol)

@@ -15,8 +15,7 @@ file runs as it is (:mod:`rlhf_agents.openrlhf_compat` serves the import), and n
   same elements in any order (the solutions ``2, -3``).
 
 Model output is never evaluated as Python: an expression reaches sympy only when it consists of digits,
-operators, brackets, single-letter variables and ``sqrt``/``pi``, with no exponent above 99.
-"""
+operators, brackets, single-letter variables and ``sqrt``/``pi``, with no exponent above 99."""
 
 from __future__ import annotations
 
@@ -99,15 +98,11 @@ def _symbolic(s: str):
         return None  # only single-letter variables and known names: nothing else gets evaluated
     if re.search(r"\*\*\(?-?\d{3,}", s) or re.search(r"\*\*[^*]*\*\*", s):
         return None  # huge or stacked exponents
-    from sympy.parsing.sympy_parser import (
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
+    from sympy.parsing import sympy_parser as sp
 
     try:
-        return parse_expr(s, transformations=(*standard_transformations, implicit_multiplication_application),
-                          evaluate=True)
+        transformations = (*sp.standard_transformations, sp.implicit_multiplication_application)
+        return sp.parse_expr(s, transformations=transformations, evaluate=True)
     except Exception:  # not an expression after all ("1.2.3", unbalanced brackets)
         return None
 

@@ -12,8 +12,7 @@ per run of calls that do extend one another; a message says so once), ``always``
 ``never`` makes the episode unscorable with a *prefix violation* (``error/prefix_violation``).
 
 Tool calls (``tools``, ``tool_calls``) are supported in the Hermes format (:func:`parse_tool_calls`,
-``_render``); the package README has the details.
-"""
+``_render``); the package README has the details."""
 
 from __future__ import annotations
 
@@ -71,13 +70,11 @@ def _content_text(content: Any) -> Any:
 
 
 def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict]]:
-    """Split a reply in the Hermes/Qwen tool-call format into OpenAI ``(content, tool_calls)``.
-
-    Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block (a JSON object, or a list of
-    them) becomes a ``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}`` entry, ids
-    ``f"{call_id}_{k}"``; the text outside the blocks is the content (None when blank). A block that is not such
-    JSON stays in the content, so a malformed call reads as text, as it would to a user.
-    """
+    """Split a reply in the Hermes/Qwen tool-call format into OpenAI ``(content, tool_calls)``. Each
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block (a JSON object, or a list of them)
+    becomes a ``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}`` entry, ids
+    ``f"{call_id}_{k}"``; the text outside the blocks is the content (None when blank). A block that is not
+    such JSON stays in the content, so a malformed call reads as text, as it would to a user."""
     calls: list[dict] = []
     kept: list[str] = []
     end = 0
@@ -93,11 +90,9 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict]]:
         end = match.end()
         for c in items:
             arguments = c.get("arguments", c.get("parameters", {}))
-            calls.append({
-                "id": f"{call_id}_{len(calls)}",
-                "type": "function",
-                "function": {"name": c["name"], "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
-            })
+            arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+            calls.append({"id": f"{call_id}_{len(calls)}", "type": "function",
+                          "function": {"name": c["name"], "arguments": arguments}})
     content = ("".join(kept) + text[end:]).strip() if calls else text
     return (content or None), calls
 
@@ -108,20 +103,16 @@ def hermes_tools_block(tools: list) -> str:
     return (
         "You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
         f"{listed}\n</tools>\nTo call a function, reply with a JSON object inside tags:\n"
-        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 class OpenAIServerAgentExecutor(AgentExecutorBase):
-    """Runs :meth:`run_agent` against a local OpenAI-compatible server and returns its token trace.
-
-    Subclass it and implement ``async run_agent(base_url, prompt, label)``: talk to ``base_url`` with any
-    OpenAI client (``api_key`` is not checked), and return the episode's reward (a number), a dict with
-    ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text.
-
-    The run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request
-    may ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only.
-    """
+    """Runs :meth:`run_agent` against a local OpenAI-compatible server and returns its token trace. Subclass
+    it and implement ``async run_agent(base_url, prompt, label)``: talk to ``base_url`` with any OpenAI client
+    (``api_key`` is not checked), and return the episode's reward (a number), a dict with
+    ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text. The
+    run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request may
+    ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only."""
 
     host = "127.0.0.1"
     per_call_samples: str = "auto"
@@ -130,23 +121,20 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}
         self._runner: Any = None
-        self._start_lock: asyncio.Lock | None = None
+        self._start_lock = asyncio.Lock()
         self._warned: set[str] = set()
         self.port: int | None = None
 
     async def run_agent(self, base_url: str, prompt: str, label: Any) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} must implement async run_agent(base_url, prompt, label) (subclass "
-            f"rlhf_agents.OpenAIServerAgentExecutor in the --train.agent_func_path file)"
-        )
+            f"rlhf_agents.OpenAIServerAgentExecutor in the --train.agent_func_path file)")
 
     # --- the server ----------------------------------------------------------------------------------
 
     async def _start(self) -> None:
         from aiohttp import web
 
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
         async with self._start_lock:
             if self._runner is not None:
                 return
@@ -193,10 +181,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             value = body.get(key)
             if value is not None and value != getattr(session.params, key) and key not in self._warned:
                 self._warned.add(key)
-                logger.warning(
-                    "the agent asked for %s=%s; the run's %s=%s is used (the trainer recomputes log-probs with it)",
-                    key, value, key, getattr(session.params, key),
-                )
+                logger.warning("the agent asked for %s=%s; the run's %s=%s is used (the trainer recomputes "
+                               "log-probs with it)", key, value, key, getattr(session.params, key))
         return session, body
 
     async def _handle_models(self, request: Any) -> Any:
@@ -240,8 +226,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if choice not in ("auto", "none"):
             raise _BadRequest(
                 f"tool_choice={json.dumps(choice)} is not supported: forcing a call would sample the policy off its "
-                "own distribution; use 'auto' (the model decides) or 'none'"
-            )
+                "own distribution; use 'auto' (the model decides) or 'none'")
         return tools, bool(tools) and choice == "auto"
 
     @staticmethod
@@ -262,9 +247,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
         def template(msgs: list[dict], with_tools: list | None) -> str:
             try:
-                return session.tokenizer.apply_chat_template(
-                    msgs, tools=with_tools, tokenize=False, add_generation_prompt=True
-                )
+                return session.tokenizer.apply_chat_template(msgs, tools=with_tools, tokenize=False,
+                                                             add_generation_prompt=True)
             except Exception as exc:
                 raise _BadRequest(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
 
@@ -298,21 +282,16 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                             {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids})
 
     @staticmethod
-    def _answer(
-        id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict
-    ) -> Any:
+    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int],
+                choice: dict) -> Any:
         """An OpenAI response object of ``kind`` with one choice."""
         from aiohttp import web
 
         return web.json_response({
-            "id": f"{id_prefix}-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": body.get("model", "policy"),
-            "choices": [{"index": 0, **choice}],
+            "id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": body.get("model", "policy"), "choices": [{"index": 0, **choice}],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
-                      "total_tokens": len(ids) + len(out_ids)},
-        })
+                      "total_tokens": len(ids) + len(out_ids)}})
 
     @staticmethod
     def _reply_text(session: _Session, out_ids: list[int], finish: str, body: dict) -> str:
@@ -334,12 +313,9 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             asked = body.get("max_completion_tokens") or body.get("max_tokens") or session.params.max_new_tokens
             if not isinstance(asked, int) or asked < 1:
                 raise _BadRequest("max_tokens must be a positive integer")
-            params = dataclasses.replace(
-                session.params,
-                n=1,
-                max_new_tokens=min(asked, session.params.max_new_tokens, room),
-                seed=None if session.params.seed is None else derive_seed(session.params.seed, "turn", session.calls),
-            )
+            seed, most = session.params.seed, min(asked, session.params.max_new_tokens, room)
+            seed = None if seed is None else derive_seed(seed, "turn", session.calls)
+            params = dataclasses.replace(session.params, n=1, max_new_tokens=most, seed=seed)
             (out,) = await session.engine.generate(GenerationRequest(prompt_ids=list(ids), params=params))
             session.calls += 1
             session.finish = out.finish_reason
@@ -370,8 +346,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 "%s: model call %d of an episode does not extend the conversation so far (a chat template that "
                 "drops earlier turns' content, or edited history), so such episodes are trained as one sample per "
                 "call, all sharing the episode's reward (--train.per_call_samples auto; 'never' makes them "
-                "unscorable). This is logged once.", type(self).__name__, session.calls + 1,
-            )
+                "unscorable). This is logged once.", type(self).__name__, session.calls + 1)
         session.segments.append(TokenTrace(prompt_ids=list(ids)))
 
     def _violation(self, session: _Session, so_far: list[int], ids: list[int]) -> str:
@@ -382,8 +357,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             f"{len(so_far)} tokens of the conversation so far; they differ at token {pos} (expected "
             f"{decode(so_far[pos : pos + 8])!r}, got {decode(ids[pos : pos + 8])!r}). Re-rendering earlier "
             f"turns changed their tokens (chat template or re-tokenized replies): send the assistant replies "
-            f"back unchanged, or call /v1/completions with token ids"
-        )
+            f"back unchanged, or call /v1/completions with token ids")
         log_failure_once(logger, type(self).__name__, message)
         return message
 
@@ -398,23 +372,12 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         try:
             return await asyncio.wait_for(self.run_agent(base_url, prompt, label), self.env_step_timeout)
         except asyncio.TimeoutError:
-            raise EpisodeFailure(
-                "env_timeout",
-                f"{self.agent_name()} took longer than --train.env_step_timeout {self.env_step_timeout:g} s",
-            ) from None
+            raise EpisodeFailure("env_timeout", f"{self.agent_name()} took longer than "
+                                 f"--train.env_step_timeout {self.env_step_timeout:g} s") from None
 
-    async def execute(
-        self,
-        prompt: str,
-        label: Any,
-        sampling_params: SamplingParams,
-        max_length: int,
-        hf_tokenizer: Any,
-        llm_engine: Any,
-        images: Any = None,
-        *,
-        prompt_ids: list[int] | None = None,
-    ) -> Trajectory:
+    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
+                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
+                      prompt_ids: list[int] | None = None) -> Trajectory:
         await self._start()
         sid = uuid.uuid4().hex
         session = _Session(hf_tokenizer, llm_engine, sampling_params, max_length, self.per_call_samples)
@@ -443,21 +406,13 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if error is not None:
             reward = score = None
             extra[f"error/{kind}"] = 1.0
-        segments = []
-        if len(session.segments) > 1:
-            segments = [s.to_trajectory() for s in session.segments]
+        segments = [s.to_trajectory() for s in session.segments] if len(session.segments) > 1 else []
+        if segments:
             extra["per_call/samples"] = float(len(segments))
         return session.segments[-1].to_trajectory(
-            reward=reward,
-            score=score,
-            finish_reason=session.finish,
-            truncated=session.truncated,
-            prompt_text=prompt,
-            label=label,
-            error=error,
-            extra_logs={**extra, "num_turns": float(session.calls)},
-            segments=segments,
-        )
+            reward=reward, score=score, finish_reason=session.finish, truncated=session.truncated,
+            prompt_text=prompt, label=label, error=error,
+            extra_logs={**extra, "num_turns": float(session.calls)}, segments=segments)
 
     @staticmethod
     def _read_result(result: Any, where: str) -> tuple[float | None, float | None, dict, str | None]:
@@ -473,9 +428,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if why is not None:
             return None, None, extra, f"{where} returned a bad reward: {why}"
         raw_score = result.get("score", result.get("scores"))
-        if raw_score is None:
-            return reward, reward, extra, None
-        score, why = check_reward_value(raw_score, "score")
+        score, why = (reward, None) if raw_score is None else check_reward_value(raw_score, "score")
         if why is not None:
             return None, None, extra, f"{where} returned a bad score: {why}"
         return reward, score, extra, None

@@ -9,8 +9,7 @@ rlhf has the same names with the same contracts (:mod:`rlhf_agents.executors`, :
 When OpenRLHF is not installed, :func:`install` puts a finder at the end of ``sys.meta_path`` that answers
 for ``openrlhf``, ``openrlhf.utils`` and ``openrlhf.utils.agent`` with modules holding only those names; any
 other ``openrlhf`` module stays missing, and a missing name says which ones are offered. A real OpenRLHF
-install wins: the finder is consulted last, after the one that finds installed packages.
-"""
+install wins: the finder is consulted last, after the one that finds installed packages."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def _exports() -> dict[str, dict[str, object]]:
         "openrlhf": {},
         "openrlhf.utils": {"extract_boxed_answer": extract_boxed_answer, "grade_answer": grade_answer},
         "openrlhf.utils.agent": {"AgentInstanceBase": AgentInstanceBase, "AgentExecutorBase": AgentExecutorBase,
-                                 "MultiTurnAgentExecutor": MultiTurnAgentExecutor},
-    }
+                                 "MultiTurnAgentExecutor": MultiTurnAgentExecutor}}
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -50,8 +48,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             # ImportError, not AttributeError: `from m import x` would replace an AttributeError's message
             raise ImportError(
                 f"{module.__name__}.{attr} is OpenRLHF's, which is not installed; rlhf provides only "
-                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names"
-            )
+                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names")
 
         module.__getattr__ = __getattr__
 
@@ -61,8 +58,5 @@ _FINDER = _Finder()
 
 def install() -> None:
     """Serve OpenRLHF's names to user files, unless OpenRLHF itself is importable. Idempotent."""
-    if _FINDER in sys.meta_path or "openrlhf" in sys.modules:
-        return
-    if importlib.util.find_spec("openrlhf") is not None:
-        return
-    sys.meta_path.append(_FINDER)
+    if not (_FINDER in sys.meta_path or "openrlhf" in sys.modules or importlib.util.find_spec("openrlhf")):
+        sys.meta_path.append(_FINDER)

@@ -9,8 +9,7 @@ among the reward tokens, at the marker. The sample's reward aggregates the step 
 ``last``, ``mean`` or ``prod``). Each sample's step scores come back in ``RewardResult.step_scores``; the
 RL metrics get ``prm/steps`` and ``prm/min_step``, ``prm/mean_step``, ``prm/last_step``.
 
-The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``), not on Ray workers.
-"""
+The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``), not on Ray workers."""
 
 from __future__ import annotations
 
@@ -117,8 +116,7 @@ class PRMRewardSource(RewardSource):
         n = len(request.queries)
         result = empty_result(n)
         responses = request.responses if len(request.responses) == n else [
-            q[len(p):] if q.startswith(p) else q for q, p in zip(request.queries, request.prompts)
-        ]
+            q[len(p):] if q.startswith(p) else q for q, p in zip(request.queries, request.prompts)]
         try:
             # in a thread: the forward must not block the rollout's event loop
             steps = await asyncio.to_thread(self.prm.step_scores, list(request.prompts), list(responses))
@@ -146,11 +144,8 @@ class PRMRewardFactory:
 
     def create(self, cfg: Any) -> RewardSource:
         r = cfg.reward
-        prm = ProcessRewardModel(
-            r.model_name_or_path,
-            step_separator=r.prm_step_separator.encode("latin-1", "backslashreplace").decode("unicode_escape"),
-            max_len=cfg.data.max_len,
-            batch_size=cfg.rollout.micro_batch_size,
-            dtype=resolve_param_dtype(cfg.ds.param_dtype),
-        )
+        separator = r.prm_step_separator.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        prm = ProcessRewardModel(r.model_name_or_path, step_separator=separator, max_len=cfg.data.max_len,
+                                 batch_size=cfg.rollout.micro_batch_size,
+                                 dtype=resolve_param_dtype(cfg.ds.param_dtype))
         return PRMRewardSource(prm, r.prm_aggregation, description=f"PRM {r.model_name_or_path}")

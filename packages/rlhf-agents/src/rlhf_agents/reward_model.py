@@ -1,9 +1,6 @@
 """Scoring with a reward model: an HF ``AutoModelForSequenceClassification`` whose value head (``score``)
-gives one number per sequence, read at its last non-pad token.
-
-Used by ``rlhf serve-rm`` (text in) and by the ``reward_model`` reward source when no Ray reward-model
-workers are given (token ids in).
-"""
+gives one number per sequence, read at its last non-pad token. Used by ``rlhf serve-rm`` (text in) and by the
+``reward_model`` reward source when no Ray reward-model workers are given (token ids in)."""
 
 from __future__ import annotations
 
@@ -31,26 +28,15 @@ def right_padded(seqs: list[list[int]], pad_id: int, device: Any) -> tuple[Any, 
 
 
 class RewardModelScorer:
-    """A reward model loaded from a local HF directory, scoring batches of sequences.
+    """A reward model loaded from a local HF directory, scoring batches of sequences. Sequences longer than
+    ``max_len`` keep their last ``max_len`` tokens (the reward is read at the end). With ``normalize``,
+    rewards become ``(r - mean) / std`` using ``config.mean`` and ``config.std`` as stored at RM training
+    time."""
 
-    Sequences longer than ``max_len`` keep their last ``max_len`` tokens (the reward is read at the end).
-    With ``normalize``, rewards become ``(r - mean) / std`` using ``config.mean`` and ``config.std`` as
-    stored at RM training time.
-    """
-
-    def __init__(
-        self,
-        model_name_or_path: str,
-        value_head_prefix: str = "score",
-        normalize: bool = False,
-        max_len: int = 2048,
-        batch_size: int = 16,
-        dtype: str = "fp32",
-        attn_implementation: str = "sdpa",
-        use_fast_tokenizer: bool = True,
-        device: str | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-    ):
+    def __init__(self, model_name_or_path: str, value_head_prefix: str = "score", normalize: bool = False,
+                 max_len: int = 2048, batch_size: int = 16, dtype: str = "fp32",
+                 attn_implementation: str = "sdpa", use_fast_tokenizer: bool = True,
+                 device: str | None = None, model_kwargs: dict[str, Any] | None = None):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -59,34 +45,23 @@ class RewardModelScorer:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, use_fast=use_fast_tokenizer)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_name_or_path,
-            num_labels=1,
-            dtype=getattr(torch, DTYPES[dtype]),
-            attn_implementation=attn_implementation,
-            **(model_kwargs or {}),
-        ).to(self.device)
+            model_name_or_path, num_labels=1, dtype=getattr(torch, DTYPES[dtype]),
+            attn_implementation=attn_implementation, **(model_kwargs or {})).to(self.device)
         self.model.eval()
         self.head = getattr(self.model, value_head_prefix, None)
         if not isinstance(self.head, torch.nn.Module):
             children = ", ".join(name for name, _ in self.model.named_children())
-            raise ValueError(
-                f"--ds.value_head_prefix {value_head_prefix}: the model at {model_name_or_path} has no such "
-                f"module (it has: {children})"
-            )
-        self.pad_id = self.tokenizer.pad_token_id
-        if self.pad_id is None:
-            self.pad_id = self.tokenizer.eos_token_id or 0
-        self.max_len = max_len
-        self.batch_size = batch_size
+            raise ValueError(f"--ds.value_head_prefix {value_head_prefix}: the model at {model_name_or_path} "
+                             f"has no such module (it has: {children})")
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = (self.tokenizer.eos_token_id or 0) if pad is None else pad
+        self.max_len, self.batch_size = max_len, batch_size
         self.mean, self.std = 0.0, 1.0
         if normalize:
             mean, std = getattr(self.model.config, "mean", None), getattr(self.model.config, "std", None)
             if mean is None or std is None:
-                logger.warning(
-                    "--reward.normalize_enable: %s stores no mean/std in its config.json; rewards are not "
-                    "normalised",
-                    model_name_or_path,
-                )
+                logger.warning("--reward.normalize_enable: %s stores no mean/std in its config.json; rewards "
+                               "are not normalised", model_name_or_path)
             else:
                 self.mean, self.std = float(mean), max(float(std), 1e-8)
 
@@ -99,9 +74,8 @@ class RewardModelScorer:
             chunk = [list(s)[-self.max_len :] for s in sequences[start : start + self.batch_size]]
             ids, mask = right_padded(chunk, self.pad_id, self.device)
             with torch.no_grad():
-                # [b, L, H]
-                hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-                values = self.head(hidden).squeeze(-1).float()  # [b, L]
+                out = self.model.base_model(input_ids=ids, attention_mask=mask)
+                values = self.head(out.last_hidden_state).squeeze(-1).float()  # [b, L, H] -> [b, L]
             last = (mask.sum(-1) - 1).clamp(min=0)  # index of the last real token
             out = (values.gather(1, last[:, None]).squeeze(1) - self.mean) / self.std
             rewards += [float("nan") if len(seq) == 0 else float(r) for seq, r in zip(chunk, out.tolist())]
@@ -114,12 +88,7 @@ class RewardModelScorer:
     @classmethod
     def from_config(cls, cfg: Any) -> RewardModelScorer:
         """The reward model of ``cfg.reward.model_name_or_path``, in this process."""
-        return cls(
-            cfg.reward.model_name_or_path,
-            value_head_prefix=cfg.ds.value_head_prefix,
-            normalize=cfg.reward.normalize_enable,
-            max_len=cfg.data.max_len,
-            batch_size=cfg.rollout.micro_batch_size,
-            dtype=resolve_param_dtype(cfg.ds.param_dtype),
-            attn_implementation=cfg.ds.attn_implementation,
-        )
+        return cls(cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
+                   normalize=cfg.reward.normalize_enable, max_len=cfg.data.max_len,
+                   batch_size=cfg.rollout.micro_batch_size, dtype=resolve_param_dtype(cfg.ds.param_dtype),
+                   attn_implementation=cfg.ds.attn_implementation)

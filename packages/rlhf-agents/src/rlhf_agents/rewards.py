@@ -1,11 +1,9 @@
-"""Reward sources: a Python reward file, HTTP reward servers, a reward model, and weighted combinations.
-
-Every source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per
-sample. A sample the source cannot score gets ``reward`` None and an ``error``: its reward function
-raised, returned None/NaN/Inf, or the call's output cannot be matched to its samples (wrong length or
-type, named with the file, function, expected and actual). Downstream such samples are left out of
-baselines and the loss, and counted.
-"""
+"""Reward sources: a Python reward file, HTTP reward servers, a reward model, and weighted combinations. Every
+source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per sample. A
+sample the source cannot score gets ``reward`` None and an ``error``: its reward function raised, returned
+None/NaN/Inf, or the call's output cannot be matched to its samples (wrong length or type, named with the
+file, function, expected and actual). Downstream such samples are left out of baselines and the loss, and
+counted."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ def _as_list(value: Any, n: int, where: str, key: str) -> list[Any]:
         value = list(value)
     else:
         raise RewardContractError(
-            f"{where}: {key!r} is a {describe(value)}; expected a list or 1-d tensor of {n} numbers"
-        )
+            f"{where}: {key!r} is a {describe(value)}; expected a list or 1-d tensor of {n} numbers")
     if len(value) != n:
         raise RewardContractError(f"{where} returned {len(value)} {key} for a batch of {n} samples (expected {n})")
     return value
@@ -63,17 +60,14 @@ def _as_list(value: Any, n: int, where: str, key: str) -> list[Any]:
 
 def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[Any] | None, dict[str, list[Any]]]:
     """Split a reward call's output into per-sample ``rewards``, ``scores`` (or None) and ``extra_logs``.
-
     Accepts OpenRLHF's ``{"rewards": [n], "scores": [n], "extra_logs": {key: [n]}}`` (lists, tensors or
     arrays) or a bare list/tensor of rewards. Raises RewardContractError on a wrong length or type; per-sample
-    values are checked later (None/NaN make only their sample unscorable).
-    """
+    values are checked later (None/NaN make only their sample unscorable)."""
     if isinstance(raw, dict):
         if "rewards" not in raw:
             raise RewardContractError(
                 f"{where} returned a dict without 'rewards' (keys: {sorted(raw)}); expected "
-                f"{{'rewards': [{n} numbers], 'scores': [...], 'extra_logs': {{...}}}}"
-            )
+                f"{{'rewards': [{n} numbers], 'scores': [...], 'extra_logs': {{...}}}}")
         rewards = _as_list(raw["rewards"], n, where, "rewards")
         scores = None if raw.get("scores") is None else _as_list(raw["scores"], n, where, "scores")
         extra_raw = raw.get("extra_logs") or {}
@@ -81,8 +75,8 @@ def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[A
         rewards, scores, extra_raw = _as_list(raw, n, where, "rewards"), None, {}
     else:
         raise RewardContractError(
-            f"{where} returned a {describe(raw)}; expected a dict with 'rewards' (a list or tensor of {n} numbers)"
-        )
+            f"{where} returned a {describe(raw)}; expected a dict with 'rewards' (a list or tensor of {n} "
+            "numbers)")
     extra: dict[str, list[Any]] = {}
     if not isinstance(extra_raw, dict):
         log_failure_once(logger, where, f"'extra_logs' is a {describe(extra_raw)}, not a dict; it is not logged")
@@ -108,12 +102,8 @@ def fail_samples(result: RewardResult, indices: Iterable[int], where: str, messa
     return result
 
 
-def fill_result(
-    result: RewardResult,
-    indices: Sequence[int],
-    parsed: tuple[list[Any], list[Any] | None, dict[str, list[Any]]],
-    where: str,
-) -> None:
+def fill_result(result: RewardResult, indices: Sequence[int],
+                parsed: tuple[list[Any], list[Any] | None, dict[str, list[Any]]], where: str) -> None:
     """Write parsed outputs for the samples ``indices`` of ``result``; None/NaN/Inf/non-numbers become errors."""
     rewards, scores, extra = parsed
     n_total = len(result.rewards)
@@ -134,24 +124,20 @@ def fill_result(
 def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
     """The samples ``indices`` of ``request`` (list fields that are empty stay empty)."""
     n = len(request.queries)
-    picked = {}
-    for f in dataclasses.fields(request):
-        value = getattr(request, f.name)
-        picked[f.name] = [value[i] for i in indices] if isinstance(value, list) and len(value) == n else value
-    return RewardRequest(**picked)
+    values = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+    return RewardRequest(**{k: [v[i] for i in indices] if isinstance(v, list) and len(v) == n else v
+                            for k, v in values.items()})
 
 
 # --- a Python reward file -------------------------------------------------------------------------------------
 
 
 class PythonFileRewardSource(RewardSource):
-    """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file (or the function itself, ``func``:
-    the Python API's ``reward_func=``), sync or async, called on batches.
-
-    Besides the three lists, it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and
-    ``responses`` that its signature names (all of them when it takes ``**kwargs``). When a call raises, the
-    batch is split in halves and retried, so that only the samples that make it raise become unscorable.
-    """
+    """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file (or the function itself,
+    ``func``: the Python API's ``reward_func=``), sync or async, called on batches. Besides the three lists,
+    it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and ``responses`` that its
+    signature names (all of them when it takes ``**kwargs``). When a call raises, the batch is split in halves
+    and retried, so that only the samples that make it raise become unscorable."""
 
     KWARGS = ("prompt_ids", "response_ids", "finish_reasons", "responses")
 
@@ -179,8 +165,7 @@ class PythonFileRewardSource(RewardSource):
         except TypeError as exc:
             raise UserCodeError(
                 f"{where}{sig} cannot be called as reward_func(queries, prompts, labels, **kwargs) with kwargs "
-                f"from {list(self.KWARGS)}: {exc}"
-            ) from None
+                f"from {list(self.KWARGS)}: {exc}") from None
 
     async def score(self, request: RewardRequest) -> RewardResult:
         result = empty_result(len(request.queries))
@@ -192,9 +177,8 @@ class PythonFileRewardSource(RewardSource):
         part = subset(request, indices)
         kwargs = {k: getattr(part, k) for k in self.kwargs}
         try:
-            raw = await asyncio.wait_for(
-                call_user(self.func, part.queries, part.prompts, part.labels, **kwargs), self.timeout
-            )
+            call = call_user(self.func, part.queries, part.prompts, part.labels, **kwargs)
+            raw = await asyncio.wait_for(call, self.timeout)
             parsed = parse_reward_output(raw, len(indices), self.description)
         except RewardContractError as exc:
             fail_samples(result, indices, self.description, str(exc))
@@ -225,25 +209,16 @@ RETRIED_4XX = (408, 429)
 
 
 class HttpRewardSource(RewardSource):
-    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads ``{"rewards", "scores", "extra_logs"}``.
+    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads
+    ``{"rewards", "scores", "extra_logs"}``. A batch is split into requests of at most ``request_batch_size``
+    samples, spread over the URLs (each request goes to the URL with the fewest requests in flight), at most
+    ``max_concurrency`` at a time over one shared connection pool. A request that times out, cannot connect,
+    or gets a 5xx, 408 or 429 is retried, up to ``max_attempts`` attempts in all, after an exponential backoff
+    with full jitter (and on another URL when there is one); any other 4xx is not retried."""
 
-    A batch is split into requests of at most ``request_batch_size`` samples, spread over the URLs (each
-    request goes to the URL with the fewest requests in flight), at most ``max_concurrency`` at a time over
-    one shared connection pool. A request that times out, cannot connect, or gets a 5xx, 408 or 429 is
-    retried, up to ``max_attempts`` attempts in all, after an exponential backoff with full jitter (and on
-    another URL when there is one); any other 4xx is not retried.
-    """
-
-    def __init__(
-        self,
-        urls: Sequence[str],
-        timeout: float = 180.0,
-        max_attempts: int = 5,
-        max_concurrency: int = 32,
-        request_batch_size: int = 64,
-        backoff_base: float = 0.5,
-        backoff_max: float = 30.0,
-    ):
+    def __init__(self, urls: Sequence[str], timeout: float = 180.0, max_attempts: int = 5,
+                 max_concurrency: int = 32, request_batch_size: int = 64, backoff_base: float = 0.5,
+                 backoff_max: float = 30.0):
         if not urls:
             raise ValueError("HttpRewardSource needs at least one URL")
         for url in urls:
@@ -255,8 +230,7 @@ class HttpRewardSource(RewardSource):
         self.max_attempts = max(1, max_attempts)
         self.max_concurrency = max(1, max_concurrency)
         self.request_batch_size = max(1, request_batch_size)
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
+        self.backoff_base, self.backoff_max = backoff_base, backoff_max
         self._in_flight = dict.fromkeys(self.urls, 0)
         self._turn = 0
         self._session: Any = None
@@ -269,10 +243,8 @@ class HttpRewardSource(RewardSource):
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
             self._session_loop = loop  # a session belongs to the loop it was made on
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                connector=aiohttp.TCPConnector(limit=self.max_concurrency),
-            )
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency))
             self._slots = asyncio.Semaphore(self.max_concurrency)
         return self._session
 
@@ -336,19 +308,16 @@ class HttpRewardSource(RewardSource):
                     try:
                         return json.loads(text), url
                     except ValueError:
-                        raise RewardRequestError(
-                            f"reward server {shown} answered {status} with a body that is not JSON: {text[:200]!r}"
-                        ) from None
+                        raise RewardRequestError(f"reward server {shown} answered {status} with a body that "
+                                                 f"is not JSON: {text[:200]!r}") from None
                 last = f"{shown}: status {status}: {text[:200]!r}"
                 if status < 500 and status not in RETRIED_4XX:
-                    raise RewardRequestError(
-                        f"reward server {shown} refused the request (not retried): status {status}: {text[:200]!r}"
-                    )
+                    raise RewardRequestError(f"reward server {shown} refused the request (not retried): "
+                                             f"status {status}: {text[:200]!r}")
             if attempt + 1 < self.max_attempts:
                 await asyncio.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt)))
-        raise RewardRequestError(
-            f"reward server request failed after {self.max_attempts} attempts; last attempt: {last}"
-        )
+        raise RewardRequestError(f"reward server request failed after {self.max_attempts} attempts; last "
+                                 f"attempt: {last}")
 
 
 # --- a reward model -----------------------------------------------------------------------------------------
@@ -390,8 +359,7 @@ class WeightedRewardSource(RewardSource):
     def __init__(self, parts: Sequence[tuple[str, float, RewardSource]]):
         self.parts = list(parts)
         self.description = " + ".join(
-            f"{w:g} * {getattr(src, 'description', name)}" for name, w, src in self.parts
-        )
+            f"{w:g} * {getattr(src, 'description', name)}" for name, w, src in self.parts)
 
     async def score(self, request: RewardRequest) -> RewardResult:
         results = await asyncio.gather(*(src.score(request) for _, _, src in self.parts))
@@ -399,8 +367,7 @@ class WeightedRewardSource(RewardSource):
         out = empty_result(n)
         for (name, _, _), res in zip(self.parts, results):
             out.extra_logs[f"reward/{name}"] = list(res.rewards)
-            for key, values in res.extra_logs.items():
-                out.extra_logs[f"{name}/{key}"] = list(values)
+            out.extra_logs.update({f"{name}/{key}": list(values) for key, values in res.extra_logs.items()})
         for i in range(n):
             total, total_score = 0.0, 0.0
             for (name, weight, _), res in zip(self.parts, results):
@@ -454,13 +421,8 @@ class HttpRewardFactory:
 
     def create(self, cfg: Any) -> RewardSource:
         r = cfg.reward
-        return HttpRewardSource(
-            remote_entries(r),
-            timeout=r.timeout,
-            max_attempts=r.max_retries,
-            max_concurrency=r.max_concurrency,
-            request_batch_size=r.request_batch_size,
-        )
+        return HttpRewardSource(remote_entries(r), timeout=r.timeout, max_attempts=r.max_retries,
+                                max_concurrency=r.max_concurrency, request_batch_size=r.request_batch_size)
 
     def check(self, cfg: Any) -> None:
         self.create(cfg)  # checks the URLs; no connection is made before the first request
@@ -490,8 +452,7 @@ def _pick(factories: dict[str, Any], cfg: Any) -> Any:
     if not accepted:
         raise PluginError(
             f"no reward source accepts {what!r} (registered: {', '.join(sorted(factories)) or 'none'}); a "
-            f"reward file must end in .py and a reward server URL start with http:// or https://"
-        )
+            f"reward file must end in .py and a reward server URL start with http:// or https://")
     if len(accepted) > 1:
         raise PluginError(f"reward sources {accepted} all accept {what!r}; pick one with --reward.source NAME")
     return factories[accepted[0]].obj
@@ -520,8 +481,7 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
     - ``--reward.remote_url``: a ``.py`` reward file, or http(s) URLs of one reward server (load-balanced).
     - ``--reward.model_name_or_path``: a reward model.
     - ``--reward.weights w1,w2,...``: each remote_url entry (then the reward model, when set) is its own
-      source, combined as a weighted sum; name and weight are None for a single unweighted source.
-    """
+      source, combined as a weighted sum; name and weight are None for a single unweighted source."""
     pm = pm if pm is not None else get_plugin_manager()
     reward = cfg.reward
     if reward.func is not None:
@@ -535,10 +495,8 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
     entries: list[str | None] = list(remote_entries(reward))
     if reward.model_name_or_path:
         if entries and reward.weights is None:
-            logger.warning(
-                "--reward.remote_url is the reward source; --reward.model_name_or_path is not scored (give "
-                "--reward.weights to combine them)"
-            )
+            logger.warning("--reward.remote_url is the reward source; --reward.model_name_or_path is not "
+                           "scored (give --reward.weights to combine them)")
         else:
             entries.append(None)  # the reward model
     if not entries:
@@ -549,24 +507,17 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
             raise ConfigError(
                 f"--reward.remote_url {redact_text(reward.remote_url)} lists {len(entries)} reward sources: give "
                 f"--reward.weights with one weight each to combine them (several http URLs of one reward "
-                f"server are load-balanced and need no weights)"
-            )
+                f"server are load-balanced and need no weights)")
         return [(None, None, _pick(factories, cfg), cfg)]
     weights = list(reward.weights)
     if len(weights) != len(entries):
-        raise ConfigError(
-            f"--reward.weights has {len(weights)} weights for {len(entries)} reward sources "
-            f"({', '.join(e or '--reward.model_name_or_path' for e in entries)})"
-        )
+        raise ConfigError(f"--reward.weights has {len(weights)} weights for {len(entries)} reward sources "
+                          f"({', '.join(e or '--reward.model_name_or_path' for e in entries)})")
     plan, taken = [], set()
     for entry, weight in zip(entries, weights):
         sub = copy.copy(cfg)
-        sub.reward = dataclasses.replace(
-            reward,
-            remote_url=entry,
-            model_name_or_path=reward.model_name_or_path if entry is None else None,
-            weights=None,
-        )
+        model = reward.model_name_or_path if entry is None else None
+        sub.reward = dataclasses.replace(reward, remote_url=entry, model_name_or_path=model, weights=None)
         plan.append((_entry_name(entry, taken), float(weight), _pick(factories, sub), sub))
     return plan
 
@@ -590,6 +541,5 @@ def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = Non
     if len(plan) == 1 and plan[0][1] is None:
         _, _, factory, sub = plan[0]
         return _create(factory, sub, reward_model_handle)
-    return WeightedRewardSource(
-        [(name, weight, _create(factory, sub, reward_model_handle)) for name, weight, factory, sub in plan]
-    )
+    return WeightedRewardSource([(name, weight, _create(factory, sub, reward_model_handle))
+                                 for name, weight, factory, sub in plan])

@@ -33,11 +33,9 @@ class OneThreadEngine(AsyncEngine):
 
 
 class RolloutActor:
-    """One rollout engine (resolved by name in this process) plus an ``rlhf_agents.RolloutWorker``.
-
-    The controller makes it a Ray actor; everything it is given is plain data (config, names), never a
-    plugin manager or a model.
-    """
+    """One rollout engine (resolved by name in this process) plus an ``rlhf_agents.RolloutWorker``. The
+    controller makes it a Ray actor; everything it is given is plain data (config, names), never a plugin
+    manager or a model."""
 
     def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None,
                  hosted: bool = False):
@@ -53,18 +51,16 @@ class RolloutActor:
         # The HF engine's torch work stays on one thread: every thread that runs OpenMP ops gets its own worker
         # team, and two teams on the same cores throttle each other. Partial rollout keeps the Ray threads: its
         # weights must be able to land while a generation runs. Hosted, that one thread is the rank's own.
-        self.engine_thread = None
-        if engine_name == "hf" and not cfg.train.partial_rollout_enable and not hosted:
-            self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-engine")
+        one_thread = engine_name == "hf" and not cfg.train.partial_rollout_enable and not hosted
+        self.engine_thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-engine") if one_thread else None
         if num_threads:  # per thread with OpenMP: Ray's and the engine's
             torch.set_num_threads(num_threads)
             self._on_engine_thread(torch.set_num_threads, num_threads)
         if not torch.cuda.is_available():  # a CPU engine frees and reallocates its KV cache every batch
             keep_freed_memory()
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
-        engine = self.engine
-        if self.engine_thread is not None or hosted:
-            engine = OneThreadEngine(self.engine, self.engine_thread)
+        wrap = self.engine_thread is not None or hosted
+        engine = OneThreadEngine(self.engine, self.engine_thread) if wrap else self.engine
         self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
         # The driver checked the agent and reward files, but here they are imported again and the executor is
         # built (on another machine, perhaps). Ray turns an error in __init__ into text holding the worker's
@@ -109,9 +105,8 @@ class RolloutActor:
     def weight_sync_ranks(self) -> int:
         """Ranks the engine takes in the weight-broadcast group (one per tensor-parallel worker), or 0 for an
         engine without ``init_weight_sync``, whose weights then come through the object store."""
-        if not hasattr(self.engine, "init_weight_sync"):
-            return 0
-        return getattr(self.engine, "tensor_parallel_size", 1)
+        syncs = hasattr(self.engine, "init_weight_sync")
+        return getattr(self.engine, "tensor_parallel_size", 1) if syncs else 0
 
     def init_weight_sync(self, **kwargs) -> None:
         """The engine joins the broadcast group (``master_addr``, ``master_port``, ``first_rank``,
@@ -144,17 +139,13 @@ class RolloutActor:
 
 
 class RewardModelWorkers:
-    """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out.
-
-    The driver runs it as a Ray actor on its own node, because the group handle it holds belongs to the train
+    """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out. The
+    driver runs it as a Ray actor on its own node, because the group handle it holds belongs to the train
     backend's package, which an inference node does not install; rollout actors reach it through
-    :class:`RemoteRewardModel`. One actor also keeps the engines' calls from interleaving on the ranks.
-    """
+    :class:`RemoteRewardModel`. One actor also keeps the engines' calls from interleaving on the ranks."""
 
     def __init__(self, group, pad_token_id: int, micro_batch_size: int):
-        self.group = group
-        self.pad = pad_token_id
-        self.micro = micro_batch_size
+        self.group, self.pad, self.micro = group, pad_token_id, micro_batch_size
 
     def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
         from rlhf_core.batches import make_sequence_batch

@@ -1,12 +1,10 @@
-"""``rlhf serve-rm``: a reward model behind HTTP (``python -m rlhf_agents.serve_rm``).
-
-``POST /get_reward`` with ``{"query": [text, ...], "prompts": [...], "labels": [...]}`` answers
-``{"rewards": [...], "scores": [...], "extra_logs": {}}``, one reward per query (``prompts`` and
-``labels`` are accepted and not used: the model scores the whole query). It listens on 127.0.0.1 unless
-given an API key or ``--insecure``; a body it cannot take gets 400, 413 or 422 with ``{"detail": reason}``,
-and the server keeps serving. The package README ("rlhf serve-rm") describes the flags (OpenRLHF's too),
-limits and errors; query text is never logged.
-"""
+"""``rlhf serve-rm``: a reward model behind HTTP (``python -m rlhf_agents.serve_rm``). ``POST /get_reward``
+with ``{"query": [text, ...], "prompts": [...], "labels": [...]}`` answers
+``{"rewards": [...], "scores": [...], "extra_logs": {}}``, one reward per query (``prompts`` and ``labels``
+are accepted and not used: the model scores the whole query). It listens on 127.0.0.1 unless given an API key
+or ``--insecure``; a body it cannot take gets 400, 413 or 422 with ``{"detail": reason}``, and the server
+keeps serving. The package README ("rlhf serve-rm") describes the flags (OpenRLHF's too), limits and errors;
+query text is never logged."""
 
 import argparse
 import hmac
@@ -60,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--use_ms", action="store_true", help="Not supported (ModelScope): refused with a message.")
     p.add_argument("--api_key", "--api-key", dest="api_key", default=None,
                    help=f"Require 'Authorization: Bearer KEY' on /get_reward (default: ${API_KEY_ENV}).")
-    p.add_argument("--insecure", action="store_true",
-                   help="Allow a non-loopback --host without an API key.")
+    p.add_argument("--insecure", action="store_true", help="Allow a non-loopback --host without an API key.")
     p.add_argument("--max_body_bytes", type=int, default=8 * 1024 * 1024, help="Larger request bodies get 413.")
     p.add_argument("--max_batch", type=int, default=1024, help="Requests with more queries get 422.")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
@@ -69,10 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -83,16 +78,11 @@ def check_bind(host: str, api_key: str | None, insecure: bool) -> str | None:
         return None
     return (
         f"refusing to listen on {host} without an API key: anyone who can reach this machine could use the "
-        f"reward model. Give --api_key KEY (or set ${API_KEY_ENV}), or --insecure to accept that."
-    )
+        f"reward model. Give --api_key KEY (or set ${API_KEY_ENV}), or --insecure to accept that.")
 
 
-def create_app(
-    score_texts: Callable[[list[str]], list[float]],
-    api_key: str | None = None,
-    max_body_bytes: int = 8 * 1024 * 1024,
-    max_batch: int = 1024,
-) -> Any:
+def create_app(score_texts: Callable[[list[str]], list[float]], api_key: str | None = None,
+               max_body_bytes: int = 8 * 1024 * 1024, max_batch: int = 1024) -> Any:
     """The FastAPI app; ``score_texts`` runs in a worker thread, one call at a time."""
     from fastapi import FastAPI, Request
     from fastapi.concurrency import run_in_threadpool
@@ -112,12 +102,10 @@ def create_app(
         scores: list[float | None]
         extra_logs: dict[str, list[float]]
 
-    app = FastAPI(
-        title="rlhf serve-rm",
-        version=__version__,
-        description="A reward model over HTTP: POST /get_reward scores prompt+response texts.",
-    )
+    app = FastAPI(title="rlhf serve-rm", version=__version__,
+                  description="A reward model over HTTP: POST /get_reward scores prompt+response texts.")
     model_lock = threading.Lock()  # one forward pass at a time; the model is not re-entrant
+    schema = {"application/json": {"schema": RewardQuery.model_json_schema()}}
 
     def scored(texts: list[str]) -> list[float]:
         with model_lock:
@@ -130,14 +118,8 @@ def create_app(
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.post(
-        "/get_reward",
-        response_model=RewardAnswer,
-        openapi_extra={
-            "requestBody": {"required": True, "content": {"application/json": {"schema": RewardQuery.model_json_schema()}}}
-        },
-        responses={400: {}, 401: {}, 413: {}, 422: {}},
-    )
+    @app.post("/get_reward", response_model=RewardAnswer, responses={400: {}, 401: {}, 413: {}, 422: {}},
+              openapi_extra={"requestBody": {"required": True, "content": schema}})
     async def get_reward(request: Request) -> Any:
         if api_key is not None:
             given = request.headers.get("authorization", "")
@@ -213,17 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_agents.reward_model import RewardModelScorer
     from rlhf_core.config import resolve_param_dtype
 
+    experts = args.experts_implementation
     scorer = RewardModelScorer(
-        args.model_name_or_path,
-        value_head_prefix=args.value_head_prefix,
-        normalize=args.normalize,
-        max_len=args.max_len,
-        batch_size=args.batch_size,
-        dtype=resolve_param_dtype(args.param_dtype),
-        attn_implementation=args.attn_implementation,
-        use_fast_tokenizer=not args.disable_fast_tokenizer,
-        model_kwargs={"experts_implementation": args.experts_implementation} if args.experts_implementation else None,
-    )
+        args.model_name_or_path, value_head_prefix=args.value_head_prefix, normalize=args.normalize,
+        max_len=args.max_len, batch_size=args.batch_size, dtype=resolve_param_dtype(args.param_dtype),
+        attn_implementation=args.attn_implementation, use_fast_tokenizer=not args.disable_fast_tokenizer,
+        model_kwargs={"experts_implementation": experts} if experts else None)
     app = create_app(scorer.score_texts, api_key=api_key, max_body_bytes=args.max_body_bytes, max_batch=args.max_batch)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

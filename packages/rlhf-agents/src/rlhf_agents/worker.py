@@ -1,8 +1,6 @@
 """The rollout worker: runs every episode of a batch of prompts concurrently, then scores them in batches.
-
 It is a plain class; the RL trainer hosts one per rollout engine inside a Ray actor (``arollout`` for an
-async actor, ``rollout`` otherwise). Nothing here imports Ray.
-"""
+async actor, ``rollout`` otherwise). Nothing here imports Ray."""
 
 from __future__ import annotations
 
@@ -32,10 +30,8 @@ class RolloutFailureError(UserError, RuntimeError):
 
 def retokenization_drift(tokenizer: Any, ids: list[int]) -> int | None:
     """Where re-tokenizing the decoded text of ``ids`` first differs from ``ids``; None when it does not.
-
     Decoding keeps special tokens and encoding adds none, so only genuine text-level drift (merges across
-    turn boundaries, normalisation, lost bytes) shows up.
-    """
+    turn boundaries, normalisation, lost bytes) shows up."""
     again = encode(tokenizer, tokenizer.decode(ids, skip_special_tokens=False))
     if again == ids:
         return None
@@ -60,9 +56,8 @@ class EngineClock:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        self.waited = 0.0
+        self.waited, self.since = 0.0, 0.0
         self.in_flight = 0  # generate calls of the episode not yet answered (an agent may make several at once)
-        self.since = 0.0
 
     async def generate(self, request: Any) -> Any:
         if self.in_flight == 0:
@@ -89,28 +84,19 @@ def _mean(values: Sequence[float]) -> float:
 
 
 class RolloutWorker:
-    """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``.
+    """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``. ``engine`` has
+    ``async generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous
+    :class:`~rlhf_core.types.RolloutEngine` is wrapped in ``rlhf_core.rollout.async_engine.AsyncEngine``. Each
+    prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used verbatim; text is tokenized
+    once without special tokens), and optionally ``label``, ``prompt_uid`` and ``images`` (the prompt's
+    :class:`~rlhf_core.types.ImageInput` s, shared by all its samples). Every prompt is sampled ``sampling.n``
+    times; sample ``i`` of prompt ``uid`` at step ``step`` draws with seed
+    ``derive_seed(cfg.train.seed, step, uid, i)``, so a resumed run samples the same tokens. Trajectories come
+    back prompt by prompt, samples of one prompt consecutive. ``last_metrics`` holds the metrics of the latest
+    call."""
 
-    ``engine`` has ``async generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous
-    :class:`~rlhf_core.types.RolloutEngine` is wrapped in ``rlhf_core.rollout.async_engine.AsyncEngine``.
-    Each prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used verbatim; text is
-    tokenized once without special tokens), and optionally ``label``, ``prompt_uid`` and ``images`` (the
-    prompt's :class:`~rlhf_core.types.ImageInput` s, shared by all its samples). Every prompt is
-    sampled ``sampling.n`` times; sample ``i`` of prompt ``uid`` at step ``step`` draws with seed
-    ``derive_seed(cfg.train.seed, step, uid, i)``, so a resumed run samples the same tokens. Trajectories
-    come back prompt by prompt, samples of one prompt consecutive. ``last_metrics`` holds the metrics of the
-    latest call.
-    """
-
-    def __init__(
-        self,
-        engine: Any,
-        tokenizer: Any,
-        executor: AgentExecutorBase,
-        reward_source: RewardSource | None,
-        cfg: Any,
-        image_processing: Any = None,
-    ):
+    def __init__(self, engine: Any, tokenizer: Any, executor: AgentExecutorBase,
+                 reward_source: RewardSource | None, cfg: Any, image_processing: Any = None):
         if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
             from rlhf_core.rollout.async_engine import AsyncEngine
 
@@ -135,23 +121,15 @@ class RolloutWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(
-        cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None, reward_model_handle: Any = None,
-        image_processing: Any = None,
-    ) -> RolloutWorker:
+    def from_config(cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None,
+                    reward_model_handle: Any = None, image_processing: Any = None) -> RolloutWorker:
         """Executor and reward source resolved by name through the plugins of this process;
         ``image_processing``: a vision-language model's ``rlhf_core.vision.ImageProcessing``."""
         from rlhf_core.plugins import get_plugin_manager
 
         pm = pm if pm is not None else get_plugin_manager()
-        return cls(
-            engine,
-            tokenizer,
-            build_executor(cfg, pm),
-            build_reward_source(cfg, pm, reward_model_handle=reward_model_handle),
-            cfg,
-            image_processing,
-        )
+        reward_source = build_reward_source(cfg, pm, reward_model_handle=reward_model_handle)
+        return cls(engine, tokenizer, build_executor(cfg, pm), reward_source, cfg, image_processing)
 
     # --- the public calls ---------------------------------------------------------------------------
 
@@ -164,13 +142,10 @@ class RolloutWorker:
     async def arollout(self, prompts: Sequence[dict], sampling: SamplingParams, step: int) -> list[Trajectory]:
         start = time.perf_counter()
         rows = [self._read_row(row, row_index) for row_index, row in enumerate(prompts)]
-        trajectories = await _gather_all(
-            [
-                self._episode(text, ids, label, uid, i, self._sample_params(sampling, step, uid, i), images)
-                for text, ids, label, uid, images in rows
-                for i in range(sampling.n)
-            ]
-        )
+        trajectories = await _gather_all([
+            self._episode(text, ids, label, uid, i, dataclasses.replace(
+                sampling, n=1, seed=derive_seed(self.seed, step, uid, i)), images)
+            for text, ids, label, uid, images in rows for i in range(sampling.n)])
         generated = time.perf_counter()
         await self._score(trajectories)
         scored = time.perf_counter()
@@ -192,14 +167,10 @@ class RolloutWorker:
 
     # --- the steps ----------------------------------------------------------------------------------
 
-    def _sample_params(self, sampling: SamplingParams, step: int, uid: Any, index: int) -> SamplingParams:
-        return dataclasses.replace(sampling, n=1, seed=derive_seed(self.seed, step, uid, index))
-
     def _read_row(self, row: Any, row_index: int) -> tuple[str, list[int], Any, Any, list]:
         if not isinstance(row, dict):
-            raise TypeError(
-                f"prompt row {row_index} is a {describe(row)}; expected a dict with 'prompt_text' or 'prompt_ids'"
-            )
+            raise TypeError(f"prompt row {row_index} is a {describe(row)}; expected a dict with "
+                            "'prompt_text' or 'prompt_ids'")
         text, ids = row.get("prompt_text"), row.get("prompt_ids")
         if text is None and ids is None:
             raise ValueError(f"prompt row {row_index} has neither 'prompt_text' nor 'prompt_ids' (keys: {sorted(row)})")
@@ -209,30 +180,25 @@ class RolloutWorker:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return text, list(ids), row.get("label"), row.get("prompt_uid", row_index), list(row.get("images") or [])
 
-    async def _episode(
-        self, text: str, ids: list[int], label: Any, uid: Any, index: int, params: SamplingParams, images: list
-    ) -> Trajectory:
+    async def _episode(self, text: str, ids: list[int], label: Any, uid: Any, index: int,
+                       params: SamplingParams, images: list) -> Trajectory:
         with_images = {"images": images} if images else {}  # executors written for text models need not take them
         engine = EngineClock(self.engine) if self.episode_timeout else self.engine
-        episode = self.executor.execute(
-            text, label, params, self.max_len, self.tokenizer, engine, prompt_ids=list(ids), **with_images
-        )
+        episode = self.executor.execute(text, label, params, self.max_len, self.tokenizer, engine,
+                                        prompt_ids=list(ids), **with_images)
         if self.episode_timeout:
             episode = self._bounded_episode(episode, engine, text, ids, label, images)
         traj = await episode
         if not isinstance(traj, Trajectory):
-            raise TypeError(
-                f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected an "
-                f"rlhf_core.types.Trajectory"
-            )
+            raise TypeError(f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected "
+                            "an rlhf_core.types.Trajectory")
         traj.prompt_uid, traj.sample_index = uid, index
         traj.prompt_text = traj.prompt_text or text
         traj.label = label if traj.label is None else traj.label
         return traj
 
-    async def _bounded_episode(
-        self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int], label: Any, images: list
-    ) -> Any:
+    async def _bounded_episode(self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int],
+                               label: Any, images: list) -> Any:
         """The executor's ``episode`` (on ``clock``), ended once its own time (not counting its waits for the
         engine) passes ``--train.episode_timeout``: then unscorable, counted in ``error/episode_timeout``."""
         start = time.monotonic()
@@ -262,8 +228,7 @@ class RolloutWorker:
         if self.reward_source is None:
             raise ValueError(
                 f"{len(pending)} samples need a reward but no reward source is configured: set "
-                f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path"
-            )
+                f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path")
         decode = self.tokenizer.decode
         images = self.executor.image_processing
 
@@ -274,21 +239,16 @@ class RolloutWorker:
             return decode(ids, skip_special_tokens=False)
 
         request = RewardRequest(
-            queries=[query(t) for t in pending],
-            prompts=[t.prompt_text for t in pending],
-            labels=[t.label for t in pending],
-            prompt_ids=[list(t.prompt_ids) for t in pending],
+            queries=[query(t) for t in pending], prompts=[t.prompt_text for t in pending],
+            labels=[t.label for t in pending], prompt_ids=[list(t.prompt_ids) for t in pending],
             response_ids=[list(t.response_ids) for t in pending],
             finish_reasons=[t.finish_reason for t in pending],
-            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending],
-        )
+            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending])
         result = await self.reward_source.score(request)
         where = self._reward_source_name()
         if len(result.rewards) != len(pending) or len(result.scores) != len(pending):
-            raise ValueError(
-                f"reward source {where} returned {len(result.rewards)} rewards and {len(result.scores)} scores "
-                f"for {len(pending)} samples"
-            )
+            raise ValueError(f"reward source {where} returned {len(result.rewards)} rewards and "
+                             f"{len(result.scores)} scores for {len(pending)} samples")
         for k, traj in enumerate(pending):
             traj.reward = result.rewards[k]
             if traj.reward is None:
@@ -296,9 +256,8 @@ class RolloutWorker:
                 traj.extra_logs["error/reward"] = 1.0
             else:
                 traj.score = result.scores[k] if result.scores[k] is not None else traj.reward
-            for key, values in result.extra_logs.items():
-                if values[k] is not None:
-                    traj.extra_logs[key] = float(values[k])
+            logs = result.extra_logs.items()
+            traj.extra_logs.update({key: float(values[k]) for key, values in logs if values[k] is not None})
 
     def _reward_source_name(self) -> str:
         return getattr(self.reward_source, "description", type(self.reward_source).__name__)
@@ -319,27 +278,22 @@ class RolloutWorker:
                 "matters for code that works on text (reward functions, chat templates). Further drift is "
                 "counted in tokenize/drift_samples, not logged.",
                 traj.prompt_uid, traj.sample_index, pos, len(traj.prompt_ids), shown, redone,
-                self.tokenizer.decode(shown), self.tokenizer.decode(redone),
-            )
+                self.tokenizer.decode(shown), self.tokenizer.decode(redone))
         return True
 
-    def _metrics(
-        self, trajectories: list[Trajectory], drifted: int | None, generate_s: float, reward_s: float
-    ) -> dict[str, float]:
+    def _metrics(self, trajectories: list[Trajectory], drifted: int | None, generate_s: float,
+                 reward_s: float) -> dict[str, float]:
         n = len(trajectories)
         rewards = [t.reward for t in trajectories if t.reward is not None]
-        metrics = {
-            "rollout/samples": float(n),
-            "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
-            "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
-            "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
-            "reward/mean": _mean(rewards),
-            "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
-            "reward/unscorable": float(n - len(rewards)),
-            "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
-            "timing/generate_s": generate_s,
-            "timing/reward_s": reward_s,
-        }
+        metrics = {"rollout/samples": float(n),
+                   "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
+                   "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
+                   "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
+                   "reward/mean": _mean(rewards),
+                   "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
+                   "reward/unscorable": float(n - len(rewards)),
+                   "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
+                   "timing/generate_s": generate_s, "timing/reward_s": reward_s}
         if drifted is not None:
             metrics["tokenize/drift_samples"] = float(drifted)
         logged: dict[str, list[float]] = {}
@@ -357,18 +311,13 @@ class RolloutWorker:
             return
         causes = Counter(k.removeprefix("error/") for t in failed for k in t.extra_logs if k.startswith("error/"))
         first_errors = list(dict.fromkeys(t.error for t in failed if t.error))[:3]
-        sources = []
-        if self.reward_source is not None:
-            sources.append(f"reward source: {self._reward_source_name()}")
-        if self.agent_file:
-            sources.append(f"agent file: {self.agent_file}")
-        if self.agent_command:
-            sources.append(f"agent command: {self.agent_command}")
+        sources = [f"reward source: {self._reward_source_name()}"] if self.reward_source is not None else []
+        agent = (("file", self.agent_file), ("command", self.agent_command))
+        sources += [f"agent {what}: {value}" for what, value in agent if value]
         raise RolloutFailureError(
             f"step {step}: {len(failed)} of {len(trajectories)} samples could not be scored, more than "
             f"--reward.max_failure_fraction {self.max_failure_fraction:g}"
             + (f" ({'; '.join(sources)})" if sources else "")
             + f". Causes: {dict(causes) or 'unknown'}. First errors:\n  "
-            + "\n  ".join(first_errors)
-        )
+            + "\n  ".join(first_errors))
 

@@ -23,8 +23,7 @@ Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
   binding to the caller's thread count and turns chunked prefill off (``VLLMEngine.__init__`` says why).
 - a vision-language model's request goes in as vLLM's multimodal input: the token ids with one image
   placeholder per image (vLLM repeats it for the image itself) and ``multi_modal_data={"image": [...]}``
-  holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them.
-"""
+  holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them."""
 
 from __future__ import annotations
 
@@ -51,8 +50,6 @@ INSTALL_HINT = f"pip install rlhf-rollout-vllm[vllm] with a GPU, or vLLM's CPU b
 WORKER_EXTENSION = "rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension"
 IN_PROCESS_ENGINES = [0]  # live engines whose vLLM core runs in this process (they share its parallel state)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "float": "float32", "half": "float16"}
-
-
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices (vllm.config.lora)
 
 
@@ -72,26 +69,16 @@ def import_vllm():
     except ImportError as exc:
         raise ImportError(
             f"the vllm rollout engine needs vLLM, which is not installed here ({exc}). Install it with "
-            f"`{INSTALL_HINT}`, or use the built-in engine: --rollout.engine hf"
-        ) from exc
+            f"`{INSTALL_HINT}`, or use the built-in engine: --rollout.engine hf") from exc
     return vllm
 
 
 def to_vllm_sampling_params(vllm: Any, params: SamplingParams, seed: int) -> Any:
     """One sample of a request as ``vllm.SamplingParams`` (``n=1``, its own seed, sampled log-prob only)."""
-    return vllm.SamplingParams(
-        n=1,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else 0,
-        max_tokens=params.max_new_tokens,
-        min_tokens=params.min_new_tokens,
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        seed=seed,
-        logprobs=0,
-        detokenize=False,
-    )
+    return vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                               top_k=max(params.top_k, 0), max_tokens=params.max_new_tokens,
+                               min_tokens=params.min_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                               ignore_eos=params.ignore_eos, seed=seed, logprobs=0, detokenize=False)
 
 
 def to_generation_output(completion: Any) -> GenerationOutput:
@@ -120,22 +107,12 @@ class VLLMEngine(RolloutEngine):
         enable_sleep: allow :meth:`sleep` / :meth:`wake_up` (vLLM sleep mode; refused on CPU).
         seed: engine seed (per-sample seeds still come from the requests).
         lora_rank: the LoRA rank of a policy whose syncs send adapters (0: full weights are sent).
-        **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ``kv_cache_memory_bytes``, ...).
-    """
+        **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ``kv_cache_memory_bytes``, ...)."""
 
-    def __init__(
-        self,
-        model_name_or_path: str,
-        dtype: str = "bfloat16",
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = False,
-        enforce_eager: bool = False,
-        enable_sleep: bool = False,
-        seed: int = 0,
-        lora_rank: int = 0,
-        **llm_kwargs: Any,
-    ):
+    def __init__(self, model_name_or_path: str, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
+                 enforce_eager: bool = False, enable_sleep: bool = False, seed: int = 0, lora_rank: int = 0,
+                 **llm_kwargs: Any):
         set_num_threads, environ = torch.set_num_threads, dict(os.environ)
         if tensor_parallel_size == 1:
             # engine core and worker in this process: collective_rpc passes tensors without serialising
@@ -163,20 +140,13 @@ class VLLMEngine(RolloutEngine):
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep = enable_sleep
         self.llm = vllm.LLM(
-            model=model_name_or_path,
-            dtype=DTYPES.get(dtype, dtype),
+            model=model_name_or_path, dtype=DTYPES.get(dtype, dtype),
             tensor_parallel_size=tensor_parallel_size,
             # tensor parallel: worker processes of this engine on CPU, Ray actors in the caller's placement group on GPU
             distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp" if self.on_cpu else "ray",
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            enable_sleep_mode=enable_sleep,
-            seed=seed,
-            worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs",
-            **llm_kwargs,
-        )
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep, seed=seed,
+            worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs", **llm_kwargs)
         self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         # Partial rollout loads weights from another thread while generate runs. With the engine core in this
         # process the load would run beside a model step and could meet a layer whose weights vLLM is repacking
@@ -205,8 +175,7 @@ class VLLMEngine(RolloutEngine):
             self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
             self.vocab_size = None
-        self._asleep = 0
-        self._weights_discarded = False
+        self._asleep, self._weights_discarded = 0, False
         self._lora_dir = tempfile.mkdtemp(prefix="rlhf-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) \
             if lora_rank > 0 else None
         self._lora_request = None  # the adapter of the last sync, served with every request
@@ -239,10 +208,9 @@ class VLLMEngine(RolloutEngine):
         if not req.images:
             return self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids))
         image_token_id = self.llm.llm_engine.model_config.hf_config.image_token_id
-        return self._vllm.inputs.TokensPrompt(
-            prompt_token_ids=collapse_image_tokens(req.prompt_ids, image_token_id),
-            multi_modal_data={"image": [im.image for im in req.images]},
-        )
+        ids = collapse_image_tokens(req.prompt_ids, image_token_id)
+        images = {"image": [im.image for im in req.images]}
+        return self._vllm.inputs.TokensPrompt(prompt_token_ids=ids, multi_modal_data=images)
 
     # --- weights --------------------------------------------------------------------------------
 
@@ -263,19 +231,11 @@ class VLLMEngine(RolloutEngine):
             self.llm.collective_rpc("rlhf_load_weights", args=(named_tensors,))
         self._weights_discarded = False
 
-    def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        first_rank: int,
-        world_size: int,
-        backend: str = "nccl",
-        timeout_s: float = 600.0,
-    ) -> None:
+    def init_weight_sync(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
+                         backend: str = "nccl", timeout_s: float = 600.0) -> None:
         """Each tensor-parallel worker joins the sync group as rank ``first_rank + tp_rank``."""
-        self.llm.collective_rpc(
-            "rlhf_init_weight_sync", args=(master_addr, master_port, first_rank, world_size, backend, timeout_s)
-        )
+        args = (master_addr, master_port, first_rank, world_size, backend, timeout_s)
+        self.llm.collective_rpc("rlhf_init_weight_sync", args=args)
 
     def receive_weights(self) -> None:
         """Every worker receives rank 0's broadcast and loads it (or writes the LoRA adapter it carries)."""
@@ -320,8 +280,7 @@ class VLLMEngine(RolloutEngine):
         if self._asleep:
             return
         self.llm.sleep(level=level)
-        self._asleep = level
-        self._weights_discarded = self._weights_discarded or level == 2
+        self._asleep, self._weights_discarded = level, self._weights_discarded or level == 2
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Retake memory; ``tags`` (``["weights"]`` then ``["kv_cache"]``) wakes in stages to limit peaks."""

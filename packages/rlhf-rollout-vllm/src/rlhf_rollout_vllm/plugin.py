@@ -30,21 +30,18 @@ CPU_BLOCK_SIZE = 128  # tokens per KV-cache block, vLLM's CPU default
 def cpu_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_seqs: int,
                        max_len: int, memory_bytes: int, memory_fraction: float, num_engines: int) -> int:
     """KV-cache bytes for one CPU engine: room for all its sequences of a rollout at full length, at most
-    ``memory_fraction`` of the machine's memory split between the engines, at least one sequence.
-
-    A sequence takes ``ceil(max_len / CPU_BLOCK_SIZE)`` whole blocks of ``CPU_BLOCK_SIZE`` tokens, a token
-    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes. (vLLM's CPU default takes
-    most of the machine; short of room it preempts sequences, so the cap costs speed, never a failure.)"""
+    ``memory_fraction`` of the machine's memory split between the engines, at least one sequence. A sequence
+    takes ``ceil(max_len / CPU_BLOCK_SIZE)`` whole blocks of ``CPU_BLOCK_SIZE`` tokens, a token
+    ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes. (vLLM's CPU default takes most
+    of the machine; short of room it preempts sequences, so the cap costs speed, never a failure.)"""
     per_seq = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * CPU_BLOCK_SIZE * math.ceil(max_len / CPU_BLOCK_SIZE)
     return max(per_seq, min(per_seq * num_seqs, int(memory_bytes * memory_fraction / num_engines)))
 
 
 class VLLMEngineFactory:
     """The ``vllm`` rollout engine (:class:`rlhf_rollout_vllm.engine.VLLMEngine`).
-
     ``create(cfg, index=0, **overrides)`` builds one in this process; a caller that wants a Ray actor does
-    ``ray.remote(num_gpus=tp)(factory.engine_class()).remote(**factory.engine_kwargs(cfg, index))``.
-    """
+    ``ray.remote(num_gpus=tp)(factory.engine_class()).remote(**factory.engine_kwargs(cfg, index))``."""
 
     def available(self) -> str | None:
         try:
@@ -65,8 +62,8 @@ class VLLMEngineFactory:
         """What vLLM cannot run in this configuration, found in the driver (and ``--dry-run``) before any worker
         starts; None when nothing is wrong. On any device: vLLM's Qwen-VL model code imports transformers'
         torchvision image processor, so a vision-language run needs a torchvision that imports; a LoRA policy's
-        rank must be one vLLM serves (512 at most). On CPU only:
-        no sleep mode, attention heads of at least 32 dimensions. A hub id (no local config) is judged by flags."""
+        rank must be one vLLM serves (512 at most). On CPU only: no sleep mode, attention heads of at least 32
+        dimensions. A hub id (no local config) is judged by flags."""
         import torch
 
         if cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
@@ -110,14 +107,10 @@ class VLLMEngineFactory:
         v = cfg.vllm
         precision = resolve_param_dtype(cfg.ds.param_dtype)
         kwargs = {
-            "model_name_or_path": cfg.actor.model_name_or_path,
-            "dtype": precision,
-            "tensor_parallel_size": v.tensor_parallel_size,
-            "gpu_memory_utilization": v.gpu_memory_utilization,
-            "enable_prefix_caching": v.enable_prefix_caching,
-            "enforce_eager": v.enforce_eager,
-            "enable_sleep": v.enable_sleep,
-            "seed": cfg.train.seed + index,
+            "model_name_or_path": cfg.actor.model_name_or_path, "dtype": precision,
+            "tensor_parallel_size": v.tensor_parallel_size, "enable_prefix_caching": v.enable_prefix_caching,
+            "gpu_memory_utilization": v.gpu_memory_utilization, "enforce_eager": v.enforce_eager,
+            "enable_sleep": v.enable_sleep, "seed": cfg.train.seed + index,
             "lora_rank": cfg.ds.lora.rank,  # a LoRA policy's syncs send adapters, which vLLM serves as such
         }
         import torch
@@ -128,16 +121,14 @@ class VLLMEngineFactory:
             model = AutoConfig.from_pretrained(cfg.actor.model_name_or_path)
             model = getattr(model, "text_config", model)
             heads = model.num_attention_heads
-            max_len = min(cfg.data.max_len, model.max_position_embeddings)
+            kwargs["max_model_len"] = max_len = min(cfg.data.max_len, model.max_position_embeddings)
             seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             dtype = getattr(torch, DTYPES.get(precision, precision))
-            kwargs["max_model_len"] = max_len
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                 model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,
                 getattr(model, "head_dim", None) or model.hidden_size // heads, dtype.itemsize,
                 math.ceil(seqs / v.num_engines), max_len, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                v.gpu_memory_utilization, v.num_engines,
-            )
+                v.gpu_memory_utilization, v.num_engines)
         if cfg.data.max_images_per_prompt:  # vLLM sizes its multimodal budget by it
             kwargs["limit_mm_per_prompt"] = {"image": cfg.data.max_images_per_prompt}
         return kwargs

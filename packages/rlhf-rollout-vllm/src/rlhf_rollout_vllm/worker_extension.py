@@ -14,11 +14,11 @@ Either way, a layer whose weight is shared with another (tied input/output embed
 afterwards; see :func:`reprocess_tied_layers`. A LoRA policy's sync carries only its adapters
 (:mod:`rlhf_core.weight_sync`): they are not loaded into the model but written as a PEFT adapter directory
 (:func:`save_peft_adapter`), which the engine then serves with vLLM's LoRA support. This module does not
-import vLLM.
-"""
+import vLLM."""
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import json
@@ -52,27 +52,21 @@ def save_peft_adapter(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str) -
 
 def reprocess_tied_layers(model: torch.nn.Module) -> int:
     """Run ``quant_method.process_weights_after_loading`` again on every layer whose ``weight`` parameter is
-    shared with another layer; returns how many were processed.
-
-    With tied embeddings the trainer sends only ``embed_tokens.weight`` and vLLM skips ``lm_head.*``, so the
-    LM head receives nothing. Where it reads the shared parameter (CUDA) that is enough; where it reads a copy
-    made at load time (the CPU build packs the head's weight for oneDNN), the head would keep the first
-    weights for good. Processing again repacks from the shared, updated parameter."""
+    shared with another layer; returns how many were processed. With tied embeddings the trainer sends only
+    ``embed_tokens.weight`` and vLLM skips ``lm_head.*``, so the LM head receives nothing. Where it reads the
+    shared parameter (CUDA) that is enough; where it reads a copy made at load time (the CPU build packs the
+    head's weight for oneDNN), the head would keep the first weights for good. Processing again repacks from
+    the shared, updated parameter."""
     owners: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
         if weight is not None:
             owners.setdefault(id(weight), []).append(module)
-    done = 0
-    for modules in owners.values():
-        if len(modules) < 2:
-            continue
-        for module in modules:
-            method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(module)
-                done += 1
-    return done
+    shared = [m for modules in owners.values() if len(modules) > 1 for m in modules
+              if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")]
+    for module in shared:
+        module.quant_method.process_weights_after_loading(module)
+    return len(shared)
 
 
 class WeightSyncWorkerExtension:
@@ -90,9 +84,7 @@ class WeightSyncWorkerExtension:
                 raise RuntimeError("a LoRA adapter arrived at a vLLM engine built without LoRA (lora_rank=0)")
             if self.rank == 0:
                 save_peft_adapter(named_tensors, adapter_dir)
-            else:
-                for _ in named_tensors:  # the stream must be consumed to its end
-                    pass
+            collections.deque(named_tensors, maxlen=0)  # the stream must be consumed to its end
             return True
         runner = self.model_runner
         if getattr(self.device, "type", "cpu") == "cpu":
@@ -102,16 +94,14 @@ class WeightSyncWorkerExtension:
         reprocess_tied_layers(runner.model)
         return False
 
-    def rlhf_init_weight_sync(
-        self, master_addr: str, master_port: int, first_rank: int, world_size: int, backend: str, timeout_s: float
-    ) -> None:
+    def rlhf_init_weight_sync(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
+                              backend: str, timeout_s: float) -> None:
         """Join the weight-sync group as rank ``first_rank + self.rank`` (gloo groups go through CPU), leaving the
         one joined before (a new group replaces one that held a dead engine)."""
         self.rlhf_close_weight_sync()
         device = self.device if backend == "nccl" else torch.device("cpu")
-        self.rlhf_sync_group = init_sync_group(
-            master_addr, master_port, first_rank + self.rank, world_size, backend, timeout_s, device=device
-        )
+        self.rlhf_sync_group = init_sync_group(master_addr, master_port, first_rank + self.rank, world_size,
+                                               backend, timeout_s, device=device)
 
     def rlhf_receive_weights(self, adapter_dir: str | None = None) -> bool:
         """Receive one broadcast from rank 0, loading tensors as they arrive (see :meth:`rlhf_load`)."""

@@ -196,27 +196,21 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
     pm = pm or plugins.get_plugin_manager()
     g, r = cfg.generate, cfg.rollout
     cfg.ds.param_dtype = resolve_param_dtype(cfg.ds.param_dtype, gpus_available())  # as rlhf train does
-    problems = []
-    if g.task not in TASKS:
-        problems.append(f"--generate.task {g.task}: choose one of {', '.join(TASKS)}")
-    if not g.output_path:
-        problems.append("--generate.output_path is required (the JSON-lines file to write)")
-    if not cfg.data.dataset:
-        problems.append("--data.dataset is required (the prompts)")
-    if g.task != "rm" and not cfg.model.model_name_or_path:
-        problems.append("--model.model_name_or_path (--pretrain) is required: the policy that generates")
-    if r.repetition_penalty != 1.0:
-        problems.append(f"--rollout.repetition_penalty {r.repetition_penalty}: the rollout engines sample "
-                        "without a repetition penalty; leave it at 1.0")
-    for flag, value in (("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
-                        ("--rollout.micro_batch_size", r.micro_batch_size), ("--rollout.batch_size", r.batch_size),
-                        ("--vllm.num_engines", cfg.vllm.num_engines)):
-        if value < 1:
-            problems.append(f"{flag} {value}: must be at least 1")
-    if g.iter is not None and g.iter < 0:
-        problems.append(f"--generate.iter {g.iter}: must be 0 or more")
-    if r.temperature < 0:
-        problems.append(f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more")
+    problems = [message for failed, message in [
+        (g.task not in TASKS, f"--generate.task {g.task}: choose one of {', '.join(TASKS)}"),
+        (not g.output_path, "--generate.output_path is required (the JSON-lines file to write)"),
+        (not cfg.data.dataset, "--data.dataset is required (the prompts)"),
+        (g.task != "rm" and not cfg.model.model_name_or_path,
+         "--model.model_name_or_path (--pretrain) is required: the policy that generates"),
+        (r.repetition_penalty != 1.0, f"--rollout.repetition_penalty {r.repetition_penalty}: the rollout "
+         "engines sample without a repetition penalty; leave it at 1.0"),
+        *[(value < 1, f"{flag} {value}: must be at least 1") for flag, value in (
+            ("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
+            ("--rollout.micro_batch_size", r.micro_batch_size), ("--rollout.batch_size", r.batch_size),
+            ("--vllm.num_engines", cfg.vllm.num_engines))],
+        (g.iter is not None and g.iter < 0, f"--generate.iter {g.iter}: must be 0 or more"),
+        (r.temperature < 0, f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more"),
+    ] if failed]
     if problems:
         raise GenerateError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -361,16 +355,11 @@ class GenerationWorker:
             result = self.loop.run_until_complete(self.reward.score(self._request(samples)))
             rewards = list(result.rewards)
             errors = list(result.errors) or [None] * len(samples)
-        records = []
-        for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors):
-            rec = {"prompt_index": p["index"], "sample_index": j, "input": p["text"], "output": text,
-                   "reward": reward, "finish_reason": finish}
-            if p["label"] is not None:
-                rec["label"] = p["label"]
-            if self.reward is not None and reward is None:
-                rec["error"] = error or "unscorable"
-            records.append(rec)
-        return records
+        return [{"prompt_index": p["index"], "sample_index": j, "input": p["text"], "output": text,
+                 "reward": reward, "finish_reason": finish,
+                 **({"label": p["label"]} if p["label"] is not None else {}),
+                 **({"error": error or "unscorable"} if self.reward is not None and reward is None else {})}
+                for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors)]
 
     def _request(self, samples: list[tuple]) -> RewardRequest:
         tok = self.tokenizer

@@ -53,15 +53,13 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
         options = {"with_ref": True} if spec.role == "actor" and "ref" in asm.in_actor else {}
-        placement = None  # a single-process run has no placement groups
-        if asm.single_process:
+        pool = None if asm.single_process else pools[spec.pool]  # a single-process run has no placement group
+        if pool is None:
             options["inline_rank"] = True
         else:
-            pool = pools[spec.pool]
-            placement = pool.group
             options["bundle_indices"] = [r % pool.num_bundles for r in range(spec.num_workers)]
         made[spec.role] = backend.create_group(
-            spec.role, cfg, placement, spec.num_workers, total_steps=total_steps,
+            spec.role, cfg, pool and pool.group, spec.num_workers, total_steps=total_steps,
             num_gpus_per_worker=spec.num_gpus_per_worker,
             num_cpus_per_worker=spec.num_cpus_per_worker, num_threads=trainer_threads, wait=False, **options,
         )
@@ -137,22 +135,18 @@ def run_rl(asm: Assembly) -> None:
         raise RunConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: {exc}") from exc
     images = ImageProcessing.for_model(cfg.actor.model_name_or_path)
     prompts = load_prompts(cfg, tokenizer, images=images)
-    eval_prompts = []
-    if cfg.eval.dataset:
-        eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
-                                    max_samples=cfg.eval.max_samples, images=images)
+    eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
+                                max_samples=cfg.eval.max_samples, images=images) if cfg.eval.dataset else []
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
-    resume, resume_state = None, None
-    if cfg.ckpt.load_enable:  # damaged checkpoints are found here, before any worker starts
-        resume = checkpoints.latest()
-        resume_state = checkpoints.load_client_state(resume) if resume is not None else None
-        if resume is None:
-            print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
-                  file=sys.stderr)
-        elif not resume_state.get("has_ds_state", True):
-            raise CheckpointError(f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
-                                  "only, no optimizer state)")
+    resume = checkpoints.latest() if cfg.ckpt.load_enable else None  # damaged ones fail here, before workers
+    resume_state = checkpoints.load_client_state(resume) if resume is not None else None
+    if cfg.ckpt.load_enable and resume is None:
+        print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
+              file=sys.stderr)
+    elif resume is not None and not resume_state.get("has_ds_state", True):
+        raise CheckpointError(f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
+                              "only, no optimizer state)")
 
     started = time.perf_counter()
     pools = {}

@@ -142,11 +142,10 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) ->
             continue
         if cfg.generate.enable_csft:
             text += cfg.generate.csft_prompt.strip() + " "
-        ids = data.encode(tokenizer, text) if tokenizer is not None else []
-        if tokenizer is not None:
-            ids = data.fit_prompt(ids, d.prompt_max_len, d.overlong_prompt_policy, row.where(), stats)
-            if ids is None:
-                continue
+        ids = [] if tokenizer is None else data.fit_prompt(data.encode(tokenizer, text), d.prompt_max_len,
+                                                           d.overlong_prompt_policy, row.where(), stats)
+        if ids is None:
+            continue
         prompt = {"index": len(prompts), "text": text, "ids": ids, "label": label}
         if rm_task:
             out_ids = data.encode(tokenizer, output) if tokenizer is not None else []
@@ -366,12 +365,10 @@ class GenerationWorker:
         return RewardRequest(
             queries=[tok.decode(p["ids"] + list(ids), skip_special_tokens=False) if tok is not None
                      else p["text"] + text for p, _, ids, text, _ in samples],
-            prompts=[p["text"] for p, *_ in samples],
-            labels=[p["label"] for p, *_ in samples],
+            prompts=[p["text"] for p, *_ in samples], labels=[p["label"] for p, *_ in samples],
             prompt_ids=[list(p["ids"]) for p, *_ in samples],
-            response_ids=[list(ids) for _, _, ids, _, _ in samples],
-            finish_reasons=[finish for *_, finish in samples],
-            responses=[text for _, _, _, text, _ in samples],
+            response_ids=[list(ids) for _, _, ids, *_ in samples],
+            finish_reasons=[finish for *_, finish in samples], responses=[text for *_, text, _ in samples],
         )
 
 

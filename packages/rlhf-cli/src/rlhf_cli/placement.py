@@ -46,14 +46,11 @@ class Colocation:
     name: str
 
     def shared(self, cfg) -> list[set[str]]:
-        actor_ref, critic_reward = {"actor", "ref"}, {"critic", "reward"}
-        if self.name == "colocate_all":
-            return [set(ROLE_ORDER)]
-        if self.name == "colocate_actor_ref":
-            return [actor_ref] + ([critic_reward] if cfg.train.colocate_critic_reward else [])
-        if self.name == "colocate_critic_reward":
-            return [critic_reward] + ([actor_ref] if cfg.train.colocate_actor_ref else [])
-        return []
+        t, actor_ref, critic_reward = cfg.train, {"actor", "ref"}, {"critic", "reward"}
+        return {"colocate_all": [set(ROLE_ORDER)],
+                "colocate_actor_ref": [actor_ref] + ([critic_reward] if t.colocate_critic_reward else []),
+                "colocate_critic_reward": [critic_reward] + ([actor_ref] if t.colocate_actor_ref else []),
+                }.get(self.name, [])
 
     def plan(self, roles: dict[str, RoleDemand], cfg, gpus_available: bool) -> PlacementPlan:
         if self.name == "colocate_all" and gpus_available and "rollout" in roles:

@@ -61,10 +61,7 @@ class Assembly:
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
         lines += [f"  {seam:<22} {name:<20} ({self.provenance[seam]})" for seam, name in self.chosen.items()]
-        if self.precision:
-            lines.append(f"precision: {self.precision}")
-        if self.zero:
-            lines.append(f"ZeRO stage: {self.zero}")
+        lines += [f"{k}: {v}" for k, v in (("precision", self.precision), ("ZeRO stage", self.zero)) if v]
         if self.default_placement:
             lines.append("placement: colocate_all by default (no placement flag; on CPU, colocating every role fits "
                          "this run in one process; --train.placement separate keeps them apart)")

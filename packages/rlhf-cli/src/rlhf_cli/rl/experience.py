@@ -156,10 +156,8 @@ def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None
     def gather(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else torch.where(mask, x[rows, cols], 0.0)
 
-    out = estimator(dataclasses.replace(
-        batch, rewards=batch.rewards[first], valid=batch.valid[first], action_mask=mask,
-        kl=gather(batch.kl), values=gather(batch.values),
-    ))
+    out = estimator(dataclasses.replace(batch, rewards=batch.rewards[first], valid=batch.valid[first],
+                                        action_mask=mask, kl=gather(batch.kl), values=gather(batch.values)))
 
     def scatter(y: torch.Tensor) -> torch.Tensor:
         back = torch.zeros(exp.action_mask.shape, dtype=y.dtype)
@@ -294,14 +292,11 @@ class ExperienceMaker:
         exp.info = {
             "reward/mean": _nanmean(rewards),
             "reward/std": float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
-            "score/mean": _nanmean(exp.scores[episodes]),
-            "reward/unscorable": float((~valid).sum()),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
+            "score/mean": _nanmean(exp.scores[episodes]), "reward/unscorable": float((~valid).sum()),
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "truncated/frac": sum(t.finish_reason == "length" or t.truncated for t in trajs) / len(trajs),
             "kl/mean": float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()) if kl is not None else 0.0,
-            "kl/coef": kl_coef,
-            "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
+            "kl/coef": kl_coef, "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
         }
         if exp.old_logprobs is not None:  # on-policy steps get it from the policy step instead
             exp.info["policy/rollout_train_logprob_gap"] = float(

@@ -154,7 +154,7 @@ def run_rl(asm: Assembly) -> None:
     if not asm.single_process:
         import ray
 
-        from rlhf_cli.ray_launch import create_pools, init_ray
+        from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools
 
         own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
         init_ray(cfg, asm.plan)
@@ -191,11 +191,7 @@ def run_rl(asm: Assembly) -> None:
             if not groups.rollout_in_actor:  # else they end with the actor's ranks
                 for a in groups.rollout:
                     inline.kill(a)
-        if not asm.single_process:
-            import ray
-
-            from rlhf_cli.ray_launch import remove_pools
-
+        if not asm.single_process:  # ray and remove_pools were imported above
             remove_pools(pools)
             if own_ray:
                 ray.shutdown()

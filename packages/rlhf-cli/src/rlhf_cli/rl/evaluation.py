@@ -10,10 +10,7 @@ from rlhf_cli.rl.rollout import Rollout, score
 
 class Evaluation:
     def __init__(self, cfg, rollout: Rollout, actor, prompts: list[Prompt]):
-        self.cfg = cfg
-        self.rollout = rollout
-        self.actor = actor
-        self.prompts = prompts
+        self.cfg, self.rollout, self.actor, self.prompts = cfg, rollout, actor, prompts
         self.best_metric: float | None = None
 
     def maybe_evaluate(self, step: int, total_steps: int) -> dict[str, float]:

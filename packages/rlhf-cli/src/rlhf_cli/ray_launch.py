@@ -34,9 +34,8 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     env = {**WORKER_ENV, "DS_ACCELERATOR": accelerator}
     runtime_env: dict[str, Any] = {"env_vars": env}
     if os.environ.get(console.RUN_LOG_ENV):  # a run's workers write third-party output to its log file
-        for var in (console.RUN_LOG_ENV, console.DEBUG_ENV, "VLLM_CONFIGURE_LOGGING"):
-            if var in os.environ:
-                env[var] = os.environ[var]
+        names = (console.RUN_LOG_ENV, console.DEBUG_ENV, "VLLM_CONFIGURE_LOGGING")
+        env.update({v: os.environ[v] for v in names if v in os.environ})
         runtime_env["worker_process_setup_hook"] = "rlhf_core.console.setup_ray_worker"
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
@@ -93,8 +95,6 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         # partial rollout: weights may land while a generation is running (a second concurrent call)
         concurrency = 2 if cfg.train.partial_rollout_enable else 1
         width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
-        import torch
-
         # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
         threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() \
             else None

@@ -80,20 +80,17 @@ class Plan:
 
     def describe(self) -> str:
         c = self.cfg
-        lines = [f"prompts: {len(self.prompts)} from {', '.join(c.data.dataset or [])}"
-                 + (f" (iteration {c.generate.iter}: rows {c.generate.iter * c.rollout.batch_size}.."
-                    f"{(c.generate.iter + 1) * c.rollout.batch_size - 1})" if c.generate.iter is not None else "")]
-        if self.engine is None:
-            lines.append("task: score the rows' own responses (--data.output_key "
-                         f"{c.data.output_key}); no policy")
-        else:
-            lines.append(f"generation: {self.n} sample(s) per prompt with the {self.engine} engine on "
-                         f"{c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call")
-        lines.append(f"reward: {self.reward or 'none (samples are not scored)'}")
-        lines.append(f"precision: {c.ds.param_dtype} (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)")
-        lines.append(f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}")
-        lines.append(f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}")
-        return "\n".join(lines)
+        return "\n".join([
+            f"prompts: {len(self.prompts)} from {', '.join(c.data.dataset or [])}"
+            + (f" (iteration {c.generate.iter}: rows {c.generate.iter * c.rollout.batch_size}.."
+               f"{(c.generate.iter + 1) * c.rollout.batch_size - 1})" if c.generate.iter is not None else ""),
+            f"task: score the rows' own responses (--data.output_key {c.data.output_key}); no policy"
+            if self.engine is None else f"generation: {self.n} sample(s) per prompt with the {self.engine} "
+            f"engine on {c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call",
+            f"reward: {self.reward or 'none (samples are not scored)'}",
+            f"precision: {c.ds.param_dtype} (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)",
+            f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}",
+            f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}"])
 
 
 # --- planning (the driver, before any worker) ----------------------------------------------------------
@@ -160,8 +157,7 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) ->
 
 
 class _UnloadedRewardModel:
-    """Stands in for the reward model while the driver checks the reward configuration: the model itself
-    is loaded by each worker."""
+    """Stands in for the reward model while the driver checks the reward configuration (workers load it)."""
 
     def compute_rewards(self, sequences):
         raise RuntimeError("the driver does not score")

@@ -84,8 +84,5 @@ def roles_in_actor(plan: PlacementPlan, engine: str, cfg) -> set[str]:
 
 def strategy_name(cfg) -> str:
     """The strategy the config asks for: ``--train.placement``, else the colocate flags."""
-    if cfg.train.placement:
-        return cfg.train.placement
-    # each colocate flag is named as the strategy it picks
-    flags = ("colocate_all", "colocate_actor_ref", "colocate_critic_reward")
-    return next((flag for flag in flags if getattr(cfg.train, flag)), "separate")
+    flags = ("colocate_all", "colocate_actor_ref", "colocate_critic_reward")  # each is named as its strategy
+    return cfg.train.placement or next((flag for flag in flags if getattr(cfg.train, flag)), "separate")

@@ -198,15 +198,11 @@ def sequence_batches(exp: Experience, cuts: list, pad_token_id: int) -> list[Seq
     """One SequenceBatch per cut (:func:`micro_batch_cuts`); unscorable rows keep their tokens but no action
     mask."""
     out = []
-    for cut in cuts:
-        part = exp.rows(cut)
-        masks = (part.action_mask & part.valid[:, None]).long()
-        out.append(make_sequence_batch(
-            [seq[:pl] for seq, pl in zip(part.sequences, part.prompt_lens)],
-            [seq[pl:] for seq, pl in zip(part.sequences, part.prompt_lens)],
-            pad_token_id, [m[: len(seq) - pl].tolist() for m, seq, pl in zip(masks, part.sequences, part.prompt_lens)],
-            part.images,
-        ))
+    for part in map(exp.rows, cuts):
+        rows = list(zip(part.sequences, part.prompt_lens, (part.action_mask & part.valid[:, None]).long()))
+        out.append(make_sequence_batch([seq[:pl] for seq, pl, _ in rows], [seq[pl:] for seq, pl, _ in rows],
+                                       pad_token_id, [m[: len(seq) - pl].tolist() for seq, pl, m in rows],
+                                       part.images))
     return out
 
 

@@ -61,10 +61,9 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         else:
             options["bundle_indices"] = [r % pool.num_bundles for r in range(spec.num_workers)]
         made[spec.role] = backend.create_group(
-            spec.role, cfg, pool and pool.group, spec.num_workers, total_steps=total_steps,
-            num_gpus_per_worker=spec.num_gpus_per_worker,
-            num_cpus_per_worker=spec.num_cpus_per_worker, num_threads=trainer_threads, wait=False, **options,
-        )
+            spec.role, cfg, pool and pool.group, spec.num_workers, total_steps=total_steps, wait=False,
+            num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
+            num_threads=trainer_threads, **options)
     if "ref" in asm.in_actor:
         made["ref"] = made["actor"].hosted_ref()
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]

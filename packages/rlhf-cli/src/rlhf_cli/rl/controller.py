@@ -26,8 +26,11 @@ __all__ = ["Batch", "Groups", "RLController", "RLRunError", "WaitingGroup"]
 class RLController:
     def __init__(self, cfg, groups: Groups, stream: PromptStream, pad_token_id: int, checkpoints=None,
                  logger=None, eval_prompts: list[Prompt] | None = None, image_processing=None):
-        self.cfg, self.groups, self.stream = cfg, groups, stream
-        self.checkpoints, self.logger = checkpoints, logger
+        self.cfg = cfg
+        self.groups = groups
+        self.stream = stream
+        self.checkpoints = checkpoints
+        self.logger = logger
         self.step = 0
         self.kl_ctl = make_kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
         self.sync = WeightSync(cfg, groups)

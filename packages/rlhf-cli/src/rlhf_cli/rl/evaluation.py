@@ -10,7 +10,10 @@ from rlhf_cli.rl.rollout import Rollout, score
 
 class Evaluation:
     def __init__(self, cfg, rollout: Rollout, actor, prompts: list[Prompt]):
-        self.cfg, self.rollout, self.actor, self.prompts = cfg, rollout, actor, prompts
+        self.cfg = cfg
+        self.rollout = rollout
+        self.actor = actor
+        self.prompts = prompts
         self.best_metric: float | None = None
 
     def maybe_evaluate(self, step: int, total_steps: int) -> dict[str, float]:

@@ -216,7 +216,9 @@ class ExperienceMaker:
     reference or the OPD teachers and the critic, side by side on their groups; then KL and advantages."""
 
     def __init__(self, cfg, groups: Groups, pad_token_id: int, prompts: list):
-        self.cfg, self.groups, self.pad = cfg, groups, pad_token_id
+        self.cfg = cfg
+        self.groups = groups
+        self.pad = pad_token_id
         # multi-teacher OPD: each prompt's teacher (a column of the prompt data), by prompt uid
         self.teacher_of = {p.uid: p.teacher for p in prompts} if opd_teachers(cfg) else None
         plugins = get_plugin_manager()

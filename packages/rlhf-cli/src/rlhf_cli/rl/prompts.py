@@ -119,8 +119,11 @@ class PromptStream:
     """
 
     def __init__(self, prompts: list[Prompt], seed: int, num_episodes: int = 1):
-        self.prompts, self.seed, self.num_episodes = prompts, seed, num_episodes
-        self.episode, self.position = 0, 0
+        self.prompts = prompts
+        self.seed = seed
+        self.num_episodes = num_episodes
+        self.episode = 0
+        self.position = 0
         self._order = self._order_of(0)
 
     def _order_of(self, episode: int) -> np.ndarray:

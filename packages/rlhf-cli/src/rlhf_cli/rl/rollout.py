@@ -46,7 +46,10 @@ class Rollout:
     filtering, over-generation, re-queued and stale groups."""
 
     def __init__(self, cfg, groups: Groups, stream: PromptStream, sync: WeightSync, image_processing=None):
-        self.cfg, self.groups, self.stream, self.sync = cfg, groups, stream, sync
+        self.cfg = cfg
+        self.groups = groups
+        self.stream = stream
+        self.sync = sync
         self.image_processing = image_processing  # a VLM's: turns the prompts' images into model inputs
         self.waiting: list[WaitingGroup] = []  # generated groups, oldest first (over-generation)
         # prompts to generate again, oldest first: (uid, whether dynamic filtering dropped its group once already)

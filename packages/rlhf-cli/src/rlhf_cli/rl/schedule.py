@@ -11,7 +11,8 @@ from rlhf_cli.rl.rollout import Batch, Rollout
 
 class BatchSchedule:
     def __init__(self, cfg, rollout: Rollout, trainers: list):
-        self.cfg, self.rollout = cfg, rollout
+        self.cfg = cfg
+        self.rollout = rollout
         self.trainers = trainers  # what sleeps with --train.colocate_all --ds.enable_sleep
         self.ready: list[Batch] = []  # async: batches generated for the steps after this one, in step order
         # async: the last step generated, whether the thread runs; guarded by _cv

@@ -33,7 +33,9 @@ class PolicyStep:
     ``--train.max_nonfinite_steps`` optimizer steps in a row whose loss was not finite."""
 
     def __init__(self, cfg, groups: Groups, pad_token_id: int):
-        self.cfg, self.groups, self.pad = cfg, groups, pad_token_id
+        self.cfg = cfg
+        self.groups = groups
+        self.pad = pad_token_id
         self.policy_loss = resolve(get_plugin_manager(), "policy_losses", cfg.actor.policy_loss_type)
         self.consecutive_nonfinite = 0
 

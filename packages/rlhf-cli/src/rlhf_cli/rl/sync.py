@@ -16,7 +16,8 @@ class WeightSync:
     processes get an in-process copy."""
 
     def __init__(self, cfg, groups: Groups):
-        self.cfg, self.groups = cfg, groups
+        self.cfg = cfg
+        self.groups = groups
         self.policy_version = 0
         """Weight syncs so far: the engines generate with the policy of this version."""
         self.address: tuple[str, int] | None = None

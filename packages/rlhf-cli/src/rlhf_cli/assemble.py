@@ -61,10 +61,7 @@ class Assembly:
     def describe(self) -> str:
         lines = [f"plugins used by 'rlhf train {self.mode}':"]
         lines += [f"  {seam:<22} {name:<20} ({self.provenance[seam]})" for seam, name in self.chosen.items()]
-        if self.precision:
-            lines.append(f"precision: {self.precision}")
-        if self.zero:
-            lines.append(f"ZeRO stage: {self.zero}")
+        lines += [f"{k}: {v}" for k, v in (("precision", self.precision), ("ZeRO stage", self.zero)) if v]
         if self.default_placement:
             lines.append("placement: colocate_all by default (no placement flag; on CPU, colocating every role fits "
                          "this run in one process; --train.placement separate keeps them apart)")
@@ -185,88 +182,86 @@ def _importable(name: str) -> bool:
         return True
 
 
+def _refuse(problems: list[str], head: str = "this run cannot start") -> None:
+    if problems:
+        raise RunConfigError(f"{head}:\n  - " + "\n  - ".join(problems))
+
+
 def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     """Refuse up front the combinations that cannot work, with ``problems`` found before, saying why."""
-    c = cfg
-    n = c.rollout.n_samples_per_prompt
-    if n < estimator.min_samples_per_prompt:
-        problems.append(
-            f"--algo.advantage.estimator {c.algo.advantage.estimator} compares samples of the same prompt, so "
-            f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})"
-        )
-    if not (c.reward.remote_url or c.reward.model_name_or_path or c.train.agent_func_path or c.train.agent_command
-            or c.train.env or c.reward.source or c.reward.func is not None or distills_only(c)):
-        problems.append(
-            "no reward: give --reward.remote_url (a reward .py file or HTTP URL), "
-            "--reward.model_name_or_path, --train.agent_func_path, --train.agent_command or --train.env (Python API: "
-            "reward_func=)"
-        )
-    embedding_targets = [t for t in c.ds.lora.target_modules if t.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")]
-    if c.ds.lora.rank > 0 and embedding_targets:
-        problems.append(f"--ds.lora.target_modules {','.join(embedding_targets)}: a LoRA policy's weight sync sends "
-                        "adapters of linear decoder layers only (the HF engine merges them, vLLM serves them); "
-                        "LoRA on the embeddings or the LM head (tied to them in many models) is refused")
-    if c.algo.dynamic_filtering_enable and n < 2:
-        problems.append("--algo.dynamic_filtering_enable filters prompt groups, so it needs "
-                        "--rollout.n_samples_per_prompt >= 2")
-    if c.train.async_enable and c.vllm.enable_sleep:
-        problems.append("--train.async_enable keeps the engines generating while the trainers work, so they "
-                        "cannot sleep: drop --vllm.enable_sleep (--ds.enable_sleep may stay)")
-    generate = c.rollout.vllm_generate_batch_size
-    if generate is not None and generate < c.rollout.batch_size:
-        problems.append(f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
-                        f"({c.rollout.batch_size}): every step would train on fewer prompts than a batch")
-    if generate is not None and generate > c.rollout.batch_size and not c.train.async_enable:
-        problems.append("--rollout.vllm_generate_batch_size above --rollout.batch_size generates ahead for later "
-                        "steps, which only the async pipeline does: add --train.async_enable")
-    if (c.vllm.enable_sleep or c.ds.enable_sleep) and not c.train.colocate_all:
-        problems.append("--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
-                        "--train.colocate_all")
-    if c.train.async_enable and c.train.async_queue_size < 1:
-        problems.append(f"--train.async_queue_size {c.train.async_queue_size}: the async pipeline generates at "
-                        "least one batch ahead of training; use 1 or more (or drop --train.async_enable)")
-    if c.train.max_staleness is not None and not c.train.async_enable:
-        problems.append("--train.max_staleness limits how old the async pipeline's samples may be; a sync run "
-                        "trains each batch on the policy that generated it: add --train.async_enable")
-    elif c.train.max_staleness is not None and c.train.max_staleness < c.train.async_queue_size:
-        problems.append(f"--train.max_staleness {c.train.max_staleness} is below --train.async_queue_size "
-                        f"({c.train.async_queue_size}): every batch is generated that many policy versions before "
-                        "it is trained, so every group would be dropped as stale")
-    if c.train.partial_rollout_enable and not c.train.async_enable:
-        problems.append("--train.partial_rollout_enable only applies to the async pipeline "
-                        "(--train.async_enable)")
-    restarts = c.rollout.max_engine_restarts
-    if restarts is not None and restarts < 0:
-        problems.append(f"--rollout.max_engine_restarts {restarts}: a number of engine restarts must be 0 or more")
-    if restarts and c.train.async_enable:
-        problems.append(f"--rollout.max_engine_restarts {restarts} with --train.async_enable: a replacement engine "
-                        "needs the current weights before it serves, which the async pipeline's generation thread "
-                        "cannot fetch while the trainers train; engine restarts are for the sync pipeline")
-    if c.train.episode_timeout < 0:
-        problems.append(f"--train.episode_timeout {c.train.episode_timeout:g}: seconds must be 0 (no limit) or more")
-    if c.ds.ring_attn_size > 1 and not c.ds.packing_samples:
-        problems.append("--ds.ring_attn_size > 1 splits packed sequences across ranks: add --ds.packing_samples")
-    for flag, budget in (("--train.max_tokens_per_gpu", c.train.max_tokens_per_gpu),
-                         ("--rollout.max_tokens_per_gpu", c.rollout.max_tokens_per_gpu)):
-        if budget is not None and budget < 1:
-            problems.append(f"{flag} {budget}: a token budget per micro-batch must be positive")
-    if c.train.enable_ema and not 0.0 <= c.train.ema_beta < 1.0:
-        problems.append(f"--train.ema_beta {c.train.ema_beta}: the EMA decay must be in [0, 1)")
-    if c.ds.param_dtype not in ("bf16", "fp32"):
-        problems.append(f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not "
-                        "supported)")
-    ranks = c.actor.num_nodes * c.actor.num_gpus_per_node
-    samples = c.rollout.batch_size * n
-    if samples % c.train.batch_size:
-        problems.append(f"--rollout.batch_size x --rollout.n_samples_per_prompt ({samples}) must be a multiple of "
-                        f"--train.batch_size ({c.train.batch_size}) so every sample is trained on")
-    if c.train.batch_size % (c.train.micro_batch_size * ranks):
-        problems.append(f"--train.batch_size ({c.train.batch_size}) must be a multiple of --train.micro_batch_size "
-                        f"x the actor's ranks ({c.train.micro_batch_size} x {ranks})")
-    if c.logger.wandb.key and not _importable("wandb"):
-        problems.append("--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')")
-    if problems:
-        raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
+    c, t, n = cfg, cfg.train, cfg.rollout.n_samples_per_prompt
+    embedding_targets = [m for m in c.ds.lora.target_modules
+                         if m.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")]
+    generate, restarts = c.rollout.vllm_generate_batch_size, c.rollout.max_engine_restarts
+    staleness = t.max_staleness
+    ranks, samples = c.actor.num_nodes * c.actor.num_gpus_per_node, c.rollout.batch_size * n
+    checks = [
+        (n < estimator.min_samples_per_prompt,
+         f"--algo.advantage.estimator {c.algo.advantage.estimator} compares samples of the same prompt, so "
+         f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})"),
+        (not (c.reward.remote_url or c.reward.model_name_or_path or t.agent_func_path or t.agent_command
+              or t.env or c.reward.source or c.reward.func is not None or distills_only(c)),
+         "no reward: give --reward.remote_url (a reward .py file or HTTP URL), --reward.model_name_or_path, "
+         "--train.agent_func_path, --train.agent_command or --train.env (Python API: reward_func=)"),
+        (c.ds.lora.rank > 0 and embedding_targets,
+         f"--ds.lora.target_modules {','.join(embedding_targets)}: a LoRA policy's weight sync sends "
+         "adapters of linear decoder layers only (the HF engine merges them, vLLM serves them); LoRA on the "
+         "embeddings or the LM head (tied to them in many models) is refused"),
+        (c.algo.dynamic_filtering_enable and n < 2,
+         "--algo.dynamic_filtering_enable filters prompt groups, so it needs "
+         "--rollout.n_samples_per_prompt >= 2"),
+        (t.async_enable and c.vllm.enable_sleep,
+         "--train.async_enable keeps the engines generating while the trainers work, so they cannot sleep: "
+         "drop --vllm.enable_sleep (--ds.enable_sleep may stay)"),
+        (generate is not None and generate < c.rollout.batch_size,
+         f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
+         f"({c.rollout.batch_size}): every step would train on fewer prompts than a batch"),
+        (generate is not None and generate > c.rollout.batch_size and not t.async_enable,
+         "--rollout.vllm_generate_batch_size above --rollout.batch_size generates ahead for later steps, "
+         "which only the async pipeline does: add --train.async_enable"),
+        ((c.vllm.enable_sleep or c.ds.enable_sleep) and not t.colocate_all,
+         "--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
+         "--train.colocate_all"),
+        (t.async_enable and t.async_queue_size < 1,
+         f"--train.async_queue_size {t.async_queue_size}: the async pipeline generates at least one batch "
+         "ahead of training; use 1 or more (or drop --train.async_enable)"),
+        (staleness is not None and not t.async_enable,
+         "--train.max_staleness limits how old the async pipeline's samples may be; a sync run trains each "
+         "batch on the policy that generated it: add --train.async_enable"),
+        (staleness is not None and t.async_enable and staleness < t.async_queue_size,
+         f"--train.max_staleness {staleness} is below --train.async_queue_size ({t.async_queue_size}): "
+         "every batch is generated that many policy versions before it is trained, so every group would be "
+         "dropped as stale"),
+        (t.partial_rollout_enable and not t.async_enable,
+         "--train.partial_rollout_enable only applies to the async pipeline (--train.async_enable)"),
+        (restarts is not None and restarts < 0,
+         f"--rollout.max_engine_restarts {restarts}: a number of engine restarts must be 0 or more"),
+        (restarts and t.async_enable,
+         f"--rollout.max_engine_restarts {restarts} with --train.async_enable: a replacement engine needs "
+         "the current weights before it serves, which the async pipeline's generation thread cannot fetch "
+         "while the trainers train; engine restarts are for the sync pipeline"),
+        (t.episode_timeout < 0,
+         f"--train.episode_timeout {t.episode_timeout:g}: seconds must be 0 (no limit) or more"),
+        (c.ds.ring_attn_size > 1 and not c.ds.packing_samples,
+         "--ds.ring_attn_size > 1 splits packed sequences across ranks: add --ds.packing_samples"),
+        *[(budget is not None and budget < 1, f"{flag} {budget}: a token budget per micro-batch must be "
+           "positive")
+          for flag, budget in (("--train.max_tokens_per_gpu", t.max_tokens_per_gpu),
+                               ("--rollout.max_tokens_per_gpu", c.rollout.max_tokens_per_gpu))],
+        (t.enable_ema and not 0.0 <= t.ema_beta < 1.0,
+         f"--train.ema_beta {t.ema_beta}: the EMA decay must be in [0, 1)"),
+        (c.ds.param_dtype not in ("bf16", "fp32"),
+         f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not supported)"),
+        (samples % t.batch_size,
+         f"--rollout.batch_size x --rollout.n_samples_per_prompt ({samples}) must be a multiple of "
+         f"--train.batch_size ({t.batch_size}) so every sample is trained on"),
+        (t.batch_size % (t.micro_batch_size * ranks),
+         f"--train.batch_size ({t.batch_size}) must be a multiple of --train.micro_batch_size x the actor's "
+         f"ranks ({t.micro_batch_size} x {ranks})"),
+        (c.logger.wandb.key and not _importable("wandb"),
+         "--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')"),
+    ]
+    _refuse(problems + [message for failed, message in checks if failed])
 
 
 def _check_opd(cfg, problems: list[str], asm: Assembly) -> None:
@@ -311,25 +306,23 @@ def _check_opd(cfg, problems: list[str], asm: Assembly) -> None:
                                  same_logits_width=False)
         except SetupError as exc:
             problems.append(str(exc))
-    if c.algo.kl.init_coef <= 0:
-        problems.append(f"--algo.kl.init_coef {c.algo.kl.init_coef}: with opd it weights the teacher's per-token "
-                        "signal and must be > 0 (0 loads no teacher)")
-    if c.algo.kl.use_loss:
-        problems.append("--algo.kl.use_loss: opd's signal is the KL to the teacher as a per-token reward; drop the flag")
-    if c.algo.kl.estimator != "k1":
-        problems.append(f"--algo.kl.estimator {c.algo.kl.estimator}: opd's per-token signal is the reverse KL's k1 "
-                        "estimate log pi_student - log pi_teacher of the sampled token; use k1")
-    if c.algo.advantage.gamma != 1.0:
-        problems.append(f"--algo.advantage.gamma {c.algo.advantage.gamma}: opd gives each token its own KL, with no "
-                        "return over later tokens, so there is nothing to discount")
-    if c.algo.opd.task_reward_coef < 0:
-        problems.append(f"--algo.opd.task_reward_coef {c.algo.opd.task_reward_coef}: must be >= 0")
-    if c.algo.opd.task_reward_coef and c.rollout.n_samples_per_prompt < 2:
-        problems.append("--algo.opd.task_reward_coef > 0 group-normalises the task reward over the samples of a "
-                        "prompt, so it needs --rollout.n_samples_per_prompt >= 2")
-    if distills_only(c) and c.algo.dynamic_filtering_enable:
-        problems.append("--algo.dynamic_filtering_enable filters on the task score, which opd with "
-                        "--algo.opd.task_reward_coef 0 does not compute")
+    opd, kl = c.algo.opd, c.algo.kl
+    problems += [message for failed, message in [
+        (kl.init_coef <= 0, f"--algo.kl.init_coef {kl.init_coef}: with opd it weights the teacher's "
+         "per-token signal and must be > 0 (0 loads no teacher)"),
+        (kl.use_loss, "--algo.kl.use_loss: opd's signal is the KL to the teacher as a per-token reward; "
+         "drop the flag"),
+        (kl.estimator != "k1", f"--algo.kl.estimator {kl.estimator}: opd's per-token signal is the reverse "
+         "KL's k1 estimate log pi_student - log pi_teacher of the sampled token; use k1"),
+        (c.algo.advantage.gamma != 1.0, f"--algo.advantage.gamma {c.algo.advantage.gamma}: opd gives each "
+         "token its own KL, with no return over later tokens, so there is nothing to discount"),
+        (opd.task_reward_coef < 0, f"--algo.opd.task_reward_coef {opd.task_reward_coef}: must be >= 0"),
+        (opd.task_reward_coef and c.rollout.n_samples_per_prompt < 2, "--algo.opd.task_reward_coef > 0 "
+         "group-normalises the task reward over the samples of a prompt, so it needs "
+         "--rollout.n_samples_per_prompt >= 2"),
+        (distills_only(c) and c.algo.dynamic_filtering_enable, "--algo.dynamic_filtering_enable filters on "
+         "the task score, which opd with --algo.opd.task_reward_coef 0 does not compute"),
+    ] if failed]
 
 
 def _check_vision(cfg, estimator, engine: str) -> list[str]:
@@ -346,37 +339,34 @@ def _check_vision(cfg, estimator, engine: str) -> list[str]:
 
         config = AutoConfig.from_pretrained(path)
     is_vlm = config is not None and vision.is_vision_language(config)
+    model_type = config.model_type if config is not None else None
     vlm_flags = [f for f, on in (("--data.image_key", c.data.image_key), ("--actor.freeze_visual_encoder",
                  c.actor.freeze_visual_encoder), ("--data.max_images_per_prompt", c.data.max_images_per_prompt)) if on]
     if not (is_vlm or vlm_flags):
         return []
-    problems = []
-    if config is not None and not is_vlm:
-        problems.append(f"{', '.join(vlm_flags)}: {path} is not a vision-language model (its config.json has no "
-                        "vision_config)")
-    if is_vlm and config.model_type not in vision.SUPPORTED_MODEL_TYPES:
-        problems.append(f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains images with "
-                        f"{', '.join(vision.SUPPORTED_MODEL_TYPES)} models only")
-    if estimator.needs_critic:
-        problems.append(f"--algo.advantage.estimator {c.algo.advantage.estimator} needs a critic, and a critic for a "
-                        "vision-language model is not supported (as in OpenRLHF): use group_norm, rloo, "
-                        "reinforce_baseline, reinforce or dr_grpo")
-    if c.ds.packing_samples:
-        problems.append("--ds.packing_samples: images go with each sequence, so a vision-language run is not packed")
-    if c.ds.lora.rank > 0:
-        problems.append("--ds.lora.rank: LoRA on a vision-language model is not supported yet")
-    if c.reward.model_name_or_path:
-        problems.append("--reward.model_name_or_path: a reward model would score the text without the images; "
-                        "use a reward function (--reward.remote_url file.py) or an agent")
-    if c.train.agent_executor == "openai_server":
-        problems.append("--train.agent_executor openai_server sends text messages and cannot carry images")
-    if problems:
-        raise RunConfigError("this vision-language run cannot start:\n  - " + "\n  - ".join(problems))
+    _refuse([message for failed, message in [
+        (config is not None and not is_vlm, f"{', '.join(vlm_flags)}: {path} is not a vision-language model "
+         "(its config.json has no vision_config)"),
+        (is_vlm and model_type not in vision.SUPPORTED_MODEL_TYPES, f"{path} is a vision-language model of "
+         f"type {model_type!r}; rlhf trains images with {', '.join(vision.SUPPORTED_MODEL_TYPES)} models "
+         "only"),
+        (estimator.needs_critic, f"--algo.advantage.estimator {c.algo.advantage.estimator} needs a critic, "
+         "and a critic for a vision-language model is not supported (as in OpenRLHF): use group_norm, rloo, "
+         "reinforce_baseline, reinforce or dr_grpo"),
+        (c.ds.packing_samples, "--ds.packing_samples: images go with each sequence, so a vision-language "
+         "run is not packed"),
+        (c.ds.lora.rank > 0, "--ds.lora.rank: LoRA on a vision-language model is not supported yet"),
+        (c.reward.model_name_or_path, "--reward.model_name_or_path: a reward model would score the text "
+         "without the images; use a reward function (--reward.remote_url file.py) or an agent"),
+        (c.train.agent_executor == "openai_server", "--train.agent_executor openai_server sends text "
+         "messages and cannot carry images"),
+    ] if failed], "this vision-language run cannot start")
     limit = c.data.max_images_per_prompt or "any number of"
     trained = "the language model (the vision encoder is frozen)" if c.actor.freeze_visual_encoder else \
         "the vision encoder and the language model"
     return [
-        f"model: {path}" + (f" ({config.model_type})" if config is not None else " (not a local directory: not read)"),
+        f"model: {path}" + (f" ({model_type})" if config is not None
+                            else " (not a local directory: not read)"),
         (f"images: from --data.image_key {c.data.image_key}, {limit} per prompt" if c.data.image_key
          else "images: none in the prompts (an agent's environment may return some)"),
         f"trained: {trained}; synced to the {engine} engines: " + (
@@ -399,17 +389,14 @@ def _check_prm_reward(cfg) -> bool:
             raise RunConfigError("--reward.prm_aggregation and --reward.prm_step_separator apply to a process reward "
                                  "model (--reward.model_name_or_path trained by rlhf train prm) only")
         return False
-    problems = []
-    if r.prm_aggregation not in PRM_AGGREGATIONS:
-        problems.append(f"--reward.prm_aggregation {r.prm_aggregation!r}: choose one of {', '.join(PRM_AGGREGATIONS)}")
-    if r.normalize_enable:
-        problems.append("--reward.normalize_enable: a PRM's step scores are probabilities, with no stored mean/std "
-                        "to normalise by")
-    if r.offload:
-        problems.append("--reward.offload: a PRM scores in the rollout actors, which hold no ZeRO-3 weights to offload")
-    if problems:
-        raise RunConfigError(f"--reward.model_name_or_path {r.model_name_or_path} is a PRM:\n  - "
-                             + "\n  - ".join(problems))
+    _refuse([message for failed, message in [
+        (r.prm_aggregation not in PRM_AGGREGATIONS, f"--reward.prm_aggregation {r.prm_aggregation!r}: "
+         f"choose one of {', '.join(PRM_AGGREGATIONS)}"),
+        (r.normalize_enable, "--reward.normalize_enable: a PRM's step scores are probabilities, with no "
+         "stored mean/std to normalise by"),
+        (r.offload, "--reward.offload: a PRM scores in the rollout actors, which hold no ZeRO-3 weights to "
+         "offload"),
+    ] if failed], f"--reward.model_name_or_path {r.model_name_or_path} is a PRM")
     return True
 
 
@@ -426,9 +413,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
             models.append(("--ref.model_name_or_path", cfg.ref.model_name_or_path))
         if mode == "kd":
             models.append(("--teacher.model_name_or_path", cfg.teacher.model_name_or_path))
-        problems = check_models(models, "--model.model_name_or_path", asm)
-        if problems:
-            raise RunConfigError("this run cannot start:\n  - " + "\n  - ".join(problems))
+        _refuse(check_models(models, "--model.model_name_or_path", asm))
         try:
             preflight(mode, cfg)
         except SetupError as exc:

@@ -59,23 +59,19 @@ class Conversation:
 
 
 def check(cfg: ChatConfig) -> None:
-    c = cfg.chat
-    problems = []
-    path = cfg.model.model_name_or_path
-    if not path:
-        problems.append("--model.model_name_or_path (--pretrain) is required: the checkpoint to talk to")
-    elif not (Path(path) / "config.json").is_file():
-        problems.append(f"--model.model_name_or_path {path}: no model there (no config.json)")
-    if c.ta_prompt and not Path(c.ta_prompt).is_file():
-        problems.append(f"--chat.ta_prompt {c.ta_prompt}: no such file")
-    if c.stream not in ("auto", "true", "false"):
-        problems.append(f"--chat.stream {c.stream}: use auto, true or false")
-    if not cfg.data.apply_chat_template and cfg.data.input_template and "{}" not in cfg.data.input_template:
-        problems.append(f"--data.input_template {cfg.data.input_template!r} must contain '{{}}' for the user turn")
-    if c.max_new_tokens < 1 or c.max_len < 2:
-        problems.append("--chat.max_new_tokens must be at least 1 and --chat.max_len at least 2")
-    if c.temperature < 0:
-        problems.append(f"--chat.temperature {c.temperature}: must be 0 (greedy) or more")
+    c, path, template = cfg.chat, cfg.model.model_name_or_path, cfg.data.input_template
+    problems = [message for failed, message in [
+        (not path, "--model.model_name_or_path (--pretrain) is required: the checkpoint to talk to"),
+        (path and not (Path(path) / "config.json").is_file(),
+         f"--model.model_name_or_path {path}: no model there (no config.json)"),
+        (c.ta_prompt and not Path(c.ta_prompt).is_file(), f"--chat.ta_prompt {c.ta_prompt}: no such file"),
+        (c.stream not in ("auto", "true", "false"), f"--chat.stream {c.stream}: use auto, true or false"),
+        (not cfg.data.apply_chat_template and template and "{}" not in template,
+         f"--data.input_template {template!r} must contain '{{}}' for the user turn"),
+        (c.max_new_tokens < 1 or c.max_len < 2,
+         "--chat.max_new_tokens must be at least 1 and --chat.max_len at least 2"),
+        (c.temperature < 0, f"--chat.temperature {c.temperature}: must be 0 (greedy) or more"),
+    ] if failed]
     if problems:
         raise ChatError("cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -120,8 +116,7 @@ def reply(conv: Conversation, model: Any, user: str, out: TextIO, stream: bool, 
 
     class Printer(TextStreamer):
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-            out.write(text + ("\n" if stream_end else ""))
-            out.flush()
+            print(text, end="\n" if stream_end else "", file=out, flush=True)
 
     sampling = {"do_sample": True, "temperature": c.temperature, "top_p": c.top_p} if c.temperature > 0 else {
         "do_sample": False}
@@ -133,8 +128,7 @@ def reply(conv: Conversation, model: Any, user: str, out: TextIO, stream: bool, 
             streamer=Printer(tok, skip_prompt=True, skip_special_tokens=True) if stream else None, **sampling)
     text = tok.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
     if not stream:
-        out.write(text.replace("\n", " ").strip() + "\n")  # one line per reply: a transcript is line-aligned
-        out.flush()
+        print(text.replace("\n", " ").strip(), file=out, flush=True)  # a line per reply: transcripts align
     conv.turns.append((user, text))
     return text
 
@@ -145,13 +139,10 @@ def chat_loop(cfg: ChatConfig, tokenizer: Any, model: Any, lines: TextIO, out: T
     conv = Conversation(cfg, tokenizer, opening)
     while True:
         if interactive:
-            err.write("> ")
-            err.flush()
+            print("> ", end="", file=err, flush=True)
         line = lines.readline()
-        if not line:
-            return 0
         user = line.rstrip("\n")
-        if user.strip() in COMMANDS_EXIT:
+        if not line or user.strip() in COMMANDS_EXIT:  # end of input, or /exit
             return 0
         if user.strip() in COMMANDS_RESET:
             conv = Conversation(cfg, tokenizer, opening)

@@ -190,16 +190,12 @@ def make_real_assets(work: Path, seed: int = 0) -> dict[str, Path]:
     return {"base": smollm2_dir(), **write_task(work, train, held_out, REAL_QUESTION.format, REAL_REWARD_FILE)}
 
 
-def last_number(reply: str) -> str | None:
-    numbers = re.findall(r"-?[0-9]+", reply)
-    return numbers[-1] if numbers else None
-
-
 def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) -> tuple[float, list[str]]:
     """Greedy accuracy on the held-out questions (right when the last number a reply writes is the sum), and
     the replies."""
     rows, replies = greedy_replies(model_dir, eval_file, REAL_NEW_TOKENS, chat=True, limit=limit)
-    return sum(last_number(reply) == row["label"] for reply, row in zip(replies, rows)) / len(rows), replies
+    right = [re.findall(r"-?[0-9]+", reply)[-1:] == [row["label"]] for reply, row in zip(replies, rows)]
+    return sum(right) / len(rows), replies
 
 
 def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:

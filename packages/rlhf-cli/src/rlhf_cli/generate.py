@@ -80,20 +80,17 @@ class Plan:
 
     def describe(self) -> str:
         c = self.cfg
-        lines = [f"prompts: {len(self.prompts)} from {', '.join(c.data.dataset or [])}"
-                 + (f" (iteration {c.generate.iter}: rows {c.generate.iter * c.rollout.batch_size}.."
-                    f"{(c.generate.iter + 1) * c.rollout.batch_size - 1})" if c.generate.iter is not None else "")]
-        if self.engine is None:
-            lines.append("task: score the rows' own responses (--data.output_key "
-                         f"{c.data.output_key}); no policy")
-        else:
-            lines.append(f"generation: {self.n} sample(s) per prompt with the {self.engine} engine on "
-                         f"{c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call")
-        lines.append(f"reward: {self.reward or 'none (samples are not scored)'}")
-        lines.append(f"precision: {c.ds.param_dtype} (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)")
-        lines.append(f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}")
-        lines.append(f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}")
-        return "\n".join(lines)
+        return "\n".join([
+            f"prompts: {len(self.prompts)} from {', '.join(c.data.dataset or [])}"
+            + (f" (iteration {c.generate.iter}: rows {c.generate.iter * c.rollout.batch_size}.."
+               f"{(c.generate.iter + 1) * c.rollout.batch_size - 1})" if c.generate.iter is not None else ""),
+            f"task: score the rows' own responses (--data.output_key {c.data.output_key}); no policy"
+            if self.engine is None else f"generation: {self.n} sample(s) per prompt with the {self.engine} "
+            f"engine on {c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call",
+            f"reward: {self.reward or 'none (samples are not scored)'}",
+            f"precision: {c.ds.param_dtype} (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)",
+            f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}",
+            f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}"])
 
 
 # --- planning (the driver, before any worker) ----------------------------------------------------------
@@ -142,11 +139,10 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) ->
             continue
         if cfg.generate.enable_csft:
             text += cfg.generate.csft_prompt.strip() + " "
-        ids = data.encode(tokenizer, text) if tokenizer is not None else []
-        if tokenizer is not None:
-            ids = data.fit_prompt(ids, d.prompt_max_len, d.overlong_prompt_policy, row.where(), stats)
-            if ids is None:
-                continue
+        ids = [] if tokenizer is None else data.fit_prompt(data.encode(tokenizer, text), d.prompt_max_len,
+                                                           d.overlong_prompt_policy, row.where(), stats)
+        if ids is None:
+            continue
         prompt = {"index": len(prompts), "text": text, "ids": ids, "label": label}
         if rm_task:
             out_ids = data.encode(tokenizer, output) if tokenizer is not None else []
@@ -161,8 +157,7 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) ->
 
 
 class _UnloadedRewardModel:
-    """Stands in for the reward model while the driver checks the reward configuration: the model itself
-    is loaded by each worker."""
+    """Stands in for the reward model while the driver checks the reward configuration (workers load it)."""
 
     def compute_rewards(self, sequences):
         raise RuntimeError("the driver does not score")
@@ -196,27 +191,21 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
     pm = pm or plugins.get_plugin_manager()
     g, r = cfg.generate, cfg.rollout
     cfg.ds.param_dtype = resolve_param_dtype(cfg.ds.param_dtype, gpus_available())  # as rlhf train does
-    problems = []
-    if g.task not in TASKS:
-        problems.append(f"--generate.task {g.task}: choose one of {', '.join(TASKS)}")
-    if not g.output_path:
-        problems.append("--generate.output_path is required (the JSON-lines file to write)")
-    if not cfg.data.dataset:
-        problems.append("--data.dataset is required (the prompts)")
-    if g.task != "rm" and not cfg.model.model_name_or_path:
-        problems.append("--model.model_name_or_path (--pretrain) is required: the policy that generates")
-    if r.repetition_penalty != 1.0:
-        problems.append(f"--rollout.repetition_penalty {r.repetition_penalty}: the rollout engines sample "
-                        "without a repetition penalty; leave it at 1.0")
-    for flag, value in (("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
-                        ("--rollout.micro_batch_size", r.micro_batch_size), ("--rollout.batch_size", r.batch_size),
-                        ("--vllm.num_engines", cfg.vllm.num_engines)):
-        if value < 1:
-            problems.append(f"{flag} {value}: must be at least 1")
-    if g.iter is not None and g.iter < 0:
-        problems.append(f"--generate.iter {g.iter}: must be 0 or more")
-    if r.temperature < 0:
-        problems.append(f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more")
+    problems = [message for failed, message in [
+        (g.task not in TASKS, f"--generate.task {g.task}: choose one of {', '.join(TASKS)}"),
+        (not g.output_path, "--generate.output_path is required (the JSON-lines file to write)"),
+        (not cfg.data.dataset, "--data.dataset is required (the prompts)"),
+        (g.task != "rm" and not cfg.model.model_name_or_path,
+         "--model.model_name_or_path (--pretrain) is required: the policy that generates"),
+        (r.repetition_penalty != 1.0, f"--rollout.repetition_penalty {r.repetition_penalty}: the rollout "
+         "engines sample without a repetition penalty; leave it at 1.0"),
+        *[(value < 1, f"{flag} {value}: must be at least 1") for flag, value in (
+            ("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
+            ("--rollout.micro_batch_size", r.micro_batch_size), ("--rollout.batch_size", r.batch_size),
+            ("--vllm.num_engines", cfg.vllm.num_engines))],
+        (g.iter is not None and g.iter < 0, f"--generate.iter {g.iter}: must be 0 or more"),
+        (r.temperature < 0, f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more"),
+    ] if failed]
     if problems:
         raise GenerateError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -361,28 +350,21 @@ class GenerationWorker:
             result = self.loop.run_until_complete(self.reward.score(self._request(samples)))
             rewards = list(result.rewards)
             errors = list(result.errors) or [None] * len(samples)
-        records = []
-        for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors):
-            rec = {"prompt_index": p["index"], "sample_index": j, "input": p["text"], "output": text,
-                   "reward": reward, "finish_reason": finish}
-            if p["label"] is not None:
-                rec["label"] = p["label"]
-            if self.reward is not None and reward is None:
-                rec["error"] = error or "unscorable"
-            records.append(rec)
-        return records
+        return [{"prompt_index": p["index"], "sample_index": j, "input": p["text"], "output": text,
+                 "reward": reward, "finish_reason": finish,
+                 **({"label": p["label"]} if p["label"] is not None else {}),
+                 **({"error": error or "unscorable"} if self.reward is not None and reward is None else {})}
+                for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors)]
 
     def _request(self, samples: list[tuple]) -> RewardRequest:
         tok = self.tokenizer
         return RewardRequest(
             queries=[tok.decode(p["ids"] + list(ids), skip_special_tokens=False) if tok is not None
                      else p["text"] + text for p, _, ids, text, _ in samples],
-            prompts=[p["text"] for p, *_ in samples],
-            labels=[p["label"] for p, *_ in samples],
+            prompts=[p["text"] for p, *_ in samples], labels=[p["label"] for p, *_ in samples],
             prompt_ids=[list(p["ids"]) for p, *_ in samples],
-            response_ids=[list(ids) for _, _, ids, _, _ in samples],
-            finish_reasons=[finish for *_, finish in samples],
-            responses=[text for _, _, _, text, _ in samples],
+            response_ids=[list(ids) for _, _, ids, *_ in samples],
+            finish_reasons=[finish for *_, finish in samples], responses=[text for *_, text, _ in samples],
         )
 
 

@@ -107,14 +107,9 @@ def cmd_plugins(argv: list[str]) -> int:
 
 
 # Imported when run: each pulls in packages (torch, transformers, fastapi) the other commands do not need.
-MODULE_COMMANDS = {
-    "generate": "rlhf_cli.generate",
-    "chat": "rlhf_cli.chat",
-    "serve-rm": "rlhf_agents.serve_rm",
-    "lora-merge": "rlhf_cli.lora_merge",
-    "doctor": "rlhf_cli.doctor",
-    "demo": "rlhf_cli.demo",
-}
+MODULE_COMMANDS = {"generate": "rlhf_cli.generate", "chat": "rlhf_cli.chat",
+                   "serve-rm": "rlhf_agents.serve_rm", "lora-merge": "rlhf_cli.lora_merge",
+                   "doctor": "rlhf_cli.doctor", "demo": "rlhf_cli.demo"}
 COMMANDS = {"train": cmd_train, "plugins": cmd_plugins}
 
 

@@ -46,14 +46,11 @@ class Colocation:
     name: str
 
     def shared(self, cfg) -> list[set[str]]:
-        actor_ref, critic_reward = {"actor", "ref"}, {"critic", "reward"}
-        if self.name == "colocate_all":
-            return [set(ROLE_ORDER)]
-        if self.name == "colocate_actor_ref":
-            return [actor_ref] + ([critic_reward] if cfg.train.colocate_critic_reward else [])
-        if self.name == "colocate_critic_reward":
-            return [critic_reward] + ([actor_ref] if cfg.train.colocate_actor_ref else [])
-        return []
+        t, actor_ref, critic_reward = cfg.train, {"actor", "ref"}, {"critic", "reward"}
+        return {"colocate_all": [set(ROLE_ORDER)],
+                "colocate_actor_ref": [actor_ref] + ([critic_reward] if t.colocate_critic_reward else []),
+                "colocate_critic_reward": [critic_reward] + ([actor_ref] if t.colocate_actor_ref else []),
+                }.get(self.name, [])
 
     def plan(self, roles: dict[str, RoleDemand], cfg, gpus_available: bool) -> PlacementPlan:
         if self.name == "colocate_all" and gpus_available and "rollout" in roles:
@@ -87,8 +84,5 @@ def roles_in_actor(plan: PlacementPlan, engine: str, cfg) -> set[str]:
 
 def strategy_name(cfg) -> str:
     """The strategy the config asks for: ``--train.placement``, else the colocate flags."""
-    if cfg.train.placement:
-        return cfg.train.placement
-    # each colocate flag is named as the strategy it picks
-    flags = ("colocate_all", "colocate_actor_ref", "colocate_critic_reward")
-    return next((flag for flag in flags if getattr(cfg.train, flag)), "separate")
+    flags = ("colocate_all", "colocate_actor_ref", "colocate_critic_reward")  # each is named as its strategy
+    return cfg.train.placement or next((flag for flag in flags if getattr(cfg.train, flag)), "separate")

@@ -34,9 +34,8 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     env = {**WORKER_ENV, "DS_ACCELERATOR": accelerator}
     runtime_env: dict[str, Any] = {"env_vars": env}
     if os.environ.get(console.RUN_LOG_ENV):  # a run's workers write third-party output to its log file
-        for var in (console.RUN_LOG_ENV, console.DEBUG_ENV, "VLLM_CONFIGURE_LOGGING"):
-            if var in os.environ:
-                env[var] = os.environ[var]
+        names = (console.RUN_LOG_ENV, console.DEBUG_ENV, "VLLM_CONFIGURE_LOGGING")
+        env.update({v: os.environ[v] for v in names if v in os.environ})
         runtime_env["worker_process_setup_hook"] = "rlhf_core.console.setup_ray_worker"
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -44,17 +43,11 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
         return
     needed = 0.0 if plan is None else sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
     # "local": without it ray.init joins whatever cluster another program started on this machine
-    ray.init(
-        address="local",
-        num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1, min_cpus),
-        include_dashboard=cfg.ray.dashboard,
-        dashboard_host="127.0.0.1",
-        runtime_env=runtime_env,
-        log_to_driver=True,
-        # "Started a local Ray instance." and the like: on the terminal with --debug only
-        logging_level=logging.INFO if os.environ.get(console.DEBUG_ENV, "1") == "1" else logging.WARNING,
-        _system_config={"prestart_worker_first_driver": False},
-    )
+    ray.init(address="local", num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1, min_cpus),
+             include_dashboard=cfg.ray.dashboard, dashboard_host="127.0.0.1", runtime_env=runtime_env,
+             log_to_driver=True, _system_config={"prestart_worker_first_driver": False},
+             # "Started a local Ray instance." and the like: on the terminal with --debug only
+             logging_level=logging.INFO if os.environ.get(console.DEBUG_ENV, "1") == "1" else logging.WARNING)
     reaper.start()  # the cluster is this driver's: it goes when the driver goes, even by SIGKILL
 
 
@@ -95,10 +88,6 @@ def worker_options(spec: WorkerGroupSpec, pool: Pool, rank: int, gpus_per_worker
     ``rank * gpus_per_worker_bundles``), so roles sharing a pool land on the same bundles: colocation.
     """
     bundle = (rank * gpus_per_worker_bundles) % pool.num_bundles
-    return {
-        "num_cpus": spec.num_cpus_per_worker,
-        "num_gpus": spec.num_gpus_per_worker,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=pool.group, placement_group_bundle_index=bundle
-        ),
-    }
+    return {"num_cpus": spec.num_cpus_per_worker, "num_gpus": spec.num_gpus_per_worker,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pool.group, placement_group_bundle_index=bundle)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -53,20 +53,14 @@ class Experience:
     every row is a trajectory of its own."""
 
     def rows(self, index: list[int] | slice) -> Experience:
-        """A sub-batch (micro-batches, data-parallel shards)."""
+        """A sub-batch (micro-batches, data-parallel shards), without ``info``."""
         idx = list(range(len(self.sequences)))[index] if isinstance(index, slice) else index
         pick = torch.tensor(idx, dtype=torch.long)
 
-        def cut(t):
-            return None if t is None else t[pick]
+        def cut(v):
+            return v[pick] if isinstance(v, torch.Tensor) else None if v is None else [v[i] for i in idx]
 
-        return Experience(
-            [self.sequences[i] for i in idx], [self.prompt_lens[i] for i in idx], cut(self.action_mask),
-            cut(self.rollout_logprobs), cut(self.rewards), cut(self.valid), cut(self.scores),
-            cut(self.old_logprobs), cut(self.ref_logprobs), cut(self.values), cut(self.advantages),
-            cut(self.returns), images=None if self.images is None else [self.images[i] for i in idx],
-            episode_of=cut(self.episode_of),
-        )
+        return Experience(**{f.name: cut(getattr(self, f.name)) for f in fields(self) if f.name != "info"})
 
     def episode_rows(self) -> torch.Tensor:
         """``[E]`` the first row of each episode (per-episode rewards, scores and validity live there)."""
@@ -112,17 +106,13 @@ def build_experience(trajs: list[Trajectory], cfg) -> Experience:
     if shaping.stop_properly_penalty_coef is not None:
         truncated = torch.tensor([t.finish_reason == "length" or t.truncated for t in trajs])
         rewards = stop_properly_penalty(rewards, truncated, shaping.stop_properly_penalty_coef)
-    per_call = len(rows) > len(trajs)
     return Experience(
         sequences=[part.prompt_ids + part.response_ids for _, part in rows],
-        prompt_lens=[len(part.prompt_ids) for _, part in rows],
-        action_mask=action_mask,
+        prompt_lens=[len(part.prompt_ids) for _, part in rows], action_mask=action_mask,
         rollout_logprobs=pad_right([part.rollout_logprobs for _, part in rows]),
-        rewards=rewards[episode_of],
-        valid=valid[episode_of],
-        scores=scores[episode_of],
+        rewards=rewards[episode_of], valid=valid[episode_of], scores=scores[episode_of],
         images=[trajs[e].images for e, _ in rows] if any(t.images for t in trajs) else None,
-        episode_of=episode_of if per_call else None,
+        episode_of=episode_of if len(rows) > len(trajs) else None,  # per-call samples
     )
 
 
@@ -166,10 +156,8 @@ def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None
     def gather(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else torch.where(mask, x[rows, cols], 0.0)
 
-    out = estimator(dataclasses.replace(
-        batch, rewards=batch.rewards[first], valid=batch.valid[first], action_mask=mask,
-        kl=gather(batch.kl), values=gather(batch.values),
-    ))
+    out = estimator(dataclasses.replace(batch, rewards=batch.rewards[first], valid=batch.valid[first],
+                                        action_mask=mask, kl=gather(batch.kl), values=gather(batch.values)))
 
     def scatter(y: torch.Tensor) -> torch.Tensor:
         back = torch.zeros(exp.action_mask.shape, dtype=y.dtype)
@@ -181,20 +169,13 @@ def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None
 
 def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: float) -> AdvantageInput:
     """The estimator's input for ``exp``; ``kl`` ``[B, T]`` is folded into the reward unless KL is a loss."""
-    advantage = cfg.algo.advantage
+    advantage, as_loss = cfg.algo.advantage, cfg.algo.kl.use_loss
     return AdvantageInput(
-        rewards=exp.rewards,
-        action_mask=exp.action_mask,
-        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-        valid=exp.valid,
-        kl=None if cfg.algo.kl.use_loss else kl,
-        kl_coef=0.0 if cfg.algo.kl.use_loss else kl_coef,
-        values=exp.values,
-        gamma=advantage.gamma,
-        lambd=advantage.lambd,
-        reward_clip=tuple(cfg.reward.clip_range),
-        no_std_norm=advantage.no_std_norm,
-        task_reward_coef=cfg.algo.opd.task_reward_coef,
+        rewards=exp.rewards, action_mask=exp.action_mask, valid=exp.valid, values=exp.values,
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, kl=None if as_loss else kl,
+        kl_coef=0.0 if as_loss else kl_coef,
+        gamma=advantage.gamma, lambd=advantage.lambd, reward_clip=tuple(cfg.reward.clip_range),
+        no_std_norm=advantage.no_std_norm, task_reward_coef=cfg.algo.opd.task_reward_coef,
     )
 
 
@@ -217,15 +198,11 @@ def sequence_batches(exp: Experience, cuts: list, pad_token_id: int) -> list[Seq
     """One SequenceBatch per cut (:func:`micro_batch_cuts`); unscorable rows keep their tokens but no action
     mask."""
     out = []
-    for cut in cuts:
-        part = exp.rows(cut)
-        masks = (part.action_mask & part.valid[:, None]).long()
-        out.append(make_sequence_batch(
-            [seq[:pl] for seq, pl in zip(part.sequences, part.prompt_lens)],
-            [seq[pl:] for seq, pl in zip(part.sequences, part.prompt_lens)],
-            pad_token_id, [m[: len(seq) - pl].tolist() for m, seq, pl in zip(masks, part.sequences, part.prompt_lens)],
-            part.images,
-        ))
+    for part in map(exp.rows, cuts):
+        rows = list(zip(part.sequences, part.prompt_lens, (part.action_mask & part.valid[:, None]).long()))
+        out.append(make_sequence_batch([seq[:pl] for seq, pl, _ in rows], [seq[pl:] for seq, pl, _ in rows],
+                                       pad_token_id, [m[: len(seq) - pl].tolist() for seq, pl, m in rows],
+                                       part.images))
     return out
 
 
@@ -249,7 +226,7 @@ class ExperienceMaker:
         self.kl_fn = resolve(plugins, "kl_estimators", cfg.algo.kl.estimator)
 
     def make(self, trajs: list[Trajectory], kl_coef: float) -> Experience:
-        cfg, actor = self.cfg, self.groups.actor
+        cfg, actor, ref, critic = self.cfg, self.groups.actor, self.groups.ref, self.groups.critic
         exp = build_experience(trajs, cfg)
         b = len(exp.sequences)
         budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
@@ -267,12 +244,15 @@ class ExperienceMaker:
         # the old log-probs are the current policy's, so the policy step uses its own, detached, and this
         # forward pass is skipped (TRL does the same with one iteration).
         on_policy = (cfg.train.max_epochs == 1 and b <= cfg.train.batch_size
-                     and (self.groups.ref is None or cfg.algo.kl.use_loss))
-        calls = {}  # result name: (group, its role's name, call refs, order of the rows)
-        temperature = cfg.rollout.temperature
+                     and (ref is None or cfg.algo.kl.use_loss))
+        calls = {}  # Experience field: (group, its role's name, call refs, order of the rows)
+
+        def logprobs(g, parts: list[SequenceBatch], **teacher):
+            return g.call_sharded_async("compute_logprobs", parts, cfg.rollout.temperature, False, **teacher)
+
         if not on_policy:
-            calls["old"] = actor, "policy", [actor.call_sharded_async("compute_logprobs", mbs, temperature, False)], cuts
-        if self.groups.ref is not None and self.teacher_of:
+            calls["old_logprobs"] = actor, "policy", [logprobs(actor, mbs)], cuts
+        if ref is not None and self.teacher_of:
             # multi-teacher OPD: each teacher scores the rows of its prompts, cut on their own
             teacher = torch.tensor([self.teacher_of[t.prompt_uid] for t in trajs])
             if exp.episode_of is not None:  # per-call samples: rows of one episode share its prompt's teacher
@@ -281,25 +261,19 @@ class ExperienceMaker:
             for k in teacher.unique().tolist():
                 rows = (teacher == k).nonzero().flatten().tolist()
                 part = exp.rows(rows)
-                part_cuts = micro_batch_cuts(part, self.groups.ref, cfg.rollout.micro_batch_size, None, cfg)
-                refs.append(self.groups.ref.call_sharded_async(
-                    "compute_logprobs", sequence_batches(part, part_cuts, self.pad), temperature, False, teacher=k))
+                part_cuts = micro_batch_cuts(part, ref, cfg.rollout.micro_batch_size, None, cfg)
+                refs.append(logprobs(ref, sequence_batches(part, part_cuts, self.pad), teacher=k))
                 order += [rows[c] for c in part_cuts]
-            calls["ref"] = self.groups.ref, "teacher", refs, order
-        elif self.groups.ref is not None:
-            ref = self.groups.ref
-            calls["ref"] = ref, "reference", [ref.call_sharded_async("compute_logprobs", mbs, temperature, False)], cuts
-        critic = self.groups.critic
+            calls["ref_logprobs"] = ref, "teacher", refs, order
+        elif ref is not None:
+            calls["ref_logprobs"] = ref, "reference", [logprobs(ref, mbs)], cuts
         if critic is not None:
             calls["values"] = critic, "critic", [critic.call_sharded_async("compute_values", mbs)], cuts
-        got = {}
-        for key, (group, role, refs, order) in calls.items():
-            with dead_worker_reported(f"a {role} worker died"):
-                got[key] = stack([x for r, real in refs for x in group.gather_sharded(r, real)], order)
         mask = exp.action_mask & exp.valid[:, None]
-        exp.old_logprobs = got["old"] * mask if "old" in got else None
-        exp.ref_logprobs = got["ref"] * mask if "ref" in got else None
-        exp.values = got["values"] * mask if "values" in got else None
+        for field_name, (group, role, refs, order) in calls.items():
+            with dead_worker_reported(f"a {role} worker died"):
+                results = [x for r, real in refs for x in group.gather_sharded(r, real)]
+            setattr(exp, field_name, stack(results, order) * mask)
         kl = None
         if exp.ref_logprobs is not None:
             # on-policy, the engine's log-probs of the same weights stand in for the old ones (KL as a loss:
@@ -314,14 +288,11 @@ class ExperienceMaker:
         exp.info = {
             "reward/mean": _nanmean(rewards),
             "reward/std": float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
-            "score/mean": _nanmean(exp.scores[episodes]),
-            "reward/unscorable": float((~valid).sum()),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
+            "score/mean": _nanmean(exp.scores[episodes]), "reward/unscorable": float((~valid).sum()),
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "truncated/frac": sum(t.finish_reason == "length" or t.truncated for t in trajs) / len(trajs),
             "kl/mean": float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()) if kl is not None else 0.0,
-            "kl/coef": kl_coef,
-            "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
+            "kl/coef": kl_coef, "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
         }
         if exp.old_logprobs is not None:  # on-policy steps get it from the policy step instead
             exp.info["policy/rollout_train_logprob_gap"] = float(

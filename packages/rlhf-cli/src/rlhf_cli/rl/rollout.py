@@ -88,12 +88,9 @@ class Rollout:
                     # the samples' seeds depend on the step, prompt and sample index only: the replacement
                     # draws the same samples from the same weights
                     refs[i] = self._replace_engine(i, exc).rollout.remote(chunk, sampling, seed_step)
-        trajs = [t for ts, _ in results for t in ts]
-        metrics: dict[str, float] = {}
-        for _, m in results:
-            for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v / len(results)
-        return trajs, metrics
+        keys = dict.fromkeys(k for _, m in results for k in m)  # the engines' metrics, averaged over them
+        return [t for ts, _ in results for t in ts], {
+            k: sum(m.get(k, 0.0) / len(results) for _, m in results) for k in keys}
 
     def _replace_engine(self, i: int, exc: BaseException):
         """A new engine ``i`` in place of the dead one, holding the current policy weights. Raises

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
@@ -53,18 +55,15 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
         options = {"with_ref": True} if spec.role == "actor" and "ref" in asm.in_actor else {}
-        placement = None  # a single-process run has no placement groups
-        if asm.single_process:
+        pool = None if asm.single_process else pools[spec.pool]  # a single-process run has no placement group
+        if pool is None:
             options["inline_rank"] = True
         else:
-            pool = pools[spec.pool]
-            placement = pool.group
             options["bundle_indices"] = [r % pool.num_bundles for r in range(spec.num_workers)]
         made[spec.role] = backend.create_group(
-            spec.role, cfg, placement, spec.num_workers, total_steps=total_steps,
-            num_gpus_per_worker=spec.num_gpus_per_worker,
-            num_cpus_per_worker=spec.num_cpus_per_worker, num_threads=trainer_threads, wait=False, **options,
-        )
+            spec.role, cfg, pool and pool.group, spec.num_workers, total_steps=total_steps, wait=False,
+            num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
+            num_threads=trainer_threads, **options)
     if "ref" in asm.in_actor:
         made["ref"] = made["actor"].hosted_ref()
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
@@ -95,8 +94,6 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         # partial rollout: weights may land while a generation is running (a second concurrent call)
         concurrency = 2 if cfg.train.partial_rollout_enable else 1
         width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
-        import torch
-
         # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
         threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() \
             else None
@@ -137,22 +134,18 @@ def run_rl(asm: Assembly) -> None:
         raise RunConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: {exc}") from exc
     images = ImageProcessing.for_model(cfg.actor.model_name_or_path)
     prompts = load_prompts(cfg, tokenizer, images=images)
-    eval_prompts = []
-    if cfg.eval.dataset:
-        eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
-                                    max_samples=cfg.eval.max_samples, images=images)
+    eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
+                                max_samples=cfg.eval.max_samples, images=images) if cfg.eval.dataset else []
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
-    resume, resume_state = None, None
-    if cfg.ckpt.load_enable:  # damaged checkpoints are found here, before any worker starts
-        resume = checkpoints.latest()
-        resume_state = checkpoints.load_client_state(resume) if resume is not None else None
-        if resume is None:
-            print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
-                  file=sys.stderr)
-        elif not resume_state.get("has_ds_state", True):
-            raise CheckpointError(f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
-                                  "only, no optimizer state)")
+    resume = checkpoints.latest() if cfg.ckpt.load_enable else None  # damaged ones fail here, before workers
+    resume_state = checkpoints.load_client_state(resume) if resume is not None else None
+    if cfg.ckpt.load_enable and resume is None:
+        print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
+              file=sys.stderr)
+    elif resume is not None and not resume_state.get("has_ds_state", True):
+        raise CheckpointError(f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
+                              "only, no optimizer state)")
 
     started = time.perf_counter()
     pools = {}
@@ -160,7 +153,7 @@ def run_rl(asm: Assembly) -> None:
     if not asm.single_process:
         import ray
 
-        from rlhf_cli.ray_launch import create_pools, init_ray
+        from rlhf_cli.ray_launch import create_pools, init_ray, remove_pools
 
         own_ray = not ray.is_initialized()  # a caller's Ray session (tests, notebooks) is left running
         init_ray(cfg, asm.plan)
@@ -197,11 +190,7 @@ def run_rl(asm: Assembly) -> None:
             if not groups.rollout_in_actor:  # else they end with the actor's ranks
                 for a in groups.rollout:
                     inline.kill(a)
-        if not asm.single_process:
-            import ray
-
-            from rlhf_cli.ray_launch import remove_pools
-
+        if not asm.single_process:  # ray and remove_pools were imported above
             remove_pools(pools)
             if own_ray:
                 ray.shutdown()

@@ -30,10 +30,7 @@ class BatchSchedule:
 
     def _sleep_trainers(self, asleep: bool) -> None:
         for g in self.trainers:
-            if asleep:
-                g.sleep()
-            else:
-                g.wake_up()
+            (g.sleep if asleep else g.wake_up)()
 
     def _sync(self, step: int, total_steps: int) -> Iterator[Batch]:
         hybrid_sleep = self.cfg.train.colocate_all and self.cfg.ds.enable_sleep

@@ -46,13 +46,11 @@ class WeightSync:
             backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
             world, timeout = 1 + sum(self._ranks), self.cfg.vllm.sync_timeout
             joins = []
-            if self.address is None:
-                self.address = self.groups.actor.weight_sync_address()
-                addr, port = self.address
-                firsts = [1 + sum(self._ranks[:i]) for i in range(len(engines))]
-                joins = [a.init_weight_sync.remote(master_addr=addr, master_port=port, first_rank=first,
-                                                   world_size=world, backend=backend, timeout_s=timeout)
-                         for a, first in zip(engines, firsts, strict=True)]
+            if self.address is None:  # engine i's ranks follow those of engines 0..i-1
+                addr, port = self.address = self.groups.actor.weight_sync_address()
+                joins = [a.init_weight_sync.remote(master_addr=addr, master_port=port, world_size=world,
+                                                   first_rank=1 + sum(self._ranks[:i]), backend=backend,
+                                                   timeout_s=timeout) for i, a in enumerate(engines)]
             addr, port = self.address
             receives = [a.receive_weights.remote() for a in engines]
             sends = self.groups.actor.broadcast_weights_to_engines_async(addr, port, world, backend, timeout)

@@ -243,10 +243,9 @@ def compute_advantages(batch: AdvantageInput, estimator: str) -> AdvantageOutput
     shaped = group_shaped_rewards(batch.rewards, batch.n_samples_per_prompt, estimator, valid)
     token_rewards = token_level_rewards(shaped, live, batch.kl, batch.kl_coef, batch.reward_clip)
     gamma = batch.gamma if estimator in ("gae", "reinforce") else 1.0
-    if estimator == "gae":
-        advantages, returns = gae_advantages(token_rewards, live, batch.values, gamma, batch.lambd)
-    else:
-        advantages, returns = gae_advantages(token_rewards, live, None, gamma, 1.0)
+    critic = estimator == "gae"  # else V = 0 and lambd = 1: discounted returns
+    advantages, returns = gae_advantages(token_rewards, live, batch.values if critic else None, gamma,
+                                         batch.lambd if critic else 1.0)
     if estimator in BATCH_NORMALIZED:
         advantages = normalize_advantages(advantages, live, batch.no_std_norm)
     return AdvantageOutput(advantages=advantages, returns=returns)
@@ -265,11 +264,7 @@ class AdvantageEstimator:
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": AdvantageEstimator("gae", needs_critic=True, min_samples_per_prompt=1),
-    "reinforce": AdvantageEstimator("reinforce", needs_critic=False, min_samples_per_prompt=1),
-    **{
-        name: AdvantageEstimator(name, needs_critic=False, min_samples_per_prompt=2)
-        for name in GROUP_ESTIMATORS
-    },
-    "opd": AdvantageEstimator("opd", needs_critic=False, min_samples_per_prompt=1),
+    name: AdvantageEstimator(name, needs_critic=name == "gae",
+                             min_samples_per_prompt=2 if name in GROUP_ESTIMATORS else 1)
+    for name in ESTIMATOR_NAMES
 }

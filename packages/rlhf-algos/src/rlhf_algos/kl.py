@@ -83,7 +83,7 @@ class FixedKLController:
         self.value = float(state["value"])
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(FixedKLController):
     """The proportional controller of Ziegler et al. 2019 (https://arxiv.org/abs/1909.08593).
 
     After each rollout batch, with ``current_kl`` the measured mean KL per sequence and ``n_steps`` the
@@ -98,7 +98,7 @@ class AdaptiveKLController:
     def __init__(self, init_kl_coef: float, target: float, horizon: float):
         if target <= 0 or horizon <= 0:
             raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target} and {horizon}")
-        self.value = float(init_kl_coef)
+        super().__init__(init_kl_coef)
         self.target = float(target)
         self.horizon = float(horizon)
 
@@ -107,17 +107,12 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, Any]:
+        # only the coefficient is loaded back (inherited): target and horizon stay as configured for a resumed run
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Only the coefficient is state; target and horizon stay as configured for the resumed run.
-        self.value = float(state["value"])
 
 
 def make_kl_controller(
     init_coef: float, target: float | None = None, horizon: float = 10000
 ) -> FixedKLController | AdaptiveKLController:
     """Adaptive when ``target`` is set (``--algo.kl.target``), else fixed, as OpenRLHF chooses."""
-    if target:
-        return AdaptiveKLController(init_coef, target, horizon)
-    return FixedKLController(init_coef)
+    return AdaptiveKLController(init_coef, target, horizon) if target else FixedKLController(init_coef)

@@ -92,13 +92,8 @@ def group_shaped_rewards(
     return torch.where(v & informative, shaped, 0.0).flatten()
 
 
-def token_level_rewards(
-    rewards: torch.Tensor,
-    action_mask: torch.Tensor,
-    kl: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    reward_clip: tuple[float, float] | None = None,
-) -> torch.Tensor:
+def token_level_rewards(rewards: torch.Tensor, action_mask: torch.Tensor, kl: torch.Tensor | None = None,
+                        kl_coef: float = 0.0, reward_clip: tuple[float, float] | None = None) -> torch.Tensor:
     """Per-token rewards ``[B, T]`` from sequence rewards ``[B]``::
 
         R_t = -kl_coef * kl_t + (t == last action token ? clamp(r, lo, hi) : 0)     on action tokens
@@ -120,13 +115,8 @@ def token_level_rewards(
     return out
 
 
-def gae_advantages(
-    token_rewards: torch.Tensor,
-    action_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lambd: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(token_rewards: torch.Tensor, action_mask: torch.Tensor, values: torch.Tensor | None = None,
+                   gamma: float = 1.0, lambd: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438).
 
     Over the action tokens of each row, ``t'`` being the next action token after ``t``::
@@ -180,16 +170,10 @@ def normalize_advantages(
     return torch.where(mask, out, 0.0)
 
 
-def opd_advantages(
-    kl: torch.Tensor,
-    kl_coef: float,
-    action_mask: torch.Tensor,
-    rewards: torch.Tensor | None = None,
-    n_samples_per_prompt: int = 1,
-    task_reward_coef: float = 0.0,
-    valid: torch.Tensor | None = None,
-    reward_clip: tuple[float, float] | None = None,
-) -> torch.Tensor:
+def opd_advantages(kl: torch.Tensor, kl_coef: float, action_mask: torch.Tensor,
+                   rewards: torch.Tensor | None = None, n_samples_per_prompt: int = 1,
+                   task_reward_coef: float = 0.0, valid: torch.Tensor | None = None,
+                   reward_clip: tuple[float, float] | None = None) -> torch.Tensor:
     """On-policy distillation: per-token advantages ``[B, T]`` from the student's reverse KL to a teacher::
 
         A_t = -kl_coef * kl_t + task_reward_coef * clamp(group_norm(r)_i, lo, hi)     on action tokens of valid rows

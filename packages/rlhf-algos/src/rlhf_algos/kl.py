@@ -51,13 +51,8 @@ KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: dict[str, KLFn] = {"k1": k1, "k2": k2, "k3": k3}
 
 
-def kl_loss(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    action_mask: torch.Tensor,
-    estimator: str | KLFn = "k3",
-    aggregation: LossAggregation | None = None,
-) -> torch.Tensor:
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor,
+            estimator: str | KLFn = "k3", aggregation: LossAggregation | None = None) -> torch.Tensor:
     """KL as a loss term (``--algo.kl.use_loss``): ``aggregate(k(logp, ref_logp), mask)``, a scalar.
 
     The trainer adds ``kl_coef * kl_loss(...)`` to the policy loss, with the same ``aggregation`` as the
@@ -107,7 +102,7 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, Any]:
-        # only the coefficient is loaded back (inherited): target and horizon stay as configured for a resumed run
+        # load_state_dict (inherited) reads the coefficient only: target and horizon stay as configured
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
 

@@ -159,12 +159,8 @@ gspo_loss.default_loss_agg_mode = "seq_mean_token_mean"  # type: ignore[attr-def
 POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss}
 
 
-def entropy_loss(
-    entropy: torch.Tensor,
-    action_mask: torch.Tensor,
-    entropy_coef: float,
-    aggregation: LossAggregation | None = None,
-) -> torch.Tensor:
+def entropy_loss(entropy: torch.Tensor, action_mask: torch.Tensor, entropy_coef: float,
+                 aggregation: LossAggregation | None = None) -> torch.Tensor:
     """The entropy bonus as a term to *add* to the loss: ``-entropy_coef * aggregate(H, mask)``.
 
     ``entropy`` ``[B, T]`` comes from :func:`rlhf_algos.logits.entropy_from_logits` (with gradients);

@@ -8,12 +8,8 @@ from rlhf_algos.aggregation import aggregate
 from rlhf_core.types import LossAggregation, LossOutput
 
 
-def prm_loss(
-    step_logits: torch.Tensor,
-    classes: torch.Tensor,
-    soft_labels: torch.Tensor,
-    aggregation: LossAggregation | None = None,
-) -> LossOutput:
+def prm_loss(step_logits: torch.Tensor, classes: torch.Tensor, soft_labels: torch.Tensor,
+             aggregation: LossAggregation | None = None) -> LossOutput:
     """Cross-entropy at the ``N`` step markers of a micro-batch, over ``K`` candidate next tokens.
 
     ``step_logits`` ``[N, K]``: the LM's logits *at* each placeholder position (the prediction of the token

@@ -37,11 +37,10 @@ def check_n_samples_per_prompt(name: str, min_samples_per_prompt: int, n_samples
     The trainer calls it at start-up with the estimator's ``min_samples_per_prompt``; raises ValueError.
     """
     if n_samples_per_prompt < min_samples_per_prompt:
-        raise ValueError(
-            f"advantage estimator {name!r} compares the samples of each prompt and needs "
-            f"--rollout.n_samples_per_prompt >= {min_samples_per_prompt} (got {n_samples_per_prompt}); "
-            f"raise it, or pick an estimator without a group baseline (gae, reinforce)"
-        )
+        raise ValueError(f"advantage estimator {name!r} compares the samples of each prompt and needs "
+                         f"--rollout.n_samples_per_prompt >= {min_samples_per_prompt} (got "
+                         f"{n_samples_per_prompt}); raise it, or pick an estimator without a group baseline "
+                         f"(gae, reinforce)")
 
 
 def group_shaped_rewards(
@@ -64,9 +63,8 @@ def group_shaped_rewards(
     1e-8 there, which ``group_norm``'s ``1e-9`` epsilon would blow up to values near 1.
     """
     if estimator not in ESTIMATOR_NAMES:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; built-ins: {', '.join(ESTIMATOR_NAMES)}"
-        )
+        raise ValueError(f"unknown advantage estimator {estimator!r}; built-ins: "
+                         f"{', '.join(ESTIMATOR_NAMES)}")
     finite = torch.isfinite(rewards)
     valid = finite if valid is None else finite & valid.bool()
     r = torch.where(valid, rewards.float(), 0.0)
@@ -250,5 +248,4 @@ class AdvantageEstimator:
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     name: AdvantageEstimator(name, needs_critic=name == "gae",
                              min_samples_per_prompt=2 if name in GROUP_ESTIMATORS else 1)
-    for name in ESTIMATOR_NAMES
-}
+    for name in ESTIMATOR_NAMES}

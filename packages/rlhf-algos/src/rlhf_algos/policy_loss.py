@@ -46,10 +46,8 @@ def rollout_correction_weights(
     zeroed by icepop or the sequence mask) and ``is_truncated_ratio`` (tokens whose ``rho`` was clamped).
     """
     if kind not in IS_CORRECTION_TYPES:
-        raise ValueError(
-            f"unknown IS correction {kind!r} (--algo.advantage.is_correction_type); "
-            f"choose one of {', '.join(IS_CORRECTION_TYPES)}"
-        )
+        raise ValueError(f"unknown IS correction {kind!r} (--algo.advantage.is_correction_type); "
+                         f"choose one of {', '.join(IS_CORRECTION_TYPES)}")
     lo, hi = threshold
     mask = action_mask.bool()
     with torch.no_grad():
@@ -125,9 +123,8 @@ def ppo_loss(batch: PolicyLossInput) -> LossOutput:
     if batch.is_correction is not None:
         if batch.rollout_logprobs is None:
             raise ValueError("IS correction (--algo.advantage.is_correction_enable) needs rollout_logprobs")
-        weights, metrics = rollout_correction_weights(
-            batch.old_logprobs, batch.rollout_logprobs, mask, batch.is_correction, batch.is_threshold
-        )
+        weights, metrics = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs, mask,
+                                                      batch.is_correction, batch.is_threshold)
     return _clipped_surrogate(batch, ratio, weights, metrics)
 
 

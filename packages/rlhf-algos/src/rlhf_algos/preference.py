@@ -29,9 +29,8 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     ``beta (pi - ref)`` averaged (``chosen_reward``, ``rejected_reward``), ``reward_margin``,
     ``reward_accuracy`` (fraction of pairs whose chosen reward is the larger).
     """
-    x = (policy_chosen_logps.float() - policy_rejected_logps.float()) - (
-        ref_chosen_logps.float() - ref_rejected_logps.float()
-    )
+    x = ((policy_chosen_logps.float() - policy_rejected_logps.float())
+         - (ref_chosen_logps.float() - ref_rejected_logps.float()))
     if ipo:
         losses = (x - 1 / (2 * beta)).square()
     else:
@@ -78,11 +77,8 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
     z = torch.as_tensor(kl, dtype=torch.float32, device=policy_logps.device).detach().clamp(min=0)
     logr = policy_logps.float() - ref_logps.float()
     desirable = desirable.bool()
-    losses = torch.where(
-        desirable,
-        desirable_weight * (1 - torch.sigmoid(beta * (logr - z))),
-        undesirable_weight * (1 - torch.sigmoid(beta * (z - logr))),
-    )
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (logr - z))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z - logr))))
     with torch.no_grad():
         rewards = beta * logr
         metrics = {

@@ -25,10 +25,8 @@ def overlong_penalty(rewards: torch.Tensor, response_lengths: torch.Tensor, max_
     ``--reward.overlong_penalty_factor``, ``--rollout.max_new_tokens``.
     """
     if not 0 < buffer_len <= max_new_tokens:
-        raise ValueError(
-            f"--reward.overlong_buffer_len must be in (0, max_new_tokens = {max_new_tokens}], "
-            f"got {buffer_len}"
-        )
+        raise ValueError(f"--reward.overlong_buffer_len must be in (0, max_new_tokens = {max_new_tokens}], "
+                         f"got {buffer_len}")
     exceed = (response_lengths.float() - (max_new_tokens - buffer_len)).clamp(max=buffer_len)
     return rewards.float() - exceed.clamp(min=0) / buffer_len * penalty_factor
 

@@ -282,8 +282,7 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                             {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids})
 
     @staticmethod
-    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int],
-                choice: dict) -> Any:
+    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict) -> Any:
         """An OpenAI response object of ``kind`` with one choice."""
         from aiohttp import web
 

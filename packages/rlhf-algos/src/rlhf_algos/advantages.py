@@ -43,9 +43,8 @@ def check_n_samples_per_prompt(name: str, min_samples_per_prompt: int, n_samples
                          f"(gae, reinforce)")
 
 
-def group_shaped_rewards(
-    rewards: torch.Tensor, n_samples_per_prompt: int, estimator: str, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+def group_shaped_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, estimator: str,
+                         valid: torch.Tensor | None = None) -> torch.Tensor:
     """Subtract each prompt group's baseline from the sequence rewards ``[B]``; returns ``[B]`` float32.
 
     With ``r`` one group's valid rewards (``k`` of them)::
@@ -148,9 +147,8 @@ def gae_advantages(token_rewards: torch.Tensor, action_mask: torch.Tensor, value
     return adv, torch.where(mask, adv + v, 0.0)
 
 
-def normalize_advantages(
-    advantages: torch.Tensor, mask: torch.Tensor, no_std_norm: bool = False
-) -> torch.Tensor:
+def normalize_advantages(advantages: torch.Tensor, mask: torch.Tensor,
+                         no_std_norm: bool = False) -> torch.Tensor:
     """Whiten over all positions where ``mask`` ``[B, T]`` is true::
 
         A = (A - mean) * rsqrt(clamp(var, 1e-8))       or, with no_std_norm,  A = A - mean

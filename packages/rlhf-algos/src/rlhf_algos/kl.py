@@ -32,8 +32,7 @@ def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """``clamp((logp - ref_logp)**2 / 2, -10, 10)``; ``[B, T] -> [B, T]``."""
-    d = logprobs.float() - ref_logprobs.float()
-    return (d.square() / 2).clamp(-KL_CLAMP, KL_CLAMP)
+    return ((logprobs.float() - ref_logprobs.float()).square() / 2).clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -106,8 +105,7 @@ class AdaptiveKLController(FixedKLController):
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
 
-def make_kl_controller(
-    init_coef: float, target: float | None = None, horizon: float = 10000
-) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(init_coef: float, target: float | None = None,
+                       horizon: float = 10000) -> FixedKLController | AdaptiveKLController:
     """Adaptive when ``target`` is set (``--algo.kl.target``), else fixed, as OpenRLHF chooses."""
     return AdaptiveKLController(init_coef, target, horizon) if target else FixedKLController(init_coef)

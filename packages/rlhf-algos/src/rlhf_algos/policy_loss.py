@@ -74,9 +74,8 @@ def rollout_correction_weights(
     return w, metrics
 
 
-def _clipped_surrogate(
-    batch: PolicyLossInput, ratio: torch.Tensor, weights: torch.Tensor | None, metrics: dict[str, float]
-) -> LossOutput:
+def _clipped_surrogate(batch: PolicyLossInput, ratio: torch.Tensor, weights: torch.Tensor | None,
+                       metrics: dict[str, float]) -> LossOutput:
     """The clipped surrogate ``-min(r A, clip(r) A)``, dual clip, weights, aggregation (both losses)."""
     mask = batch.action_mask.bool()
     adv = torch.where(mask, batch.advantages.float(), 0.0)

@@ -135,10 +135,18 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     async def _start(self) -> None:
         from aiohttp import web
 
+        @web.middleware
+        async def bad_requests(request: Any, handler: Any) -> Any:  # a _BadRequest as OpenAI's error object
+            try:
+                return await handler(request)
+            except _BadRequest as exc:
+                error = {"message": str(exc), "type": "invalid_request_error"}
+                return web.json_response({"error": error}, status=exc.status)
+
         async with self._start_lock:
             if self._runner is not None:
                 return
-            app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+            app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[bad_requests])
             app.router.add_post("/sessions/{sid}/v1/chat/completions", self._handle_chat)
             app.router.add_post("/sessions/{sid}/v1/completions", self._handle_completions)
             app.router.add_get("/sessions/{sid}/v1/models", self._handle_models)
@@ -154,12 +162,6 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-
-    @staticmethod
-    def _json_error(status: int, message: str) -> Any:
-        from aiohttp import web
-
-        return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
 
     async def _read(self, request: Any) -> tuple[_Session, dict]:
         session = self._sessions.get(request.match_info["sid"])
@@ -191,18 +193,15 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]})
 
     async def _handle_chat(self, request: Any) -> Any:
-        try:
-            session, body = await self._read(request)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise _BadRequest("'messages' must be a non-empty list")
-            if session.tokenizer.chat_template is None:
-                raise _BadRequest("the tokenizer has no chat template; use /v1/completions")
-            tools, parse_calls = self._tools(body)
-            text = self._render(session, [m for m in messages if isinstance(m, dict)], tools)
-            ids, out_ids, finish = await self._generate(session, encode(session.tokenizer, text), body)
-        except _BadRequest as exc:
-            return self._json_error(exc.status, str(exc))
+        session, body = await self._read(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("'messages' must be a non-empty list")
+        if session.tokenizer.chat_template is None:
+            raise _BadRequest("the tokenizer has no chat template; use /v1/completions")
+        tools, parse_calls = self._tools(body)
+        text = self._render(session, [m for m in messages if isinstance(m, dict)], tools)
+        ids, out_ids, finish = await self._generate(session, encode(session.tokenizer, text), body)
         content = self._reply_text(session, out_ids, finish, body)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if parse_calls:
@@ -263,27 +262,23 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         return text
 
     async def _handle_completions(self, request: Any) -> Any:
-        try:
-            session, body = await self._read(request)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                ids = encode(session.tokenizer, prompt)
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                ids = list(prompt)  # token ids in, used verbatim
-            else:
-                raise _BadRequest("'prompt' must be a string or a list of token ids")
-            ids, out_ids, finish = await self._generate(session, ids, body)
-        except _BadRequest as exc:
-            return self._json_error(exc.status, str(exc))
+        session, body = await self._read(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = encode(session.tokenizer, prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)  # token ids in, used verbatim
+        else:
+            raise _BadRequest("'prompt' must be a string or a list of token ids")
+        ids, out_ids, finish = await self._generate(session, ids, body)
         text = self._reply_text(session, out_ids, finish, body)
         return self._answer("cmpl", "text_completion", body, ids, out_ids,
                             {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids})
 
     @staticmethod
-    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int],
-                choice: dict) -> Any:
+    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict) -> Any:
         """An OpenAI response object of ``kind`` with one choice."""
         from aiohttp import web
 

@@ -18,7 +18,7 @@ import itertools
 import math
 from typing import Any
 
-from rlhf_agents.reward_model import DTYPES, right_padded
+from rlhf_agents.reward_model import right_padded
 from rlhf_agents.rewards import empty_result, fail_samples, remote_entries
 from rlhf_core.config import resolve_param_dtype
 from rlhf_core.supervised import (
@@ -57,8 +57,10 @@ class ProcessRewardModel:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from rlhf_core.rollout.hf_engine import parse_dtype
+
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype]))
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
         config = self.model.config
         placeholder, reward_tokens = getattr(config, PLACEHOLDER_KEY, None), getattr(config, REWARD_TOKENS_KEY, None)
         if not placeholder:

@@ -11,8 +11,6 @@ from rlhf_core.config import resolve_param_dtype
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 def right_padded(seqs: list[list[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
     """``[B, L]`` token ids and attention mask of ``seqs``, padded on the right (which keeps positions
@@ -40,12 +38,14 @@ class RewardModelScorer:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from rlhf_core.rollout.hf_engine import DTYPES
+
         if dtype not in DTYPES:
             raise ValueError(f"--ds.param_dtype {dtype}: expected one of {', '.join(DTYPES)}")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, use_fast=use_fast_tokenizer)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_name_or_path, num_labels=1, dtype=getattr(torch, DTYPES[dtype]),
+            model_name_or_path, num_labels=1, dtype=DTYPES[dtype],
             attn_implementation=attn_implementation, **(model_kwargs or {})).to(self.device)
         self.model.eval()
         self.head = getattr(self.model, value_head_prefix, None)

@@ -174,32 +174,28 @@ class PythonFileRewardSource(RewardSource):
         return result
 
     async def _score_part(self, request: RewardRequest, indices: list[int], result: RewardResult) -> None:
-        part = subset(request, indices)
-        kwargs = {k: getattr(part, k) for k in self.kwargs}
+        part, where = subset(request, indices), self.description
+        split = False  # whether the batch raised and is scored again in halves
+        call = call_user(self.func, part.queries, part.prompts, part.labels,
+                         **{k: getattr(part, k) for k in self.kwargs})
         try:
-            call = call_user(self.func, part.queries, part.prompts, part.labels, **kwargs)
-            raw = await asyncio.wait_for(call, self.timeout)
-            parsed = parse_reward_output(raw, len(indices), self.description)
+            parsed = parse_reward_output(await asyncio.wait_for(call, self.timeout), len(indices), where)
         except RewardContractError as exc:
-            fail_samples(result, indices, self.description, str(exc))
-            return
+            fail_samples(result, indices, where, str(exc))
         except asyncio.TimeoutError:
-            fail_samples(result, indices, self.description,
-                         f"{self.description} took longer than --reward.timeout {self.timeout:g} s")
-            return
+            fail_samples(result, indices, where, f"{where} took longer than --reward.timeout {self.timeout:g} s")
         except Exception as exc:
-            if len(indices) == 1:
-                fail_samples(result, indices, self.description,
-                             f"{self.description} raised {type(exc).__name__}: {exc}", exc)
-                return
+            split = len(indices) > 1
+            if not split:
+                fail_samples(result, indices, where, f"{where} raised {type(exc).__name__}: {exc}", exc)
         else:
-            fill_result(result, indices, parsed, self.description)
-            return
+            fill_result(result, indices, parsed, where)
         # The batch raised: find the samples that raise, the rest still get scored. Outside the except block,
         # so that the exception of one sample is not chained to those of the batch and of every half above it.
-        half = len(indices) // 2
-        await self._score_part(request, indices[:half], result)
-        await self._score_part(request, indices[half:], result)
+        if split:
+            half = len(indices) // 2
+            await self._score_part(request, indices[:half], result)
+            await self._score_part(request, indices[half:], result)
 
 
 # --- HTTP reward servers --------------------------------------------------------------------------------------

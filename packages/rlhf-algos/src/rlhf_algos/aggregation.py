@@ -34,20 +34,14 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAggregation | N
     # where(), not multiplication: padding may hold inf/NaN (e.g. an exp of garbage log-probs)
     v = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
     v = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+    n_seq = agg.num_sequences if agg.num_sequences is not None else mask.shape[0]
     if agg.mode == "token_mean":
-        denom = agg.num_tokens if agg.num_tokens is not None else mask.sum().clamp(min=1)
-        out = v.sum() / denom
+        out = v.sum() / (agg.num_tokens if agg.num_tokens is not None else mask.sum().clamp(min=1))
     elif agg.mode == "seq_mean_token_mean":
-        per_seq = v.sum(-1) / mask.sum(-1).clamp(min=1)
-        denom = agg.num_sequences if agg.num_sequences is not None else mask.shape[0]
-        out = per_seq.sum() / denom
+        out = (v.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seq
     elif agg.mode == "seq_mean_token_sum_norm":
-        n_seq = agg.num_sequences if agg.num_sequences is not None else mask.shape[0]
-        max_len = agg.max_len if agg.max_len is not None else mask.shape[-1]
-        out = v.sum() / (n_seq * max_len)
+        out = v.sum() / (n_seq * (agg.max_len if agg.max_len is not None else mask.shape[-1]))
     else:
-        raise ValueError(
-            f"unknown loss aggregation mode {agg.mode!r} (--actor.loss_agg_mode); "
-            f"choose one of {', '.join(AGGREGATION_MODES)}"
-        )
+        raise ValueError(f"unknown loss aggregation mode {agg.mode!r} (--actor.loss_agg_mode); "
+                         f"choose one of {', '.join(AGGREGATION_MODES)}")
     return out * agg.dp_size

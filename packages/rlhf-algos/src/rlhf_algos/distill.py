@@ -22,14 +22,9 @@ def distill_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Te
     return -torch.where(torch.isinf(s), torch.zeros_like(terms), terms).sum(-1)
 
 
-def kd_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    labels: torch.Tensor,
-    mask: torch.Tensor,
-    kd_coef: float = 0.4,
-    aggregation: LossAggregation | None = None,
-) -> LossOutput:
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
+            mask: torch.Tensor, kd_coef: float = 0.4,
+            aggregation: LossAggregation | None = None) -> LossOutput:
     """OpenRLHF's distillation loss (MiniLLM's): ``(1 - kd_coef) * NLL + kd_coef * distil``.
 
     ``student_logits``, ``teacher_logits`` ``[B, T, V]`` at the positions that predict the ``[B, T]``

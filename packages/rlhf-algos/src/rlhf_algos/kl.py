@@ -32,8 +32,7 @@ def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """``clamp((logp - ref_logp)**2 / 2, -10, 10)``; ``[B, T] -> [B, T]``."""
-    d = logprobs.float() - ref_logprobs.float()
-    return (d.square() / 2).clamp(-KL_CLAMP, KL_CLAMP)
+    return ((logprobs.float() - ref_logprobs.float()).square() / 2).clamp(-KL_CLAMP, KL_CLAMP)
 
 
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -51,13 +50,8 @@ KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: dict[str, KLFn] = {"k1": k1, "k2": k2, "k3": k3}
 
 
-def kl_loss(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    action_mask: torch.Tensor,
-    estimator: str | KLFn = "k3",
-    aggregation: LossAggregation | None = None,
-) -> torch.Tensor:
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor,
+            estimator: str | KLFn = "k3", aggregation: LossAggregation | None = None) -> torch.Tensor:
     """KL as a loss term (``--algo.kl.use_loss``): ``aggregate(k(logp, ref_logp), mask)``, a scalar.
 
     The trainer adds ``kl_coef * kl_loss(...)`` to the policy loss, with the same ``aggregation`` as the
@@ -83,7 +77,7 @@ class FixedKLController:
         self.value = float(state["value"])
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(FixedKLController):
     """The proportional controller of Ziegler et al. 2019 (https://arxiv.org/abs/1909.08593).
 
     After each rollout batch, with ``current_kl`` the measured mean KL per sequence and ``n_steps`` the
@@ -98,7 +92,7 @@ class AdaptiveKLController:
     def __init__(self, init_kl_coef: float, target: float, horizon: float):
         if target <= 0 or horizon <= 0:
             raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target} and {horizon}")
-        self.value = float(init_kl_coef)
+        super().__init__(init_kl_coef)
         self.target = float(target)
         self.horizon = float(horizon)
 
@@ -107,17 +101,11 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, Any]:
+        # load_state_dict (inherited) reads the coefficient only: target and horizon stay as configured
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Only the coefficient is state; target and horizon stay as configured for the resumed run.
-        self.value = float(state["value"])
 
-
-def make_kl_controller(
-    init_coef: float, target: float | None = None, horizon: float = 10000
-) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(init_coef: float, target: float | None = None,
+                       horizon: float = 10000) -> FixedKLController | AdaptiveKLController:
     """Adaptive when ``target`` is set (``--algo.kl.target``), else fixed, as OpenRLHF chooses."""
-    if target:
-        return AdaptiveKLController(init_coef, target, horizon)
-    return FixedKLController(init_coef)
+    return AdaptiveKLController(init_coef, target, horizon) if target else FixedKLController(init_coef)

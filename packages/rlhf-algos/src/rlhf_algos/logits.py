@@ -41,11 +41,9 @@ def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[to
 
 
 class _LogprobsAndEntropy(torch.autograd.Function):
-    """:func:`logprobs_and_entropy` in at most two float32 ``[..., V]`` buffers at once besides the float32
-    logits, forward and backward: the last chunk of :func:`head_logprobs` is the peak of a CPU training step's
-    memory. Saves only the float32 logits of ``[..., V]`` size (and the ``[..., 1]`` lse and entropy, the
-    labels): recomputing ``p`` costs backward one exponential over the chunk and keeps a whole ``[..., V]``
-    less alive between forward and backward."""
+    """:func:`logprobs_and_entropy` in at most two float32 ``[..., V]`` buffers besides the float32 logits, the
+    only ``[..., V]`` tensor saved for backward (the last chunk of :func:`head_logprobs` is the peak of a CPU
+    training step's memory)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):
@@ -86,10 +84,9 @@ rows keep each ``[rows, H] @ [H, V]`` product at full matmul speed. Above glibc'
 (``rlhf_core.memory.keep_freed_memory``), so that a freed chunk goes back to the OS instead of staying resident."""
 
 
-def head_logprobs(
-    head, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-    with_entropy: bool = False, reentrant: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                  with_entropy: bool = False,
+                  reentrant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and entropies) under ``softmax(head(hidden) / temperature)``, never holding
     the logits of more than :data:`CHUNK_BYTES` at once: ``[N, H]`` hidden states and ``[N]`` labels ->
     ``[N]`` float32 (and ``[N]`` or None), differentiable in ``hidden`` and ``head``'s parameters.

@@ -147,24 +147,19 @@ def decode_plan(model) -> dict | None:
     return {"inner": inner, "lm_head": model.lm_head, "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn}
 
 
-def _stack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy)."""
+def _stack(linears: list[torch.nn.Linear], in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy); ``in_place``: the parameters
+    of ``linears`` become views of them."""
     weight = torch.cat([m.weight.detach() for m in linears])
-    if all(m.bias is None for m in linears):
-        return weight, None
-    return weight, torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
-                              for m in linears])
-
-
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_stack`, the parameters of ``linears`` becoming views of the stacked tensors."""
-    weight, bias = _stack(linears)
-    sizes = [m.out_features for m in linears]
-    biases = [None] * len(linears) if bias is None else bias.split(sizes)
-    for m, w, b in zip(linears, weight.split(sizes), biases, strict=True):
-        m.weight.data = w
-        if m.bias is not None:
-            m.bias.data = b
+    bias = None if all(m.bias is None for m in linears) else torch.cat(
+        [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
+    if in_place:
+        sizes = [m.out_features for m in linears]
+        biases = [None] * len(linears) if bias is None else bias.split(sizes)
+        for m, w, b in zip(linears, weight.split(sizes), biases, strict=True):
+            m.weight.data = w
+            if m.bias is not None:
+                m.bias.data = b
     return weight, bias
 
 
@@ -174,8 +169,7 @@ def fuse_projections(plan: dict, in_place: bool = True) -> list[tuple]:
     added; valid while the weights change only in place, as :class:`HFEngine` does); else copies.
     Returns per layer ``(qkv weight, qkv bias, gate_up weight, gate_up bias)``; a bias is None when no
     projection of the group has one."""
-    group = _fuse if in_place else _stack
-    return [(*group([at.q_proj, at.k_proj, at.v_proj]), *group([mlp.gate_proj, mlp.up_proj]))
+    return [(*_stack([at.q_proj, at.k_proj, at.v_proj], in_place), *_stack([mlp.gate_proj, mlp.up_proj], in_place))
             for at, mlp in ((layer.self_attn, layer.mlp) for layer in plan["inner"].layers)]
 
 

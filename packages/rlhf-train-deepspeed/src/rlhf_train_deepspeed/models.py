@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rlhf_algos.logits import head_logprobs
-from rlhf_core.batches import PRMBatch, SequenceBatch
+from rlhf_core.batches import PRMBatch, SequenceBatch, to_device
 from rlhf_core.memory import release_free_heap
 from rlhf_core.vision import image_forward_inputs
 from rlhf_train_deepspeed import ring_attn, shared_prefix
@@ -76,7 +76,7 @@ def response_logprobs(
         if not packing and shared_prefix.enabled(model):
             layout = shared_prefix.plan(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu())
         if layout is not None:  # rows with the same prompt run it once
-            layout = shared_prefix.to_device(layout, targets.device)
+            layout = to_device(layout, targets.device)
             hidden = head_inputs(model, shared_prefix.forward_inputs(layout), layout.columns)  # [G, K, H]
             rows = layout.logit_rows[mask]
         else:

@@ -441,9 +441,8 @@ class HFEngine(RolloutEngine):
             slots["mask"] = torch.ones(n_rows, width + steps, dtype=torch.long)
             slots["mask"][:, :width] = key_valid.long()
             prefill_mask = slots["mask"][:, :width]
-        plan = self.plan if self.fast_path else None
-        if plan is not None:  # cos/sin of every position a row can reach, computed once
-            rope = plan["inner"].rotary_emb
+        if self.plan is not None:  # cos/sin of every position a row can reach, computed once
+            rope = self.plan["inner"].rotary_emb
             table = torch.arange(width + steps, device=dev)[None]
             cos, sin = (x[0] for x in rope(torch.zeros((), dtype=dtype, device=dev), table))
         s = {k: v.to(dev) for k, v in slots.items()}  # the slots, on the device
@@ -496,8 +495,8 @@ class HFEngine(RolloutEngine):
             position = s["prompt_len"] + t
             if "rope_offset" in s:  # the same next position on M-RoPE's three axes
                 position = (position + s["rope_offset"])[None].expand(3, -1)
-            if plan is not None:
-                logits = decode_token(plan, tok, cos[position], sin[position], mask, cache, weights)
+            if self.plan is not None:
+                logits = decode_token(self.plan, tok, cos[position], sin[position], mask, cache, weights)
             else:
                 logits = self._forward(tok[:, None], position[..., None], mask, cache)
 
@@ -525,12 +524,23 @@ class HFEngine(RolloutEngine):
         if (first := next(named_tensors, None)) is None:
             return
         named_tensors = itertools.chain([first], named_tensors)
-        if is_adapter(first[0]):
-            return self._merge_adapters(named_tensors)
+        some = ", ".join(itertools.islice(self._params, 3))  # what names look like, for the errors
+        if is_adapter(first[0]):  # merged rather than run as extra matmuls: decode keeps its fast path
+            for layer, lora_a, lora_b in lora_pairs(named_tensors):
+                name = layer + ".weight"
+                if (target := self._params.get(name)) is None:
+                    raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this "
+                                   f"model (names look like {some}, ...)")
+                if name in self._missing:
+                    raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA "
+                                       "adapter needs the base weight under it; send the full weights first")
+                if name not in self._lora_base:  # the first adapter on this weight: it holds the base now
+                    self._lora_base[name] = target.detach().clone()
+                merge_lora_pair(self._lora_base[name], lora_a, lora_b, out=target)
+            return
         for name, tensor in named_tensors:
             self._lora_base.pop(name, None)  # a full weight replaces the base an adapter was merged into
             if (target := self._targets.get(name)) is None:
-                some = ", ".join(list(self._params)[:3])
                 raise KeyError(f"update_weights: {name!r} is not a weight of this model (names look like {some}, ...)")
             canonical = self._canonical.get(id(target))
             expected = self._shapes[canonical] if canonical is not None else target.shape
@@ -539,21 +549,6 @@ class HFEngine(RolloutEngine):
                                  f"expects {tuple(expected)}")
             target.copy_(tensor)
             self._missing.discard(canonical)
-
-    def _merge_adapters(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # Merged rather than run as extra matmuls: decode keeps its fused, packed fast path (decode_token).
-        for layer, lora_a, lora_b in lora_pairs(pairs):
-            name = layer + ".weight"
-            if (target := self._params.get(name)) is None:
-                some = ", ".join(list(self._params)[:3])
-                raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this model "
-                               f"(names look like {some}, ...)")
-            if name in self._missing:
-                raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA adapter "
-                                   "needs the base weight under it; send the full weights first")
-            if name not in self._lora_base:  # the first adapter on this weight: what it holds now is the base
-                self._lora_base[name] = target.detach().clone()
-            merge_lora_pair(self._lora_base[name], lora_a, lora_b, out=target)
 
     @torch.no_grad()
     def share_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -441,8 +441,9 @@ class HFEngine(RolloutEngine):
             slots["mask"] = torch.ones(n_rows, width + steps, dtype=torch.long)
             slots["mask"][:, :width] = key_valid.long()
             prefill_mask = slots["mask"][:, :width]
-        if self.plan is not None:  # cos/sin of every position a row can reach, computed once
-            rope = self.plan["inner"].rotary_emb
+        plan = self.plan if self.fast_path else None
+        if plan is not None:  # cos/sin of every position a row can reach, computed once
+            rope = plan["inner"].rotary_emb
             table = torch.arange(width + steps, device=dev)[None]
             cos, sin = (x[0] for x in rope(torch.zeros((), dtype=dtype, device=dev), table))
         s = {k: v.to(dev) for k, v in slots.items()}  # the slots, on the device
@@ -495,8 +496,8 @@ class HFEngine(RolloutEngine):
             position = s["prompt_len"] + t
             if "rope_offset" in s:  # the same next position on M-RoPE's three axes
                 position = (position + s["rope_offset"])[None].expand(3, -1)
-            if self.plan is not None:
-                logits = decode_token(self.plan, tok, cos[position], sin[position], mask, cache, weights)
+            if plan is not None:
+                logits = decode_token(plan, tok, cos[position], sin[position], mask, cache, weights)
             else:
                 logits = self._forward(tok[:, None], position[..., None], mask, cache)
 

@@ -249,11 +249,9 @@ def step_logits(model: nn.Module, batch: PRMBatch, packing: bool = False) -> tor
 
 
 def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring):
-    """``[M]`` log-probs (and entropies, else None) of the ``M`` real response positions, with this rank
-    running only its ring slice. The local tokens that predict a response token go through the head (labels:
-    the next token of the full packed row); their results are written into a ``[n]`` vector of the slice,
-    all-gathered into ``[N']`` over the ring group and read at the response positions ``pos[mask]`` like the
-    unsliced path."""
+    """``[M]`` log-probs (and entropies, else None) of the ``M`` real response positions, this rank running its
+    ring slice only: the head's results for its tokens that predict a response token (labels from the full
+    packed row) are all-gathered over the ring into ``[N']`` and read at ``pos[mask]``."""
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
     wanted = torch.zeros(sl.total, dtype=torch.bool, device=pos.device)
     wanted[pos[mask]] = True

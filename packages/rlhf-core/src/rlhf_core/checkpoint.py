@@ -196,7 +196,10 @@ class CheckpointManager:
         os.rename(tmp, final)
         _fsync_path(self.root)
         write_atomic(self.root / POINTER, name + "\n")
-        self._prune(keep=final)
+        older = [p for p in self.checkpoints() if p != final]  # pruned only once the new one is committed
+        while older and (len(older) >= self.max_num or self.max_mem_gb is not None
+                         and sum(map(_dir_bytes, [final, *older])) > self.max_mem_gb * (1 << 30)):
+            shutil.rmtree(older.pop(0))
         return final
 
     def load_client_state(self, path: Path) -> dict[str, Any]:
@@ -204,9 +207,3 @@ class CheckpointManager:
             return torch.load(path / CLIENT_STATE, weights_only=False)
         except Exception as exc:  # unpickling garbage raises anything
             raise CheckpointError(f"{path / CLIENT_STATE} cannot be loaded: {type(exc).__name__}: {exc}") from exc
-
-    def _prune(self, keep: Path) -> None:
-        older = [p for p in self.checkpoints() if p != keep]
-        while older and (len(older) >= self.max_num or self.max_mem_gb is not None
-                         and sum(map(_dir_bytes, [keep, *older])) > self.max_mem_gb * (1 << 30)):
-            shutil.rmtree(older.pop(0))

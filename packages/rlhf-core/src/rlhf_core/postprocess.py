@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from rlhf_core.types import PostProcessInput, PostProcessOptions, ScoredSample
+from rlhf_core.types import PostProcessInput, PostProcessOptions, PostProcessor, ScoredSample
 
 DEFAULT_CSFT_TEMPLATE = "{input} <rm_score>: {reward} "
 
@@ -30,24 +30,18 @@ def z_scores(rewards: list[float]) -> list[float]:
     return [(r - mean) / std if std > 0 else 0.0 for r in rewards]
 
 
-class RejectionSampling:
+class RejectionSampling(PostProcessor):  # the protocol's check: no option to check
     """``rs``: the best of each prompt's samples, as SFT data ``{"input", "output", "reward"}``."""
-
-    def check(self, options: PostProcessOptions) -> None:
-        pass
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
         best = [best_and_worst(group)[0] for group in batch.groups]
         return [{"input": b.input, "output": b.output, "reward": b.reward} for b in best]
 
 
-class IterativeDPO:
+class IterativeDPO(PostProcessor):  # the protocol's check: no option to check
     """``iter_dpo``: each prompt's best and worst samples as a preference pair ``{"prompt", "chosen",
     "chosen_reward", "rejected", "rejected_reward"}``. A prompt whose samples all have the same reward gives
     no pair (OpenRLHF emitted chosen == rejected there, a pair with no preference in it)."""
-
-    def check(self, options: PostProcessOptions) -> None:
-        pass
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
         pairs = [best_and_worst(group) for group in batch.groups]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rlhf_algos.logits import head_logprobs
-from rlhf_core.batches import PRMBatch, SequenceBatch
+from rlhf_core.batches import PRMBatch, SequenceBatch, to_device
 from rlhf_core.memory import release_free_heap
 from rlhf_core.vision import image_forward_inputs
 from rlhf_train_deepspeed import ring_attn, shared_prefix
@@ -76,7 +76,7 @@ def response_logprobs(
         if not packing and shared_prefix.enabled(model):
             layout = shared_prefix.plan(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu())
         if layout is not None:  # rows with the same prompt run it once
-            layout = shared_prefix.to_device(layout, targets.device)
+            layout = to_device(layout, targets.device)
             hidden = head_inputs(model, shared_prefix.forward_inputs(layout), layout.columns)  # [G, K, H]
             rows = layout.logit_rows[mask]
         else:
@@ -249,11 +249,9 @@ def step_logits(model: nn.Module, batch: PRMBatch, packing: bool = False) -> tor
 
 
 def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring):
-    """``[M]`` log-probs (and entropies, else None) of the ``M`` real response positions, with this rank
-    running only its ring slice. The local tokens that predict a response token go through the head (labels:
-    the next token of the full packed row); their results are written into a ``[n]`` vector of the slice,
-    all-gathered into ``[N']`` over the ring group and read at the response positions ``pos[mask]`` like the
-    unsliced path."""
+    """``[M]`` log-probs (and entropies, else None) of the ``M`` real response positions, this rank running its
+    ring slice only: the head's results for its tokens that predict a response token (labels from the full
+    packed row) are all-gathered over the ring into ``[N']`` and read at ``pos[mask]``."""
     sl = ring_attn.shard_packed(kwargs, batch.attention_mask.sum(-1), ring)
     wanted = torch.zeros(sl.total, dtype=torch.bool, device=pos.device)
     wanted[pos[mask]] = True

@@ -139,10 +139,6 @@ def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: tor
                   columns, logit_rows)
 
 
-def to_device(layout: Layout, device: torch.device) -> Layout:
-    return Layout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(layout).items()})
-
-
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: ``[G, H, N, D]`` queries, ``[G, Hkv, N, D]`` keys/values ->
     ``[G, N, H, D]``. Plain SDPA unless the forward was given ``shared_prefix=Layout``."""

@@ -64,8 +64,8 @@ class PRMExample:
     """NaN for a hard label."""
 
 
-def _with_eos(ids: list[int], tokenizer) -> list[int]:
-    eos = tokenizer.eos_token_id
+def _with_eos(tokenizer, text: str) -> list[int]:
+    ids, eos = encode(tokenizer, text), tokenizer.eos_token_id
     return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
 
@@ -88,7 +88,8 @@ def _prompt_ids(tokenizer, text: str) -> list[int]:
     return ids or [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
 
 
-def _chat_response(tokenizer, messages: list[dict], answer: str, prompt_text: str, where: str) -> str:
+def _chat_response(tokenizer, prompt: str | list[dict], answer: str, prompt_text: str, where: str) -> str:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
     if not full.startswith(prompt_text):
         raise DataError(f"{where}: the chat template does not render the prompt as a prefix of the conversation")
@@ -214,14 +215,13 @@ def _tokenize(mode: str, f: dict, where: str, tokenizer, cfg, stats: DataStats):
             return _fit(ids[:p], [ids[p:]], data, where, stats, lambda prompt, resp: Example(
                 prompt, resp, mask[p : p + len(resp)]))
         if "text" in f:
-            ids = _with_eos(encode(tokenizer, f["text"]), tokenizer)
+            ids = _with_eos(tokenizer, f["text"])
             return _fit(ids[:1], [ids[1:]], data, where, stats, Example)
         prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template)
         if data.apply_chat_template:
-            messages = [{"role": "user", "content": f["prompt"]}] if isinstance(f["prompt"], str) else f["prompt"]
-            response = encode(tokenizer, _chat_response(tokenizer, messages, f["response"], prompt_text, where))
+            response = encode(tokenizer, _chat_response(tokenizer, f["prompt"], f["response"], prompt_text, where))
         else:
-            response = _with_eos(encode(tokenizer, f["response"]), tokenizer)
+            response = _with_eos(tokenizer, f["response"])
         return _fit(_prompt_ids(tokenizer, prompt_text), [response], data, where, stats, Example)
     if mode in ("rm", "dpo"):
         prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template) if f["prompt"] else ""
@@ -233,21 +233,18 @@ def _tokenize(mode: str, f: dict, where: str, tokenizer, cfg, stats: DataStats):
                 prompt_text = render_prompt(tokenizer, messages[:-1], None, True) if len(messages) > 1 else prompt_text
                 text = _chat_response(tokenizer, messages[:-1], messages[-1]["content"], prompt_text, where)
             elif data.apply_chat_template:
-                messages = [{"role": "user", "content": f["prompt"]}] if isinstance(f["prompt"], str) else f["prompt"]
-                text = _chat_response(tokenizer, messages, value, prompt_text, where)
+                text = _chat_response(tokenizer, f["prompt"], value, prompt_text, where)
             else:
                 text = value if not prompt_text else " " + value
             if tokenizer.eos_token and text.rstrip().endswith(tokenizer.eos_token):
                 # a chat turn ends "<eos>\n": the response ends at its EOS (where a reward model is read), not
                 # at a second EOS appended after the newline
                 text = text.rstrip()
-            responses.append(_with_eos(encode(tokenizer, text), tokenizer))
-        prompt = _prompt_ids(tokenizer, prompt_text)
-        return _fit(prompt, responses, data, where, stats, PairExample, f["margin"])
+            responses.append(_with_eos(tokenizer, text))
+        return _fit(_prompt_ids(tokenizer, prompt_text), responses, data, where, stats, PairExample, f["margin"])
     prompt_text = render_prompt(tokenizer, f["prompt"], data.input_template, data.apply_chat_template)
-    completion = _with_eos(encode(tokenizer, f["completion"]), tokenizer)
-    prompt = _prompt_ids(tokenizer, prompt_text)
-    return _fit(prompt, [completion], data, where, stats, KTOExample, f["desirable"])
+    return _fit(_prompt_ids(tokenizer, prompt_text), [_with_eos(tokenizer, f["completion"])], data, where, stats,
+                KTOExample, f["desirable"])
 
 
 def collate(mode: str, examples: list, pad_token_id: int):

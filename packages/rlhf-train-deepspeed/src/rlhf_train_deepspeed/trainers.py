@@ -148,12 +148,10 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             raise ConfigError(str(exc)) from None
         if not in_driver:
             init_ray(cfg)
-
-        def group_factory(role, spec, ds, n, seed):
-            return create_worker_group(role, spec, ds, n, seed=seed, full_determinism=cfg.train.full_determinism_enable,
-                                       inline_rank=in_driver)
-
-    group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
+        group = create_worker_group("model", spec, cfg.ds, plan.world_size, seed=cfg.train.seed,
+                                    full_determinism=cfg.train.full_determinism_enable, inline_rank=in_driver)
+    else:
+        group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
     model = cfg.model
     losses = SupervisedConfigLite(
         mode=mode, beta=model.beta, ipo=model.ipo_enable, label_smoothing=model.label_smoothing,

@@ -200,12 +200,15 @@ class TrainWorker:
         """Load the model described by ``spec`` into a DeepSpeed engine (replacing any previous one)."""
         self.spec, self.ema = spec, None
         self.strategy = Strategy(ds, full_determinism)
+        self.packing = bool(ds.packing_samples)
+        self.ring = self.strategy.ring  # this rank's ring-attention group (--ds.ring_attn_size > 1), else None
+        self.dp_size = self.strategy.dp_size  # the loss multiplier: ranks / ring size (see ring_attn)
         random.seed(seed)
         np.random.seed(seed % (1 << 32))
         torch.manual_seed(seed)
         dtype = self.strategy.dtype
-        ring = self.strategy.ring  # sequence parallelism: load with the ring attention function
-        attn = ds.attn_implementation if ring is None else ring_attn.attn_implementation(ring)
+        # sequence parallelism: load with the ring attention function
+        attn = ds.attn_implementation if self.ring is None else ring_attn.attn_implementation(self.ring)
         # None leaves the choice to transformers (a MoE model's grouped_mm where it can run, else eager)
         experts = {"experts_implementation": ds.experts_implementation} if ds.experts_implementation else {}
 
@@ -246,20 +249,6 @@ class TrainWorker:
         self.ref_engine = load_frozen(spec.ref_path, spec.ref_offload) if spec.ref_path else None
         self.teacher_engines = [load_frozen(p, spec.ref_offload or spec.offload) for p in spec.teacher_paths]
         return {"rank": self.rank, "num_parameters": sum(p.numel() for p in model.parameters())}
-
-    @property
-    def packing(self) -> bool:
-        return bool(self.strategy.ds.packing_samples)
-
-    @property
-    def ring(self):
-        """This rank's ring-attention group (``--ds.ring_attn_size`` > 1), else None."""
-        return self.strategy.ring
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel size, the loss multiplier: ranks / ring size (see ``ring_attn``)."""
-        return self.strategy.dp_size
 
     def _dev(self, obj):
         return to_device(obj, self.strategy.device)
@@ -591,11 +580,13 @@ class TrainWorker:
         """A LoRA policy's adapters in the sync's wire format (:func:`rlhf_core.weight_sync.lora_adapter_tensors`):
         per adapted layer ``<HF layer name>.lora_A`` and ``.lora_B`` (scaling folded in); the frozen base never
         moves. Collective under ZeRO-3 (only the adapters are gathered)."""
+        with self._gathered_adapters():
+            yield from weight_sync.lora_adapter_tensors(self._module())
+
+    def _gathered_adapters(self):
         import deepspeed
 
-        module = self._module()
-        with deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if "lora_" in n]):
-            yield from weight_sync.lora_adapter_tensors(module)
+        return deepspeed.zero.GatheredParameters([p for n, p in self._module().named_parameters() if "lora_" in n])
 
     def engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight sync sends: a LoRA policy's adapters (:meth:`adapter_weights`), else every trained
@@ -616,19 +607,17 @@ class TrainWorker:
         (the engines after one was replaced) closes it and joins a new one. Other trainer ranks only take part
         in the ZeRO-3 gathers. A LoRA policy sends only its adapters (:meth:`engine_weights`). Returns the
         number of tensors sent (0 on ranks other than 0)."""
-        if self.rank == 0 and self._sync_group is not None and self._sync_group.address != f"{master_addr}:{master_port}":
+        if self.rank != 0:
+            for _ in self.engine_weights():  # the ZeRO-3 gathers only
+                pass
+            return 0
+        if self._sync_group is not None and self._sync_group.address != f"{master_addr}:{master_port}":
             self._sync_group.close()
             self._sync_group = None
-        if self.rank == 0 and self._sync_group is None:
-            store = self._stores.pop(master_port, None)
+        if self._sync_group is None:
             self._sync_group = weight_sync.init_sync_group(master_addr, master_port, 0, world_size, backend,
-                                                           timeout_s, store=store)
-        weights = self.engine_weights()
-        if self.rank == 0:
-            return self._sync_group.send(weights)["tensors"]
-        for _ in weights:
-            pass
-        return 0
+                                                           timeout_s, store=self._stores.pop(master_port, None))
+        return self._sync_group.send(self.engine_weights())["tensors"]
 
     def export_hf(self, out_dir: str, config_updates: dict | None = None, tokenizer_path: str | None = None,
                   ema: bool | None = None) -> None:
@@ -647,9 +636,7 @@ class TrainWorker:
     def _write_hf(self, out_dir: str, config_updates: dict | None, tokenizer_path: str | None) -> None:
         module = self._module()
         if self._is_peft():
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([p for n, p in module.named_parameters() if "lora_" in n]):
+            with self._gathered_adapters():
                 if self.rank == 0:
                     module.save_pretrained(out_dir, safe_serialization=True)
         else:

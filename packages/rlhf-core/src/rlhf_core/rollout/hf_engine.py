@@ -147,24 +147,19 @@ def decode_plan(model) -> dict | None:
     return {"inner": inner, "lm_head": model.lm_head, "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn}
 
 
-def _stack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy)."""
+def _stack(linears: list[torch.nn.Linear], in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy); ``in_place``: the parameters
+    of ``linears`` become views of them."""
     weight = torch.cat([m.weight.detach() for m in linears])
-    if all(m.bias is None for m in linears):
-        return weight, None
-    return weight, torch.cat([m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach()
-                              for m in linears])
-
-
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_stack`, the parameters of ``linears`` becoming views of the stacked tensors."""
-    weight, bias = _stack(linears)
-    sizes = [m.out_features for m in linears]
-    biases = [None] * len(linears) if bias is None else bias.split(sizes)
-    for m, w, b in zip(linears, weight.split(sizes), biases, strict=True):
-        m.weight.data = w
-        if m.bias is not None:
-            m.bias.data = b
+    bias = None if all(m.bias is None for m in linears) else torch.cat(
+        [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
+    if in_place:
+        sizes = [m.out_features for m in linears]
+        biases = [None] * len(linears) if bias is None else bias.split(sizes)
+        for m, w, b in zip(linears, weight.split(sizes), biases, strict=True):
+            m.weight.data = w
+            if m.bias is not None:
+                m.bias.data = b
     return weight, bias
 
 
@@ -174,8 +169,7 @@ def fuse_projections(plan: dict, in_place: bool = True) -> list[tuple]:
     added; valid while the weights change only in place, as :class:`HFEngine` does); else copies.
     Returns per layer ``(qkv weight, qkv bias, gate_up weight, gate_up bias)``; a bias is None when no
     projection of the group has one."""
-    group = _fuse if in_place else _stack
-    return [(*group([at.q_proj, at.k_proj, at.v_proj]), *group([mlp.gate_proj, mlp.up_proj]))
+    return [(*_stack([at.q_proj, at.k_proj, at.v_proj], in_place), *_stack([mlp.gate_proj, mlp.up_proj], in_place))
             for at, mlp in ((layer.self_attn, layer.mlp) for layer in plan["inner"].layers)]
 
 
@@ -531,12 +525,23 @@ class HFEngine(RolloutEngine):
         if (first := next(named_tensors, None)) is None:
             return
         named_tensors = itertools.chain([first], named_tensors)
-        if is_adapter(first[0]):
-            return self._merge_adapters(named_tensors)
+        some = ", ".join(itertools.islice(self._params, 3))  # what names look like, for the errors
+        if is_adapter(first[0]):  # merged rather than run as extra matmuls: decode keeps its fast path
+            for layer, lora_a, lora_b in lora_pairs(named_tensors):
+                name = layer + ".weight"
+                if (target := self._params.get(name)) is None:
+                    raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this "
+                                   f"model (names look like {some}, ...)")
+                if name in self._missing:
+                    raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA "
+                                       "adapter needs the base weight under it; send the full weights first")
+                if name not in self._lora_base:  # the first adapter on this weight: it holds the base now
+                    self._lora_base[name] = target.detach().clone()
+                merge_lora_pair(self._lora_base[name], lora_a, lora_b, out=target)
+            return
         for name, tensor in named_tensors:
             self._lora_base.pop(name, None)  # a full weight replaces the base an adapter was merged into
             if (target := self._targets.get(name)) is None:
-                some = ", ".join(list(self._params)[:3])
                 raise KeyError(f"update_weights: {name!r} is not a weight of this model (names look like {some}, ...)")
             canonical = self._canonical.get(id(target))
             expected = self._shapes[canonical] if canonical is not None else target.shape
@@ -545,21 +550,6 @@ class HFEngine(RolloutEngine):
                                  f"expects {tuple(expected)}")
             target.copy_(tensor)
             self._missing.discard(canonical)
-
-    def _merge_adapters(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # Merged rather than run as extra matmuls: decode keeps its fused, packed fast path (decode_token).
-        for layer, lora_a, lora_b in lora_pairs(pairs):
-            name = layer + ".weight"
-            if (target := self._params.get(name)) is None:
-                some = ", ".join(list(self._params)[:3])
-                raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this model "
-                               f"(names look like {some}, ...)")
-            if name in self._missing:
-                raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA adapter "
-                                   "needs the base weight under it; send the full weights first")
-            if name not in self._lora_base:  # the first adapter on this weight: what it holds now is the base
-                self._lora_base[name] = target.detach().clone()
-            merge_lora_pair(self._lora_base[name], lora_a, lora_b, out=target)
 
     @torch.no_grad()
     def share_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:

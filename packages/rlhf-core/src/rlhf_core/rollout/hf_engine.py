@@ -3,12 +3,9 @@
 It is the default on CPU and wherever vLLM is absent, and runs as a Ray actor unchanged
 (``ray.remote(HFEngine).remote(path)``). Instead of ``model.generate``: one prefill of the left-padded
 prompts, then one forward per token (sampling on the device, see :mod:`rlhf_core.rollout.sampling`).
-
-Full-attention decoders (Llama, Mistral, Qwen2, Qwen3) get a preallocated KV cache, masks built once per
-batch, and decode steps that read the weights directly (:func:`decode_token`); a model with adapters, hooks
-or position-dependent RoPE keeps the module path. Other architectures (sliding windows, hybrid or linear
-attention) and vision-language models take a generic path with transformers' ``DynamicCache``: the same
-results, slower. A request's images join the prefill, and decode steps continue the M-RoPE positions.
+Which models decode from the weights directly (:func:`decode_token`), and images: rlhf-core's README.
+Other architectures (sliding windows, hybrid or linear attention) and vision-language models take a generic
+path with transformers' ``DynamicCache``: the same results, slower.
 """
 
 from __future__ import annotations
@@ -193,10 +190,8 @@ def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) ->
     layers = []
     for i, layer in enumerate(plan["inner"].layers):
         at, mlp = layer.self_attn, layer.mlp
-        if fused is None:
-            qkv, gate_up = own(at.q_proj, at.k_proj, at.v_proj), own(mlp.gate_proj, mlp.up_proj)
-        else:
-            qkv, gate_up = group(fused[i][:2]), group(fused[i][2:])
+        qkv = own(at.q_proj, at.k_proj, at.v_proj) if fused is None else group(fused[i][:2])
+        gate_up = own(mlp.gate_proj, mlp.up_proj) if fused is None else group(fused[i][2:])
         layers.append((qkv, own(at.o_proj), gate_up, own(mlp.down_proj)))
     return {"layers": layers, "lm_head": own(plan["lm_head"]), "packed": bool(pack_rows)}
 
@@ -270,10 +265,6 @@ class HFEngine(RolloutEngine):
         num_threads: torch CPU threads for this process (a Ray actor sets it to its CPU share).
         pack_weights: decode from packed copies of the weights (:func:`decode_weights`); default: on CPU
             in float32 for models of hidden size :data:`PACK_MIN_HIDDEN` or more.
-
-    The engine owns the model it loads: its q/k/v and gate/up weights are laid out fused
-    (:func:`fuse_projections`) and change only through :meth:`update_weights`, until
-    :meth:`share_weights` makes it borrow a trainer's tensors in the same process.
     """
 
     def __init__(self, model_name_or_path: str, dtype: str = "float32", device: str | None = None,

@@ -7,14 +7,9 @@ Layout under the checkpoint root (``--ckpt.path``, default ``<output_dir>/checkp
                              + manifest.json (every file's size)
     .tmp-step_00000016-*/    a save in progress (or one that crashed: removed at the next start)
 
-A crash at any point leaves ``latest`` naming a complete checkpoint (or nothing, before the first one).
-Damage done later (a deleted or truncated file, garbage written over one, a pointer to a step that is gone)
-is found before anything is loaded: :func:`resume_point` (``CheckpointManager.latest``) skips a damaged
-checkpoint with a warning naming the file and why, and resumes from the newest intact one.
-Old checkpoints are deleted only after the new one is committed, keeping at most ``max_num`` (and under
-``max_mem`` GB). The caller's ``save_fn(dir)`` writes the model state (every DeepSpeed rank's files, the
-policy EMA included); ``client_state`` holds the rest a trainer needs to continue exactly (step, data
-position, RNG, and for RL: KL controller, best metric...).
+A crash at any point leaves ``latest`` naming a complete checkpoint (or nothing, before the first one); old
+checkpoints are deleted only after the new one is committed. Damage found later, ``save_fn`` and
+``client_state``: rlhf-train-deepspeed's README.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import functools
 import logging
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -22,10 +23,15 @@ MADV_DONTNEED = 4  # Linux
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    """The C library, looked up once: ``find_library`` runs ``ldconfig``, and a training rank trims its heap every
-    micro-batch."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+def _glibc(name: str, *argtypes: type) -> Any:
+    """glibc's function ``name`` returning int, or None where the C library is not glibc. Looked up once:
+    ``find_library`` runs ``ldconfig``, and a training rank trims its heap every micro-batch."""
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = list(argtypes), ctypes.c_int
+    return function
 
 
 def keep_freed_memory() -> bool:
@@ -39,11 +45,8 @@ def keep_freed_memory() -> bool:
     and trimming only past 1 GiB free, a step reuses the pages of the one before. The resident size stays
     at its peak, which a worker reaches every step anyway. Returns False where the C library is not glibc
     (nothing changed)."""
-    try:
-        mallopt = _libc().mallopt
-    except (OSError, AttributeError):
+    if (mallopt := _glibc("mallopt", ctypes.c_int, ctypes.c_int)) is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if not ok:
         logger.warning("mallopt refused the memory settings; freed memory goes back to the OS as by default")
@@ -57,11 +60,8 @@ def release_free_heap() -> bool:
     pages on top of ~870 MiB of freed activations and decode buffers, SmolLM2-135M), an export, a training
     forward's head (the holes its freed temporaries left among the saved activations, ~150 MiB). Pages used
     again fault in again, once. Returns False where the C library is not glibc."""
-    try:
-        malloc_trim = _libc().malloc_trim
-    except (OSError, AttributeError):
+    if (malloc_trim := _glibc("malloc_trim", ctypes.c_size_t)) is None:
         return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     malloc_trim(0)
     return True
 

@@ -16,9 +16,8 @@ DEFAULT_CSFT_TEMPLATE = "{input} <rm_score>: {reward} "
 
 def best_and_worst(group: list[ScoredSample]) -> tuple[ScoredSample, ScoredSample]:
     """The samples of highest and lowest reward; among equals the first in sample order."""
-    best = max(group, key=lambda s: (s.reward, -s.sample_index))
-    worst = min(group, key=lambda s: (s.reward, s.sample_index))
-    return best, worst
+    return (max(group, key=lambda s: (s.reward, -s.sample_index)),
+            min(group, key=lambda s: (s.reward, s.sample_index)))
 
 
 def z_scores(rewards: list[float]) -> list[float]:

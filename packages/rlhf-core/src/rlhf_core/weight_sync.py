@@ -1,25 +1,16 @@
 """Moving weights from the policy's rank 0 to the rollout engines.
 
-Every transport ends in the engine's ``update_weights(named tensors)`` with HF parameter names. (An HF
-engine colocated with a rank lives in that rank's process and gets an in-process copy instead:
-``TrainWorker.push_weights_to_hosted``.)
-
-1. **A broadcast group** (:func:`init_sync_group`, :meth:`SyncGroup.send`): rank 0 is the policy's rank 0,
-   ranks 1.. are the engine processes (each vLLM tensor-parallel worker takes a rank). gloo on CPU, NCCL on
-   GPU.
-2. **The object store**: the controller puts the policy's ``get_state_dict_for_engines()`` (full CPU
-   tensors) in Ray's object store once and calls ``engine.update_weights`` on every engine with the reference.
+Every transport ends in the engine's ``update_weights(named tensors)`` with HF parameter names: a broadcast
+group (:func:`init_sync_group`, :meth:`SyncGroup.send`: rank 0 is the policy's rank 0, ranks 1.. the engine
+processes, one per vLLM tensor-parallel worker; gloo on CPU, NCCL on GPU), or Ray's object store, or, for an
+HF engine hosted in a rank's process, an in-process copy (``TrainWorker.push_weights_to_hosted``). Which
+engine takes which, and LoRA policies' adapter pairs (:func:`lora_pairs`): docs/plugin-hooks.md.
 
 Wire format of one :meth:`SyncGroup.send`: per bucket, an int64 header ``(metadata bytes, payload bytes)``,
 then one uint8 buffer holding the metadata (JSON list of ``[name, dtype, shape, offset, nbytes]``, padded
 to 16 bytes) followed by the payload (each tensor's bytes at a 16-byte aligned offset). A ``(0, 0)``
 header ends the transfer. Every wait is bounded: a peer that stalls makes the other side raise
 :class:`WeightSyncTimeout` naming who waited for what.
-
-**LoRA policies send only their adapters** (either transport): per adapted linear layer ``<layer>.lora_A``
-``[r, in]`` then ``<layer>.lora_B`` ``[out, r]`` with the LoRA scaling (``alpha / r``) already folded into
-B, so the layer's weight is ``W0 + B @ A`` for the frozen base ``W0`` the engine loaded itself. An engine
-merges the pair (:func:`merge_lora_pair`, the HF engine) or serves it as an adapter (vLLM).
 """
 
 from __future__ import annotations

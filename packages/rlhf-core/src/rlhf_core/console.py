@@ -1,11 +1,10 @@
-"""A quiet console: third-party output of a run goes to its ``train.log``, rlhf's own to the terminal.
-
-vLLM's configuration dump and per-weight warnings, weight-loading bars and DeepSpeed's memory lines go to the
-run's log file (``RLHF_RUN_LOG``), and to the terminal too with ``--debug`` (``RLHF_DEBUG=1``). In the
-driver's process (a single-process run included) their loggers reach the root logger, whose terminal handler
-shows only rlhf's records (:class:`OwnRecords`); third-party bars are off there, not logged (``TQDM_DISABLE``
-is a bar's default, so rlhf's bar, which sets it, stays). A Ray worker (:func:`setup_ray_worker`) writes its
-stdout and stderr, file descriptors included, to the log file; rlhf's warnings still reach the terminal.
+"""A quiet console: third-party output of a run goes to its ``train.log`` (``RLHF_RUN_LOG``), and to the
+terminal too only with ``--debug`` (``RLHF_DEBUG=1``); rlhf's own goes to the terminal (rlhf-cli's README).
+In the driver's process (a single-process run included) third-party loggers reach the root logger, whose
+terminal handler shows only rlhf's records (:class:`OwnRecords`); third-party bars are off there, not logged
+(``TQDM_DISABLE`` is a bar's default, so rlhf's bar, which sets it, stays). A Ray worker
+(:func:`setup_ray_worker`) writes its stdout and stderr, file descriptors included, to the log file; rlhf's
+warnings still reach the terminal.
 """
 
 from __future__ import annotations

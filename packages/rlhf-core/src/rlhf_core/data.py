@@ -1,17 +1,11 @@
 """Dataset readers, mixing, and prompt / chat-template formatting, shared by every trainer.
 
-Every row keeps where it came from (:class:`Row`: file and row index), so that a bad row fails with an
-error naming the file, the row and the key, or is skipped and counted when the run asks for that
-(``--data.skip_bad_rows``). A prompt longer than its budget follows ``--data.overlong_prompt_policy``
-(:func:`fit_prompt`): it is never truncated silently.
-
-Formats: ``.jsonl``, ``.json`` (a list of objects, or JSON lines), ``.parquet``, ``.csv``, ``.arrow``,
-and directories: a dataset saved with ``datasets``' ``save_to_disk`` (a ``DatasetDict`` is indexed by
-split), or a folder of data files whose names start with the split (``train.jsonl``,
-``data/train-00000.parquet``; when no file names a split, all of them are the ``train`` split). Anything
-else is a Hugging Face hub dataset name, loaded with ``datasets.load_dataset`` (from the local cache when
-offline). As in OpenRLHF, ``name@dir`` reads only the subdirectory ``dir`` of a dataset (``data_dir``; hub
-datasets often keep each configuration in one).
+Every row keeps where it came from (:class:`Row`), so that a bad row fails naming the file, the row and the
+key, or is skipped and counted (``--data.skip_bad_rows``). Formats: rlhf-core's README; a directory is a
+dataset saved with ``datasets``' ``save_to_disk`` (a ``DatasetDict`` is indexed by split), or a folder of
+data files whose names start with the split (``train.jsonl``, ``data/train-00000.parquet``; when no file
+names a split, all of them are the ``train`` split). Anything else is a hub dataset name (from the local
+cache when offline); ``name@dir`` reads only its subdirectory ``dir`` (``data_dir``), as in OpenRLHF.
 """
 
 from __future__ import annotations

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 
 class UserError(Exception):
-    """Something the user gave cannot work: a flag, a file, a dataset row, a model path, a plugin.
-
-    The message names what is at fault and why. ``rlhf`` prints it without a traceback (the traceback
-    goes to the run's log file, and to the terminal with ``--debug``), also when a Ray worker raised it.
-    Plugins may raise subclasses of it for their own users' mistakes.
-    """
+    """Something the user gave cannot work: a flag, a file, a dataset row, a model path, a plugin. The message
+    names what is at fault and why; ``rlhf`` shows it alone, also from a Ray worker (docs/plugin-hooks.md)."""
 
 
 def find_user_error(exc: BaseException) -> UserError | None:

@@ -1,10 +1,7 @@
 """Actors without Ray: what a run that fits one process uses instead of a Ray cluster (``--ray.single_process``),
-and the one calling convention (:class:`ActorLike`) every rank and engine handle follows.
-
-A run with one training rank that hosts its reference model and engine needs no Ray daemons nor worker
-interpreters: its worker lives in the driver's process, behind an :class:`InlineActor`, so the code that fans
-calls out to ranks stays the same. A call runs at once, in the caller's thread; its exception is kept and
-raised by :func:`get`, as Ray raises a worker's error there."""
+and the one calling convention (:class:`ActorLike`) every rank and engine handle follows; see
+docs/plugin-hooks.md (train backends). An inline call runs at once, in the caller's thread; its exception is
+kept and raised by :func:`get`, as Ray raises a worker's error there."""
 
 from __future__ import annotations
 
@@ -30,11 +27,9 @@ class InlineRef:
 
 
 class ActorLike:
-    """The one calling convention of every rank and engine handle: ``handle.method.remote(*args, **kwargs)``
-    returns a reference that :func:`get` waits for. A Ray actor handle has it natively; subclasses give it to
-    a worker in the driver (:class:`InlineActor`) or to an object hosted in a rank's process
-    (``rlhf_train_deepspeed.group.HostedHandle``) by defining ``_call`` (private, so that it never hides a
-    method of the object called)."""
+    """``handle.method.remote(*args, **kwargs)`` returning a reference that :func:`get` waits for, as a Ray actor
+    handle has it natively. Subclasses define ``_call`` (private, so that it never hides a method of the object
+    called)."""
 
     def __getattr__(self, method: str) -> SimpleNamespace:
         if method.startswith("_"):

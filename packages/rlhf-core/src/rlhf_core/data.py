@@ -283,8 +283,7 @@ def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], l
     """
 
     def ids_of(msgs: list[dict], gen: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-        return encode(tokenizer, text)
+        return encode(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))
 
     full = ids_of(messages, False)
     mask = [0] * len(full)

@@ -1,9 +1,4 @@
-"""The built-in post-processors of ``rlhf generate``: rejection sampling, iterative DPO pairs, conditional SFT.
-
-Each takes every scored sample of a run, grouped by prompt (:class:`rlhf_core.types.PostProcessInput`),
-and returns the rows to write. Ties are broken by sample order (the earlier sample wins), so the output
-does not depend on which worker finished first.
-"""
+"""The built-in post-processors of ``rlhf generate``; what each writes, and the tie rule: docs/generation.md."""
 
 from __future__ import annotations
 
@@ -38,9 +33,7 @@ class RejectionSampling(PostProcessor):  # the protocol's check: no option to ch
 
 
 class IterativeDPO(PostProcessor):  # the protocol's check: no option to check
-    """``iter_dpo``: each prompt's best and worst samples as a preference pair ``{"prompt", "chosen",
-    "chosen_reward", "rejected", "rejected_reward"}``. A prompt whose samples all have the same reward gives
-    no pair (OpenRLHF emitted chosen == rejected there, a pair with no preference in it)."""
+    """``iter_dpo``: each prompt's best and worst samples as a preference pair; none where the rewards tie."""
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
         pairs = [best_and_worst(group) for group in batch.groups]
@@ -50,11 +43,8 @@ class IterativeDPO(PostProcessor):  # the protocol's check: no option to check
 
 
 class ConditionalSFT:
-    """``csft``: every sample, its reward written into the prompt: ``input = template.format(input=...,
-    reward=f"{r:.2f}")`` with the template of ``--generate.reward_template`` (default
-    ``"{input} <rm_score>: {reward} "``); with ``--generate.normalize_reward`` r is the sample's z-score
-    over the whole output (:func:`z_scores`). Rows ``{"input", "output", "reward"}``, ``reward`` the value
-    written."""
+    """``csft``: every sample, its reward (with ``--generate.normalize_reward`` its :func:`z_scores`) written
+    into the prompt by ``--generate.reward_template``."""
 
     def check(self, options: PostProcessOptions) -> None:
         template = options.reward_template or DEFAULT_CSFT_TEMPLATE

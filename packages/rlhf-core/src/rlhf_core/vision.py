@@ -1,12 +1,8 @@
 """Vision-language models (VLMs): images read from datasets, the model's image processor, image tokens, and
-the forward-pass inputs that put image features where those tokens are.
+the forward-pass inputs that put image features where those tokens are; see docs/vision-language.md.
 
-A VLM is a model whose config has a ``vision_config``; the Qwen-VL family is supported
-(:data:`SUPPORTED_MODEL_TYPES`). A chat template writes one image placeholder token per image, repeated here
-once per merged patch of the image's grid; the language model places the tokens with 3-D rotary positions
-(M-RoPE). Images go through the model's image processor as transformers loads it (without torchvision, the
-PIL one; ``rlhf doctor`` says which), the text through the tokenizer alone, not transformers' multimodal
-``Processor`` (which also needs torchvision for video).
+A VLM is a model whose config has a ``vision_config`` (:data:`SUPPORTED_MODEL_TYPES`). The text goes through
+the tokenizer alone, not transformers' multimodal ``Processor`` (which also needs torchvision for video).
 """
 
 from __future__ import annotations

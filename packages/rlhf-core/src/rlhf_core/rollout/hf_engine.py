@@ -492,9 +492,8 @@ class HFEngine(RolloutEngine):
             else:
                 logits = self._forward(tok[:, None], position[..., None], mask, cache)
 
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
-        return [GenerationOutput(tokens[r][:n], logprobs[r][:n], "stop" if is_stop else "length")
-                for r, (n, is_stop) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))]
+        return [GenerationOutput(toks[:n], lps[:n], "stop" if is_stop else "length") for toks, lps, n, is_stop
+                in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist(), strict=True)]
 
     def _forward(self, input_ids, position_ids, attention_mask, cache, **images) -> torch.Tensor:
         """Logits ``[R, V]`` (float32) of the last position; ``images``: :func:`image_forward_inputs` of a VLM

@@ -1,8 +1,5 @@
-"""The micro-batches the workers receive: plain dataclasses of tensors, cheap to send through Ray.
-
-Everything indexed by response position has shape ``[B, T]`` (``T`` = the longest response of the
-micro-batch), right-padded, like :class:`rlhf_core.types.Trajectory` data.
-"""
+"""The micro-batches the workers receive: plain dataclasses of tensors, cheap to send through Ray (shapes:
+:class:`SequenceBatch`)."""
 
 from __future__ import annotations
 
@@ -20,7 +17,8 @@ class SequenceBatch:
     """``B`` sequences ``prompt + response``, right-padded to ``L`` tokens.
 
     Response position ``t`` of row ``i`` is token ``prompt_lens[i] + t``; outputs indexed by response
-    position have shape ``[B, T]`` with ``T = max(response lengths)``, zero past each row's end.
+    position have shape ``[B, T]`` with ``T = max(response lengths)``, zero past each row's end (right-padded,
+    like :class:`rlhf_core.types.Trajectory` data).
     """
 
     input_ids: torch.Tensor

@@ -283,7 +283,8 @@ def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], l
     """
 
     def ids_of(msgs: list[dict], gen: bool) -> list[int]:
-        return encode(tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        return encode(tokenizer, text)
 
     full = ids_of(messages, False)
     mask = [0] * len(full)

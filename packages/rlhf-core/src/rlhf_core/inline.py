@@ -27,9 +27,9 @@ class InlineRef:
 
 
 class ActorLike:
-    """``handle.method.remote(*args, **kwargs)`` returning a reference that :func:`get` waits for, as a Ray actor
-    handle has it natively. Subclasses define ``_call`` (private, so that it never hides a method of the object
-    called)."""
+    """``handle.method.remote(*args, **kwargs)`` returning a reference that :func:`get` waits for, as a Ray
+    actor handle has it natively. Subclasses define ``_call`` (private, so that it never hides a method of
+    the object called)."""
 
     def __getattr__(self, method: str) -> SimpleNamespace:
         if method.startswith("_"):
@@ -94,12 +94,8 @@ def kill(actor: Any) -> None:
 
 def single_process(cfg: Any, processes: int, backend_can: bool = True) -> bool:
     """Whether a run whose workers need ``processes`` processes runs them in the driver's, without Ray
-    (``--ray.single_process``: ``auto`` when it can, ``true`` or refuse, ``false`` never).
-
-    It can when one process is enough, the train backend can build its rank in the driver, and no Ray is
-    wanted: no ``--ray.address`` / ``$RAY_ADDRESS``, no ``--ray.dashboard``, and, for ``auto``, no Ray
-    session this process started already (a test's or a notebook's, which the run then uses).
-    Raises ValueError naming the reason when ``true`` cannot be honoured.
+    (``--ray.single_process``: ``auto`` when it can, ``true`` or refuse, ``false`` never; ``reasons`` below
+    say when it cannot). Raises ValueError naming the reason when ``true`` cannot be honoured.
     """
     setting = str(cfg.ray.single_process).lower()
     if setting not in ("auto", "true", "false"):
@@ -117,5 +113,5 @@ def single_process(cfg: Any, processes: int, backend_can: bool = True) -> bool:
         (cfg.ray.dashboard, "--ray.dashboard asks for a Ray cluster")) if applies]
     if setting == "true" and reasons:
         raise ValueError("--ray.single_process true cannot be honoured: " + "; ".join(reasons))
-    ray = sys.modules.get("ray")
+    ray = sys.modules.get("ray")  # auto: a Ray session this process started (a test's, a notebook's) is used
     return not reasons and not (setting == "auto" and ray is not None and ray.is_initialized())

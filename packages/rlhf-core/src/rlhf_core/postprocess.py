@@ -1,4 +1,4 @@
-"""The built-in post-processors of ``rlhf generate``; what each writes, and the tie rule: docs/generation.md."""
+"""The built-in post-processors of ``rlhf generate``; what each writes, and ties: docs/generation.md."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -25,11 +26,9 @@ def prepare_metrics_file(path: Path, resume_step: int) -> Path | None:
     if resume_step > 0:
         kept = []
         for line in path.read_text().splitlines():
-            try:
+            with contextlib.suppress(json.JSONDecodeError):  # a torn last line
                 if json.loads(line).get("step", 0) <= resume_step:
                     kept.append(line + "\n")
-            except json.JSONDecodeError:
-                pass
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, path)

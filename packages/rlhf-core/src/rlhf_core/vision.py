@@ -72,13 +72,9 @@ def _decode(data: bytes, what: str) -> Any:
 
 
 def read_image(value: Any, base_dir: Path, where: str) -> Any:
-    """One image of a dataset row as an RGB PIL image.
-
-    ``value``: a file path (absolute, relative to the working directory, or relative to the data file's
-    folder ``base_dir``), a ``file://`` URL, a ``data:image/...;base64,`` URI, raw bytes, or a
-    ``{"bytes": ..., "path": ...}`` dict (datasets' Image feature). Anything else, a missing file, or data
-    that is not an image raises a DataError that starts with ``where`` (file, row, key and image index).
-    """
+    """One image of a dataset row as an RGB PIL image; ``value`` in any form docs/vision-language.md lists
+    (the data file's folder is ``base_dir``). Anything else, a missing file, or data that is not an image
+    raises a DataError that starts with ``where`` (file, row, key and image index)."""
     if isinstance(value, dict) and any(value.get(k) is not None for k in IMAGE_KEYS):
         value = value["bytes"] if value.get("bytes") is not None else value["path"]
     if isinstance(value, (bytes, bytearray)):

@@ -355,7 +355,8 @@ class HFEngine(RolloutEngine):
         weights = self._weights
         if rows and self.plan is not None and weights is None:
             pack_rows = min(len(rows), self.max_batch_size) if self.pack_weights else 0
-            # borrowed weights: the fused groups (and packed copies) of this call only, freed when it returns
+            # borrowed weights: the fused groups (and packed copies) of this call only, freed when it returns;
+            # the same values and layout as an owned engine's, so the same numbers
             weights = decode_weights(self.plan, fuse_projections(self.plan, in_place=False) if self.borrowed
                                      else self._fused, pack_rows)
             if self.own_weights:  # else rebuilt per call: a module we do not own may change between calls
@@ -545,12 +546,10 @@ class HFEngine(RolloutEngine):
     def share_weights(self, named_tensors: Mapping[str, torch.Tensor]) -> bool:
         """Decode from ``named_tensors`` themselves (a trainer's parameters in this process, by HF name) instead
         of a copy: the engine's own weights are freed, and the trainer's in-place updates reach the engine
-        without :meth:`update_weights`. Each generate call then lays out its fused groups and packed copies
-        afresh (the same values and layout as an owned engine's, so the same numbers) and frees them when it
-        returns. Returns False, sharing nothing, unless the engine owns its weights (loaded from a path) or
-        already shares, and every parameter has a tensor of the same name, shape, dtype and device.
-        :meth:`sleep` ends the sharing: after :meth:`wake_up` the engine owns its weights again and needs
-        :meth:`update_weights`."""
+        without :meth:`update_weights`. Returns False, sharing nothing, unless the engine owns its weights
+        (loaded from a path) or already shares, and every parameter has a tensor of the same name, shape,
+        dtype and device. :meth:`sleep` ends the sharing: after :meth:`wake_up` the engine owns its weights
+        again and needs :meth:`update_weights`."""
         if self._asleep or not (self.own_weights or self.borrowed) or not all(
                 (t := named_tensors.get(name)) is not None and t.shape == p.shape and t.dtype == p.dtype
                 and t.device == p.device for name, p in self._params.items()):

@@ -145,8 +145,6 @@ def decode_plan(model) -> dict | None:
 
 
 def _stack(linears: list[torch.nn.Linear], in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) tensor stacking the outputs of ``linears`` (a copy); ``in_place``: the parameters
-    of ``linears`` become views of them."""
     weight = torch.cat([m.weight.detach() for m in linears])
     bias = None if all(m.bias is None for m in linears) else torch.cat(
         [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
@@ -197,7 +195,6 @@ def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) ->
 
 
 def _project(x: torch.Tensor, group: list, packed: bool) -> torch.Tensor:
-    """``x`` through each ``(weight, bias)`` of ``group`` (:func:`decode_weights`), outputs concatenated."""
     outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") if packed else F.linear(x, w, b)
             for w, b in group]
     return outs[0] if len(outs) == 1 else torch.cat(outs, -1)

@@ -125,16 +125,13 @@ def check_requests(requests: Sequence[GenerationRequest], vocab_size: int | None
                 raise ValueError(f"{where}: prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
             if bad := [t for t in p.stop_token_ids if not 0 <= t < vocab_size]:
                 raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})")
-        if p.n < 1:
-            raise ValueError(f"{where}: n must be >= 1, got {p.n}")
-        if not (p.temperature >= 0 and math.isfinite(p.temperature)):
-            raise ValueError(f"{where}: temperature must be a finite number >= 0, got {p.temperature}")
-        if not 0 < p.top_p <= 1:
-            raise ValueError(f"{where}: top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k < -1:
-            raise ValueError(f"{where}: top_k must be >= -1 (0 or -1 disable it), got {p.top_k}")
-        if p.max_new_tokens < 1:
-            raise ValueError(f"{where}: max_new_tokens must be >= 1, got {p.max_new_tokens}")
-        if not 0 <= p.min_new_tokens <= p.max_new_tokens:
-            raise ValueError(f"{where}: min_new_tokens must be in [0, max_new_tokens={p.max_new_tokens}], "
-                             f"got {p.min_new_tokens}")
+        for ok, name, rule in ((p.n >= 1, "n", ">= 1"),
+                               (p.temperature >= 0 and math.isfinite(p.temperature), "temperature",
+                                "a finite number >= 0"),
+                               (0 < p.top_p <= 1, "top_p", "in (0, 1]"),
+                               (p.top_k >= -1, "top_k", ">= -1 (0 or -1 disable it)"),
+                               (p.max_new_tokens >= 1, "max_new_tokens", ">= 1"),
+                               (0 <= p.min_new_tokens <= p.max_new_tokens, "min_new_tokens",
+                                f"in [0, max_new_tokens={p.max_new_tokens}]")):
+            if not ok:
+                raise ValueError(f"{where}: {name} must be {rule}, got {getattr(p, name)}")

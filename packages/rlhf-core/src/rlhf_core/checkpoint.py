@@ -65,10 +65,8 @@ def fsync_tree(root: Path) -> None:
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: a temporary file, fsynced, renamed over it."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp.write_text(text, encoding="utf-8")
+    _fsync_path(tmp)
     os.replace(tmp, path)
     _fsync_path(path.parent)
 

@@ -6,9 +6,10 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
+
+from rlhf_core.checkpoint import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,7 @@ def prepare_metrics_file(path: Path, resume_step: int) -> Path | None:
             with contextlib.suppress(json.JSONDecodeError):  # a torn last line
                 if json.loads(line).get("step", 0) <= resume_step:
                     kept.append(line + "\n")
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
         return None
     n = 1
     while (aside := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():

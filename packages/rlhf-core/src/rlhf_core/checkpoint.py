@@ -80,12 +80,8 @@ class CheckpointError(UserError):
 
 
 def damage(path: Path) -> str | None:
-    """Why checkpoint ``path`` cannot be resumed from, naming the file, or None when it looks intact.
-
-    Cheap: it compares each file with the size the manifest recorded at save time and reads the zip
-    directory of each ``.pt`` file (torch's format), loading nothing. A checkpoint written before manifests
-    existed gets the second check only.
-    """
+    """Why checkpoint ``path`` cannot be resumed from, naming the file, or None when it looks intact; loads
+    nothing (checks: rlhf-train-deepspeed's README); one saved before manifests gets the zip check only."""
     if not path.is_dir():
         return f"{path} is missing"
     if not (path / CLIENT_STATE).is_file():

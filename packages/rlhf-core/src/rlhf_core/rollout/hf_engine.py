@@ -1,8 +1,6 @@
-"""The built-in rollout engine: batched sampling with a transformers model and a KV cache.
-
-It is the default on CPU and wherever vLLM is absent, and runs as a Ray actor unchanged
-(``ray.remote(HFEngine).remote(path)``). Instead of ``model.generate``: one prefill of the left-padded
-prompts, then one forward per token (sampling on the device, see :mod:`rlhf_core.rollout.sampling`).
+"""The built-in rollout engine: batched sampling with a transformers model and a KV cache; it runs as a Ray
+actor unchanged (``ray.remote(HFEngine).remote(path)``). Instead of ``model.generate``: one prefill of the
+left-padded prompts, then one forward per token (sampling on the device: :mod:`rlhf_core.rollout.sampling`).
 Which models decode from the weights directly (:func:`decode_token`), and images: rlhf-core's README.
 Other architectures (sliding windows, hybrid or linear attention) and vision-language models take a generic
 path with transformers' ``DynamicCache``: the same results, slower.
@@ -580,8 +578,7 @@ class HFEngine(RolloutEngine):
     # --- memory ---------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: weights move to CPU memory (nothing to do on a CPU engine; KV caches live only inside
-        ``generate``). Level 2: weights are discarded; after :meth:`wake_up` they must be sent again."""
+        """Level 1 has nothing to do on a CPU engine: KV caches live only inside ``generate``."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._asleep:

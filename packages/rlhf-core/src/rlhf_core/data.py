@@ -239,11 +239,9 @@ def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> li
 
 def render_prompt(tokenizer: Any, prompt: str | list[dict], input_template: str | None = None,
                   apply_chat_template: bool = False) -> str:
-    """The prompt text a model sees.
-
-    With ``apply_chat_template`` a string becomes one user message, and the tokenizer's chat template is
-    applied with the generation prompt. Otherwise ``input_template`` (a format string with ``{}``) wraps
-    the string, or the string is used as it is.
+    """The prompt text a model sees: with ``apply_chat_template`` the tokenizer's chat template with the
+    generation prompt (a string becomes one user message), else ``input_template`` (``{}`` marks the prompt)
+    around the string, else the string.
     """
     if apply_chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -274,12 +272,10 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of a whole conversation and a loss mask that is 1 on assistant turns only.
-
-    Each assistant turn ``k`` covers the tokens between the rendering of ``messages[:k]`` with the
-    generation prompt and the rendering of ``messages[:k+1]``; this needs a chat template whose
-    renderings of prefixes are prefixes (true of common templates). A template that breaks this fails
-    with a DataError rather than masking the wrong tokens.
+    """Token ids of a whole conversation and a loss mask that is 1 on assistant turns only: turn ``k`` covers
+    the tokens between the renderings of ``messages[:k]`` (with the generation prompt) and ``messages[:k+1]``.
+    A chat template whose renderings of prefixes are not prefixes (common ones are) fails with a DataError
+    rather than masking the wrong tokens.
     """
 
     def ids_of(msgs: list[dict], gen: bool) -> list[int]:

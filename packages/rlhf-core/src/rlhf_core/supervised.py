@@ -1,8 +1,7 @@
-"""Checks of ``rlhf train prm`` and ``rlhf train kd`` that need only tokenizers and model configs.
-
-The driver runs them before any worker starts, and ``--dry-run`` runs them too. The PRM conventions live
-here because two packages share them: the trainer (rlhf-train-deepspeed) and the PRM reward source
-(rlhf-agents), which reads the tokens a trained PRM stores in its ``config.json``.
+"""Checks of ``rlhf train prm`` and ``rlhf train kd`` that need only tokenizers and model configs (when they
+run: docs/prm-and-distillation.md). The PRM conventions live here because two packages share them: the
+trainer (rlhf-train-deepspeed) and the PRM reward source (rlhf-agents), which reads the tokens a trained PRM
+stores in its ``config.json``.
 """
 
 from __future__ import annotations

@@ -169,11 +169,9 @@ def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
 
 def mix_rows(sources: Sequence[Sequence[Row]], probs: Sequence[float] | None = None, seed: int = 0,
              max_samples: int | None = None) -> list[Row]:
-    """Mix several datasets into one list of ``min(sum of sizes, max_samples)`` rows.
-
-    Each output row picks its source with probability ``probs[k]`` (normalised); a source is read in a
-    seeded random order and starts over when exhausted (so a small, highly weighted set is repeated).
-    One source, or no ``probs``, means plain concatenation.
+    """Mix several datasets into ``min(sum of sizes, max_samples)`` rows: each picks its source with
+    probability ``probs[k]`` (normalised); a source is read in a seeded random order and starts over when
+    exhausted (so a small, highly weighted set is repeated). One source, or no ``probs``: concatenation.
     """
     total = sum(len(s) for s in sources)
     limit = total if max_samples is None else min(total, max_samples)

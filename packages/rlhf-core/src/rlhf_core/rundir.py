@@ -15,12 +15,9 @@ log = logging.getLogger(__name__)
 
 
 def prepare_metrics_file(path: Path, resume_step: int) -> Path | None:
-    """Make ``metrics.jsonl`` at ``path`` ready for a run that continues after step ``resume_step``.
-
-    A resumed run keeps the rows up to ``resume_step`` (later ones belong to steps it redoes; a torn last line
-    from a crash goes too). A fresh run (``resume_step`` 0) moves an earlier run's file aside to
-    ``metrics.<n>.jsonl`` instead of mixing its rows into the new ones or deleting them. Returns where the
-    earlier file went, or None.
+    """Make ``metrics.jsonl`` at ``path`` ready for a run that continues after step ``resume_step``: a resumed
+    run keeps the rows up to it (those after are steps it redoes), a fresh one (0) moves an earlier run's
+    file aside to ``metrics.<n>.jsonl`` rather than mix or delete its rows. Returns where it went, or None.
     """
     if not path.exists() or path.stat().st_size == 0:
         return None

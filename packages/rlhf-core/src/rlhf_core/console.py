@@ -57,10 +57,9 @@ def setup_ray_worker() -> None:
     root.setLevel(logging.INFO)
     terminal = os.fdopen(os.dup(2), "w", buffering=1)
     log_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        stream.flush()
+        os.dup2(log_fd, fd)
     os.close(log_fd)
     root.addHandler(logging.StreamHandler(sys.stderr))  # now the log file: vLLM's records, which reach the root
     handler = logging.StreamHandler(terminal)

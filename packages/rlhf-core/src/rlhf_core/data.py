@@ -295,11 +295,9 @@ def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], l
 
 def fit_prompt(ids: list[int], budget: int, policy: str, where: str,
                stats: DataStats | None = None) -> list[int] | None:
-    """Apply ``--data.overlong_prompt_policy`` to a prompt of ``len(ids)`` tokens with ``budget`` allowed.
-
-    ``error`` raises a DataError naming ``where`` (file and row); ``skip`` returns None and counts
-    ``overlong_prompts_skipped``; ``truncate_left`` keeps the last ``budget`` tokens and counts
-    ``overlong_prompts_truncated``. A prompt within budget is returned unchanged.
+    """The prompt ``ids`` as ``--data.overlong_prompt_policy`` leaves it with ``budget`` tokens allowed:
+    ``error`` raises a DataError naming ``where`` (file and row), ``skip`` returns None, ``truncate_left``
+    keeps the last ``budget`` tokens (both counted in ``stats``). A prompt within budget comes back unchanged.
     """
     if policy not in OVERLONG_POLICIES:
         raise DataError(f"--data.overlong_prompt_policy must be one of {OVERLONG_POLICIES}, got {policy!r}")

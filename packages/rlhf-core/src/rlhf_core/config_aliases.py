@@ -156,10 +156,9 @@ CLIP_PARTS = {"clip_eps_low": 0, "clip_eps_high": 1}
 # ``rlhf generate``: OpenRLHF's batch_inference flags (its ``--pretrain`` is the policy; the reward model
 # comes with ``--reward_pretrain`` or ``--remote_rm_url``, as in train_ppo).
 GENERATE: dict[str, str | tuple[str, ...]] = {
-    **{k: v for k, v in COMMON.items() if v.startswith("data.") and v.removeprefix("data.") in (
-        "dataset", "dataset_probs", "dataset_split", "input_key", "output_key", "label_key", "input_template",
-        "apply_chat_template", "tokenizer_chat_template", "max_len", "prompt_max_len", "max_samples",
-        "disable_fast_tokenizer")},
+    **_same("data", "dataset dataset_probs dataset_split input_key output_key label_key input_template "
+                    "apply_chat_template tokenizer_chat_template max_len prompt_max_len max_samples "
+                    "disable_fast_tokenizer"),
     "pretrain": "model.model_name_or_path",
     "reward_pretrain": "reward.model_name_or_path",
     "remote_rm_url": "reward.remote_url",

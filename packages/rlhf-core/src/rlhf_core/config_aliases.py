@@ -183,11 +183,10 @@ CHAT: dict[str, str | tuple[str, ...]] = {
 }
 
 # Flag-only spellings of the inference commands: flag -> (dotted, value) pairs it sets.
+_DS_CONSTANTS = {flag: CONSTANTS[flag] for flag in ("bf16", "flash_attn")}
 INFERENCE_CONSTANTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
-    "generate": {"greedy_sampling": (("rollout.temperature", "0"),), "bf16": (("ds.param_dtype", "bf16"),),
-                 "flash_attn": (("ds.attn_implementation", "flash_attention_2"),)},
-    "chat": {"greedy_sampling": (("chat.temperature", "0"),), "bf16": (("ds.param_dtype", "bf16"),),
-             "flash_attn": (("ds.attn_implementation", "flash_attention_2"),)},
+    "generate": {"greedy_sampling": (("rollout.temperature", "0"),), **_DS_CONSTANTS},
+    "chat": {"greedy_sampling": (("chat.temperature", "0"),), **_DS_CONSTANTS},
 }
 
 # OpenRLHF flags of the inference commands that have nothing to act on here: flag -> why (printed as a note).

@@ -1,10 +1,7 @@
 """Turn command-line flags and YAML files into a config dataclass, and show a config without its secrets.
 
-Precedence: defaults < ``--config file.yaml`` (in order) < flags on the command line. Flat OpenRLHF
-spellings are rewritten to dotted flags first (:mod:`rlhf_core.config_aliases`). Unknown keys fail with the
-closest known spelling; a YAML file's errors name the file. The result is checked against the rules of
-:func:`rlhf_core.config.option` (another mode's field is refused naming the modes that take it); secret
-fields are shown and saved as ``***`` (:func:`shown_config`).
+Precedence: defaults < ``--config file.yaml`` (in order) < flags on the command line. What else it does
+(flat aliases, closest spellings, the rules of :func:`rlhf_core.config.option`) is in rlhf-core's README.md.
 """
 
 from __future__ import annotations

@@ -984,13 +984,11 @@ def as_rl_config(cfg: GenerateConfig) -> RLConfig:
     """
     rl = RLConfig()
     for f in dataclasses.fields(cfg):
-        target = getattr(rl, f.name, None)
-        if not dataclasses.is_dataclass(target):
-            continue
-        section = getattr(cfg, f.name)
-        names = {g.name for g in dataclasses.fields(target)}
-        setattr(rl, f.name, dataclasses.replace(
-            target, **{g.name: getattr(section, g.name) for g in dataclasses.fields(section) if g.name in names}))
+        if dataclasses.is_dataclass(target := getattr(rl, f.name, None)):
+            section = getattr(cfg, f.name)
+            names = {g.name for g in dataclasses.fields(target)}
+            values = {g.name: getattr(section, g.name) for g in dataclasses.fields(section) if g.name in names}
+            setattr(rl, f.name, dataclasses.replace(target, **values))
     rl.actor.model_name_or_path = cfg.model.model_name_or_path
     rl.train.seed = cfg.generate.seed
     return rl

@@ -156,10 +156,9 @@ CLIP_PARTS = {"clip_eps_low": 0, "clip_eps_high": 1}
 # ``rlhf generate``: OpenRLHF's batch_inference flags (its ``--pretrain`` is the policy; the reward model
 # comes with ``--reward_pretrain`` or ``--remote_rm_url``, as in train_ppo).
 GENERATE: dict[str, str | tuple[str, ...]] = {
-    **{k: v for k, v in COMMON.items() if v.startswith("data.") and v.removeprefix("data.") in (
-        "dataset", "dataset_probs", "dataset_split", "input_key", "output_key", "label_key", "input_template",
-        "apply_chat_template", "tokenizer_chat_template", "max_len", "prompt_max_len", "max_samples",
-        "disable_fast_tokenizer")},
+    **_same("data", "dataset dataset_probs dataset_split input_key output_key label_key input_template "
+                    "apply_chat_template tokenizer_chat_template max_len prompt_max_len max_samples "
+                    "disable_fast_tokenizer"),
     "pretrain": "model.model_name_or_path",
     "reward_pretrain": "reward.model_name_or_path",
     "remote_rm_url": "reward.remote_url",
@@ -184,11 +183,10 @@ CHAT: dict[str, str | tuple[str, ...]] = {
 }
 
 # Flag-only spellings of the inference commands: flag -> (dotted, value) pairs it sets.
+_DS_CONSTANTS = {flag: CONSTANTS[flag] for flag in ("bf16", "flash_attn")}
 INFERENCE_CONSTANTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
-    "generate": {"greedy_sampling": (("rollout.temperature", "0"),), "bf16": (("ds.param_dtype", "bf16"),),
-                 "flash_attn": (("ds.attn_implementation", "flash_attention_2"),)},
-    "chat": {"greedy_sampling": (("chat.temperature", "0"),), "bf16": (("ds.param_dtype", "bf16"),),
-             "flash_attn": (("ds.attn_implementation", "flash_attention_2"),)},
+    "generate": {"greedy_sampling": (("rollout.temperature", "0"),), **_DS_CONSTANTS},
+    "chat": {"greedy_sampling": (("chat.temperature", "0"),), **_DS_CONSTANTS},
 }
 
 # OpenRLHF flags of the inference commands that have nothing to act on here: flag -> why (printed as a note).

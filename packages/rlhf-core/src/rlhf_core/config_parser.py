@@ -1,10 +1,7 @@
 """Turn command-line flags and YAML files into a config dataclass, and show a config without its secrets.
 
-Precedence: defaults < ``--config file.yaml`` (in order) < flags on the command line. Flat OpenRLHF
-spellings are rewritten to dotted flags first (:mod:`rlhf_core.config_aliases`). Unknown keys fail with the
-closest known spelling; a YAML file's errors name the file. The result is checked against the rules of
-:func:`rlhf_core.config.option` (another mode's field is refused naming the modes that take it); secret
-fields are shown and saved as ``***`` (:func:`shown_config`).
+Precedence: defaults < ``--config file.yaml`` (in order) < flags on the command line. What else it does
+(flat aliases, closest spellings, the rules of :func:`rlhf_core.config.option`) is in rlhf-core's README.md.
 """
 
 from __future__ import annotations
@@ -84,8 +81,6 @@ def _leaf_kind(tp: Any) -> tuple[str, type]:
         return "pair", typing.get_args(tp)[0]
     if origin is list:
         return "list", typing.get_args(tp)[0]
-    if tp is bool:
-        return "bool", bool
     return tp.__name__, tp
 
 
@@ -199,10 +194,7 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
         else:
             out += [f"--{name}", *values]
     if clip:
-        eps = "0.2"
-        for k, tok in enumerate(out):
-            if tok == "--actor.eps_clip" and k + 1 < len(out):
-                eps = out[k + 1]
+        eps = next((out[k + 1] for k in reversed(range(len(out) - 1)) if out[k] == "--actor.eps_clip"), "0.2")
         out += ["--actor.eps_clip_low_high", clip.get(0, eps), clip.get(1, eps)]
     return out
 
@@ -298,18 +290,15 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
     notes: list[str] = []
     files: list[str] = []
     cli: list[str] = []
-    i = 0
-    while i < len(argv):
-        name, inline = _split_flag(argv[i]) if argv[i].startswith("--") else ("", None)
-        if name == "config":
-            value = inline if inline is not None else (argv[i + 1] if i + 1 < len(argv) else None)
-            if value is None:
-                raise ConfigError("--config needs a YAML file path")
+    tokens = iter(argv)
+    for tok in tokens:
+        name, inline = _split_flag(tok) if tok.startswith("--") else ("", None)
+        if name != "config":
+            cli.append(tok)
+        elif (value := next(tokens, None) if inline is None else inline) is None:
+            raise ConfigError("--config needs a YAML file path")
+        else:
             files.append(value)
-            i += 1 if inline is not None else 2
-            continue
-        cli.append(argv[i])
-        i += 1
     values: dict[str, Any] = {}
     for f in files:
         values.update(_parse_tokens(mode, rewrite_aliases(mode, yaml_tokens(f), notes), f" (in {f})"))
@@ -342,9 +331,7 @@ def _importable(module: str) -> bool:
 
 
 def _get(cfg: Any, path: str) -> Any:
-    for name in path.split("."):
-        cfg = getattr(cfg, name)
-    return cfg
+    return functools.reduce(getattr, path.split("."), cfg)
 
 
 def build_config(mode: str, values: dict[str, Any], base: Any = None) -> Any:
@@ -389,10 +376,7 @@ def shown_config(cfg: Any, mode: str) -> dict:
         elif isinstance(value, (list, tuple)):
             value = [redact_text(v) if isinstance(v, str) else v for v in value]
         *parents, name = path.split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[name] = value
+        functools.reduce(lambda node, section: node.setdefault(section, {}), parents, out)[name] = value
     return out
 
 

@@ -1,15 +1,4 @@
-"""Loading plugins and looking up what they registered.
-
-``get_plugin_manager()`` builds a fresh manager each call (no module-level singleton): tests and Ray
-actors get their own, and actors receive plugin *names*, never a pickled manager.
-
-Environment variables:
-
-- ``RLHF_LOAD_PLUGINS=dist-a,dist-b``: load only these distributions from the ``rlhf`` entry-point group
-  (an empty value loads none).
-- ``RLHF_DISABLE_PLUGINS=dist-a,dist-b``: skip these distributions (entry-point names work too).
-- ``RLHF_TRACE_PLUGINS=1``: print every hook call and its result.
-"""
+"""Loading plugins and looking up what they registered (the loader's rules: ``docs/plugin-hooks.md``)."""
 
 from __future__ import annotations
 
@@ -107,11 +96,10 @@ def _normalise(name: str) -> str:
 
 
 def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
-    """A new plugin manager with the hookspecs added and the ``rlhf`` entry points loaded.
-
-    Honours ``RLHF_LOAD_PLUGINS`` and ``RLHF_DISABLE_PLUGINS`` (see the module docstring), then runs
-    ``check_pending()`` so that a misspelled hook implementation fails here rather than being ignored.
-    """
+    """A new plugin manager (none is shared: tests and Ray actors build their own from plugin names) with the
+    ``rlhf`` entry points that ``RLHF_LOAD_PLUGINS`` / ``RLHF_DISABLE_PLUGINS`` allow loaded (both take
+    distribution or entry-point names; an empty LOAD loads none); ``RLHF_TRACE_PLUGINS=1`` prints every hook
+    call. ``check_pending()`` makes a misspelled hook implementation fail here instead of being ignored."""
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     # plugin name -> (distribution, version), for provenance in `rlhf plugins` and run metadata
@@ -208,11 +196,10 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
     if name in found:
         return found[name].obj
     what = f"{flag} {name}" if flag else repr(name)
-    known = ", ".join(sorted(found)) or "none"
     msg = f"no {SINGULAR[seam]} named {name!r} (asked for by {what})."
     if close := difflib.get_close_matches(str(name), list(found), n=1):
         msg += f" Did you mean {close[0]!r}?"
-    msg += f" Registered: {known}."
+    msg += f" Registered: {', '.join(sorted(found)) or 'none'}."
     if provider := KNOWN_PROVIDERS.get(seam, {}).get(name):
         msg += f" {name!r} is provided by {provider}: pip install {provider}"
     raise PluginError(msg)
@@ -220,12 +207,10 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
 
 def describe(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
     """One entry per loaded distribution: its version and the names it registered in each seam."""
+    regs = [reg for seam in SEAMS for reg in collect(pm, seam).values()]
     dists: dict[str, dict[str, Any]] = {}
-    for dist, version in pm.rlhf_distributions.values():
+    for dist, version in [*pm.rlhf_distributions.values(), *((reg.distribution, reg.version) for reg in regs)]:
         dists.setdefault(dist, {"distribution": dist, "version": version, "seams": {}})
-    for seam in SEAMS:
-        for reg in collect(pm, seam).values():
-            entry = dists.setdefault(reg.distribution,
-                                     {"distribution": reg.distribution, "version": reg.version, "seams": {}})
-            entry["seams"].setdefault(seam, []).append(reg.name)
+    for reg in regs:
+        dists[reg.distribution]["seams"].setdefault(reg.seam, []).append(reg.name)
     return sorted(dists.values(), key=lambda d: d["distribution"])

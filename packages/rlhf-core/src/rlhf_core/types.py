@@ -238,7 +238,11 @@ class RewardSource(ABC):
 
 @runtime_checkable
 class RewardSourceFactory(Protocol):
-    """The object registered under ``rlhf_register_reward_sources``."""
+    """The object registered under ``rlhf_register_reward_sources``.
+
+    It may also have ``check(cfg)``, which the driver calls before any worker starts (and in ``--dry-run``):
+    cheap, it starts nothing, and raises naming the flag or file when the configuration cannot work.
+    """
 
     def accepts(self, cfg: Any) -> bool:
         """Whether the reward section of the config (``remote_url``, ``model_name_or_path``) is for it."""

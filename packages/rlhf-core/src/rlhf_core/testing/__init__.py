@@ -1,17 +1,6 @@
-"""Test kit for rlhf and for third-party plugins.
-
-- The ``register_plugin`` pytest fixture (loaded automatically through the ``pytest11`` entry point)
-  registers a plugin object for one test: every ``get_plugin_manager()`` made during the test sees it.
-- Conformance suites, one per seam, that a plugin's own tests subclass::
-
-      from rlhf_core.testing import AdvantageEstimatorConformance
-
-      class TestMyEstimator(AdvantageEstimatorConformance):
-          name = "my_estimator"          # resolved through the installed entry points
-
-  Every test of the suite then runs against that plugin. Rollout engines subclass
-  ``RolloutEngineConformance`` and override ``make_engine(model_dir)`` instead; train backends subclass
-  ``TrainBackendConformance`` with their registered ``name``.
+"""Test kit for rlhf and for third-party plugins: the ``register_plugin`` pytest fixture (loaded through the
+``pytest11`` entry point) and one conformance suite per seam, for a plugin's tests to subclass
+(``docs/plugin-hooks.md``, "Testing a plugin", says what each subclass provides).
 """
 
 from rlhf_core.testing.algos import (

@@ -166,9 +166,8 @@ class PolicyLossConformance:
     def test_token_mean_splits_add_up(self):
         """With the step's global token count, two half-batches sum to the whole batch."""
         full = self.make_batch(seed=4)
-        n_tok = float(full.action_mask.sum())
-        n_seq = float(full.action_mask.shape[0])
-        agg = LossAggregation(mode="token_mean", num_tokens=n_tok, num_sequences=n_seq)
+        agg = LossAggregation(mode="token_mean", num_tokens=float(full.action_mask.sum()),
+                              num_sequences=float(full.action_mask.shape[0]))
 
         def loss(rows: slice) -> torch.Tensor:
             fields = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in full.__dict__.items()}

@@ -1,16 +1,9 @@
 """Conformance suite for rollout engines: what the RL loop relies on, checked against a real model.
 
-Subclass it and build your engine from a model directory::
-
-    from rlhf_core.testing import RolloutEngineConformance
-
-    class TestMyEngine(RolloutEngineConformance):
-        def make_engine(self, model_dir):
-            return MyEngine(model_dir, dtype="float32")
-
-The suite saves a tiny random Llama (fp32) and checks the engine against transformers' forward pass of
-the same weights. Engines also provide ``init_weight_sync(master_addr, master_port, first_rank, world_size,
-backend, timeout_s)`` and ``receive_weights()``, the receiving side of :mod:`rlhf_core.weight_sync`.
+Subclass it and override ``make_engine(model_dir)``. The suite saves a tiny random Llama (fp32) and checks
+the engine against transformers' forward pass of the same weights. Engines also provide
+``init_weight_sync(master_addr, master_port, first_rank, world_size, backend, timeout_s)`` and
+``receive_weights()``, the receiving side of :mod:`rlhf_core.weight_sync`.
 """
 
 from __future__ import annotations

@@ -46,10 +46,8 @@ def _text_config(tok) -> dict:
 
 
 def make_tiny_llama(path: str | Path, seed: int = 0, num_words: int = 200, **overrides) -> str:
-    """Save a randomly initialised tiny ``LlamaForCausalLM`` and its tokenizer to ``path``; returns it.
-
-    Defaults: hidden 32, 2 layers, 4 heads (2 KV heads), fp32. ``overrides`` go to ``LlamaConfig``.
-    """
+    """Save a randomly initialised tiny fp32 ``LlamaForCausalLM`` (:func:`_text_config`; ``overrides`` go to
+    ``LlamaConfig``) and its tokenizer to ``path``; returns it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,8 +55,7 @@ def make_tiny_llama(path: str | Path, seed: int = 0, num_words: int = 200, **ove
     tok = make_tiny_tokenizer(path, num_words=num_words)
     kwargs = {**_text_config(tok), "tie_word_embeddings": False, "attn_implementation": "sdpa", **overrides}
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kwargs))
-    model.save_pretrained(str(path))
+    LlamaForCausalLM(LlamaConfig(**kwargs)).save_pretrained(str(path))
     return str(path)
 
 
@@ -137,8 +134,7 @@ def make_tiny_vlm(path: str | Path, seed: int = 0, num_words: int = 200, kind: s
         vision_end_token_id=ids["<|vision_end|>"], pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(str(path))
+    AutoModelForImageTextToText.from_config(config).save_pretrained(str(path))
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
                              temporal_patch_size=2).save_pretrained(str(path))
     return str(path)

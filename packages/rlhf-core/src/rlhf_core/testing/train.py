@@ -1,16 +1,9 @@
 """Conformance suite for train backends: the contract the RL controller speaks (``rlhf_core.types.TrainGroup``).
 
-Subclass it with the name of a registered backend (or override ``make_backend``)::
-
-    from rlhf_core.testing import TrainBackendConformance
-
-    class TestMyBackend(TrainBackendConformance):
-        name = "my_backend"
-        flags = ["--ds.param_dtype", "fp32"]     # extra ``rlhf train ppo`` flags the backend needs on CPU
-
-The suite saves a tiny random Llama (fp32), starts one two-rank policy group on a local Ray cluster for
-the whole class, and checks it against transformers' forward pass of the weights the group reports. It
-needs Ray (a train backend's workers are Ray actors); ``rlhf_core`` itself does not import it.
+Subclass it with the ``name`` of a registered backend (or override ``make_backend``). The suite saves a tiny
+random Llama (fp32), starts one two-rank policy group on a local Ray cluster for the whole class, and checks
+it against transformers' forward pass of the weights the group reports. It needs Ray (a train backend's
+workers are Ray actors); ``rlhf_core`` itself does not import it.
 """
 
 from __future__ import annotations

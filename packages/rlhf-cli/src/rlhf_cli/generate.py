@@ -1,15 +1,6 @@
 """``rlhf generate``: OpenRLHF's batch inference. n samples per prompt on Ray workers, scored, post-processed.
 
-Data flow::
-
-    --data.dataset rows --(driver: select, template, tokenize, check)--> prompts
-        --(Ray generation workers: rollout engine, reward source)--> <output_path>.samples.jsonl
-        --(driver: post-processor)--> <output_path>
-
-Everything that can be checked is checked in the driver before a worker starts (``--dry-run`` stops
-there). A rerun of the same command resumes from the samples file (:func:`recover_samples`); sample j of
-prompt i draws from ``derive_seed(seed, iter, i, j)`` whoever generates it, so nothing is resampled
-differently. The output is written whole once every prompt is done, so an existing output is a complete one.
+The data flow, the resume from ``<output_path>.samples.jsonl`` and the seeds are in docs/generation.md.
 """
 
 from __future__ import annotations

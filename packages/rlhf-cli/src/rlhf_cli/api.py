@@ -1,8 +1,5 @@
 """The Python API: a run built from Python objects, checked, run, and its directory and metrics returned
-(:func:`train`; the README's "Python API" section, ``examples/python_api.py``).
-
-``rlhf train <mode>`` is a thin layer over it: it parses its flags into the same config
-(:func:`rlhf_core.config_parser.parse_config`) and calls :func:`check` and :func:`run`, as :func:`train` does.
+(:func:`train`; the README's "Python API" section). ``rlhf train`` is a thin layer over it (its README).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """From a parsed config to a checked run: plugins resolved by name, options validated, roles placed.
 
-Everything here is planning (``--dry-run`` stops after it); nothing starts Ray or loads a model. What can
-be checked in the driver is checked here, so that a mistake costs seconds, not a cluster start-up: model
-paths, the reward file (imported, ``reward_func`` and its signature found), the agent file (imported,
-``AgentExecutor`` found), every plugin name. Importing those files runs them, as the workers will.
+Planning only (``--dry-run`` stops after it; what is checked: packages/rlhf-cli/README.md, "Assembly"), so
+that a mistake costs seconds, not a cluster start-up. Importing the reward and agent files runs them, as the
+workers will.
 """
 
 from __future__ import annotations

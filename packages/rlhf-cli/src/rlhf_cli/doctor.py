@@ -49,12 +49,7 @@ def version_of(dist: str) -> str | None:
 
 
 def install_kind(present: set[str]) -> str:
-    """Which way of installing rlhf this is, from the rlhf distributions present (names as in RLHF_PACKAGES).
-
-    full: all six; trainer: the rlhf command with the DeepSpeed backend, generating on the built-in HF engine;
-    rollout node: rlhf-agents (executors, reward sources) without the command and the training stack;
-    plugin development: rlhf-core, maybe with rlhf-algos or rlhf-agents, and nothing that runs a job.
-    """
+    """Which way of installing rlhf this is, from the rlhf distributions present (names as in RLHF_PACKAGES)."""
     if "rlhf-core" not in present:
         return "incomplete: rlhf-core is missing (pip install rlhf-core)"
     cli, backend = "rlhf-cli" in present, "rlhf-train-deepspeed" in present

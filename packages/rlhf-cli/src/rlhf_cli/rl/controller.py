@@ -1,7 +1,5 @@
-"""The single-controller RL loop: one step is prompts -> rollout actors (executor + reward) -> experience (old /
-reference log-probs, values) -> advantages (estimator plugin) -> policy and critic updates -> weight sync to the
-engines -> evaluation -> checkpoint. Each job has a module of its own under ``rl/``; :class:`RLController` wires
-them, runs the steps and holds what a checkpoint needs.
+"""The single-controller RL loop (its steps: packages/rlhf-cli/README.md, "The loop"): :class:`RLController`
+wires the job modules of ``rl/``, runs the steps and holds what a checkpoint needs.
 """
 
 from __future__ import annotations

@@ -263,10 +263,9 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     _refuse(problems + [message for failed, message in checks if failed])
 
 
-def _check_opd(cfg, problems: list[str], asm: Assembly) -> None:
+def _check_opd(c, problems: list[str], asm: Assembly) -> None:
     """``--algo.advantage.estimator opd``: the reference group is the teacher, scoring every sampled token; the
     per-token k1 KL folded into the reward is the signal (``rlhf_algos.advantages.opd_advantages``)."""
-    c = cfg
     if c.algo.advantage.estimator != "opd":
         for flag, value in (("task_reward_coef", c.algo.opd.task_reward_coef), ("teachers", c.algo.opd.teachers),
                             ("teacher_key", c.algo.opd.teacher_key)):
@@ -324,13 +323,12 @@ def _check_opd(cfg, problems: list[str], asm: Assembly) -> None:
     ] if failed]
 
 
-def _check_vision(cfg, estimator, engine: str) -> list[str]:
+def _check_vision(c, estimator, engine: str) -> list[str]:
     """The checks of a run with images (``--data.image_key``, or an actor that is a vision-language model);
     returns how it uses them, for ``--dry-run``. A model given by hub id (not a local directory) is judged
     by the flags alone."""
     from rlhf_core import vision
 
-    c = cfg
     path = c.actor.model_name_or_path
     config = None
     if path and (Path(path) / "config.json").is_file():

@@ -153,10 +153,8 @@ def run(asm: Assembly, files: dict[Path, str] | None = None, debug: bool = False
 
 @contextlib.contextmanager
 def run_log(out: Path, debug: bool = False) -> Iterator[Path]:
-    """``out/train.log`` receives this process's log records (INFO and up) while the run lasts, and the
-    traceback of an error that ends it; the terminal still shows warnings and errors, as before. Third-party
-    output (vLLM, transformers, DeepSpeed: their records, bars and prints, also from Ray workers) goes to the log
-    file only, unless ``debug`` (see :mod:`rlhf_core.console`)."""
+    """``out/train.log`` receives this process's log records (INFO and up) while the run lasts; the terminal
+    keeps warnings and errors, and third-party output only with ``debug`` (:mod:`rlhf_core.console`)."""
     root = logging.getLogger()
     handlers = [logging.FileHandler(out / RUN_LOG)]
     handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -118,9 +118,8 @@ HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def is_hub_id(value: str) -> bool:
-    """Whether a model value that is not on disk is a Hugging Face Hub id (``name`` or ``org/name``) rather
-    than a path: it has a hub id's form, and neither starts like a path (``/``, ``.``, ``~``) nor with a
-    directory that exists here (``runs/sft`` with a ``runs`` directory is a path)."""
+    """Whether a model value that is not on disk is a Hugging Face Hub id rather than a path (the rule:
+    packages/rlhf-cli/README.md, "Model paths")."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if value.startswith(("/", ".", "~")) or Path(value.split("/")[0]).is_dir():
@@ -133,11 +132,8 @@ def is_hub_id(value: str) -> bool:
 
 
 def model_path_problem(flag: str, value: str) -> str | None:
-    """Why ``value`` given to ``flag`` cannot be loaded as a model, or None.
-
-    On disk it must be a model directory (with ``config.json``). A hub id (:func:`is_hub_id`) is downloaded
-    where it is loaded, so it is accepted, except offline (``HF_HUB_OFFLINE=1``) when it is not in the cache.
-    """
+    """Why ``value`` given to ``flag`` cannot be loaded as a model, or None (what is accepted:
+    packages/rlhf-cli/README.md, "Model paths")."""
     path = Path(value)
     if path.exists():
         if path.is_dir() and (path / "config.json").is_file():

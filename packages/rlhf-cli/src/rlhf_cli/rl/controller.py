@@ -94,10 +94,8 @@ class RLController:
     # --- checkpoints -------------------------------------------------------------------------------------
 
     def client_state(self) -> dict:
-        """What the run needs to go on exactly, beyond the model state: with every group generated and not yet
-        trained on (over-generation, the async thread's batches) and the prompts to generate again, so that a
-        resumed run trains the very samples the uninterrupted one does. Taken between steps, when the async
-        thread is idle (``maybe_checkpoint``)."""
+        """What the run needs to go on exactly, beyond the model state (docs/async.md, "Exact resume"); taken
+        between steps, when the async thread is idle (``maybe_checkpoint``)."""
         return {"step": self.step, "stream": self.stream.state_dict(),
                 "kl_ctl": self.kl_ctl.state_dict(), "best_metric": self.evaluation.best_metric,
                 "policy_version": self.sync.policy_version, "consecutive_nonfinite": self.policy.consecutive_nonfinite,

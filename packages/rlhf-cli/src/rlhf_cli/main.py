@@ -60,9 +60,7 @@ def cmd_train(argv: list[str]) -> int:
         print(f"# rlhf train {mode} --dry-run: resolved configuration (nothing was started)")
         print(config_to_yaml(cfg, mode), end="")
         print("# " + asm.describe().replace("\n", "\n# "))
-        if cfg.ckpt.load_enable:
-            return dry_run_resume(mode, cfg)
-        return 0
+        return dry_run_resume(mode, cfg) if cfg.ckpt.load_enable else 0
     try:
         api.run(asm, debug=debug)
     except Exception as exc:

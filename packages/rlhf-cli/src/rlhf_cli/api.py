@@ -41,23 +41,15 @@ class RunResult:
 def train(mode: str, config: Any = None, *, reward_func: Any = None, dataset: Iterable[dict] | None = None,
           eval_dataset: Iterable[dict] | None = None, dry_run: bool = False, debug: bool = False,
           **overrides: Any) -> RunResult:
-    """Run ``rlhf train <mode>`` from Python; returns when the run has ended.
+    """Run ``rlhf train <mode>`` from Python; returns when the run has ended (the README's "Python API").
 
-    ``config``: a config object of the mode (``rlhf_core.config.MODES[mode]``: ``RLConfig`` for ``ppo``), a dict
-    of sections, a YAML file path, or None for the defaults. ``overrides``: sections given as keyword arguments
-    over it, named as the flags are (``rollout={"batch_size": 8}`` is ``--rollout.batch_size 8``).
-    ``reward_func``: ``ppo``'s reward, a function (sync or ``async def``) called as a reward file's
-    ``reward_func(queries, prompts, labels, **kwargs)``; on a Ray run it travels to the workers by cloudpickle.
-    ``dataset`` / ``eval_dataset``: rows (a list of dicts, or a ``datasets.Dataset``) written to
-    ``<output_dir>/data/{dataset,eval_dataset}.jsonl``, which the config then names as ``--data.prompt_dataset``
-    (``ppo``) or ``--data.dataset``, and ``--eval.dataset``. ``dry_run``: check and plan only; nothing is
-    written or started. ``debug``: third-party output (transformers, DeepSpeed) on the terminal too, not only in
-    ``train.log``.
-
-    Checks are those of the command, made before anything starts: a mistake raises a
-    :class:`rlhf_core.errors.UserError` naming the field, file or argument at fault. An error that ends the run
-    is raised too, its traceback first written to ``train.log``. Resume as the command does: the same
-    ``ckpt.output_dir`` with ``ckpt={"load_enable": True}``.
+    ``config``: a config object of the mode (``rlhf_core.config.MODES[mode]``), a dict of sections, a YAML
+    file path, or None for the defaults; ``overrides``: sections over it, named as the flags are
+    (``rollout={"batch_size": 8}`` is ``--rollout.batch_size 8``). ``reward_func``: ``ppo``'s reward, called
+    as a reward file's ``reward_func`` (sync or ``async def``). ``dataset`` / ``eval_dataset``: rows (dicts,
+    or a ``datasets.Dataset``) written into the run directory. ``dry_run``: check and plan only. ``debug``:
+    third-party output on the terminal too, not only in ``train.log``. A mistake raises a
+    :class:`rlhf_core.errors.UserError` naming the field, file or argument, before anything starts.
     """
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")

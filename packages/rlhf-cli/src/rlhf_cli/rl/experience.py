@@ -75,8 +75,7 @@ def pad_right(rows: list[list], value: float = 0.0, dtype: torch.dtype = torch.f
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), value, dtype=dtype)
     for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
     return out
 
 
@@ -173,10 +172,9 @@ def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: floa
 
 def micro_batch_cuts(exp: Experience, group, rows: int, max_tokens: int | None, cfg) -> list:
     """The micro-batches of ``exp`` for ``group``'s ranks, each a row slice or a list of row indices: ``rows``
-    rows each, in order; or with ``max_tokens`` (dynamic batching) as many rows as fit ``max_tokens`` per rank
-    (times the group's ring-attention size, whose ranks each hold a slice of a micro-batch), as many on each
-    of its data-parallel ranks, a prompt's samples together where ``--ds.shared_prefix`` runs the prompt once
-    for them (not with packing, which does not share)."""
+    rows each, in order; or with ``max_tokens`` (dynamic batching, packages/rlhf-cli/README.md) as many rows
+    as fit ``max_tokens`` per rank times the group's ring-attention size (its ranks each hold a slice of a
+    micro-batch), a prompt's samples together under ``--ds.shared_prefix`` (packing does not share)."""
     if max_tokens is None:
         return [slice(s, s + rows) for s in range(0, len(exp.sequences), rows)]
     keys = None

@@ -86,13 +86,12 @@ def dry_run_resume(mode: str, cfg) -> int:
 
 
 def cmd_plugins(argv: list[str]) -> int:
-    as_json = "--json" in argv
     try:
         info = plugins.describe(plugins.get_plugin_manager())
     except plugins.PluginError as exc:
         print(f"rlhf plugins: {exc}", file=sys.stderr)
         return 2
-    if as_json:
+    if "--json" in argv:
         print(json.dumps(info, indent=2))
         return 0
     for dist in info:

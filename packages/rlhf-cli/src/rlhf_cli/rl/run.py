@@ -38,8 +38,7 @@ def cpu_threads(processes: int, overlapped: bool = False) -> int:
     cores = os.cpu_count() or 1
     if overlapped:
         cores = max(1, cores // 2)
-    limit = int(os.environ.get("OMP_NUM_THREADS") or cores)
-    return max(1, min(cores // processes, limit))
+    return max(1, min(cores // processes, int(os.environ.get("OMP_NUM_THREADS") or cores)))
 
 
 def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> Groups:

@@ -123,11 +123,10 @@ class PromptStream:
         self.num_episodes = num_episodes
         self.episode = 0
         self.position = 0
+        self._order = self._order_of(0)
 
-    @property
-    def _order(self) -> np.ndarray:
-        rng = np.random.default_rng(derive_seed(self.seed, "episode", self.episode))
-        return rng.permutation(len(self.prompts))
+    def _order_of(self, episode: int) -> np.ndarray:
+        return np.random.default_rng(derive_seed(self.seed, "episode", episode)).permutation(len(self.prompts))
 
     @property
     def exhausted(self) -> bool:
@@ -142,6 +141,7 @@ class PromptStream:
             self.position += n
             if self.position == len(self.prompts):
                 self.episode, self.position = self.episode + 1, 0
+                self._order = self._order_of(self.episode)
         return out
 
     def total_steps(self, batch_size: int) -> int:
@@ -157,3 +157,4 @@ class PromptStream:
                 f"{len(self.prompts)}: resuming would serve different prompts (check --data.prompt_dataset)"
             )
         self.episode, self.position = state["episode"], state["position"]
+        self._order = self._order_of(self.episode)

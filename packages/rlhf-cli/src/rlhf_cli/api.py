@@ -1,8 +1,5 @@
 """The Python API: a run built from Python objects, checked, run, and its directory and metrics returned
-(:func:`train`; the README's "Python API" section, ``examples/python_api.py``).
-
-``rlhf train <mode>`` is a thin layer over it: it parses its flags into the same config
-(:func:`rlhf_core.config_parser.parse_config`) and calls :func:`check` and :func:`run`, as :func:`train` does.
+(:func:`train`; the README's "Python API" section). ``rlhf train`` is a thin layer over it (its README).
 """
 
 from __future__ import annotations
@@ -44,23 +41,15 @@ class RunResult:
 def train(mode: str, config: Any = None, *, reward_func: Any = None, dataset: Iterable[dict] | None = None,
           eval_dataset: Iterable[dict] | None = None, dry_run: bool = False, debug: bool = False,
           **overrides: Any) -> RunResult:
-    """Run ``rlhf train <mode>`` from Python; returns when the run has ended.
+    """Run ``rlhf train <mode>`` from Python; returns when the run has ended (the README's "Python API").
 
-    ``config``: a config object of the mode (``rlhf_core.config.MODES[mode]``: ``RLConfig`` for ``ppo``), a dict
-    of sections, a YAML file path, or None for the defaults. ``overrides``: sections given as keyword arguments
-    over it, named as the flags are (``rollout={"batch_size": 8}`` is ``--rollout.batch_size 8``).
-    ``reward_func``: ``ppo``'s reward, a function (sync or ``async def``) called as a reward file's
-    ``reward_func(queries, prompts, labels, **kwargs)``; on a Ray run it travels to the workers by cloudpickle.
-    ``dataset`` / ``eval_dataset``: rows (a list of dicts, or a ``datasets.Dataset``) written to
-    ``<output_dir>/data/{dataset,eval_dataset}.jsonl``, which the config then names as ``--data.prompt_dataset``
-    (``ppo``) or ``--data.dataset``, and ``--eval.dataset``. ``dry_run``: check and plan only; nothing is
-    written or started. ``debug``: third-party output (transformers, DeepSpeed) on the terminal too, not only in
-    ``train.log``.
-
-    Checks are those of the command, made before anything starts: a mistake raises a
-    :class:`rlhf_core.errors.UserError` naming the field, file or argument at fault. An error that ends the run
-    is raised too, its traceback first written to ``train.log``. Resume as the command does: the same
-    ``ckpt.output_dir`` with ``ckpt={"load_enable": True}``.
+    ``config``: a config object of the mode (``rlhf_core.config.MODES[mode]``), a dict of sections, a YAML
+    file path, or None for the defaults; ``overrides``: sections over it, named as the flags are
+    (``rollout={"batch_size": 8}`` is ``--rollout.batch_size 8``). ``reward_func``: ``ppo``'s reward, called
+    as a reward file's ``reward_func`` (sync or ``async def``). ``dataset`` / ``eval_dataset``: rows (dicts,
+    or a ``datasets.Dataset``) written into the run directory. ``dry_run``: check and plan only. ``debug``:
+    third-party output on the terminal too, not only in ``train.log``. A mistake raises a
+    :class:`rlhf_core.errors.UserError` naming the field, file or argument, before anything starts.
     """
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
@@ -156,10 +145,8 @@ def run(asm: Assembly, files: dict[Path, str] | None = None, debug: bool = False
 
 @contextlib.contextmanager
 def run_log(out: Path, debug: bool = False) -> Iterator[Path]:
-    """``out/train.log`` receives this process's log records (INFO and up) while the run lasts, and the
-    traceback of an error that ends it; the terminal still shows warnings and errors, as before. Third-party
-    output (vLLM, transformers, DeepSpeed: their records, bars and prints, also from Ray workers) goes to the log
-    file only, unless ``debug`` (see :mod:`rlhf_core.console`)."""
+    """``out/train.log`` receives this process's log records (INFO and up) while the run lasts; the terminal
+    keeps warnings and errors, and third-party output only with ``debug`` (:mod:`rlhf_core.console`)."""
     root = logging.getLogger()
     handlers = [logging.FileHandler(out / RUN_LOG)]
     handlers[0].setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

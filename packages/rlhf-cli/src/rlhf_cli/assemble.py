@@ -1,9 +1,8 @@
 """From a parsed config to a checked run: plugins resolved by name, options validated, roles placed.
 
-Everything here is planning (``--dry-run`` stops after it); nothing starts Ray or loads a model. What can
-be checked in the driver is checked here, so that a mistake costs seconds, not a cluster start-up: model
-paths, the reward file (imported, ``reward_func`` and its signature found), the agent file (imported,
-``AgentExecutor`` found), every plugin name. Importing those files runs them, as the workers will.
+Planning only (``--dry-run`` stops after it; what is checked: packages/rlhf-cli/README.md, "Assembly"), so
+that a mistake costs seconds, not a cluster start-up. Importing the reward and agent files runs them, as the
+workers will.
 """
 
 from __future__ import annotations
@@ -119,9 +118,8 @@ HUB_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def is_hub_id(value: str) -> bool:
-    """Whether a model value that is not on disk is a Hugging Face Hub id (``name`` or ``org/name``) rather
-    than a path: it has a hub id's form, and neither starts like a path (``/``, ``.``, ``~``) nor with a
-    directory that exists here (``runs/sft`` with a ``runs`` directory is a path)."""
+    """Whether a model value that is not on disk is a Hugging Face Hub id rather than a path (the rule:
+    packages/rlhf-cli/README.md, "Model paths")."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if value.startswith(("/", ".", "~")) or Path(value.split("/")[0]).is_dir():
@@ -134,11 +132,8 @@ def is_hub_id(value: str) -> bool:
 
 
 def model_path_problem(flag: str, value: str) -> str | None:
-    """Why ``value`` given to ``flag`` cannot be loaded as a model, or None.
-
-    On disk it must be a model directory (with ``config.json``). A hub id (:func:`is_hub_id`) is downloaded
-    where it is loaded, so it is accepted, except offline (``HF_HUB_OFFLINE=1``) when it is not in the cache.
-    """
+    """Why ``value`` given to ``flag`` cannot be loaded as a model, or None (what is accepted:
+    packages/rlhf-cli/README.md, "Model paths")."""
     path = Path(value)
     if path.exists():
         if path.is_dir() and (path / "config.json").is_file():
@@ -264,10 +259,9 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     _refuse(problems + [message for failed, message in checks if failed])
 
 
-def _check_opd(cfg, problems: list[str], asm: Assembly) -> None:
+def _check_opd(c, problems: list[str], asm: Assembly) -> None:
     """``--algo.advantage.estimator opd``: the reference group is the teacher, scoring every sampled token; the
     per-token k1 KL folded into the reward is the signal (``rlhf_algos.advantages.opd_advantages``)."""
-    c = cfg
     if c.algo.advantage.estimator != "opd":
         for flag, value in (("task_reward_coef", c.algo.opd.task_reward_coef), ("teachers", c.algo.opd.teachers),
                             ("teacher_key", c.algo.opd.teacher_key)):
@@ -325,13 +319,12 @@ def _check_opd(cfg, problems: list[str], asm: Assembly) -> None:
     ] if failed]
 
 
-def _check_vision(cfg, estimator, engine: str) -> list[str]:
+def _check_vision(c, estimator, engine: str) -> list[str]:
     """The checks of a run with images (``--data.image_key``, or an actor that is a vision-language model);
     returns how it uses them, for ``--dry-run``. A model given by hub id (not a local directory) is judged
     by the flags alone."""
     from rlhf_core import vision
 
-    c = cfg
     path = c.actor.model_name_or_path
     config = None
     if path and (Path(path) / "config.json").is_file():

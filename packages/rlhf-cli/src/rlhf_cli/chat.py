@@ -1,14 +1,7 @@
 """``rlhf chat``: talk to a checkpoint. OpenRLHF's interactive_chat, scriptable through stdin.
 
-Each line read is a user turn; the reply follows it on stdout. ``/reset`` (or ``clear``) starts a new
-conversation, ``/exit`` (or ``exit``, or end of input) quits. Replies stream token by token when stdout
-is a terminal (``--chat.stream``), else each is printed whole, one per line, so that
-``printf 'hi\\n/reset\\nhi\\n' | rlhf chat --pretrain ckpt`` gives a transcript a script can read.
-
-The conversation is rendered again every turn: with ``--data.apply_chat_template`` as a message list
-(``--chat.ta_prompt`` is the system message), otherwise as plain text, each user turn through
-``--data.input_template`` and each reply after it (``--chat.ta_prompt`` opens the text). When the
-conversation outgrows ``--chat.max_len`` the oldest turns are left out, with a note on stderr.
+A line read is a user turn, its reply a line of stdout; the commands, the streaming and how the conversation
+is rendered are in docs/generation.md ("rlhf chat").
 """
 
 from __future__ import annotations
@@ -101,12 +94,10 @@ def reply(conv: Conversation, model: Any, user: str, out: TextIO, stream: bool, 
     from transformers import TextStreamer
 
     c, tok = conv.cfg.chat, conv.tokenizer
-    skip = 0
-    while True:
+    for skip in range(len(conv.turns) + 1):  # the oldest turns left out until the prompt fits
         ids = tok(conv.render(user, skip), add_special_tokens=False, return_tensors="pt")["input_ids"]
-        if ids.shape[1] < c.max_len or skip >= len(conv.turns):
+        if ids.shape[1] < c.max_len:
             break
-        skip += 1
     if skip:
         print(f"(the {skip} oldest turn(s) no longer fit --chat.max_len {c.max_len} and are left out)", file=err)
     room = min(c.max_new_tokens, c.max_len - ids.shape[1])

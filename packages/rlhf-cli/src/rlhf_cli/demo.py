@@ -1,12 +1,7 @@
 """``rlhf demo``: a real RLHF run on a laptop in minutes, with nothing downloaded.
 
-The task is two-digit addition. The supervised demonstrations come from a flawed teacher that forgets the
-carry 70% of the time, so supervised fine-tuning learns the mistake along with the skill. Reinforcement
-learning with an exact verifier (GRPO, rule-based reward) then fixes it: held-out accuracy after RL is
-clearly above accuracy after SFT.
-
-Every stage is an ordinary ``rlhf train ...`` command, printed before it runs, so it can be copied and
-changed. ``--real`` runs GRPO alone on the real SmolLM2-135M-Instruct (``rlhf_core.testing.smollm2``).
+The task, its flawed SFT teacher and ``--real`` (GRPO alone on SmolLM2-135M-Instruct) are described in the
+README's "What the demo does" and "The demo on a real model" sections.
 """
 
 from __future__ import annotations

@@ -49,12 +49,7 @@ def version_of(dist: str) -> str | None:
 
 
 def install_kind(present: set[str]) -> str:
-    """Which way of installing rlhf this is, from the rlhf distributions present (names as in RLHF_PACKAGES).
-
-    full: all six; trainer: the rlhf command with the DeepSpeed backend, generating on the built-in HF engine;
-    rollout node: rlhf-agents (executors, reward sources) without the command and the training stack;
-    plugin development: rlhf-core, maybe with rlhf-algos or rlhf-agents, and nothing that runs a job.
-    """
+    """Which way of installing rlhf this is, from the rlhf distributions present (names as in RLHF_PACKAGES)."""
     if "rlhf-core" not in present:
         return "incomplete: rlhf-core is missing (pip install rlhf-core)"
     cli, backend = "rlhf-cli" in present, "rlhf-train-deepspeed" in present
@@ -98,11 +93,10 @@ def known_problems(versions: dict[str, str | None], cuda: bool) -> list[str]:
                     "will fail here")
     if versions.get("ring-flash-attn") and not versions.get("flash-attn"):
         warn.append("ring-flash-attn needs flash-attn, which is not installed")
-    if torch_v and Version(torch_v.split("+")[0]) < Version("2.4"):
-        warn.append(f"torch {torch_v} is older than rlhf supports (2.4)")
-    tf_v = versions.get("transformers")
-    if tf_v and Version(tf_v) < Version("4.50"):
-        warn.append(f"transformers {tf_v} is older than rlhf supports (4.50)")
+    for dist, oldest in (("torch", "2.4"), ("transformers", "4.50")):
+        v = versions.get(dist)
+        if v and Version(v.split("+")[0]) < Version(oldest):
+            warn.append(f"{dist} {v} is older than rlhf supports ({oldest})")
     if os.environ.get("RAY_ADDRESS") and not os.environ.get("RAY_AUTH_MODE"):
         warn.append("RAY_ADDRESS is set but RAY_AUTH_MODE is not: make sure the cluster's ports are not public")
     return warn

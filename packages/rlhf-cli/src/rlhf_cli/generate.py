@@ -1,15 +1,6 @@
 """``rlhf generate``: OpenRLHF's batch inference. n samples per prompt on Ray workers, scored, post-processed.
 
-Data flow::
-
-    --data.dataset rows --(driver: select, template, tokenize, check)--> prompts
-        --(Ray generation workers: rollout engine, reward source)--> <output_path>.samples.jsonl
-        --(driver: post-processor)--> <output_path>
-
-Everything that can be checked is checked in the driver before a worker starts (``--dry-run`` stops
-there). A rerun of the same command resumes from the samples file (:func:`recover_samples`); sample j of
-prompt i draws from ``derive_seed(seed, iter, i, j)`` whoever generates it, so nothing is resampled
-differently. The output is written whole once every prompt is done, so an existing output is a complete one.
+The data flow, the resume from ``<output_path>.samples.jsonl`` and the seeds are in docs/generation.md.
 """
 
 from __future__ import annotations
@@ -323,9 +314,8 @@ class GenerationWorker:
         pm = plugins.get_plugin_manager()
         rl = as_rl_config(cfg)
         self.cfg = cfg
-        self.engine = None
-        if engine_name is not None:
-            self.engine = plugins.resolve(pm, "rollout_engines", engine_name).create(rl, index=index)
+        self.engine = (plugins.resolve(pm, "rollout_engines", engine_name).create(rl, index=index)
+                       if engine_name is not None else None)
         self.tokenizer = load_tokenizer(cfg)
         self.reward = build_reward_source(rl, pm)
         self.loop = asyncio.new_event_loop()  # kept: HTTP sessions live on it
@@ -399,6 +389,7 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     import ray
 
     from rlhf_cli.ray_launch import init_ray
+    from rlhf_cli.rl.run import cpu_threads
 
     cfg = plan.cfg
     workers_n = min(cfg.vllm.num_engines, max(1, len(todo)))
@@ -406,11 +397,8 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     import torch
 
     gpus = cfg.vllm.tensor_parallel_size if (plan.engine is not None and torch.cuda.is_available()) else 0
-    # the cores split between the workers, at most $OMP_NUM_THREADS each (oversubscribed OpenMP spins)
-    cores = os.cpu_count() or 1
-    threads = max(1, min(cores // workers_n, int(os.environ.get("OMP_NUM_THREADS") or cores)))
     actor = ray.remote(GenerationWorker).options(num_cpus=1, num_gpus=gpus)
-    workers = [actor.remote(cfg, plan.engine, k, threads) for k in range(workers_n)]
+    workers = [actor.remote(cfg, plan.engine, k, cpu_threads(workers_n)) for k in range(workers_n)]
     size = cfg.rollout.micro_batch_size
     chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
     progress = Progress(len(plan.prompts), len(plan.prompts) - len(todo))

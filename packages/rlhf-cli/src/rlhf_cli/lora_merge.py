@@ -10,8 +10,7 @@ from pathlib import Path
 
 
 def merge_lora(base_dir: str, adapter_dir: str, out_dir: str, dtype: str = "fp32") -> str:
-    """Load ``base_dir`` (a causal LM), apply the PEFT adapter in ``adapter_dir``, merge it into the
-    weights, and save the result (safetensors + tokenizer) to ``out_dir``; returns ``out_dir``."""
+    """Fold the PEFT adapter ``adapter_dir`` into ``base_dir`` (a causal LM) and save it to ``out_dir``."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

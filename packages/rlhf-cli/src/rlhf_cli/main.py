@@ -60,9 +60,7 @@ def cmd_train(argv: list[str]) -> int:
         print(f"# rlhf train {mode} --dry-run: resolved configuration (nothing was started)")
         print(config_to_yaml(cfg, mode), end="")
         print("# " + asm.describe().replace("\n", "\n# "))
-        if cfg.ckpt.load_enable:
-            return dry_run_resume(mode, cfg)
-        return 0
+        return dry_run_resume(mode, cfg) if cfg.ckpt.load_enable else 0
     try:
         api.run(asm, debug=debug)
     except Exception as exc:
@@ -88,13 +86,12 @@ def dry_run_resume(mode: str, cfg) -> int:
 
 
 def cmd_plugins(argv: list[str]) -> int:
-    as_json = "--json" in argv
     try:
         info = plugins.describe(plugins.get_plugin_manager())
     except plugins.PluginError as exc:
         print(f"rlhf plugins: {exc}", file=sys.stderr)
         return 2
-    if as_json:
+    if "--json" in argv:
         print(json.dumps(info, indent=2))
         return 0
     for dist in info:

@@ -1,8 +1,5 @@
-"""The built-in placement strategies: which roles share devices.
-
-A strategy only plans; ``rlhf_cli.ray_launch`` turns the plan into Ray placement groups. Roles that share
-a pool share its bundles, each worker taking an equal fraction of a bundle's GPU (or CPU), so that Ray
-packs them onto the same devices.
+"""The built-in placement strategies: which roles share devices (a pool). A strategy only plans;
+``rlhf_cli.ray_launch`` makes the Ray placement groups (packages/rlhf-cli/README.md, "Placement").
 """
 
 from __future__ import annotations
@@ -70,10 +67,8 @@ BUILTIN = [Colocation(n) for n in ("colocate_all", "colocate_actor_ref", "coloca
 
 def roles_in_actor(plan: PlacementPlan, engine: str, cfg) -> set[str]:
     """The roles (``ref``, ``rollout``) placed in the actor's pool, whose workers then run inside the actor
-    ranks' processes: they use the ranks' devices anyway, and each process of their own would import torch
-    and load a model. Every rank holds the reference model beside the policy; HF engine ``i`` lives in rank
-    ``i`` (weights by in-process copy) given the sync pipeline (the rank's one thread runs its calls in turn),
-    no more engines than ranks and no ``--vllm.sync_with_ray``. vLLM engines keep processes of their own."""
+    ranks' processes (when and why: packages/rlhf-cli/README.md, "Placement"). An HF engine needs the sync
+    pipeline since the rank's one thread runs its calls in turn; vLLM engines keep processes of their own."""
     groups = {g.role: g for g in plan.groups}
     shared = {r for r, g in groups.items() if r in ("ref", "rollout") and g.pool == groups["actor"].pool}
     if "rollout" in shared and (engine != "hf" or cfg.train.async_enable or cfg.vllm.sync_with_ray

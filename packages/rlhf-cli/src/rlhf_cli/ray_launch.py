@@ -23,9 +23,8 @@ WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
 
 
 def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
-    """Join ``--ray.address`` / ``$RAY_ADDRESS`` when given, else start a local cluster: as many logical CPUs
-    as the plan's bundles need, the dashboard only when asked (on 127.0.0.1), no idle workers started ahead
-    (every rlhf actor asks for its own environment); a :mod:`rlhf_cli.reaper` ends it if the driver dies."""
+    """Join ``--ray.address`` / ``$RAY_ADDRESS`` when given, else start a local cluster for the plan's bundles
+    (settings: the README's "Placement"); a :mod:`rlhf_cli.reaper` ends it if the driver dies."""
     if ray.is_initialized():
         return
     import torch
@@ -82,11 +81,8 @@ def remove_pools(pools: dict[str, Pool]) -> None:
 
 
 def worker_options(spec: WorkerGroupSpec, pool: Pool, rank: int, gpus_per_worker_bundles: int = 1) -> dict[str, Any]:
-    """Ray actor options that pin worker ``rank`` of ``spec`` to its bundle of ``pool``.
-
-    Workers spread over the bundles in order (a worker of ``gpus_per_worker_bundles`` GPUs starts at bundle
-    ``rank * gpus_per_worker_bundles``), so roles sharing a pool land on the same bundles: colocation.
-    """
+    """Ray actor options that pin worker ``rank`` of ``spec`` to its bundle of ``pool``: in rank order, so
+    roles sharing a pool land on the same bundles (colocation)."""
     bundle = (rank * gpus_per_worker_bundles) % pool.num_bundles
     return {"num_cpus": spec.num_cpus_per_worker, "num_gpus": spec.num_gpus_per_worker,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(

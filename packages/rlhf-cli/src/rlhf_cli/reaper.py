@@ -8,6 +8,7 @@ Processes are named by (pid, start time), so a reused pid is never killed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,10 +64,8 @@ def main(driver_pid: int) -> None:
         time.sleep(POLL_S)
     for pid, started in seen:
         if pid != os.getpid() and (stat := _stat(pid)) is not None and stat[1] == started:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 if __name__ == "__main__":

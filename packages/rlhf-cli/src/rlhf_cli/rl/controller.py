@@ -1,7 +1,5 @@
-"""The single-controller RL loop: one step is prompts -> rollout actors (executor + reward) -> experience (old /
-reference log-probs, values) -> advantages (estimator plugin) -> policy and critic updates -> weight sync to the
-engines -> evaluation -> checkpoint. Each job has a module of its own under ``rl/``; :class:`RLController` wires
-them, runs the steps and holds what a checkpoint needs.
+"""The single-controller RL loop (its steps: packages/rlhf-cli/README.md, "The loop"): :class:`RLController`
+wires the job modules of ``rl/``, runs the steps and holds what a checkpoint needs.
 """
 
 from __future__ import annotations
@@ -96,10 +94,8 @@ class RLController:
     # --- checkpoints -------------------------------------------------------------------------------------
 
     def client_state(self) -> dict:
-        """What the run needs to go on exactly, beyond the model state: with every group generated and not yet
-        trained on (over-generation, the async thread's batches) and the prompts to generate again, so that a
-        resumed run trains the very samples the uninterrupted one does. Taken between steps, when the async
-        thread is idle (``maybe_checkpoint``)."""
+        """What the run needs to go on exactly, beyond the model state (docs/async.md, "Exact resume"); taken
+        between steps, when the async thread is idle (``maybe_checkpoint``)."""
         return {"step": self.step, "stream": self.stream.state_dict(),
                 "kl_ctl": self.kl_ctl.state_dict(), "best_metric": self.evaluation.best_metric,
                 "policy_version": self.sync.policy_version, "consecutive_nonfinite": self.policy.consecutive_nonfinite,

@@ -75,8 +75,7 @@ def pad_right(rows: list[list], value: float = 0.0, dtype: torch.dtype = torch.f
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), value, dtype=dtype)
     for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
     return out
 
 
@@ -85,12 +84,10 @@ def _finite_or_nan(x: float | None) -> float:
 
 
 def build_experience(trajs: list[Trajectory], cfg) -> Experience:
-    """Tensors of ``trajs`` with the reward shaping that precedes the estimator (length penalties).
-
-    Order, as OpenRLHF: DAPO overlong penalty, then the stop-properly penalty; group shaping, clipping and
-    KL belong to the estimator. Unscorable samples (reward None or non-finite) get ``valid`` False. An
-    episode with ``segments`` becomes one row per segment, each with the episode's reward, score and
-    validity; its length for the penalties is the action tokens of all its segments.
+    """Tensors of ``trajs`` with the reward shaping that precedes the estimator: the length penalties, in
+    OpenRLHF's order (docs/algorithms.md, section 1). Unscorable samples (reward None or non-finite) get
+    ``valid`` False. An episode with ``segments`` becomes one row per segment, each with the episode's reward,
+    score and validity; its length for the penalties is the action tokens of all its segments.
     """
     rows = [(e, part) for e, t in enumerate(trajs) for part in (t.segments or [t])]
     episode_of = torch.tensor([e for e, _ in rows], dtype=torch.long)
@@ -138,15 +135,9 @@ def episode_positions(action_mask: torch.Tensor, episode_of: torch.Tensor) -> tu
 
 
 def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: float) -> AdvantageOutput:
-    """``estimator``'s advantages and returns ``[B, T]`` for ``exp``.
-
-    With per-call samples the estimator sees each episode as one row holding the action tokens of all its
-    calls in order (:func:`episode_positions`), so group baselines and normalisation count the episode once,
-    and each call's tokens get what they would get in one trajectory of the whole episode: with outcome
-    rewards and KL as a loss (or none), every action token of every call gets the episode's shaped reward; KL
-    folded into the reward adds the KL of the episode's later tokens, across calls, as it would in one
-    trajectory. The results are put back on the rows.
-    """
+    """``estimator``'s advantages and returns ``[B, T]`` for ``exp``. With per-call samples the estimator sees
+    each episode as one row holding the action tokens of all its calls in order (:func:`episode_positions`),
+    and the results are put back on the rows (why: docs/algorithms.md, "Per-call samples")."""
     batch = advantage_input(exp, cfg, kl, kl_coef)
     if exp.episode_of is None:
         return estimator(batch)
@@ -181,10 +172,9 @@ def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: floa
 
 def micro_batch_cuts(exp: Experience, group, rows: int, max_tokens: int | None, cfg) -> list:
     """The micro-batches of ``exp`` for ``group``'s ranks, each a row slice or a list of row indices: ``rows``
-    rows each, in order; or with ``max_tokens`` (dynamic batching) as many rows as fit ``max_tokens`` per rank
-    (times the group's ring-attention size, whose ranks each hold a slice of a micro-batch), as many on each
-    of its data-parallel ranks, a prompt's samples together where ``--ds.shared_prefix`` runs the prompt once
-    for them (not with packing, which does not share)."""
+    rows each, in order; or with ``max_tokens`` (dynamic batching, packages/rlhf-cli/README.md) as many rows
+    as fit ``max_tokens`` per rank times the group's ring-attention size (its ranks each hold a slice of a
+    micro-batch), a prompt's samples together under ``--ds.shared_prefix`` (packing does not share)."""
     if max_tokens is None:
         return [slice(s, s + rows) for s in range(0, len(exp.sequences), rows)]
     keys = None

@@ -53,9 +53,8 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
 
     With ``--data.image_key`` (``images``: the model's image processing) each row's images are read and
     processed once here, so that a missing or unreadable image fails before anything starts; the prompt
-    keeps where they are, and its ids hold each image's tokens. A conversation places its images with
-    ``{"type": "image"}`` content items; a plain question under ``--data.apply_chat_template`` gets its
-    images before the text; a prompt used as it is must contain one placeholder per image.
+    keeps where they are, and its ids hold each image's tokens (where a prompt places them:
+    docs/vision-language.md).
     """
     d = cfg.data
     rows = data.load_rows(paths or d.prompt_dataset or [], probs if paths else d.prompt_probs,

@@ -31,15 +31,14 @@ def _optimizer_steps(cfg, num_prompts: int) -> int:
     return max(1, rl_steps * per_rl_step * cfg.train.max_epochs)
 
 
-def cpu_threads(cfg, processes: int) -> int:
+def cpu_threads(processes: int, overlapped: bool = False) -> int:
     """Torch threads for each of ``processes`` processes that compute at the same time on this machine: its
-    cores split between them (halved when the async pipeline overlaps generation and training), at most
-    ``$OMP_NUM_THREADS``. Oversubscribed, OpenMP workers spin-wait for each other."""
+    cores split between them (halved when ``overlapped``: the async pipeline overlaps generation and
+    training), at most ``$OMP_NUM_THREADS``. Oversubscribed, OpenMP workers spin-wait for each other."""
     cores = os.cpu_count() or 1
-    if cfg.train.async_enable:
+    if overlapped:
         cores = max(1, cores // 2)
-    limit = int(os.environ.get("OMP_NUM_THREADS") or cores)
-    return max(1, min(cores // processes, limit))
+    return max(1, min(cores // processes, int(os.environ.get("OMP_NUM_THREADS") or cores)))
 
 
 def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> Groups:
@@ -49,8 +48,8 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     backend = resolve(get_plugin_manager(), "train_backends", cfg.train.backend)
     made: dict = {}
     # the training groups' forward passes run side by side in make_experience (a hosted ref's in its rank, in turn)
-    trainer_threads = cpu_threads(cfg, sum(g.num_workers for g in asm.plan.groups
-                                           if g.role != "rollout" and g.role not in asm.in_actor))
+    trainer_threads = cpu_threads(sum(g.num_workers for g in asm.plan.groups if g.role != "rollout"
+                                      and g.role not in asm.in_actor), cfg.train.async_enable)
     for spec in asm.plan.groups:
         if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
@@ -95,8 +94,8 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         concurrency = 2 if cfg.train.partial_rollout_enable else 1
         width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
         # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
-        threads = cpu_threads(cfg, rollout_spec.num_workers) if engine == "hf" or not torch.cuda.is_available() \
-            else None
+        threads = cpu_threads(rollout_spec.num_workers, cfg.train.async_enable) if engine == "hf" \
+            or not torch.cuda.is_available() else None
 
         def new_engine(i: int):  # engine i on its own bundles: at start, and to replace a dead one
             return actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),

@@ -54,9 +54,8 @@ class PolicyStep:
 
     def train(self, exp: Experience, step: int, kl_coef: float) -> dict[str, float]:
         """``train.max_epochs`` passes over the experience, one optimizer step per ``train.batch_size``
-        sequences, in a seeded order per epoch. Micro-batches hold ``train.micro_batch_size`` rows, or with
-        ``train.dynamic_batch_enable`` as many as fit ``train.max_tokens_per_gpu`` tokens per rank
-        (:func:`~rlhf_cli.rl.experience.micro_batch_cuts`, for each group's ranks)."""
+        sequences, in a seeded order per epoch; micro-batches cut for each group's ranks
+        (:func:`~rlhf_cli.rl.experience.micro_batch_cuts`)."""
         cfg = self.cfg
         actor, critic = self.groups.actor, self.groups.critic
         b = len(exp.sequences)

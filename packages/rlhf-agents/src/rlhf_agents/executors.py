@@ -1,16 +1,7 @@
-"""Agent executors: how one prompt becomes one token-level :class:`~rlhf_core.types.Trajectory`.
-
-Token in, token out: the prompt is tokenized once, the engine's tokens are appended verbatim with their
-log-probs (``action_mask`` 1), and environment feedback is tokenized once, on its own, and appended with
-``action_mask`` 0 and log-prob 0.0. Nothing already in the context is ever re-tokenized; text exists only
-for environments, reward functions and logs.
-
-The agent API is OpenRLHF's (``AgentInstanceBase.reset/step``, ``MultiTurnAgentExecutor(cls)``), with two
-fixes: ``async def __init__`` works, and a failing or hanging environment ends only its own episode (the
-sample is marked unscorable and counted) instead of the whole step.
-
-Vision-language models: a prompt's images go with every request of its episode; an environment's
-``environment_images`` are processed once and appended like any feedback."""
+"""Agent executors: how one prompt becomes one token-level :class:`~rlhf_core.types.Trajectory`, with
+OpenRLHF's agent API (``AgentInstanceBase.reset/step``, ``MultiTurnAgentExecutor(cls)``) plus two fixes:
+``async def __init__`` works, and a failing or hanging environment ends only its own episode. The package
+README ("Token in, token out", "Writing an agent", "Vision-language models") has the contract."""
 
 from __future__ import annotations
 
@@ -50,10 +41,8 @@ def describe_class(cls: type) -> str:
 
 async def call_user(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a sync or async user function without blocking the event loop (sync ones run in a thread)."""
-    if inspect.iscoroutinefunction(fn):
-        result = await fn(*args, **kwargs)
-    else:
-        result = await asyncio.to_thread(fn, *args, **kwargs)
+    sync = not inspect.iscoroutinefunction(fn)
+    result = await (asyncio.to_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs))
     return await result if inspect.isawaitable(result) else result
 
 

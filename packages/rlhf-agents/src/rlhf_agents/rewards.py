@@ -1,9 +1,6 @@
 """Reward sources: a Python reward file, HTTP reward servers, a reward model, and weighted combinations. Every
-source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per sample. A
-sample the source cannot score gets ``reward`` None and an ``error``: its reward function raised, returned
-None/NaN/Inf, or the call's output cannot be matched to its samples (wrong length or type, named with the
-file, function, expected and actual). Downstream such samples are left out of baselines and the loss, and
-counted."""
+source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per sample; a
+sample it cannot score gets ``reward`` None and an ``error`` (package README, "Writing a reward function")."""
 
 from __future__ import annotations
 
@@ -124,9 +121,8 @@ def fill_result(result: RewardResult, indices: Sequence[int],
 def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
     """The samples ``indices`` of ``request`` (list fields that are empty stay empty)."""
     n = len(request.queries)
-    values = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
     return RewardRequest(**{k: [v[i] for i in indices] if isinstance(v, list) and len(v) == n else v
-                            for k, v in values.items()})
+                            for k, v in vars(request).items()})
 
 
 # --- a Python reward file -------------------------------------------------------------------------------------
@@ -200,8 +196,7 @@ class PythonFileRewardSource(RewardSource):
 
 # --- HTTP reward servers --------------------------------------------------------------------------------------
 
-RETRIED_4XX = (408, 429)
-"""4xx answers that mean "try again later" (request timeout, rate limit); every other 4xx is final."""
+RETRIED_4XX = (408, 429)  # 4xx answers that mean "try again later" (request timeout, rate limit)
 
 
 class HttpRewardSource(RewardSource):
@@ -523,19 +518,15 @@ def check_reward_config(cfg: Any, pm: Any = None) -> None:
     names exist and can be built: each factory's optional ``check(cfg)`` (the reward file is imported and
     ``reward_func``'s signature read; URLs are parsed). Raises a UserError naming the flag or file at fault."""
     for _, _, factory, sub in reward_plan(cfg, pm):
-        check = getattr(factory, "check", None)
-        if check is not None:
-            check(sub)
+        if hasattr(factory, "check"):
+            factory.check(sub)
 
 
 def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = None) -> RewardSource | None:
     """The reward source of :func:`reward_plan`, or None when the config names none; a reward model uses
     ``reward_model_handle`` (the trainer's reward-model workers) when given, else loads in this process."""
-    plan = reward_plan(cfg, pm)
-    if not plan:
-        return None
-    if len(plan) == 1 and plan[0][1] is None:
-        _, _, factory, sub = plan[0]
-        return _create(factory, sub, reward_model_handle)
-    return WeightedRewardSource([(name, weight, _create(factory, sub, reward_model_handle))
-                                 for name, weight, factory, sub in plan])
+    sources = [(name, weight, _create(factory, sub, reward_model_handle))
+               for name, weight, factory, sub in reward_plan(cfg, pm)]
+    if len(sources) == 1 and sources[0][1] is None:  # one source, unweighted
+        return sources[0][2]
+    return WeightedRewardSource(sources) if sources else None

@@ -84,16 +84,13 @@ def _mean(values: Sequence[float]) -> float:
 
 
 class RolloutWorker:
-    """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``. ``engine`` has
-    ``async generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous
-    :class:`~rlhf_core.types.RolloutEngine` is wrapped in ``rlhf_core.rollout.async_engine.AsyncEngine``. Each
-    prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used verbatim; text is tokenized
-    once without special tokens), and optionally ``label``, ``prompt_uid`` and ``images`` (the prompt's
-    :class:`~rlhf_core.types.ImageInput` s, shared by all its samples). Every prompt is sampled ``sampling.n``
-    times; sample ``i`` of prompt ``uid`` at step ``step`` draws with seed
-    ``derive_seed(cfg.train.seed, step, uid, i)``, so a resumed run samples the same tokens. Trajectories come
-    back prompt by prompt, samples of one prompt consecutive. ``last_metrics`` holds the metrics of the latest
-    call."""
+    """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``, ``sampling.n`` samples
+    per prompt (the package README, "Using the worker", gives their seeds and order). ``engine`` has ``async
+    generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous ``RolloutEngine`` is wrapped in
+    ``AsyncEngine``. Each prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used
+    verbatim; text is tokenized once without special tokens), and optionally ``label``, ``prompt_uid`` and
+    ``images`` (the prompt's ``ImageInput`` s, shared by all its samples). ``last_metrics`` holds the metrics
+    of the latest call."""
 
     def __init__(self, engine: Any, tokenizer: Any, executor: AgentExecutorBase,
                  reward_source: RewardSource | None, cfg: Any, image_processing: Any = None):

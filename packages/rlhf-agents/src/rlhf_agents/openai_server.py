@@ -96,12 +96,10 @@ def hermes_tools_block(tools: list) -> str:
 
 
 class OpenAIServerAgentExecutor(AgentExecutorBase):
-    """Runs :meth:`run_agent` against a local OpenAI-compatible server and returns its token trace. Subclass
-    it and implement ``async run_agent(base_url, prompt, label)``: talk to ``base_url`` with any OpenAI client
-    (``api_key`` is not checked), and return the episode's reward (a number), a dict with
-    ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text. The
-    run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request may
-    ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only."""
+    """Runs :meth:`run_agent` against a local OpenAI-compatible server (127.0.0.1 only) and returns its token
+    trace. Subclass it and implement ``async run_agent(base_url, prompt, label)``, returning the reward, a dict
+    with ``reward``/``score``/``extra_logs``, or None (package README, "Agents written against an OpenAI
+    client")."""
 
     host = "127.0.0.1"
     per_call_samples: str = "auto"

@@ -130,10 +130,8 @@ def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
 
 class PythonFileRewardSource(RewardSource):
     """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file (or the function itself,
-    ``func``: the Python API's ``reward_func=``), sync or async, called on batches. Besides the three lists,
-    it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and ``responses`` that its
-    signature names (all of them when it takes ``**kwargs``). When a call raises, the batch is split in halves
-    and retried, so that only the samples that make it raise become unscorable."""
+    ``func``: the Python API's ``reward_func=``), called on batches as the package README ("Writing a reward
+    function") describes: the kwargs its signature names, and a batch that raises retried in halves."""
 
     KWARGS = ("prompt_ids", "response_ids", "finish_reasons", "responses")
 
@@ -200,12 +198,9 @@ RETRIED_4XX = (408, 429)  # 4xx answers that mean "try again later" (request tim
 
 
 class HttpRewardSource(RewardSource):
-    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads
-    ``{"rewards", "scores", "extra_logs"}``. A batch is split into requests of at most ``request_batch_size``
-    samples, spread over the URLs (each request goes to the URL with the fewest requests in flight), at most
-    ``max_concurrency`` at a time over one shared connection pool. A request that times out, cannot connect,
-    or gets a 5xx, 408 or 429 is retried, up to ``max_attempts`` attempts in all, after an exponential backoff
-    with full jitter (and on another URL when there is one); any other 4xx is not retried."""
+    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads ``{"rewards", "scores",
+    "extra_logs"}``, in requests of at most ``request_batch_size`` samples, each to the URL with the fewest in
+    flight, retried on another URL when there is one (batching and retries: package README, "Other sources")."""
 
     def __init__(self, urls: Sequence[str], timeout: float = 180.0, max_attempts: int = 5,
                  max_concurrency: int = 32, request_batch_size: int = 64, backoff_base: float = 0.5,

@@ -250,7 +250,6 @@ class VLLMEngine(RolloutEngine):
     # --- memory ---------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: offload weights to CPU and drop the KV cache; level 2: drop both."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if not self.enable_sleep:

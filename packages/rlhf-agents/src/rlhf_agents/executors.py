@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, numeric_logs
+from rlhf_agents.loading import UserCodeError, load_symbol
+from rlhf_core.config_parser import ConfigError
+from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import (
     GenerationOutput,
     GenerationRequest,
@@ -379,10 +382,7 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
 
     Raises a UserError naming the flag or file when the class is missing, abstract, or cannot take the arguments.
     """
-    from rlhf_agents.loading import UserCodeError, load_symbol
     from rlhf_agents.openai_server import PER_CALL_SAMPLES, OpenAIServerAgentExecutor
-    from rlhf_core.config_parser import ConfigError
-    from rlhf_core.plugins import get_plugin_manager, resolve
 
     train = cfg.train
     if train.per_call_samples not in PER_CALL_SAMPLES:
@@ -429,8 +429,6 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
 
 def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
     """The executor of :func:`executor_class`, built."""
-    from rlhf_agents.loading import UserCodeError
-
     cls, args = executor_class(cfg, pm)
     path = cfg.train.agent_func_path
     try:

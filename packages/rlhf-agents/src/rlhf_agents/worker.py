@@ -18,6 +18,7 @@ from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
 from rlhf_core.config import distills_only
 from rlhf_core.errors import UserError
+from rlhf_core.plugins import get_plugin_manager
 from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
 from rlhf_core.vision import collapse_image_tokens
 
@@ -122,8 +123,6 @@ class RolloutWorker:
                     reward_model_handle: Any = None, image_processing: Any = None) -> RolloutWorker:
         """Executor and reward source resolved by name through the plugins of this process;
         ``image_processing``: a vision-language model's ``rlhf_core.vision.ImageProcessing``."""
-        from rlhf_core.plugins import get_plugin_manager
-
         pm = pm if pm is not None else get_plugin_manager()
         reward_source = build_reward_source(cfg, pm, reward_model_handle=reward_model_handle)
         return cls(engine, tokenizer, build_executor(cfg, pm), reward_source, cfg, image_processing)

@@ -10,6 +10,8 @@ import itertools
 import math
 from typing import Any
 
+import torch
+
 from rlhf_agents.reward_model import right_padded
 from rlhf_agents.rewards import empty_result, fail_samples, remote_entries
 from rlhf_core.config import resolve_param_dtype
@@ -46,7 +48,6 @@ class ProcessRewardModel:
 
     def __init__(self, path: str, step_separator: str = "\n", max_len: int = 2048, batch_size: int = 8,
                  dtype: str = "fp32", device: str | None = None):
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlhf_core.rollout.hf_engine import parse_dtype
@@ -84,8 +85,6 @@ class ProcessRewardModel:
         return out
 
     def _score(self, seqs: list[list[int]], marks: list[list[int]]) -> list[list[float]]:
-        import torch
-
         from rlhf_algos.prm import step_scores
 
         ids, mask = right_padded(seqs, self.pad_id, self.device)

@@ -175,9 +175,8 @@ class EpisodeFailure(Exception):
 
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
-    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done. Every
-    turn may generate at most ``sampling_params.max_new_tokens`` tokens and the whole episode (prompt and
-    response) at most ``max_length``; an episode that reaches ``max_length`` ends with ``truncated``."""
+    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done, within
+    the turn and episode token budgets of the package README ("Token in, token out")."""
 
     def __init__(self, agent_instance_cls: type):
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):

@@ -495,12 +495,11 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
                 f"--reward.weights with one weight each to combine them (several http URLs of one reward "
                 f"server are load-balanced and need no weights)")
         return [(None, None, _pick(factories, cfg), cfg)]
-    weights = list(reward.weights)
-    if len(weights) != len(entries):
-        raise ConfigError(f"--reward.weights has {len(weights)} weights for {len(entries)} reward sources "
+    if len(reward.weights) != len(entries):
+        raise ConfigError(f"--reward.weights has {len(reward.weights)} weights for {len(entries)} reward sources "
                           f"({', '.join(e or '--reward.model_name_or_path' for e in entries)})")
     plan, taken = [], set()
-    for entry, weight in zip(entries, weights):
+    for entry, weight in zip(entries, reward.weights):
         sub = copy.copy(cfg)
         model = reward.model_name_or_path if entry is None else None
         sub.reward = dataclasses.replace(reward, remote_url=entry, model_name_or_path=model, weights=None)

@@ -1,8 +1,5 @@
-"""rlhf-agents: how experience is collected, token in and token out. Agent executors (generate once; drive an
-environment with OpenRLHF's agent API; agent code on a local OpenAI-compatible endpoint), reward sources
-(:func:`build_reward_source`), the :class:`RolloutWorker` that runs a batch of prompts through them,
-``rlhf serve-rm`` and a math-answer verifier (:func:`grade_answer`). OpenRLHF's agent and math reward files
-run as they are (:mod:`rlhf_agents.openrlhf_compat`). The package README describes each."""
+"""rlhf-agents: how experience is collected, token in and token out: agent executors, reward sources, the
+:class:`RolloutWorker`, ``rlhf serve-rm`` and a math-answer verifier. The package README describes each."""
 
 import importlib.metadata
 

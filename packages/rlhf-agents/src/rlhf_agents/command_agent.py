@@ -1,10 +1,6 @@
-"""Agents that are programs: ``--train.agent_command "..."`` runs one process per episode, in any language.
-The program talks to the episode's OpenAI-compatible endpoint (:class:`OpenAIServerAgentExecutor`, its URL in
-``OPENAI_BASE_URL``), which records the tokens; it reads the prompt row as one JSON object on stdin and prints
-its result last on stdout (:func:`parse_agent_output`). A program that exits non-zero, outlives
-``--train.env_step_timeout`` (its process group is killed) or prints no result makes only its episode
-unscorable, counted in ``error/agent_exit``, ``error/agent_timeout`` or ``error/agent_output``. The package
-README ("Agents as programs") has the whole contract."""
+"""Agents that are programs: ``--train.agent_command "..."`` runs one process per episode, in any language,
+against the episode's OpenAI-compatible endpoint (:class:`OpenAIServerAgentExecutor`). The package README
+("Agents as programs") has the whole contract: environment, stdin, stdout, time and failures."""
 
 from __future__ import annotations
 
@@ -67,7 +63,7 @@ def parse_agent_output(stdout: str) -> Any:
 
 
 class CommandAgentExecutor(OpenAIServerAgentExecutor):
-    """Runs ``argv`` once per episode against the episode's endpoint (see the module docstring)."""
+    """Runs ``argv`` once per episode against the episode's endpoint (see the package README)."""
 
     def __init__(self, argv: list[str]):
         super().__init__()

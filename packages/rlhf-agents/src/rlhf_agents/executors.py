@@ -1,16 +1,7 @@
-"""Agent executors: how one prompt becomes one token-level :class:`~rlhf_core.types.Trajectory`.
-
-Token in, token out: the prompt is tokenized once, the engine's tokens are appended verbatim with their
-log-probs (``action_mask`` 1), and environment feedback is tokenized once, on its own, and appended with
-``action_mask`` 0 and log-prob 0.0. Nothing already in the context is ever re-tokenized; text exists only
-for environments, reward functions and logs.
-
-The agent API is OpenRLHF's (``AgentInstanceBase.reset/step``, ``MultiTurnAgentExecutor(cls)``), with two
-fixes: ``async def __init__`` works, and a failing or hanging environment ends only its own episode (the
-sample is marked unscorable and counted) instead of the whole step.
-
-Vision-language models: a prompt's images go with every request of its episode; an environment's
-``environment_images`` are processed once and appended like any feedback."""
+"""Agent executors: how one prompt becomes one token-level :class:`~rlhf_core.types.Trajectory`, with
+OpenRLHF's agent API (``AgentInstanceBase.reset/step``, ``MultiTurnAgentExecutor(cls)``) plus two fixes:
+``async def __init__`` works, and a failing or hanging environment ends only its own episode. The package
+README ("Token in, token out", "Writing an agent", "Vision-language models") has the contract."""
 
 from __future__ import annotations
 
@@ -23,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, numeric_logs
+from rlhf_agents.loading import UserCodeError, load_symbol
+from rlhf_core.config_parser import ConfigError
+from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import (
     GenerationOutput,
     GenerationRequest,
@@ -50,10 +44,8 @@ def describe_class(cls: type) -> str:
 
 async def call_user(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a sync or async user function without blocking the event loop (sync ones run in a thread)."""
-    if inspect.iscoroutinefunction(fn):
-        result = await fn(*args, **kwargs)
-    else:
-        result = await asyncio.to_thread(fn, *args, **kwargs)
+    sync = not inspect.iscoroutinefunction(fn)
+    result = await (asyncio.to_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs))
     return await result if inspect.isawaitable(result) else result
 
 
@@ -183,9 +175,8 @@ class EpisodeFailure(Exception):
 
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
-    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done. Every
-    turn may generate at most ``sampling_params.max_new_tokens`` tokens and the whole episode (prompt and
-    response) at most ``max_length``; an episode that reaches ``max_length`` ends with ``truncated``."""
+    """Drives an :class:`AgentInstanceBase` subclass: generate, ``step``, append feedback, until done, within
+    the turn and episode token budgets of the package README ("Token in, token out")."""
 
     def __init__(self, agent_instance_cls: type):
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
@@ -390,10 +381,7 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
 
     Raises a UserError naming the flag or file when the class is missing, abstract, or cannot take the arguments.
     """
-    from rlhf_agents.loading import UserCodeError, load_symbol
     from rlhf_agents.openai_server import PER_CALL_SAMPLES, OpenAIServerAgentExecutor
-    from rlhf_core.config_parser import ConfigError
-    from rlhf_core.plugins import get_plugin_manager, resolve
 
     train = cfg.train
     if train.per_call_samples not in PER_CALL_SAMPLES:
@@ -440,8 +428,6 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
 
 def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
     """The executor of :func:`executor_class`, built."""
-    from rlhf_agents.loading import UserCodeError
-
     cls, args = executor_class(cfg, pm)
     path = cfg.train.agent_func_path
     try:

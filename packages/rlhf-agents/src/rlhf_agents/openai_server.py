@@ -1,18 +1,7 @@
-"""An OpenAI-compatible endpoint backed by the rollout engine, so that agent code written against an
-OpenAI client yields token-level trajectories.
-
-Each episode gets its own session URL (``http://127.0.0.1:PORT/sessions/<id>/v1``) serving
-``/chat/completions`` (the tokenizer's chat template) and ``/completions`` (text, or token ids used
-verbatim); every call's input and output token ids are recorded. The trajectory is the first call's input as
-the prompt, then each call's output (action_mask 1) and whatever the next call's input adds in between
-(action_mask 0), which needs each call's input to extend the conversation so far token by token. When it
-does not (a chat template that drops earlier reasoning, text that re-tokenizes differently),
-``per_call_samples`` decides: ``auto`` trains the episode as per-call samples (``Trajectory.segments``, one
-per run of calls that do extend one another; a message says so once), ``always`` makes every call a sample,
-``never`` makes the episode unscorable with a *prefix violation* (``error/prefix_violation``).
-
-Tool calls (``tools``, ``tool_calls``) are supported in the Hermes format (:func:`parse_tool_calls`,
-``_render``); the package README has the details."""
+"""An OpenAI-compatible endpoint backed by the rollout engine, so that agent code written against an OpenAI
+client yields token-level trajectories: each episode gets its own session URL, and every call's input and
+output token ids are recorded. The package README ("Agents written against an OpenAI client", "Tool calls",
+"Per-call samples") has the contract."""
 
 from __future__ import annotations
 
@@ -107,16 +96,14 @@ def hermes_tools_block(tools: list) -> str:
 
 
 class OpenAIServerAgentExecutor(AgentExecutorBase):
-    """Runs :meth:`run_agent` against a local OpenAI-compatible server and returns its token trace. Subclass
-    it and implement ``async run_agent(base_url, prompt, label)``: talk to ``base_url`` with any OpenAI client
-    (``api_key`` is not checked), and return the episode's reward (a number), a dict with
-    ``reward``/``score``/``extra_logs``, or None to have the run's reward source score the final text. The
-    run's sampling settings apply to every call (the trainer recomputes log-probs with them); a request may
-    ask for fewer ``max_tokens``. The server listens on 127.0.0.1 only."""
+    """Runs :meth:`run_agent` against a local OpenAI-compatible server (127.0.0.1 only) and returns its token
+    trace. Subclass it and implement ``async run_agent(base_url, prompt, label)``, returning the reward, a dict
+    with ``reward``/``score``/``extra_logs``, or None (package README, "Agents written against an OpenAI
+    client")."""
 
     host = "127.0.0.1"
     per_call_samples: str = "auto"
-    """``auto``, ``always`` or ``never`` (set from ``--train.per_call_samples``; see the module docstring)."""
+    """``auto``, ``always`` or ``never`` (set from ``--train.per_call_samples``; see the package README)."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, _Session] = {}

@@ -1,15 +1,8 @@
-"""OpenRLHF's reward and agent files, run as they are: the few ``openrlhf`` names they import, served by rlhf.
-
-OpenRLHF's example files import their base classes and math helpers from OpenRLHF itself::
-
-    from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor   # or AgentExecutorBase
-    from openrlhf.utils import extract_boxed_answer, grade_answer
-
-rlhf has the same names with the same contracts (:mod:`rlhf_agents.executors`, :mod:`rlhf_agents.math_answers`).
-When OpenRLHF is not installed, :func:`install` puts a finder at the end of ``sys.meta_path`` that answers
-for ``openrlhf``, ``openrlhf.utils`` and ``openrlhf.utils.agent`` with modules holding only those names; any
-other ``openrlhf`` module stays missing, and a missing name says which ones are offered. A real OpenRLHF
-install wins: the finder is consulted last, after the one that finds installed packages."""
+"""OpenRLHF's reward and agent files, run as they are: the few ``openrlhf`` names they import (package README,
+"Writing a reward function" and "Writing an agent"), served by rlhf when OpenRLHF is not installed.
+:func:`install` puts a finder at the end of ``sys.meta_path`` that answers for ``openrlhf``, ``openrlhf.utils``
+and ``openrlhf.utils.agent`` with modules holding only those names; consulted last, after the finder of
+installed packages, it lets a real OpenRLHF win. A missing name says which ones are offered."""
 
 from __future__ import annotations
 

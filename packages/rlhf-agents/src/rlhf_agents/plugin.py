@@ -1,14 +1,5 @@
-"""rlhf-agents registrations, loaded through its ``rlhf`` entry point like any third-party plugin.
-
-A third-party package adds an environment the same way (``[project.entry-points.rlhf] my_env =
-"my_env.plugin"``)::
-
-    from rlhf_core import hookimpl
-
-    @hookimpl
-    def rlhf_register_environments(register):
-        register("my_env", MyAgentInstance)   # --train.env my_env
-"""
+"""rlhf-agents registrations, loaded through its ``rlhf`` entry point like any third-party plugin (the package
+README, "Writing an environment plugin", shows a third-party one)."""
 
 from rlhf_agents.executors import MultiTurnAgentExecutor, SingleTurnAgentExecutor
 from rlhf_agents.openai_server import OpenAIServerAgentExecutor

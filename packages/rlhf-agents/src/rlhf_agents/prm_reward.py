@@ -1,15 +1,7 @@
-"""A process reward model (trained by ``rlhf train prm``) as a reward source: it scores every step.
-
-The response is cut into steps at ``--reward.prm_step_separator`` (a newline by default) and the PRM's step
-marker is put after each non-empty step, as in its training data (``"step one ки\\nstep two ки"``); a
-response that already carries markers is scored as it is. The PRM reads prompt + marked response, and the
-score of a step is the probability of the positive reward token (the first of ``--prm.reward_tokens``)
-among the reward tokens, at the marker. The sample's reward aggregates the step scores
-(``--reward.prm_aggregation``: ``min``, the default, as a chain of steps is as sound as its weakest one;
-``last``, ``mean`` or ``prod``). Each sample's step scores come back in ``RewardResult.step_scores``; the
-RL metrics get ``prm/steps`` and ``prm/min_step``, ``prm/mean_step``, ``prm/last_step``.
-
-The PRM runs in the process that scores (a rollout actor, or ``rlhf generate``), not on Ray workers."""
+"""A process reward model (trained by ``rlhf train prm``) as a reward source: it scores every step of a
+response, and the sample's reward aggregates the step scores (``--reward.prm_aggregation``: ``min`` by
+default, as a chain of steps is as sound as its weakest one). docs/prm-and-distillation.md ("A PRM as a
+reward source") has the data flow; the PRM runs in the process that scores, not on Ray workers."""
 
 from __future__ import annotations
 
@@ -17,6 +9,8 @@ import asyncio
 import itertools
 import math
 from typing import Any
+
+import torch
 
 from rlhf_agents.reward_model import right_padded
 from rlhf_agents.rewards import empty_result, fail_samples, remote_entries
@@ -54,7 +48,6 @@ class ProcessRewardModel:
 
     def __init__(self, path: str, step_separator: str = "\n", max_len: int = 2048, batch_size: int = 8,
                  dtype: str = "fp32", device: str | None = None):
-        import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlhf_core.rollout.hf_engine import parse_dtype
@@ -92,8 +85,6 @@ class ProcessRewardModel:
         return out
 
     def _score(self, seqs: list[list[int]], marks: list[list[int]]) -> list[list[float]]:
-        import torch
-
         from rlhf_algos.prm import step_scores
 
         ids, mask = right_padded(seqs, self.pad_id, self.device)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from rlhf_core.config import resolve_param_dtype
 
 logger = logging.getLogger(__name__)
@@ -15,8 +17,6 @@ logger = logging.getLogger(__name__)
 def right_padded(seqs: list[list[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
     """``[B, L]`` token ids and attention mask of ``seqs``, padded on the right (which keeps positions
     ``0..len-1`` as in an unpadded pass)."""
-    import torch
-
     ids = torch.full((len(seqs), max(1, max(len(s) for s in seqs))), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, seq in enumerate(seqs):
@@ -35,7 +35,6 @@ class RewardModelScorer:
                  max_len: int = 2048, batch_size: int = 16, dtype: str = "fp32",
                  attn_implementation: str = "sdpa", use_fast_tokenizer: bool = True,
                  device: str | None = None, model_kwargs: dict[str, Any] | None = None):
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from rlhf_core.rollout.hf_engine import DTYPES
@@ -67,8 +66,6 @@ class RewardModelScorer:
 
     def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
         """One reward per token-id sequence; NaN for an empty sequence."""
-        import torch
-
         rewards: list[float] = []
         for start in range(0, len(sequences), self.batch_size):
             chunk = [list(s)[-self.max_len :] for s in sequences[start : start + self.batch_size]]

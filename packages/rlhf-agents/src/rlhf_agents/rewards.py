@@ -1,9 +1,6 @@
 """Reward sources: a Python reward file, HTTP reward servers, a reward model, and weighted combinations. Every
-source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per sample. A
-sample the source cannot score gets ``reward`` None and an ``error``: its reward function raised, returned
-None/NaN/Inf, or the call's output cannot be matched to its samples (wrong length or type, named with the
-file, function, expected and actual). Downstream such samples are left out of baselines and the loss, and
-counted."""
+source scores a whole :class:`~rlhf_core.types.RewardRequest` (a batch) and returns one entry per sample; a
+sample it cannot score gets ``reward`` None and an ``error`` (package README, "Writing a reward function")."""
 
 from __future__ import annotations
 
@@ -124,9 +121,8 @@ def fill_result(result: RewardResult, indices: Sequence[int],
 def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
     """The samples ``indices`` of ``request`` (list fields that are empty stay empty)."""
     n = len(request.queries)
-    values = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
     return RewardRequest(**{k: [v[i] for i in indices] if isinstance(v, list) and len(v) == n else v
-                            for k, v in values.items()})
+                            for k, v in vars(request).items()})
 
 
 # --- a Python reward file -------------------------------------------------------------------------------------
@@ -134,10 +130,8 @@ def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
 
 class PythonFileRewardSource(RewardSource):
     """``reward_func(queries, prompts, labels, **kwargs)`` from a Python file (or the function itself,
-    ``func``: the Python API's ``reward_func=``), sync or async, called on batches. Besides the three lists,
-    it receives those of ``prompt_ids``, ``response_ids``, ``finish_reasons`` and ``responses`` that its
-    signature names (all of them when it takes ``**kwargs``). When a call raises, the batch is split in halves
-    and retried, so that only the samples that make it raise become unscorable."""
+    ``func``: the Python API's ``reward_func=``), called on batches as the package README ("Writing a reward
+    function") describes: the kwargs its signature names, and a batch that raises retried in halves."""
 
     KWARGS = ("prompt_ids", "response_ids", "finish_reasons", "responses")
 
@@ -200,17 +194,13 @@ class PythonFileRewardSource(RewardSource):
 
 # --- HTTP reward servers --------------------------------------------------------------------------------------
 
-RETRIED_4XX = (408, 429)
-"""4xx answers that mean "try again later" (request timeout, rate limit); every other 4xx is final."""
+RETRIED_4XX = (408, 429)  # 4xx answers that mean "try again later" (request timeout, rate limit)
 
 
 class HttpRewardSource(RewardSource):
-    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads
-    ``{"rewards", "scores", "extra_logs"}``. A batch is split into requests of at most ``request_batch_size``
-    samples, spread over the URLs (each request goes to the URL with the fewest requests in flight), at most
-    ``max_concurrency`` at a time over one shared connection pool. A request that times out, cannot connect,
-    or gets a 5xx, 408 or 429 is retried, up to ``max_attempts`` attempts in all, after an exponential backoff
-    with full jitter (and on another URL when there is one); any other 4xx is not retried."""
+    """POSTs ``{"query", "prompts", "labels"}`` to reward servers and reads ``{"rewards", "scores",
+    "extra_logs"}``, in requests of at most ``request_batch_size`` samples, each to the URL with the fewest in
+    flight, retried on another URL when there is one (batching and retries: package README, "Other sources")."""
 
     def __init__(self, urls: Sequence[str], timeout: float = 180.0, max_attempts: int = 5,
                  max_concurrency: int = 32, request_batch_size: int = 64, backoff_base: float = 0.5,
@@ -505,12 +495,11 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
                 f"--reward.weights with one weight each to combine them (several http URLs of one reward "
                 f"server are load-balanced and need no weights)")
         return [(None, None, _pick(factories, cfg), cfg)]
-    weights = list(reward.weights)
-    if len(weights) != len(entries):
-        raise ConfigError(f"--reward.weights has {len(weights)} weights for {len(entries)} reward sources "
+    if len(reward.weights) != len(entries):
+        raise ConfigError(f"--reward.weights has {len(reward.weights)} weights for {len(entries)} reward sources "
                           f"({', '.join(e or '--reward.model_name_or_path' for e in entries)})")
     plan, taken = [], set()
-    for entry, weight in zip(entries, weights):
+    for entry, weight in zip(entries, reward.weights):
         sub = copy.copy(cfg)
         model = reward.model_name_or_path if entry is None else None
         sub.reward = dataclasses.replace(reward, remote_url=entry, model_name_or_path=model, weights=None)
@@ -523,19 +512,15 @@ def check_reward_config(cfg: Any, pm: Any = None) -> None:
     names exist and can be built: each factory's optional ``check(cfg)`` (the reward file is imported and
     ``reward_func``'s signature read; URLs are parsed). Raises a UserError naming the flag or file at fault."""
     for _, _, factory, sub in reward_plan(cfg, pm):
-        check = getattr(factory, "check", None)
-        if check is not None:
-            check(sub)
+        if hasattr(factory, "check"):
+            factory.check(sub)
 
 
 def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = None) -> RewardSource | None:
     """The reward source of :func:`reward_plan`, or None when the config names none; a reward model uses
     ``reward_model_handle`` (the trainer's reward-model workers) when given, else loads in this process."""
-    plan = reward_plan(cfg, pm)
-    if not plan:
-        return None
-    if len(plan) == 1 and plan[0][1] is None:
-        _, _, factory, sub = plan[0]
-        return _create(factory, sub, reward_model_handle)
-    return WeightedRewardSource([(name, weight, _create(factory, sub, reward_model_handle))
-                                 for name, weight, factory, sub in plan])
+    sources = [(name, weight, _create(factory, sub, reward_model_handle))
+               for name, weight, factory, sub in reward_plan(cfg, pm)]
+    if len(sources) == 1 and sources[0][1] is None:  # one source, unweighted
+        return sources[0][2]
+    return WeightedRewardSource(sources) if sources else None

@@ -105,8 +105,7 @@ class RolloutActor:
     def weight_sync_ranks(self) -> int:
         """Ranks the engine takes in the weight-broadcast group (one per tensor-parallel worker), or 0 for an
         engine without ``init_weight_sync``, whose weights then come through the object store."""
-        syncs = hasattr(self.engine, "init_weight_sync")
-        return getattr(self.engine, "tensor_parallel_size", 1) if syncs else 0
+        return getattr(self.engine, "tensor_parallel_size", 1) if hasattr(self.engine, "init_weight_sync") else 0
 
     def init_weight_sync(self, **kwargs) -> None:
         """The engine joins the broadcast group (``master_addr``, ``master_port``, ``first_rank``,

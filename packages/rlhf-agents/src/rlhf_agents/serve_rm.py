@@ -1,10 +1,6 @@
-"""``rlhf serve-rm``: a reward model behind HTTP (``python -m rlhf_agents.serve_rm``). ``POST /get_reward``
-with ``{"query": [text, ...], "prompts": [...], "labels": [...]}`` answers
-``{"rewards": [...], "scores": [...], "extra_logs": {}}``, one reward per query (``prompts`` and ``labels``
-are accepted and not used: the model scores the whole query). It listens on 127.0.0.1 unless given an API key
-or ``--insecure``; a body it cannot take gets 400, 413 or 422 with ``{"detail": reason}``, and the server
-keeps serving. The package README ("rlhf serve-rm") describes the flags (OpenRLHF's too), limits and errors;
-query text is never logged."""
+"""``rlhf serve-rm``: a reward model behind HTTP (``python -m rlhf_agents.serve_rm``), OpenRLHF's
+``POST /get_reward`` protocol. The package README ("rlhf serve-rm") describes the flags (OpenRLHF's too), the
+safe defaults, limits and errors; query text is never logged."""
 
 import argparse
 import hmac

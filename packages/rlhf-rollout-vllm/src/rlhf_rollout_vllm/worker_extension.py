@@ -1,20 +1,7 @@
-"""Methods vLLM mixes into each of its workers (``LLM(worker_extension_cls=...)``).
-
-:class:`rlhf_rollout_vllm.engine.VLLMEngine` calls them on every worker with ``llm.collective_rpc``.
-They rely only on what vLLM's worker provides: ``self.rank`` (the worker's rank within the engine),
-``self.device`` and ``self.model_runner``. Weights are loaded in one of two ways:
-
-- ``model_runner.reload_weights(weights_iterator=...)`` where the platform repacks weights for its kernels
-  at load time (vLLM's CPU build: oneDNN/SGL-packed linear layers whose ``weight`` is then empty): it puts
-  the checkpoint-format parameters back, loads, and runs the repacking again, layer by layer.
-- ``model_runner.model.load_weights(...)`` elsewhere (CUDA): it copies into the parameters the kernels
-  read. It also shards tensors for tensor parallelism.
-
-Either way, a layer whose weight is shared with another (tied input/output embeddings) is processed again
-afterwards; see :func:`reprocess_tied_layers`. A LoRA policy's sync carries only its adapters
-(:mod:`rlhf_core.weight_sync`): they are not loaded into the model but written as a PEFT adapter directory
-(:func:`save_peft_adapter`), which the engine then serves with vLLM's LoRA support. This module does not
-import vLLM."""
+"""Methods vLLM mixes into each of its workers (``LLM(worker_extension_cls=...)``), called on every worker by
+:class:`rlhf_rollout_vllm.engine.VLLMEngine` with ``llm.collective_rpc``. They rely only on what vLLM's worker
+provides (``self.rank``, ``self.device``, ``self.model_runner``); this module does not import vLLM. How weights
+load on CPU and on GPU, tied embeddings and LoRA adapters: the package README ("CPU and GPU: what differs")."""
 
 from __future__ import annotations
 
@@ -90,7 +77,7 @@ class WeightSyncWorkerExtension:
         if getattr(self.device, "type", "cpu") == "cpu":
             runner.reload_weights(weights_iterator=iter(named_tensors))
         else:
-            runner.model.load_weights(weights=named_tensors)
+            runner.model.load_weights(weights=named_tensors)  # also shards them for tensor parallelism
         reprocess_tied_layers(runner.model)
         return False
 

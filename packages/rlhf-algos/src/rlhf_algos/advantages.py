@@ -1,21 +1,8 @@
-"""Advantage estimators: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``,
-``dr_grpo``, and ``opd`` (on-policy distillation, :func:`opd_advantages`, which skips steps 1-4 below).
-
-All follow OpenRLHF's order of operations (``docs/algorithms.md`` has the formulas and the deviations):
-
-1. group shaping of the sequence rewards (:func:`group_shaped_rewards`);
-2. per-token rewards: clip the shaped reward, put it on the last action token, add ``-kl_coef * kl`` on
-   every action token (:func:`token_level_rewards`);
-3. GAE (with a critic) or discounted returns (:func:`gae_advantages`);
-4. normalisation over all action tokens of the batch, for ``gae``, ``reinforce`` and
-   ``reinforce_baseline`` only (:func:`normalize_advantages`).
-
-Call the estimator once on the whole rollout batch: group shaping needs whole groups, and the
-normalisation statistics are those of the batch it is given. Rows ``[g*n, (g+1)*n)`` form group ``g``.
-
-Samples with ``valid`` False (unscorable) take no part in baselines or statistics, and get zero advantages
-and returns. The trainer should also drop them from the loss masks (a zero advantage gives a zero policy
-loss, but the tokens would still count in a ``token_mean`` denominator).
+"""Advantage estimators ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``, ``dr_grpo``
+and ``opd``, in OpenRLHF's order of operations (``docs/algorithms.md`` §2 has it, the formulas and the
+deviations). Call an estimator once on the whole rollout batch (rows ``[g*n, (g+1)*n)`` form group ``g``).
+Invalid samples get zero advantages and returns; the trainer should also drop them from the loss masks (a
+zero advantage gives a zero policy loss, but the tokens would still count in a ``token_mean`` denominator).
 """
 
 from __future__ import annotations

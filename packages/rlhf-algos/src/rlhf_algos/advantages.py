@@ -19,10 +19,8 @@ ESTIMATOR_NAMES = ("gae", "reinforce", *GROUP_ESTIMATORS, "opd")
 
 
 def check_n_samples_per_prompt(name: str, min_samples_per_prompt: int, n_samples_per_prompt: int) -> None:
-    """Refuse a configuration that gives a group estimator fewer samples per prompt than it needs.
-
-    The trainer calls it at start-up with the estimator's ``min_samples_per_prompt``; raises ValueError.
-    """
+    """Refuse (ValueError) a group estimator fewer samples per prompt than its ``min_samples_per_prompt``; the
+    trainer calls it at start-up."""
     if n_samples_per_prompt < min_samples_per_prompt:
         raise ValueError(f"advantage estimator {name!r} compares the samples of each prompt and needs "
                          f"--rollout.n_samples_per_prompt >= {min_samples_per_prompt} (got "
@@ -118,8 +116,7 @@ def gae_advantages(token_rewards: torch.Tensor, action_mask: torch.Tensor, value
     rew = torch.where(mask, token_rewards.float(), 0.0)
     if values is None and gamma == 1.0:
         # undiscounted, no critic: a reverse cumulative sum (masked positions hold 0, so skipping is moot)
-        ret = rew.flip(-1).cumsum(-1).flip(-1)
-        ret = torch.where(mask, ret, 0.0)
+        ret = torch.where(mask, rew.flip(-1).cumsum(-1).flip(-1), 0.0)
         return ret, ret.clone()
     v = torch.zeros_like(rew) if values is None else torch.where(mask, values.float(), 0.0)
     adv = torch.zeros_like(rew)

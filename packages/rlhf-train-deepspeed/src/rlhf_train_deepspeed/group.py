@@ -163,9 +163,8 @@ class WorkerGroup:
         return self.call_async("init_model", spec, ds, seed, full_determinism)
 
     def wait_ready(self) -> None:
-        """Wait for the set-up that ``create_worker_group(..., wait=False)`` left running (raising its errors).
-        A group whose set-up failed is shut down: ranks outside a placement group would keep their CPUs or GPUs
-        until the driver ends."""
+        """A group whose set-up failed is shut down: ranks outside a placement group would keep their CPUs or
+        GPUs until the driver ends."""
         starting, self._starting = self._starting, []
         try:
             inline.get(starting)
@@ -174,26 +173,20 @@ class WorkerGroup:
             raise
 
     def host(self, name: str, cls: type, args: list[tuple]) -> list[HostedHandle]:
-        """Build ``cls(*args[r])`` inside the process of rank ``r``, for the first ``len(args)`` ranks, and
-        return handles to them that read like Ray actor handles (``handle.method.remote(...)``)."""
         if len(args) > self.world_size:
             raise ValueError(f"{self.role}: cannot host {len(args)} {name!r} objects on {self.world_size} ranks")
         inline.get([a.host.remote(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
         return [HostedHandle(a, name) for a in self.actors[: len(args)]]
 
     def hosted_ref(self) -> HostedRef:
-        """The frozen model these ranks host beside their own (``ModelSpec.ref_path``), as a reference group."""
         if not self.spec.ref_path:
             raise ValueError(f"{self.role}: these ranks host no reference model (ModelSpec.ref_path)")
         return HostedRef(self)
 
     def push_weights_to_hosted(self, name: str) -> None:
-        """Every rank loads its weights into the object it hosts under ``name`` (see
-        :meth:`TrainWorker.push_weights_to_hosted`)."""
         self.call("push_weights_to_hosted", name)
 
     def sleep(self) -> None:
-        """Offload training state to CPU memory (GPU ZeRO-3 with ``--ds.enable_sleep``; no-op on CPU)."""
         self.call("sleep")
 
     def wake_up(self) -> None:

@@ -1,6 +1,6 @@
-"""KL(policy || reference) per token, as a loss term, and the KL coefficient controllers (``docs/algorithms.md``
-§3 compares the estimators). The estimators do not mask: padding positions hold whatever the inputs give,
-and the consumers (the estimator's reward folding, :func:`kl_loss`) ignore them.
+"""KL(policy || reference) per token, as a loss term, and the KL coefficient controllers
+(``docs/algorithms.md`` §3 compares the estimators). The estimators do not mask: padding positions hold
+whatever the inputs give, and the consumers (the estimator's reward folding, :func:`kl_loss`) ignore them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Models the backend trains and queries: causal LMs (policy, reference), whose response log-probs
 :func:`response_logprobs` gives, and value models (critic, reward model: :func:`value_model_class`). What
-they compute, the value head's name and export, and packing are described in this package's README; a packed
-micro-batch (:func:`model_inputs`) has no attention mask, so transformers builds a block-diagonal causal one."""
+they compute, the value head's name and export, and packing are described in this package's README; a
+packed micro-batch (:func:`model_inputs`) has no attention mask, so transformers builds a block-diagonal
+causal one."""
 
 from __future__ import annotations
 

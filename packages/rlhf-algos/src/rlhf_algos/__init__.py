@@ -1,10 +1,5 @@
-"""rlhf-algos: the math of RLHF as pure torch functions (no Ray, vLLM or DeepSpeed).
-
-Modules: ``advantages`` (estimators), ``kl`` (estimators, loss term, controllers), ``policy_loss`` (PPO,
-GSPO, IS correction, entropy term), ``value_loss``, ``aggregation``, ``shaping`` (length penalties,
-normalisation, dynamic filtering), ``preference`` (DPO/IPO/cDPO, KTO, RM), ``sft``, ``prm`` (process reward
-model), ``distill`` (knowledge distillation), ``logits``.
-The estimators, policy losses and KL estimators are also registered by name through ``rlhf_algos.plugin``.
+"""rlhf-algos: the math of RLHF as pure torch functions (no Ray, vLLM or DeepSpeed); the package's README says
+what it holds and how its estimators and losses are registered by name (``rlhf_algos.plugin``).
 """
 
 import importlib.metadata

@@ -1,21 +1,8 @@
-"""Advantage estimators: ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``,
-``dr_grpo``, and ``opd`` (on-policy distillation, :func:`opd_advantages`, which skips steps 1-4 below).
-
-All follow OpenRLHF's order of operations (``docs/algorithms.md`` has the formulas and the deviations):
-
-1. group shaping of the sequence rewards (:func:`group_shaped_rewards`);
-2. per-token rewards: clip the shaped reward, put it on the last action token, add ``-kl_coef * kl`` on
-   every action token (:func:`token_level_rewards`);
-3. GAE (with a critic) or discounted returns (:func:`gae_advantages`);
-4. normalisation over all action tokens of the batch, for ``gae``, ``reinforce`` and
-   ``reinforce_baseline`` only (:func:`normalize_advantages`).
-
-Call the estimator once on the whole rollout batch: group shaping needs whole groups, and the
-normalisation statistics are those of the batch it is given. Rows ``[g*n, (g+1)*n)`` form group ``g``.
-
-Samples with ``valid`` False (unscorable) take no part in baselines or statistics, and get zero advantages
-and returns. The trainer should also drop them from the loss masks (a zero advantage gives a zero policy
-loss, but the tokens would still count in a ``token_mean`` denominator).
+"""Advantage estimators ``gae``, ``reinforce``, ``reinforce_baseline``, ``rloo``, ``group_norm``, ``dr_grpo``
+and ``opd``, in OpenRLHF's order of operations (``docs/algorithms.md`` §2 has it, the formulas and the
+deviations). Call an estimator once on the whole rollout batch (rows ``[g*n, (g+1)*n)`` form group ``g``).
+Invalid samples get zero advantages and returns; the trainer should also drop them from the loss masks (a
+zero advantage gives a zero policy loss, but the tokens would still count in a ``token_mean`` denominator).
 """
 
 from __future__ import annotations
@@ -32,10 +19,8 @@ ESTIMATOR_NAMES = ("gae", "reinforce", *GROUP_ESTIMATORS, "opd")
 
 
 def check_n_samples_per_prompt(name: str, min_samples_per_prompt: int, n_samples_per_prompt: int) -> None:
-    """Refuse a configuration that gives a group estimator fewer samples per prompt than it needs.
-
-    The trainer calls it at start-up with the estimator's ``min_samples_per_prompt``; raises ValueError.
-    """
+    """Refuse (ValueError) a group estimator fewer samples per prompt than its ``min_samples_per_prompt``; the
+    trainer calls it at start-up."""
     if n_samples_per_prompt < min_samples_per_prompt:
         raise ValueError(f"advantage estimator {name!r} compares the samples of each prompt and needs "
                          f"--rollout.n_samples_per_prompt >= {min_samples_per_prompt} (got "
@@ -131,8 +116,7 @@ def gae_advantages(token_rewards: torch.Tensor, action_mask: torch.Tensor, value
     rew = torch.where(mask, token_rewards.float(), 0.0)
     if values is None and gamma == 1.0:
         # undiscounted, no critic: a reverse cumulative sum (masked positions hold 0, so skipping is moot)
-        ret = rew.flip(-1).cumsum(-1).flip(-1)
-        ret = torch.where(mask, ret, 0.0)
+        ret = torch.where(mask, rew.flip(-1).cumsum(-1).flip(-1), 0.0)
         return ret, ret.clone()
     v = torch.zeros_like(rew) if values is None else torch.where(mask, values.float(), 0.0)
     adv = torch.zeros_like(rew)

@@ -19,12 +19,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAggregation | N
     - ``seq_mean_token_sum_norm``: ``D * sum_it v_it m_it / (N_seq * max_len)``, ``max_len = agg.max_len``
       (default: ``T``); Dr. GRPO uses a constant ``max_len`` (the generation budget).
 
-    ``num_tokens``/``num_sequences`` are the counts of the whole optimizer step (all micro-batches of the
-    gradient-accumulation window, summed over data-parallel ranks), so that summing the gradients of the
-    micro-batches gives the gradient of the full-batch mean, and ``dp_size`` undoes the averaging of the
-    data-parallel all-reduce. An engine that itself divides each micro-batch loss by the number of
-    accumulation steps (DeepSpeed does) must be given ``num_tokens / grad_accum_steps`` (likewise for
-    sequences), as OpenRLHF does.
+    ``num_tokens``/``num_sequences`` are the counts of the whole optimizer step, summed over data-parallel
+    ranks (``docs/algorithms.md`` §6 says why, and what an engine dividing by the accumulation steps needs).
 
     Returns a 0-dim tensor in float32 (or the dtype of ``values`` if wider). Values at masked positions are
     ignored entirely, NaN included, and receive no gradient.

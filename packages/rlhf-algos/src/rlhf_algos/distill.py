@@ -39,7 +39,6 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: 
     plain mean over this micro-batch's masked tokens.
     """
     keep = mask.bool()[..., None]
-    # masked positions may hold anything (inf, NaN): zero them so that they get no NaN gradient either
     student_logits = torch.where(keep, student_logits, student_logits.new_zeros(()))
     teacher_logits = torch.where(keep, teacher_logits.detach(), teacher_logits.new_zeros(()))
     nll_tok = -logprobs_from_logits(student_logits, labels)

@@ -1,15 +1,6 @@
-"""KL(policy || reference) per token, as a loss term, and the KL coefficient controllers.
-
-The estimators (Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html) take
-``logprobs`` and ``ref_logprobs`` of the sampled tokens, both ``[B, T]``, and return ``[B, T]`` float32,
-clamped to ``[-10, 10]`` as OpenRLHF does. With ``d = logprobs - ref_logprobs``:
-
-- ``k1 = d``                 unbiased, can be negative; the natural choice inside the reward.
-- ``k2 = d**2 / 2``          biased, non-negative; its gradient is the gradient of KL (good as a loss).
-- ``k3 = exp(-d) - 1 + d``   unbiased, non-negative, low variance (GRPO's choice as a loss).
-
-They do not mask: padding positions hold whatever the inputs give, and the consumers (the estimator's
-reward folding, :func:`kl_loss`) ignore them.
+"""KL(policy || reference) per token, as a loss term, and the KL coefficient controllers
+(``docs/algorithms.md`` §3 compares the estimators). The estimators do not mask: padding positions hold
+whatever the inputs give, and the consumers (the estimator's reward folding, :func:`kl_loss`) ignore them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Policy losses ``ppo`` and ``gspo``, rollout/train mismatch correction, and the entropy term.
-
-Inputs are :class:`rlhf_core.types.PolicyLossInput` (all tensors ``[B, T]``); outputs
-:class:`rlhf_core.types.LossOutput` (a scalar loss and float metrics). Positions outside ``action_mask``
-never matter: they are replaced before any arithmetic, so padding may hold anything and gets no gradient.
-
-Metrics (token means over this micro-batch's action tokens):
-
-- ``clip_ratio``: fraction of tokens where the clipped surrogate is the smaller one (the clip is active).
-- ``ppo_kl``: ``mean(old_logp - logp)``, the k1 estimate of KL(old || new).
-- ``rollout_kl``: ``mean(rollout_logp - old_logp)``, the engine/trainer mismatch (OpenRLHF ``vllm_kl``),
-  when ``rollout_logprobs`` is given.
-- ``dual_clip_ratio``: fraction of tokens held at ``c * A`` by the dual clip, when it is on.
-- ``is_weight_mean/min/max``, ``is_masked_ratio``, ``is_truncated_ratio``: see
-  :func:`rollout_correction_weights`, when IS correction is on.
+"""Policy losses ``ppo`` and ``gspo``, rollout/train mismatch correction, and the entropy term. Positions
+outside ``action_mask`` are replaced before any arithmetic, so padding may hold anything and gets no
+gradient. The metrics are listed in ``docs/algorithms.md`` §4.3.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Preference losses: DPO / IPO / cDPO (+ NLL term), KTO, and the pairwise reward-model loss.
-
-Shapes: every log-prob argument is ``[B]``, the **sum** over the response tokens of one sequence's
-per-token log-probs (as OpenRLHF's DPO trainer computes them); rewards are ``[B]`` scalars. Each loss
-returns :class:`rlhf_core.types.LossOutput` whose ``loss`` is the mean over the ``B`` pairs (or samples)
-of this micro-batch, and whose metrics are detached floats for logging.
+"""Preference losses: DPO / IPO / cDPO (+ NLL term), KTO, and the pairwise reward-model loss. Every log-prob
+argument is ``[B]``, the **sum** over one response's tokens, and every loss the mean over the ``B`` pairs (or
+samples) of the micro-batch (``docs/algorithms.md`` §9).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Reward shaping before the advantage estimator: length penalties, normalisation, dynamic filtering.
-
-Order in an RL step (as OpenRLHF): :func:`overlong_penalty`, then :func:`stop_properly_penalty`, then the
-estimator (which does the group shaping and then the ``--reward.clip_range`` clip through
-``AdvantageInput.reward_clip``). :func:`dynamic_filter` runs on the scores of finished groups, before
-experience making. All functions return new tensors and leave their inputs alone.
+"""Reward shaping before the advantage estimator: length penalties, normalisation, dynamic filtering, in the
+order of ``docs/algorithms.md`` §1. All functions return new tensors and leave their inputs alone.
 """
 
 from __future__ import annotations

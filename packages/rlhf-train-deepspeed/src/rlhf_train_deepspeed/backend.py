@@ -55,12 +55,8 @@ class DeepSpeedBackend:
     """A group of one rank can live in the driver's process (``create_group(..., inline_rank=True)``)."""
 
     def create_group(self, role: str, cfg, pool: Any = None, num_workers: int = 1, **kwargs):
-        """A :class:`rlhf_train_deepspeed.group.WorkerGroup` of ``num_workers`` ranks for ``role`` (``actor``,
-        ``critic``, ``ref``, ``reward``) of an ``RLConfig``; ``pool``: a Ray placement group or None. Keyword
-        options: ``total_steps`` (optimizer steps of the run, for the LR schedule), ``with_ref`` (the actor's
-        ranks also host the reference model, reached through ``group.hosted_ref()``), ``bundle_indices``,
-        ``num_gpus_per_worker``, ``num_cpus_per_worker``, ``num_threads``, ``wait``, ``inline_rank`` (see
-        :func:`rlhf_train_deepspeed.group.create_worker_group`)."""
+        """A :class:`rlhf_train_deepspeed.group.WorkerGroup`; ``with_ref`` groups reach the reference model
+        through ``group.hosted_ref()``."""
         from rlhf_train_deepspeed.group import create_worker_group
 
         spec = spec_for_role(role, cfg, num_workers, kwargs.pop("total_steps", None))
@@ -71,8 +67,6 @@ class DeepSpeedBackend:
                                    full_determinism=cfg.train.full_determinism_enable, pool=pool, **kwargs)
 
     def run_trainer(self, mode: str, cfg) -> dict:
-        """Run ``sft``, ``rm``, ``dpo``, ``kto``, ``prm`` or ``kd`` with a ``SupervisedConfig`` /
-        ``PreferenceConfig`` / ``PRMConfig`` / ``KDConfig``."""
         from rlhf_train_deepspeed.trainers import run_supervised
 
         return run_supervised(mode, cfg)

@@ -1,9 +1,5 @@
-"""A group of N training ranks as Ray actors, and the handle that fans calls out to them.
-
-The group is set up without the ``deepspeed`` launcher: rank 0 picks a free port on its node, every rank
-gets MASTER_ADDR/PORT, RANK, WORLD_SIZE and LOCAL_RANK, and they join one process group (NCCL with GPUs,
-gloo on CPU). The handle's methods take the micro-batches of a whole step, give each rank its contiguous
-share, and gather the results in order. The README of this package documents every method."""
+"""A group of N training ranks as Ray actors, and the handle that fans calls out to them. This package's
+README describes the set-up (no ``deepspeed`` launcher), the sharding of micro-batches and every method."""
 
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ class WorkerGroup:
     def __init__(self, actors: list, role: str, spec: ModelSpec):
         self.actors, self.role, self.spec, self.world_size = actors, role, spec, len(actors)
         self.ring_size = 1
-        """Ranks per ring-attention group (``--ds.ring_attn_size``): consecutive ranks ``[d*R, (d+1)*R)``
-        receive the same micro-batches and return the same results; data parallelism is over the groups."""
+        """Consecutive ranks ``[d*R, (d+1)*R)`` form ring group ``d`` and return the same results."""
         self.nonfinite_steps = 0
         """Steps skipped because a loss was not finite (on any rank)."""
         self._starting: list = []
@@ -59,7 +54,6 @@ class WorkerGroup:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel size: the number of ring groups (the world size without ring attention)."""
         return self.world_size // self.ring_size
 
     def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list, list[int]]:
@@ -90,7 +84,6 @@ class WorkerGroup:
         return self.gather_sharded(*self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy))
 
     def compute_values(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
-        """``[B, T]`` critic values per micro-batch."""
         return self.gather_sharded(*self.call_sharded_async("compute_values", batches))
 
     def compute_rewards(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
@@ -111,8 +104,6 @@ class WorkerGroup:
         return metrics
 
     def train_policy_step(self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig) -> dict[str, float]:
-        """One optimizer step over all ``micro_batches`` (a multiple of :attr:`dp_size`), with the
-        registered policy loss ``cfg.loss``. Token/sequence counts for the aggregation are global."""
         masks = [mb.seq.response_mask() for mb in micro_batches]
         counts = {  # sequences without any action token take no part in the normalisation
             "num_tokens": float(sum(m.sum() for m in masks)),
@@ -120,7 +111,6 @@ class WorkerGroup:
         return self._step("train_policy", micro_batches, cfg, counts=counts)
 
     def train_critic_step(self, micro_batches: list[CriticMicroBatch], value_clip: float | None = 0.5) -> dict[str, float]:
-        """One optimizer step of the clipped value loss over all ``micro_batches``."""
         counts = {"num_tokens": float(sum(mb.seq.response_mask().sum() for mb in micro_batches))}
         return self._step("train_critic", micro_batches, value_clip, counts=counts)
 
@@ -152,18 +142,14 @@ class WorkerGroup:
         self.call("export_hf", out_dir, config_updates, self.spec.path, ema)
 
     def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
-        """All weights as full CPU tensors with HF names (ZeRO-3 gathered), for the object-store path."""
         return self.call("get_state_dict_for_engines")[0]
 
     def weight_sync_address(self) -> tuple[str, int]:
-        """An address and free port on rank 0's node, for the ``master_addr``/``master_port`` of the sync group."""
         return inline.get(self.actors[0].master_address.remote())
 
     def broadcast_weights_to_engines_async(self, master_addr: str, master_port: int, world_size: int,
                                            backend: str = "gloo", timeout_s: float = 600.0) -> list:
-        """Start sending the weights through ``rlhf_core.weight_sync`` (rank 0 sends, as sync rank 0); the
-        engines must join the group (ranks 1..world_size-1) and ``receive`` meanwhile. Returns Ray refs;
-        ``ray.get`` on them gives the tensor count on rank 0's entry."""
+        """``ray.get`` on the refs gives the tensor count on rank 0's entry."""
         return self.call_async("broadcast_weights_to_engines", master_addr, master_port, world_size, backend, timeout_s)
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> None:
@@ -177,9 +163,8 @@ class WorkerGroup:
         return self.call_async("init_model", spec, ds, seed, full_determinism)
 
     def wait_ready(self) -> None:
-        """Wait for the set-up that ``create_worker_group(..., wait=False)`` left running (raising its errors).
-        A group whose set-up failed is shut down: ranks outside a placement group would keep their CPUs or GPUs
-        until the driver ends."""
+        """A group whose set-up failed is shut down: ranks outside a placement group would keep their CPUs or
+        GPUs until the driver ends."""
         starting, self._starting = self._starting, []
         try:
             inline.get(starting)
@@ -188,26 +173,20 @@ class WorkerGroup:
             raise
 
     def host(self, name: str, cls: type, args: list[tuple]) -> list[HostedHandle]:
-        """Build ``cls(*args[r])`` inside the process of rank ``r``, for the first ``len(args)`` ranks, and
-        return handles to them that read like Ray actor handles (``handle.method.remote(...)``)."""
         if len(args) > self.world_size:
             raise ValueError(f"{self.role}: cannot host {len(args)} {name!r} objects on {self.world_size} ranks")
         inline.get([a.host.remote(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
         return [HostedHandle(a, name) for a in self.actors[: len(args)]]
 
     def hosted_ref(self) -> HostedRef:
-        """The frozen model these ranks host beside their own (``ModelSpec.ref_path``), as a reference group."""
         if not self.spec.ref_path:
             raise ValueError(f"{self.role}: these ranks host no reference model (ModelSpec.ref_path)")
         return HostedRef(self)
 
     def push_weights_to_hosted(self, name: str) -> None:
-        """Every rank loads its weights into the object it hosts under ``name`` (see
-        :meth:`TrainWorker.push_weights_to_hosted`)."""
         self.call("push_weights_to_hosted", name)
 
     def sleep(self) -> None:
-        """Offload training state to CPU memory (GPU ZeRO-3 with ``--ds.enable_sleep``; no-op on CPU)."""
         self.call("sleep")
 
     def wake_up(self) -> None:
@@ -261,17 +240,10 @@ def create_worker_group(
     pool: Any = None, bundle_indices: list[int] | None = None, num_gpus_per_worker: float | None = None,
     num_cpus_per_worker: float = 1, num_threads: int | None = None, wait: bool = True,
     inline_rank: bool = False) -> WorkerGroup:
-    """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model.
-    With ``wait=False`` it returns at once, the ranks still starting: several groups then start side by side,
-    and :meth:`WorkerGroup.wait_ready` waits for them (calls made meanwhile queue behind the set-up).
-
-    ``pool`` is a Ray placement group (rank ``r`` goes to bundle ``bundle_indices[r]``, default ``r``) or
-    None. GPUs per worker default to 1 when the cluster has GPUs, else 0 (CPU ranks with gloo).
-    ``num_threads`` sets torch's intra-op threads in each rank (default: the machine's cores divided among
-    the ranks on CPU, ``num_cpus_per_worker`` with GPUs).
-
-    ``inline_rank=True`` builds the one rank of a single-process run in this process, without Ray
-    (:mod:`rlhf_core.inline`; ``num_workers`` must be 1, and ``pool`` None)."""
+    """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model. The
+    options are ``create_group``'s (this package's README); with ``wait=False``, calls made before
+    :meth:`WorkerGroup.wait_ready` queue behind the set-up, and ``num_threads`` defaults to
+    ``num_cpus_per_worker`` on GPU ranks."""
     if num_workers < 1:
         raise ValueError(f"{role}: num_workers must be at least 1, got {num_workers}")
     if inline_rank:

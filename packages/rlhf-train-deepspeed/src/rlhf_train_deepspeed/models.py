@@ -1,17 +1,8 @@
-"""Models the backend trains and queries, and the batch format they read.
-
-- Policy / reference: a causal LM. :func:`response_logprobs` gives the log-probs (and entropy) of the
-  response tokens only, at a temperature: ``log_softmax(logits / temperature)``, the same quantity the
-  rollout engines report (see ``rlhf_core.types.SamplingParams``).
-- Critic / reward model: a transformer with a one-output linear value head named ``score`` by default
-  (``--ds.value_head_prefix``), saved as ``*ForSequenceClassification`` so that
-  ``AutoModelForSequenceClassification`` loads it. The reward is the head's output at the last non-pad token.
-
-Batches are right-padded sequences of prompt + response (:class:`SequenceBatch`). Packed
-(:func:`model_inputs`), they have no attention mask: transformers then builds a block-diagonal causal mask
-(flash-attn varlen on GPU, a masked SDPA on CPU), so packed and padded computations give the same numbers.
-Ring attention (:func:`_ring_logprobs`) and a vision-language model's images (``SequenceBatch.images``,
-padded batches only) are handled in :func:`response_logprobs`."""
+"""Models the backend trains and queries: causal LMs (policy, reference), whose response log-probs
+:func:`response_logprobs` gives, and value models (critic, reward model: :func:`value_model_class`). What
+they compute, the value head's name and export, and packing are described in this package's README; a
+packed micro-batch (:func:`model_inputs`) has no attention mask, so transformers builds a block-diagonal
+causal one."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 """Sequence parallelism with ring attention (``--ds.ring_attn_size R``, ``--ds.ring_attn_head_stride``).
 
-Layout. The ``W = D x R`` ranks of a worker group form ``D`` ring groups of ``R`` consecutive ranks
-(``[d*R, (d+1)*R)``). Every rank of a ring group receives the same micro-batches; data parallelism is over
-the ``D`` groups. A packed micro-batch (one row of ``N`` tokens, see ``models.model_inputs``) is padded to
-``N' = ceil(N / R) * R`` tokens (the pad is one dummy sequence that no output reads) and ring rank ``j``
-runs the model on the contiguous slice ``[j*N'/R, (j+1)*N'/R)``. Its labels are the next tokens of the
-*full* packed row, taken before slicing. Per-token outputs (log-probs, entropies, values) are put back
-together with an autograd-aware all-gather over the ring group, after which the usual code (response
-positions, losses) runs unchanged, and identically, on every ring rank.
-
-Attention inside a slice must see the keys/values of earlier slices of the same sequence. Two
-implementations of one contract (``fn(module, query, key, value, attention_mask, scaling, dropout)``
-with this rank's ``[1, heads, n, head_dim]`` tensors -> ``[1, n, heads, head_dim]``), registered with
-transformers' ``AttentionInterface`` and selected as the model's ``attn_implementation``:
-
-- ``rlhf_ring_llama3`` (CUDA): ring-flash-attn's llama3 variant, which all-gathers K/V
-  ``--ds.ring_attn_head_stride`` KV heads at a time and runs flash-attn varlen on the local queries;
-- ``rlhf_ring_gather`` (CPU, or any machine without CUDA): an exact reference that all-gathers K/V over
-  the ring group and runs SDPA with the causal, same-sequence mask of the global token positions. It saves
-  no memory; it exists so that slicing, labels, gathers and gradient scaling are proven on CPU with gloo.
+This package's README describes the layout (the ``W`` ranks form ``D = W / R`` ring groups of ``R``
+consecutive ranks; ring rank ``j`` runs the ``j``-th slice of each packed row, :func:`shard_packed`) and the
+two attention functions (:func:`llama3_attention` on CUDA, the exact :func:`gather_attention` on CPU).
 
 Gradient scaling. Let ``L = sum_d L_d`` be the loss of a step, ``L_d`` the part of ring group ``d``
 (losses are normalised by global counts). Every rank of group ``d`` computes the same value ``l_d = c *

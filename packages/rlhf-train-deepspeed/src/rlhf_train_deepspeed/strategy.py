@@ -1,9 +1,5 @@
-"""DeepSpeed set-up: distributed init, ZeRO config, optimizer and LR schedule, LoRA, and the training step.
-
-One :class:`Strategy` per worker process turns the ``--ds.*`` and optimizer flags into a DeepSpeed config,
-wraps models into engines, and runs optimizer steps (:meth:`Strategy.optimizer_step`): a step's gradient
-does not depend on how its batch was split into micro-batches or ranks, and a non-finite loss on any rank
-skips the step on every rank, leaving parameters, optimizer state and LR schedule as they were (counted)."""
+"""DeepSpeed set-up: distributed init, ZeRO config, optimizer and LR schedule, LoRA, and the training step
+(:meth:`Strategy.optimizer_step`), for the one :class:`Strategy` of each worker process."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Dataset rows -> token-id examples for SFT, RM, DPO, KTO, PRM and KD, and examples -> micro-batches.
-
-Rows are read and formatted by :mod:`rlhf_core.data` (readers, mixing, templates). Each example keeps
-its prompt and response ids apart, so the loss covers the response only (SFT and KD: assistant turns only
-with ``--data.multiturn``; everything with ``--model.pretrain_mode_enable``). A PRM example is a whole
-text with the positions of its step markers and their labels.
-
-Bad rows (a missing key, a wrong type) fail with the file, row and key named, or are skipped and counted
-as ``data/bad_rows_skipped`` with ``--data.skip_bad_rows``. A prompt over its budget follows
-``--data.overlong_prompt_policy``; a response cut to fit ``--data.max_len`` is counted as
-``data/responses_truncated``."""
+"""Dataset rows -> token-id examples for SFT, RM, DPO, KTO, PRM and KD, and examples -> micro-batches. Each
+example keeps its prompt and response ids apart, so the loss covers the response only; a PRM example is a
+whole text with the positions of its step markers and their labels. The columns each mode reads, and what
+becomes of bad rows and overlong prompts, are in this package's README."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The SFT, RM, DPO, KTO, PRM and KD trainers: a loop in the driver process over a Ray group of DeepSpeed
-ranks.
-
-The driver reads and tokenizes the data, cuts each global batch into micro-batches (rank ``r`` gets the
-``r``-th contiguous share), calls one training step on the group, logs, evaluates and checkpoints. The
-data order of epoch ``e`` is a permutation seeded by ``(train.seed, e)``, so the data position of a
-resumed run is just its step number.
-
-Run directory (``--ckpt.output_dir``): ``metrics.jsonl`` (one JSON line per logged step, every
-``--logger.logging_steps``), TensorBoard events, W&B when asked,
-``checkpoints/`` and, at the end, the HF model (safetensors) with its tokenizer."""
+"""The SFT, RM, DPO, KTO, PRM and KD trainers: a loop in the driver process over a group of DeepSpeed ranks
+(data, losses and the run directory: this package's README). The data order of epoch ``e`` is a permutation
+seeded by ``(train.seed, e)``, so the data position of a resumed run is just its step number."""
 
 from __future__ import annotations
 

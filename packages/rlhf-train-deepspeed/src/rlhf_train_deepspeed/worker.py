@@ -207,7 +207,6 @@ class TrainWorker:
         np.random.seed(seed % (1 << 32))
         torch.manual_seed(seed)
         dtype = self.strategy.dtype
-        # sequence parallelism: load with the ring attention function
         attn = ds.attn_implementation if self.ring is None else ring_attn.attn_implementation(self.ring)
         # None leaves the choice to transformers (a MoE model's grouped_mm where it can run, else eager)
         experts = {"experts_implementation": ds.experts_implementation} if ds.experts_implementation else {}
@@ -601,12 +600,9 @@ class TrainWorker:
 
     def broadcast_weights_to_engines(self, master_addr: str, master_port: int, world_size: int,
                                      backend: str = "gloo", timeout_s: float = 600.0) -> int:
-        """Send the weights to the rollout engines through ``rlhf_core.weight_sync``: rank 0 is rank 0 of the
-        sync group (hosting its store at ``master_addr:master_port``; the engines take ranks 1..world_size-1
-        and call ``receive``). The group is joined on the first call and kept; a call with another address
-        (the engines after one was replaced) closes it and joins a new one. Other trainer ranks only take part
-        in the ZeRO-3 gathers. A LoRA policy sends only its adapters (:meth:`engine_weights`). Returns the
-        number of tensors sent (0 on ranks other than 0)."""
+        """One rank's part of ``TrainGroup.broadcast_weights_to_engines_async`` (whose docstring describes the
+        sync group's life): rank 0 sends :meth:`engine_weights` as sync rank 0, hosting its store at
+        ``master_addr:master_port``. Returns the number of tensors sent (0 on ranks other than 0)."""
         if self.rank != 0:
             for _ in self.engine_weights():  # the ZeRO-3 gathers only
                 pass

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROGRAM = '''
+PROGRAM = """
 import json, os, sys
 row = json.load(sys.stdin)
 {client}
@@ -33,20 +33,20 @@ for _ in range(2):
     reply = chat(messages)
     messages += [{{"role": "assistant", "content": reply}}, {{"role": "user", "content": "w1"}}]
 print(1.0)
-'''
-URLLIB = '''
+"""
+URLLIB = """
 import urllib.request
 def chat(messages):
     body = json.dumps({"messages": messages, "max_tokens": 4}).encode()
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", body, {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(req))["choices"][0]["message"]["content"]
-'''
-OPENAI = '''
+"""
+OPENAI = """
 from openai import OpenAI
 client = OpenAI()
 def chat(messages):
     return client.chat.completions.create(model="policy", messages=messages, max_tokens=4).choices[0].message.content
-'''
+"""
 
 
 def main() -> None:
@@ -107,8 +107,10 @@ def main() -> None:
     print(f"{args.episodes} episodes x 2 calls, median of {args.rounds} rounds:")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"  {name:15s} {med:6.2f} s/step  {med / base:5.2f}x in_process  "
-              f"+{(med - base) / args.episodes * 1000:6.0f} ms/episode")
+        print(
+            f"  {name:15s} {med:6.2f} s/step  {med / base:5.2f}x in_process  "
+            f"+{(med - base) / args.episodes * 1000:6.0f} ms/episode"
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def baseline_module(commit: str):
-    source = subprocess.run(["git", "show", f"{commit}:packages/rlhf-cli/src/rlhf_cli/rl/controller.py"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{commit}:packages/rlhf-cli/src/rlhf_cli/rl/controller.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     path = Path(tempfile.mkdtemp()) / "queue_controller.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("queue_controller", path)
@@ -58,13 +63,17 @@ def wall_time(module, steps: int, generate_s: float, train_s: float) -> float:
     cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size = 2, 2
     cfg.train.async_enable, cfg.train.max_steps = True, steps
     prompts = [Prompt(i, [1], "p") for i in range(2 * steps)]
-    ctl = module.RLController(cfg, module.Groups(actor=FakeActor(), rollout=[], rollout_in_actor=True),
-                              PromptStream(prompts, 0), 0)
+    ctl = module.RLController(
+        cfg, module.Groups(actor=FakeActor(), rollout=[], rollout_in_actor=True), PromptStream(prompts, 0), 0
+    )
 
     def generate(prompts, step, eval_mode=False):
         time.sleep(generate_s)
-        return [Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i, reward=0.0)
-                for p in prompts for i in range(2)], {}
+        return [
+            Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i, reward=0.0)
+            for p in prompts
+            for i in range(2)
+        ], {}
 
     def train(exp, step):
         time.sleep(train_s)
@@ -74,7 +83,11 @@ def wall_time(module, steps: int, generate_s: float, train_s: float) -> float:
         ctl.rollout.generate, ctl.policy.train = generate, lambda exp, step, kl_coef: train(exp, step)
         ctl.experience.make = lambda trajs, kl_coef: FakeExperience(trajs)
     else:
-        ctl.generate, ctl.train, ctl.make_experience = generate, train, lambda batch: FakeExperience(batch.trajectories)
+        ctl.generate, ctl.train, ctl.make_experience = (
+            generate,
+            train,
+            lambda batch: FakeExperience(batch.trajectories),
+        )
     t0 = time.perf_counter()
     ctl.fit()
     return time.perf_counter() - t0
@@ -87,7 +100,9 @@ def main() -> None:
     parser.add_argument("--baseline", default="8687ef3")
     args = parser.parse_args()
     queue = baseline_module(args.baseline)
-    print("| generation s | training s | queue (before) s | schedule s | schedule / queue | sync would take s |")
+    print(
+        "| generation s | training s | queue (before) s | schedule s | schedule / queue | sync would take s |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for generate_s, train_s in ((0.1, 0.1), (0.2, 0.1), (0.1, 0.2), (0.5, 0.5)):
         times: dict[str, list[float]] = {"queue": [], "schedule": []}
@@ -95,7 +110,9 @@ def main() -> None:
             times["queue"].append(wall_time(queue, args.steps, generate_s, train_s))
             times["schedule"].append(wall_time(scheduled, args.steps, generate_s, train_s))
         q, s = min(times["queue"]), min(times["schedule"])
-        print(f"| {generate_s} | {train_s} | {q:.2f} | {s:.2f} | {s / q:.3f} | {args.steps * (generate_s + train_s):.1f} |")
+        print(
+            f"| {generate_s} | {train_s} | {q:.2f} | {s:.2f} | {s / q:.3f} | {args.steps * (generate_s + train_s):.1f} |"
+        )
         sys.stdout.flush()
 
 

@@ -41,8 +41,15 @@ def build_model(path: str, size: str) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=1024, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **SIZES[size],
+        vocab_size=1024,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        **SIZES[size],
     )
     LlamaForCausalLM(config).save_pretrained(path)
 
@@ -55,7 +62,9 @@ def worker(args) -> dict:
     torch.set_num_interop_threads(1)
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(4, 1024, (args.batch, args.prompt_len), generator=gen)
     attention_mask = torch.ones_like(prompts)
@@ -64,11 +73,15 @@ def worker(args) -> dict:
         from rlhf_core.rollout.hf_engine import HFEngine
         from rlhf_core.types import GenerationRequest, SamplingParams
 
-        engine = HFEngine.from_model(model, own_weights=True)  # fused, and packed by the size rule, as when loaded from a path
+        engine = HFEngine.from_model(
+            model, own_weights=True
+        )  # fused, and packed by the size rule, as when loaded from a path
 
         def run(new_tokens):
             requests = [
-                GenerationRequest(p.tolist(), SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, seed=i))
+                GenerationRequest(
+                    p.tolist(), SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, seed=i)
+                )
                 for i, p in enumerate(prompts)
             ]
             return [o[0].token_ids for o in engine.generate(requests)]
@@ -78,8 +91,13 @@ def worker(args) -> dict:
         def run(new_tokens):
             with torch.no_grad():
                 out = model.generate(
-                    input_ids=prompts, attention_mask=attention_mask, do_sample=True, top_k=0,
-                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                    input_ids=prompts,
+                    attention_mask=attention_mask,
+                    do_sample=True,
+                    top_k=0,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    pad_token_id=0,
                 )
             return out[:, args.prompt_len :].tolist()
 
@@ -88,9 +106,18 @@ def worker(args) -> dict:
         def run(new_tokens):
             eos_token_ids = [2]
             generation_kwargs = {
-                "max_new_tokens": new_tokens, "do_sample": True, "pad_token_id": 0, "bos_token_id": 1,
-                "eos_token_id": eos_token_ids, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None,
-                "repetition_penalty": 1.0, "cache_implementation": None, "min_new_tokens": new_tokens,
+                "max_new_tokens": new_tokens,
+                "do_sample": True,
+                "pad_token_id": 0,
+                "bos_token_id": 1,
+                "eos_token_id": eos_token_ids,
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "min_p": None,
+                "repetition_penalty": 1.0,
+                "cache_implementation": None,
+                "min_new_tokens": new_tokens,
             }
             generation_config = GenerationConfig(**generation_kwargs, disable_compile=True)
             with torch.no_grad():
@@ -125,7 +152,9 @@ def worker(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="S,M")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
@@ -141,10 +170,25 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
-    common = ["--batch", str(args.batch), "--prompt-len", str(args.prompt_len), "--new-tokens",
-              str(args.new_tokens), "--threads", str(args.threads), "--reps", str(args.reps)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+    }
+    common = [
+        "--batch",
+        str(args.batch),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--threads",
+        str(args.threads),
+        "--reps",
+        str(args.reps),
+    ]
     results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
@@ -159,12 +203,18 @@ def main() -> None:
                         sys.exit(f"{contender} failed:\n{proc.stderr[-3000:]}")
                     res = json.loads(proc.stdout.strip().splitlines()[-1])
                     results[size][contender].append(res)
-                    print(f"[{size} round {r + 1}/{args.rounds}] {contender:<10} {res['ms_per_decode_step']:7.2f} ms/step "
-                          f"{res['tokens_per_s']:9.0f} tok/s", file=sys.stderr, flush=True)
+                    print(
+                        f"[{size} round {r + 1}/{args.rounds}] {contender:<10} {res['ms_per_decode_step']:7.2f} ms/step "
+                        f"{res['tokens_per_s']:9.0f} tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
-    print(f"\nbatch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.threads} threads, "
-          f"{args.rounds} rounds x {args.reps} reps (median of per-process medians; best run in brackets; "
-          f"CPU time = process time, insensitive to other load only with 1 thread)\n")
+    print(
+        f"\nbatch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.threads} threads, "
+        f"{args.rounds} rounds x {args.reps} reps (median of per-process medians; best run in brackets; "
+        f"CPU time = process time, insensitive to other load only with 1 thread)\n"
+    )
     print("| model | contender | ms / decode step | tokens/s | hf_engine speed-up (wall) | (CPU time) |")
     print("|---|---|---|---|---|---|")
     for size, per in results.items():
@@ -175,9 +225,11 @@ def main() -> None:
             step = 1000 * med[c] / args.new_tokens
             tps = args.batch * args.new_tokens / med[c]
             name = f"{size} ({SIZES[size]['hidden_size']}h x {SIZES[size]['num_hidden_layers']}L)"
-            print(f"| {name} | {c} | {step:.2f} [{1000 * best[c] / args.new_tokens:.2f}] | {tps:.0f} | "
-                  f"{med[c] / med['hf_engine']:.2f}x [{best[c] / best['hf_engine']:.2f}x] | "
-                  f"{cpu[c] / cpu['hf_engine']:.2f}x |")
+            print(
+                f"| {name} | {c} | {step:.2f} [{1000 * best[c] / args.new_tokens:.2f}] | {tps:.0f} | "
+                f"{med[c] / med['hf_engine']:.2f}x [{best[c] / best['hf_engine']:.2f}x] | "
+                f"{cpu[c] / cpu['hf_engine']:.2f}x |"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

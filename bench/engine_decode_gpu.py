@@ -23,11 +23,28 @@ import json
 import statistics
 import time
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6,
-                  tie_word_embeddings=True)
-TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=True)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+)
 
 
 def floor_ms(weight_bytes: int, batch: int, context: int, kv_bytes_per_token: int, bandwidth: float) -> float:
@@ -58,8 +75,16 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(config_kwargs: dict, device: str, dtype: str, batches: list[int], prompt_len: int, new_tokens: int,
-            reps: int, copy_bytes: int = 1 << 30) -> dict:
+def measure(
+    config_kwargs: dict,
+    device: str,
+    dtype: str,
+    batches: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    reps: int,
+    copy_bytes: int = 1 << 30,
+) -> dict:
     """Decode ms/step and tokens/s of the HF engine and ``model.generate`` per batch, with the memory floor."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -76,7 +101,9 @@ def measure(config_kwargs: dict, device: str, dtype: str, batches: list[int], pr
     head_dim = config.hidden_size // config.num_attention_heads
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem
     bandwidth = copy_bandwidth(device, copy_bytes)
-    engine = HFEngine.from_model(model, max_batch_size=max(batches), own_weights=True)  # fused, as loaded from a path
+    engine = HFEngine.from_model(
+        model, max_batch_size=max(batches), own_weights=True
+    )  # fused, as loaded from a path
 
     def timed(fn) -> float:
         fn(4)  # warm-up (kernels, allocator)
@@ -95,41 +122,69 @@ def measure(config_kwargs: dict, device: str, dtype: str, batches: list[int], pr
         mask = torch.ones_like(prompts)
 
         def ours(n, prompts=prompts):
-            reqs = [GenerationRequest(p.tolist(), SamplingParams(max_new_tokens=n, min_new_tokens=n, seed=i))
-                    for i, p in enumerate(prompts)]
+            reqs = [
+                GenerationRequest(p.tolist(), SamplingParams(max_new_tokens=n, min_new_tokens=n, seed=i))
+                for i, p in enumerate(prompts)
+            ]
             engine.generate(reqs)
 
         def generate(n, prompts=prompts, mask=mask):
             with torch.no_grad():
-                model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, top_k=0,
-                               max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+                model.generate(
+                    input_ids=prompts,
+                    attention_mask=mask,
+                    do_sample=True,
+                    top_k=0,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    pad_token_id=0,
+                )
 
         floor = floor_ms(params * elem, batch, prompt_len + new_tokens // 2, kv_bytes, bandwidth)
         row = {"batch": batch, "floor_ms_per_step": floor}
         for name, fn in (("hf_engine", ours), ("generate", generate)):  # interleaved per batch
             seconds = timed(fn)
-            row[name] = {"ms_per_step": 1000 * seconds / new_tokens, "tokens_per_s": batch * new_tokens / seconds}
+            row[name] = {
+                "ms_per_step": 1000 * seconds / new_tokens,
+                "tokens_per_s": batch * new_tokens / seconds,
+            }
         row["engine_vs_generate"] = row["generate"]["ms_per_step"] / row["hf_engine"]["ms_per_step"]
         row["engine_fraction_of_floor"] = floor / row["hf_engine"]["ms_per_step"]
         rows.append(row)
-    return {"device": device, "dtype": dtype, "params": params, "weight_bytes": params * elem,
-            "kv_bytes_per_token": kv_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9, "fast_path": engine.fast_path,
-            "prompt_len": prompt_len, "new_tokens": new_tokens, "reps": reps, "rows": rows}
+    return {
+        "device": device,
+        "dtype": dtype,
+        "params": params,
+        "weight_bytes": params * elem,
+        "kv_bytes_per_token": kv_bytes,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "fast_path": engine.fast_path,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "reps": reps,
+        "rows": rows,
+    }
 
 
 def table(result: dict) -> str:
-    lines = ["| batch | contender | ms / decode step | tokens/s | floor ms/step | % of floor speed |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| batch | contender | ms / decode step | tokens/s | floor ms/step | % of floor speed |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         for name in ("hf_engine", "generate"):
             r = row[name]
-            lines.append(f"| {row['batch']} | {name} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | "
-                         f"{row['floor_ms_per_step']:.2f} | {100 * row['floor_ms_per_step'] / r['ms_per_step']:.0f}% |")
+            lines.append(
+                f"| {row['batch']} | {name} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | "
+                f"{row['floor_ms_per_step']:.2f} | {100 * row['floor_ms_per_step'] / r['ms_per_step']:.0f}% |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=512)
@@ -137,9 +192,18 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (scripts/gpu-check --cpu runs it tiny on CPU)"
-    result = measure(QWEN25_05B, "cuda", "bfloat16", [int(b) for b in args.batches.split(",")], args.prompt_len,
-                     args.new_tokens, args.reps)
+    assert torch.cuda.is_available(), (
+        "this benchmark needs a CUDA GPU (scripts/gpu-check --cpu runs it tiny on CPU)"
+    )
+    result = measure(
+        QWEN25_05B,
+        "cuda",
+        "bfloat16",
+        [int(b) for b in args.batches.split(",")],
+        args.prompt_len,
+        args.new_tokens,
+        args.reps,
+    )
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(table(result))
 

@@ -59,10 +59,17 @@ GRID = {
     "M128": (128, 2, 16, 128),
     "S": (128, 2, 8, 32),  # small batches: 8 prompts x 4 samples, short prompts
     "S48": (128, 2, 8, 48),  # S with 48-token completions (issue 26's 8 x 4 x 48 shape)
-    "R": (576, 30, 45, 16),  # the real SmolLM2-135M-Instruct: ~45-token chat prompts, 16 new tokens (issue 26)
+    "R": (
+        576,
+        30,
+        45,
+        16,
+    ),  # the real SmolLM2-135M-Instruct: ~45-token chat prompts, 16 new tokens (issue 26)
 }
 REAL_ROWS = {"R"}  # rows on the real model (rlhf_core.testing.smollm2) with chat-template prompts
-MICRO = {"R": 16}  # micro-batch of a row (TRL: gradient accumulation over 64 // micro); elsewhere all 64 at once
+MICRO = {
+    "R": 16
+}  # micro-batch of a row (TRL: gradient accumulation over 64 // micro); elsewhere all 64 at once
 STEPS = {"R": (1, 5)}  # (warm-up, measured) steps of a row unless --warmup / --steps; elsewhere (2, 10)
 SAMPLES = {"S": 4, "S48": 4}  # samples per prompt of a row (--n overrides); 8 elsewhere
 VOCAB_WORDS = 1017  # + 7 special tokens = vocab 1024
@@ -88,8 +95,10 @@ def chat_questions(num_prompts: int) -> list[str]:
     """Row R's questions: short arithmetic questions that SmolLM2's chat template (with its default system
     prompt) turns into 44-46-token prompts."""
     rng = random.Random(0)
-    return [f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Answer with only the number."
-            for _ in range(num_prompts)]
+    return [
+        f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Answer with only the number."
+        for _ in range(num_prompts)
+    ]
 
 
 def chat_prompt_tokens(root: Path) -> str:
@@ -97,13 +106,23 @@ def chat_prompt_tokens(root: Path) -> str:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(root / "model")
-    lens = [len(tok.apply_chat_template([{"role": "user", "content": json.loads(line)["input"]}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False))
-            for line in (root / "prompts.jsonl").read_text().splitlines()]
+    lens = [
+        len(
+            tok.apply_chat_template(
+                [{"role": "user", "content": json.loads(line)["input"]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+        for line in (root / "prompts.jsonl").read_text().splitlines()
+    ]
     return f"{min(lens)}-{max(lens)}"
 
 
-def make_workload(root: Path, hidden: int, layers: int, prompt_len: int, num_prompts: int, real: bool = False) -> None:
+def make_workload(
+    root: Path, hidden: int, layers: int, prompt_len: int, num_prompts: int, real: bool = False
+) -> None:
     """The model (with its tokenizer), the prompts file and the reward file, under ``root``; ``real``: the
     real SmolLM2-135M-Instruct (linked, built once in rlhf's cache) and chat questions instead of word ids."""
     from rlhf_core.testing.tiny import make_tiny_llama
@@ -119,13 +138,25 @@ def make_workload(root: Path, hidden: int, layers: int, prompt_len: int, num_pro
         (root / "reward.py").write_text(REAL_REWARD_FILE)
         return
     if not (root / "model" / "config.json").exists():
-        make_tiny_llama(root / "model", seed=0, num_words=VOCAB_WORDS, hidden_size=hidden,
-                        intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+        make_tiny_llama(
+            root / "model",
+            seed=0,
+            num_words=VOCAB_WORDS,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+        )
     rng = random.Random(0)
     with (root / "prompts.jsonl").open("w") as f:
         for _ in range(num_prompts):
-            f.write(json.dumps({"input": " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(prompt_len))}) + "\n")
+            f.write(
+                json.dumps({"input": " ".join(f"w{rng.randrange(VOCAB_WORDS)}" for _ in range(prompt_len))})
+                + "\n"
+            )
     (root / "reward.py").write_text(REWARD_FILE)
 
 
@@ -140,15 +171,30 @@ def variant_flags(variant: str, seqs: int) -> list[str]:
     ``rlhf-single``: one rank (both cores) hosting the reference model and the engine, ZeRO-0, all in the
     driver's process without Ray (``--ray.single_process true``); ``rlhf-default``: no placement, precision
     or ZeRO flag at all, what a new user runs (since issue 26: fp32 and one process on CPU)."""
-    return {
-        "rlhf": [],
-        "rlhf-default": [],
-        "rlhf-single": ["--ds.zero_stage", "0", "--train.colocate_all", "--ray.single_process", "true"],
-        "rlhf-zero0": ["--ds.zero_stage", "0"],
-        "rlhf-dp2": ["--actor.num_gpus_per_node", "2", "--ds.zero_stage", "0", "--vllm.num_engines", "2",
-                     "--ref.num_gpus_per_node", "2",
-                     "--train.micro_batch_size", str(seqs // 2), "--rollout.micro_batch_size", str(seqs // 2)],
-    }[variant] if variant != "rlhf-hybrid" else [*variant_flags("rlhf-dp2", seqs), "--train.colocate_all"]
+    return (
+        {
+            "rlhf": [],
+            "rlhf-default": [],
+            "rlhf-single": ["--ds.zero_stage", "0", "--train.colocate_all", "--ray.single_process", "true"],
+            "rlhf-zero0": ["--ds.zero_stage", "0"],
+            "rlhf-dp2": [
+                "--actor.num_gpus_per_node",
+                "2",
+                "--ds.zero_stage",
+                "0",
+                "--vllm.num_engines",
+                "2",
+                "--ref.num_gpus_per_node",
+                "2",
+                "--train.micro_batch_size",
+                str(seqs // 2),
+                "--rollout.micro_batch_size",
+                str(seqs // 2),
+            ],
+        }[variant]
+        if variant != "rlhf-hybrid"
+        else [*variant_flags("rlhf-dp2", seqs), "--train.colocate_all"]
+    )
 
 
 def rlhf_flags(args, root: Path, out: Path, variant: str) -> list[str]:
@@ -157,18 +203,63 @@ def rlhf_flags(args, root: Path, out: Path, variant: str) -> list[str]:
     micro = MICRO.get(args.size, seqs)
     real = args.size in REAL_ROWS
     flags = [
-        "--actor.model_name_or_path", str(root / "model"), "--reward.remote_url", str(root / "reward.py"),
-        "--data.prompt_dataset", str(root / "prompts.jsonl"), "--data.max_len", str(2 * lp + lc if real else lp + lc),
-        "--rollout.n_samples_per_prompt", str(args.n), "--rollout.batch_size", str(args.prompts),
-        "--rollout.max_new_tokens", str(lc), "--rollout.min_new_tokens", str(lc),
-        "--rollout.temperature", "1", "--rollout.top_p", "1", "--rollout.top_k", "0",
-        "--rollout.micro_batch_size", str(micro), "--train.batch_size", str(seqs),
-        "--train.micro_batch_size", str(micro), "--train.max_epochs", "1",
-        "--train.max_steps", str(args.warmup + args.steps), "--train.seed", "0",
-        "--algo.advantage.estimator", "group_norm", "--actor.loss_agg_mode", "token_mean",
-        "--actor.adam.lr", "1e-4", "--actor.adam.betas", "0.9", "0.999", "--actor.adam.weight_decay", "0",
-        "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--actor.max_norm", "1.0",
-        "--vllm.num_engines", "1", "--rollout.engine", "hf", "--ckpt.output_dir", str(out),
+        "--actor.model_name_or_path",
+        str(root / "model"),
+        "--reward.remote_url",
+        str(root / "reward.py"),
+        "--data.prompt_dataset",
+        str(root / "prompts.jsonl"),
+        "--data.max_len",
+        str(2 * lp + lc if real else lp + lc),
+        "--rollout.n_samples_per_prompt",
+        str(args.n),
+        "--rollout.batch_size",
+        str(args.prompts),
+        "--rollout.max_new_tokens",
+        str(lc),
+        "--rollout.min_new_tokens",
+        str(lc),
+        "--rollout.temperature",
+        "1",
+        "--rollout.top_p",
+        "1",
+        "--rollout.top_k",
+        "0",
+        "--rollout.micro_batch_size",
+        str(micro),
+        "--train.batch_size",
+        str(seqs),
+        "--train.micro_batch_size",
+        str(micro),
+        "--train.max_epochs",
+        "1",
+        "--train.max_steps",
+        str(args.warmup + args.steps),
+        "--train.seed",
+        "0",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--actor.loss_agg_mode",
+        "token_mean",
+        "--actor.adam.lr",
+        "1e-4",
+        "--actor.adam.betas",
+        "0.9",
+        "0.999",
+        "--actor.adam.weight_decay",
+        "0",
+        "--actor.lr_scheduler",
+        "constant",
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--actor.max_norm",
+        "1.0",
+        "--vllm.num_engines",
+        "1",
+        "--rollout.engine",
+        "hf",
+        "--ckpt.output_dir",
+        str(out),
     ]
     if variant != "rlhf-default":  # the workload's precision; rlhf-default keeps the default (auto)
         flags += ["--ds.param_dtype", args.dtype]
@@ -195,6 +286,7 @@ def child_rlhf(args, root: Path, out: Path) -> dict:
             out = fn(*a, **k)
             marks[name] = time.time()
             return out
+
         return timed
 
     run.build_groups = marking("build_groups", run.build_groups)  # start-up phases: the workers, and Ray's
@@ -221,9 +313,11 @@ def child_rlhf(args, root: Path, out: Path) -> dict:
     rows = [r for r in rows if "timing/step_total" in r]
     ends = marks["step_end"]
     walls = [b - a for a, b in zip([marks["fit_start"], *ends[:-1]], ends, strict=True)]
-    phases = {k[len("timing/"):]: [r[k] for r in rows] for k in rows[0] if k.startswith("timing/")}
+    phases = {k[len("timing/") :]: [r[k] for r in rows] for k in rows[0] if k.startswith("timing/")}
     return {
-        "first_step_start": marks["fit_start"], "step_wall": walls, "phases": phases,
+        "first_step_start": marks["fit_start"],
+        "step_wall": walls,
+        "phases": phases,
         "startup_marks": {k: marks[k] for k in ("imported", "init_ray", "build_groups") if k in marks},
         "step_total": [r["timing/step_total"] for r in rows],
         "completion_len": [r["response_length/mean"] for r in rows],
@@ -253,11 +347,14 @@ def child_trl(args, root: Path, out: Path) -> dict:
                 return fn(*a, **k)
             finally:
                 spans[name].append(time.perf_counter() - t0)
+
         return wrapper
 
     GRPOTrainer._generate = timed("generate", GRPOTrainer._generate)
     GRPOTrainer._calculate_rewards = timed("reward", GRPOTrainer._calculate_rewards)
-    GRPOTrainer._generate_and_score_completions = timed("experience", GRPOTrainer._generate_and_score_completions)
+    GRPOTrainer._generate_and_score_completions = timed(
+        "experience", GRPOTrainer._generate_and_score_completions
+    )
     marks: dict = {"step_end": []}
     lengths: list[float] = []
 
@@ -277,10 +374,16 @@ def child_trl(args, root: Path, out: Path) -> dict:
 
     imported = time.time()
     tok = AutoTokenizer.from_pretrained(str(root / "model"))
-    model = AutoModelForCausalLM.from_pretrained(str(root / "model"), dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(root / "model"), dtype=torch.float32, attn_implementation="sdpa"
+    )
     ds = load_dataset("json", data_files=str(root / "prompts.jsonl"), split="train")
-    if args.size in REAL_ROWS:  # conversational prompts: TRL applies the chat template, as --data.apply_chat_template
-        ds = ds.map(lambda row: {"prompt": [{"role": "user", "content": row["input"]}]}, remove_columns=["input"])
+    if (
+        args.size in REAL_ROWS
+    ):  # conversational prompts: TRL applies the chat template, as --data.apply_chat_template
+        ds = ds.map(
+            lambda row: {"prompt": [{"role": "user", "content": row["input"]}]}, remove_columns=["input"]
+        )
     else:
         ds = ds.rename_column("input", "prompt")
     seqs = args.prompts * args.n
@@ -288,28 +391,58 @@ def child_trl(args, root: Path, out: Path) -> dict:
     # bf16: TRL's (Trainer's) mixed precision, fp32 weights under bf16 autocast; rlhf's --ds.param_dtype bf16
     # holds bf16 weights with DeepSpeed's fp32 master copy in the optimizer
     config = GRPOConfig(
-        output_dir=str(out), report_to="none", use_cpu=args.device == "cpu", bf16=args.dtype == "bf16", fp16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=seqs // micro, num_generations=args.n,
-        max_completion_length=lc, generation_kwargs={"min_new_tokens": lc}, use_vllm=False,
-        temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", beta=args.beta, num_iterations=1,
-        learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999, weight_decay=0.0, lr_scheduler_type="constant",
-        warmup_steps=0, max_grad_norm=1.0, max_steps=args.warmup + args.steps, logging_steps=1,
-        save_strategy="no", seed=0, dataloader_num_workers=0,
+        output_dir=str(out),
+        report_to="none",
+        use_cpu=args.device == "cpu",
+        bf16=args.dtype == "bf16",
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=seqs // micro,
+        num_generations=args.n,
+        max_completion_length=lc,
+        generation_kwargs={"min_new_tokens": lc},
+        use_vllm=False,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        loss_type="dapo",
+        beta=args.beta,
+        num_iterations=1,
+        learning_rate=1e-4,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        max_steps=args.warmup + args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=ds, processing_class=tok,
-                          callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[StepClock()],
+    )
     built = time.time()
     trainer.train()
     ends = marks["step_end"]
     walls = [b - a for a, b in zip([marks["first_step_start"], *ends[:-1]], ends, strict=True)]
     gen, rew, exp = spans["generate"], spans["reward"], spans["experience"]
     return {
-        "first_step_start": marks["first_step_start"], "step_wall": walls,
+        "first_step_start": marks["first_step_start"],
+        "step_wall": walls,
         "startup_marks": {"imported": imported, "trainer_built": built},
         "phases": {
             "generation": [g + r for g, r in zip(gen, rew, strict=True)],  # like rlhf's, reward included
-            "generate": gen, "reward": rew,
+            "generate": gen,
+            "reward": rew,
             "logprob": [e - g - r for e, g, r in zip(exp, gen, rew, strict=True)],
             "train": [w - e for w, e in zip(walls, exp, strict=True)],
         },
@@ -385,10 +518,13 @@ class TreeMemory(threading.Thread):
             name = cmd[0] if cmd and cmd[0].startswith("ray::") else p.name()
             if name.startswith("python") and len(cmd) > 1:  # Ray's Python daemons: the script's name
                 name = Path(next((c for c in cmd[1:] if c.endswith(".py")), cmd[1])).name
-            rec = self.procs[p.pid] = {"name": name, "start_s": p.create_time() - self.root.create_time(),
-                                       "cpu_at": []}
+            rec = self.procs[p.pid] = {
+                "name": name,
+                "start_s": p.create_time() - self.root.create_time(),
+                "cpu_at": [],
+            }
         if cmd and cmd[0].startswith("ray::") and cmd[0] != "ray::IDLE":  # the actor a Ray worker became
-            rec.setdefault("actor", cmd[0].split(".")[0][len("ray::"):])
+            rec.setdefault("actor", cmd[0].split(".")[0][len("ray::") :])
         return rec
 
     def tree(self):
@@ -452,9 +588,16 @@ def processes(mem: TreeMemory, first_step: float) -> list[dict]:
     out = []
     for rec in sorted(mem.procs.values(), key=lambda p: p["start_s"]):
         before = [cpu for t, cpu in rec["cpu_at"] if t <= first_step]
-        out.append({"name": rec["name"], "actor": rec.get("actor"), "start_s": round(rec["start_s"], 2),
-                    "cpu_s": rec.get("cpu_s", 0.0),
-                    "cpu_startup_s": before[-1] if before else 0.0, "pss_mib": round(rec.get("pss_mib", 0.0), 1)})
+        out.append(
+            {
+                "name": rec["name"],
+                "actor": rec.get("actor"),
+                "start_s": round(rec["start_s"], 2),
+                "cpu_s": rec.get("cpu_s", 0.0),
+                "cpu_startup_s": before[-1] if before else 0.0,
+                "pss_mib": round(rec.get("pss_mib", 0.0), 1),
+            }
+        )
     return out
 
 
@@ -464,8 +607,9 @@ def code_at(rev: str, workdir: Path) -> dict:
     tree = workdir / f"code-{rev}"
     if not tree.exists():
         tree.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", rev, "packages"], capture_output=True,
-                                 check=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(HERE.parent), "archive", rev, "packages"], capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return {"PYTHONPATH": os.pathsep.join(str(d) for d in sorted(tree.glob("packages/*/src")))}
 
@@ -473,10 +617,33 @@ def code_at(rev: str, workdir: Path) -> dict:
 def run_child(args, who: str, env: dict, rep: int) -> dict:
     if "@" in who:  # Ray's daemons and workers inherit the path from the child
         env = {**env, **code_at(who.split("@")[1], Path(args.workdir))}
-    cmd = [sys.executable, __file__, "--child", "--who", who, "--size", args.size, "--dtype", args.dtype,
-           "--beta", str(args.beta), "--prompts", str(args.prompts), "--n", str(args.n), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--threads", str(args.threads), "--workdir", args.workdir,
-           "--device", args.device]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--who",
+        who,
+        "--size",
+        args.size,
+        "--dtype",
+        args.dtype,
+        "--beta",
+        str(args.beta),
+        "--prompts",
+        str(args.prompts),
+        "--n",
+        str(args.n),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--workdir",
+        args.workdir,
+        "--device",
+        args.device,
+    ]
     quiet = wait_for_quiet(args.max_busy)
     load_before = os.getloadavg()[0]
     spawned = time.time()
@@ -493,7 +660,7 @@ def run_child(args, who: str, env: dict, rep: int) -> dict:
     line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         sys.exit(f"{who} run failed (exit {proc.returncode}):\n{stdout[-2000:]}\n{stderr[-6000:]}")
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     w = args.warmup
     measured = r["step_wall"][w:]
     hidden, layers, lp, lc = GRID[args.size]
@@ -502,13 +669,28 @@ def run_child(args, who: str, env: dict, rep: int) -> dict:
     gen_s = generate_seconds(phases)
     step_s = statistics.median(measured)
     summary = {
-        "who": who, "size": args.size, "hidden": hidden, "layers": layers,
-        "prompt_len": lp, "completion_len": lc, "prompts": args.prompts, "n": args.n, "beta": args.beta,
-        "threads": args.threads, "rep": rep, "dtype": args.dtype, "micro_batch": MICRO.get(args.size, seqs),
-        "warmup": args.warmup, "steps": args.steps, "prompt_tokens": getattr(args, "prompt_tokens", lp),
-        "flags": None if who == "trl" else rlhf_flags(args, Path(args.workdir) / args.size, Path("OUT"),
-                                                      who.split("@")[0]),
-        "step_s": step_s, "step_s_p90": _p90(measured), "step_s_all": r["step_wall"],
+        "who": who,
+        "size": args.size,
+        "hidden": hidden,
+        "layers": layers,
+        "prompt_len": lp,
+        "completion_len": lc,
+        "prompts": args.prompts,
+        "n": args.n,
+        "beta": args.beta,
+        "threads": args.threads,
+        "rep": rep,
+        "dtype": args.dtype,
+        "micro_batch": MICRO.get(args.size, seqs),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "prompt_tokens": getattr(args, "prompt_tokens", lp),
+        "flags": None
+        if who == "trl"
+        else rlhf_flags(args, Path(args.workdir) / args.size, Path("OUT"), who.split("@")[0]),
+        "step_s": step_s,
+        "step_s_p90": _p90(measured),
+        "step_s_all": r["step_wall"],
         "phases_median": phases,
         "startup_s": r["first_step_start"] - spawned,
         "startup_marks_s": {k: v - spawned for k, v in r["startup_marks"].items()},
@@ -517,12 +699,18 @@ def run_child(args, who: str, env: dict, rep: int) -> dict:
         "ms_per_decode_step": 1000 * gen_s / lc if gen_s else None,
         "e2e_gen_tok_per_s": seqs * lc / step_s,
         "throughput_tok_per_s": seqs * (lp + lc) / step_s,
-        "peak_rss_mib": mem.peak_rss / 2**20, "peak_pss_mib": mem.peak_pss / 2**20, "max_procs": mem.max_procs,
+        "peak_rss_mib": mem.peak_rss / 2**20,
+        "peak_pss_mib": mem.peak_pss / 2**20,
+        "max_procs": mem.max_procs,
         "processes": processes(mem, r["first_step_start"] - mem.root.create_time()),
-        "load_before": load_before, "load_after": os.getloadavg()[0], "other_busy_cores_before": quiet,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "other_busy_cores_before": quiet,
         "other_busy_cores_during": foreign,
-        "completion_len_seen": r["completion_len"], "grad_norm": r["grad_norm"],
-        "device": args.device, "peak_gpu_mib": r.get("peak_gpu_mib"),
+        "completion_len_seen": r["completion_len"],
+        "grad_norm": r["grad_norm"],
+        "device": args.device,
+        "peak_gpu_mib": r.get("peak_gpu_mib"),
     }
     if "step_total" in r:
         summary["step_total_median"] = statistics.median(r["step_total"][w:])
@@ -563,41 +751,73 @@ def summarise(results: list[dict]) -> list[dict]:
     the throughput ratio against the TRL run of the same round."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["size"], r["beta"], r["threads"], r.get("dtype", "fp32"), r["who"]), []).append(r)
+        groups.setdefault((r["size"], r["beta"], r["threads"], r.get("dtype", "fp32"), r["who"]), []).append(
+            r
+        )
     rows = []
     for (size, beta, threads, dtype, who), runs in sorted(
-            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2], kv[0][3], kv[0][4] == "trl", kv[0][4])):
+        groups.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2], kv[0][3], kv[0][4] == "trl", kv[0][4])
+    ):
         trl = _rounds(groups.get((size, beta, threads, dtype, "trl"), []))
-        ratios = [t["step_s"] / r["step_s"] for rep, mine in _rounds(runs).items()
-                  for r, t in zip(mine, trl.get(rep, []))]
+        ratios = [
+            t["step_s"] / r["step_s"]
+            for rep, mine in _rounds(runs).items()
+            for r, t in zip(mine, trl.get(rep, []))
+        ]
         ph = [r["phases_median"] for r in runs]
         if who == "trl":
-            phases = {"generate": _med(p["generate"] for p in ph), "reward": _med(p["reward"] for p in ph),
-                      "logprob": _med(p["logprob"] for p in ph), "train": _med(p["train"] for p in ph),
-                      "sync": 0.0}
+            phases = {
+                "generate": _med(p["generate"] for p in ph),
+                "reward": _med(p["reward"] for p in ph),
+                "logprob": _med(p["logprob"] for p in ph),
+                "train": _med(p["train"] for p in ph),
+                "sync": 0.0,
+            }
         else:
-            phases = {"generate": _med(p.get("generate_s") for p in ph), "reward": _med(p.get("reward_s") for p in ph),
-                      "logprob": _med(p["make_experience"] for p in ph), "train": _med(p["ppo_train"] for p in ph),
-                      "sync": _med(p["broadcast"] for p in ph)}
+            phases = {
+                "generate": _med(p.get("generate_s") for p in ph),
+                "reward": _med(p.get("reward_s") for p in ph),
+                "logprob": _med(p["make_experience"] for p in ph),
+                "train": _med(p["ppo_train"] for p in ph),
+                "sync": _med(p["broadcast"] for p in ph),
+            }
         first = runs[0]
-        rows.append({
-            "size": size, "beta": beta, "threads": threads, "dtype": dtype, "who": who, "runs": len(runs),
-            "hidden": first["hidden"], "layers": first["layers"], "lp": first["prompt_len"], "lc": first["completion_len"],
-            "n": first["n"],
-            "step_s": _med(r["step_s"] for r in runs), "p90": _med(r["step_s_p90"] for r in runs),
-            "step_range": (min(r["step_s"] for r in runs), max(r["step_s"] for r in runs)),
-            "phases": phases,
-            "gen_tok_per_s": _med(r["gen_tok_per_s"] for r in runs),
-            "ms_per_decode_step": _med(r["ms_per_decode_step"] for r in runs),
-            "throughput": _med(r["throughput_tok_per_s"] for r in runs),
-            "rss": _med(r["peak_rss_mib"] for r in runs), "pss": _med(r["peak_pss_mib"] for r in runs),
-            "procs": max(r["max_procs"] for r in runs), "startup": _med(r["startup_s"] for r in runs),
-            "others": _med(r.get("other_busy_cores_during") for r in runs),
-            "ratio": _med(ratios) if ratios else None, "ratios": ratios,
-            "clock_check": [(r["step_total_sum"], r["step_wall_sum"]) for r in runs if "step_total_sum" in r],
-            "completion_len_seen": sorted({x for r in runs for x in r["completion_len_seen"]}),
-            "grad_norm_step1": _med(r["grad_norm"][0] for r in runs if r["grad_norm"] and r["grad_norm"][0] is not None),
-        })
+        rows.append(
+            {
+                "size": size,
+                "beta": beta,
+                "threads": threads,
+                "dtype": dtype,
+                "who": who,
+                "runs": len(runs),
+                "hidden": first["hidden"],
+                "layers": first["layers"],
+                "lp": first["prompt_len"],
+                "lc": first["completion_len"],
+                "n": first["n"],
+                "step_s": _med(r["step_s"] for r in runs),
+                "p90": _med(r["step_s_p90"] for r in runs),
+                "step_range": (min(r["step_s"] for r in runs), max(r["step_s"] for r in runs)),
+                "phases": phases,
+                "gen_tok_per_s": _med(r["gen_tok_per_s"] for r in runs),
+                "ms_per_decode_step": _med(r["ms_per_decode_step"] for r in runs),
+                "throughput": _med(r["throughput_tok_per_s"] for r in runs),
+                "rss": _med(r["peak_rss_mib"] for r in runs),
+                "pss": _med(r["peak_pss_mib"] for r in runs),
+                "procs": max(r["max_procs"] for r in runs),
+                "startup": _med(r["startup_s"] for r in runs),
+                "others": _med(r.get("other_busy_cores_during") for r in runs),
+                "ratio": _med(ratios) if ratios else None,
+                "ratios": ratios,
+                "clock_check": [
+                    (r["step_total_sum"], r["step_wall_sum"]) for r in runs if "step_total_sum" in r
+                ],
+                "completion_len_seen": sorted({x for r in runs for x in r["completion_len_seen"]}),
+                "grad_norm_step1": _med(
+                    r["grad_norm"][0] for r in runs if r["grad_norm"] and r["grad_norm"][0] is not None
+                ),
+            }
+        )
     return rows
 
 
@@ -611,23 +831,38 @@ def breakdown(results: list[dict]) -> str:
     for r in sorted(results, key=lambda r: -r["load_before"]):
         if "processes" in r:
             latest[(r["size"], r["beta"], r["who"])] = r
-    head = ("| row | contender | processes (Ray's own / ranks / engines) | Ray up s | workers up s | first step s | "
-            "CPU-s to first step: driver / Ray's own / ranks / engines | peak PSS MiB: driver / Ray's own / "
-            "ranks / engines (tree peak) | load |\n" + "|---" * 9 + "|\n")
+    head = (
+        "| row | contender | processes (Ray's own / ranks / engines) | Ray up s | workers up s | first step s | "
+        "CPU-s to first step: driver / Ray's own / ranks / engines | peak PSS MiB: driver / Ray's own / "
+        "ranks / engines (tree peak) | load |\n" + "|---" * 9 + "|\n"
+    )
     out = []
-    for (size, beta, who), r in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] == "trl", kv[0][2])):
+    for (size, beta, who), r in sorted(
+        latest.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] == "trl", kv[0][2])
+    ):
         kinds: dict[str, list[dict]] = {"driver": [], "ray": [], "ranks": [], "engines": []}
         for i, p in enumerate(r["processes"]):
-            kind = ("driver" if i == 0 else "ranks" if p["actor"] == "TrainWorker"
-                    else "engines" if p["actor"] == "RolloutActor" else "ray")
+            kind = (
+                "driver"
+                if i == 0
+                else "ranks"
+                if p["actor"] == "TrainWorker"
+                else "engines"
+                if p["actor"] == "RolloutActor"
+                else "ray"
+            )
             kinds[kind].append(p)
         cpu = " / ".join(f"{sum(p['cpu_startup_s'] for p in ps):.1f}" for ps in kinds.values())
         pss = " / ".join(f"{sum(p['pss_mib'] for p in ps):.0f}" for ps in kinds.values())
         marks = r["startup_marks_s"]
-        counts = f"{len(r['processes'])} ({len(kinds['ray'])} / {len(kinds['ranks'])} / {len(kinds['engines'])})"
-        out.append(f"| {size} b{beta:g} | {who} | {counts} | {marks.get('init_ray', 0):.1f} | "
-                   f"{marks.get('build_groups', marks.get('trainer_built', 0)):.1f} | {r['startup_s']:.1f} | {cpu} | "
-                   f"{pss} ({r['peak_pss_mib']:.0f}) | {r['load_before']:.0f} |")
+        counts = (
+            f"{len(r['processes'])} ({len(kinds['ray'])} / {len(kinds['ranks'])} / {len(kinds['engines'])})"
+        )
+        out.append(
+            f"| {size} b{beta:g} | {who} | {counts} | {marks.get('init_ray', 0):.1f} | "
+            f"{marks.get('build_groups', marks.get('trainer_built', 0)):.1f} | {r['startup_s']:.1f} | {cpu} | "
+            f"{pss} ({r['peak_pss_mib']:.0f}) | {r['load_before']:.0f} |"
+        )
     return head + "\n".join(out) + "\n"
 
 
@@ -636,8 +871,10 @@ def goals_table(rows: list[dict]) -> str:
     time to first step and peak PSS (rlhf / TRL, goal <= 1.5) and step speed (TRL step / rlhf step, median
     over rounds, goal >= 1.5)."""
     trl = {(r["size"], r["beta"], r["threads"]): r for r in rows if r["who"] == "trl"}
-    head = ("| row | contender | first step s (TRL) | first step rlhf/TRL | peak PSS MiB (TRL) | PSS rlhf/TRL | "
-            "step speed TRL/rlhf | all three goals |\n" + "|---" * 8 + "|\n")
+    head = (
+        "| row | contender | first step s (TRL) | first step rlhf/TRL | peak PSS MiB (TRL) | PSS rlhf/TRL | "
+        "step speed TRL/rlhf | all three goals |\n" + "|---" * 8 + "|\n"
+    )
     out = []
     for r in rows:
         t = trl.get((r["size"], r["beta"], r["threads"]))
@@ -645,16 +882,20 @@ def goals_table(rows: list[dict]) -> str:
             continue
         start, pss = r["startup"] / t["startup"], r["pss"] / t["pss"]
         met = start <= 1.5 and pss <= 1.5 and r["ratio"] >= 1.5
-        out.append(f"| h{r['hidden']}/{r['layers']}L {r['lp']}+{r['lc']} b{r['beta']:g} x{r['n']} | {r['who']} | "
-                   f"{r['startup']:.1f} ({t['startup']:.1f}) | {start:.2f}x | {r['pss']:.0f} ({t['pss']:.0f}) | "
-                   f"{pss:.2f}x | {r['ratio']:.2f}x | {'yes' if met else 'no'} |")
+        out.append(
+            f"| h{r['hidden']}/{r['layers']}L {r['lp']}+{r['lc']} b{r['beta']:g} x{r['n']} | {r['who']} | "
+            f"{r['startup']:.1f} ({t['startup']:.1f}) | {start:.2f}x | {r['pss']:.0f} ({t['pss']:.0f}) | "
+            f"{pss:.2f}x | {r['ratio']:.2f}x | {'yes' if met else 'no'} |"
+        )
     return head + "\n".join(out) + "\n"
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | beta | threads | contender | runs | step s median (p90) | generate / reward / logprob+ref / "
-            "train / sync s | gen tok/s (ms/decode step) | throughput tok/s | rlhf/TRL throughput | peak RSS MiB "
-            "(PSS) | processes | start-up s | other jobs, cores |\n" + "|---" * 14 + "|\n")
+    head = (
+        "| model | beta | threads | contender | runs | step s median (p90) | generate / reward / logprob+ref / "
+        "train / sync s | gen tok/s (ms/decode step) | throughput tok/s | rlhf/TRL throughput | peak RSS MiB "
+        "(PSS) | processes | start-up s | other jobs, cores |\n" + "|---" * 14 + "|\n"
+    )
     out = []
     for r in rows:
         p = r["phases"]
@@ -664,7 +905,8 @@ def table(rows: list[dict]) -> str:
             f"{r['step_s']:.2f} ({r['p90']:.2f}) | {p['generate']:.2f} / {p['reward']:.3f} / {p['logprob']:.2f} / "
             f"{p['train']:.2f} / {p['sync']:.2f} | {r['gen_tok_per_s']:.0f} ({r['ms_per_decode_step']:.1f}) | "
             f"{r['throughput']:.0f} | {ratio} | {r['rss']:.0f} ({r['pss']:.0f}) | {r['procs']} | {r['startup']:.1f} | "
-            f"{r['others']:.2f} |")
+            f"{r['others']:.2f} |"
+        )
     return head + "\n".join(out) + "\n"
 
 
@@ -735,8 +977,9 @@ an hour, so compare ratios within a round, and medians over rounds. Two Python t
 rows each on one torch thread were 8-47% slower than one call on two threads (GIL contention), so the
 single-process engine does not do that.
 """
-    (HERE / "grpo_vs_trl.md").write_text(text + STARTUP.format(goals=goals_table(rows), breakdown=breakdown(results))
-                                         + NOTES)
+    (HERE / "grpo_vs_trl.md").write_text(
+        text + STARTUP.format(goals=goals_table(rows), breakdown=breakdown(results)) + NOTES
+    )
     print(f"wrote {HERE / 'grpo_vs_trl.md'}")
 
 
@@ -785,7 +1028,10 @@ rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4` (likewise `--size M`, `--
 
 NOTES = ""
 
-REAL_BEGIN, REAL_END = "<!-- row R: begin (written by bench/grpo_vs_trl.py --size R) -->", "<!-- row R: end -->"
+REAL_BEGIN, REAL_END = (
+    "<!-- row R: begin (written by bench/grpo_vs_trl.py --size R) -->",
+    "<!-- row R: end -->",
+)
 
 
 def write_real_section(results: list[dict]) -> None:
@@ -816,10 +1062,12 @@ def write_real_section(results: list[dict]) -> None:
         lines.append(
             f"| {r['dtype']} | {r['who']} | {r['runs']} | {r['step_s']:.2f} ({r['p90']:.2f}) | {p['generate']:.2f} / "
             f"{p['logprob']:.2f} / {p['train']:.2f} / {p['sync']:.2f} | {r['startup']:.1f} | {r['rss']:.0f} "
-            f"({r['pss']:.0f}) | {speed} | {pss} | {goals} | {r['others']:.2f} |")
+            f"({r['pss']:.0f}) | {speed} | {pss} | {goals} | {r['others']:.2f} |"
+        )
     first = real[0]
     prompt = f"{first.get('prompt_tokens', first['prompt_len'])}"
-    section = f"""{REAL_BEGIN}
+    section = (
+        f"""{REAL_BEGIN}
 ## The real model: SmolLM2-135M-Instruct (row R, issue 26)
 
 One command measures it, fp32 and bf16 interleaved in each round (`--size R` writes this section when it
@@ -836,17 +1084,22 @@ system prompt: {prompt} tokens; rlhf `--data.apply_chat_template`, TRL conversat
 token-mean loss, one AdamW step per RL step; the rest as the rows above. Precision: fp32 is fp32 on both
 sides; bf16 is each side's bf16 switch: rlhf `--ds.param_dtype bf16` (DeepSpeed bf16: bf16 weights,
 fp32 master copy in the optimizer), TRL `bf16=True` (Trainer's mixed precision: fp32 weights, bf16
-autocast). {first['warmup']} warm-up + {first['steps']} measured steps per run, a fresh process per run, contenders interleaved per round. rlhf is `rlhf-single` (one
+autocast). {first["warmup"]} warm-up + {first["steps"]} measured steps per run, a fresh process per run, contenders interleaved per round. rlhf is `rlhf-single` (one
 process, `--train.colocate_all --ds.zero_stage 0`). Machine: {platform.machine()}, {os.cpu_count()} cores,
 torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}.
 
 | precision | contender | runs | step s median (p90) | generate / logprob / train / sync s | first step s | peak RSS MiB (PSS) | step speed TRL/rlhf | PSS rlhf/TRL | goals (>= 3x, <= 0.5x) | other jobs, cores |
 |---|---|---|---|---|---|---|---|---|---|---|
-""" + "\n".join(lines) + "\n" + REAL_NOTES + f"\n{REAL_END}\n"
+"""
+        + "\n".join(lines)
+        + "\n"
+        + REAL_NOTES
+        + f"\n{REAL_END}\n"
+    )
     md = HERE / "grpo_vs_trl.md"
     text = md.read_text()
     if REAL_BEGIN in text:
-        text = text[: text.index(REAL_BEGIN)] + section + text[text.index(REAL_END) + len(REAL_END) + 1:]
+        text = text[: text.index(REAL_BEGIN)] + section + text[text.index(REAL_END) + len(REAL_END) + 1 :]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     md.write_text(text)
@@ -898,12 +1151,19 @@ def _p90(xs: list[float]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: size M, 1 rep, 1 warm-up + 2 steps")
-    p.add_argument("--size", choices=sorted(GRID), default="M",
-                   help="grid row (M: h128/2 layers, L: h256/4, M128: M with 128-token completions, S: M with "
-                        "8-token prompts and 4 samples per prompt, S48: S with 48-token completions, R: the real "
-                        "SmolLM2-135M-Instruct with chat prompts, micro-batch 16)")
-    p.add_argument("--dtype", help="training precision, or several separated by commas (fp32,bf16), each run in "
-                                   "every round (default: fp32 on CPU, bf16 on cuda)")
+    p.add_argument(
+        "--size",
+        choices=sorted(GRID),
+        default="M",
+        help="grid row (M: h128/2 layers, L: h256/4, M128: M with 128-token completions, S: M with "
+        "8-token prompts and 4 samples per prompt, S48: S with 48-token completions, R: the real "
+        "SmolLM2-135M-Instruct with chat prompts, micro-batch 16)",
+    )
+    p.add_argument(
+        "--dtype",
+        help="training precision, or several separated by commas (fp32,bf16), each run in "
+        "every round (default: fp32 on CPU, bf16 on cuda)",
+    )
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 runs a reference model)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
     p.add_argument("--n", type=int, help="samples per prompt (default: 4 on row S, else 8)")
@@ -911,15 +1171,24 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="warm-up steps per run, dropped (default 2; 1 on row R)")
     p.add_argument("--reps", type=int, default=2, help="A B rounds")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--runs", default="rlhf-single,rlhf-dp2,trl",
-                   help="contenders of each round, in order: trl and rlhf variants (rlhf, rlhf-default, rlhf-zero0, "
-                        "rlhf-dp2, rlhf-hybrid, rlhf-single); VARIANT@REV runs the variant on the packages of git revision REV")
-    p.add_argument("--max-busy", type=float, default=0.5,
-                   help="before each run, wait (up to 15 min) until other processes use fewer cores than this")
+    p.add_argument(
+        "--runs",
+        default="rlhf-single,rlhf-dp2,trl",
+        help="contenders of each round, in order: trl and rlhf variants (rlhf, rlhf-default, rlhf-zero0, "
+        "rlhf-dp2, rlhf-hybrid, rlhf-single); VARIANT@REV runs the variant on the packages of git revision REV",
+    )
+    p.add_argument(
+        "--max-busy",
+        type=float,
+        default=0.5,
+        help="before each run, wait (up to 15 min) until other processes use fewer cores than this",
+    )
     p.add_argument("--workdir", default="/tmp/rlhf-bench-grpo")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: both sides on one GPU")
     p.add_argument("--results", help="directory for the per-run JSON files (default: bench/results)")
-    p.add_argument("--report", action="store_true", help="rebuild bench/grpo_vs_trl.md from bench/results/*.json")
+    p.add_argument(
+        "--report", action="store_true", help="rebuild bench/grpo_vs_trl.md from bench/results/*.json"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--who", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -933,9 +1202,11 @@ def main() -> None:
         global RESULTS
         RESULTS = Path(args.results)
     if args.report:
-        command = ("DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size {M,L,M128} [--beta 0.04] "
-                   "--runs rlhf-single,rlhf-dp2,trl --reps 3; ... --size S --runs "
-                   "rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4; ... --report")
+        command = (
+            "DS_ACCELERATOR=cpu .venv/bin/python bench/grpo_vs_trl.py --size {M,L,M128} [--beta 0.04] "
+            "--runs rlhf-single,rlhf-dp2,trl --reps 3; ... --size S --runs "
+            "rlhf-single,rlhf-hybrid,rlhf-dp2@d800b51,trl --reps 4; ... --report"
+        )
         results = load_results(RESULTS.glob("*.json"))
         grid = [r for r in results if r["size"] not in REAL_ROWS]
         if grid:  # the grid rows' tables, rebuilt only from results that hold them
@@ -949,29 +1220,43 @@ def main() -> None:
             sys.exit(f"--dtype: {dtype!r} is not fp32 or bf16")
     default = "bf16" if args.device == "cuda" else "fp32"
     if any(w.split("@")[0] == "rlhf-default" for w in args.runs.split(",")) and set(dtypes) != {default}:
-        sys.exit(f"--runs rlhf-default runs at the default precision ({default} on {args.device}) whatever --dtype "
-                 f"says: with --dtype {args.dtype} its rows would name a precision it did not use")
+        sys.exit(
+            f"--runs rlhf-default runs at the default precision ({default} on {args.device}) whatever --dtype "
+            f"says: with --dtype {args.dtype} its rows would name a precision it did not use"
+        )
     args.n = args.n or SAMPLES.get(args.size, 8)
     root = Path(args.workdir) / args.size
     root.mkdir(parents=True, exist_ok=True)
     hidden, layers, lp, _ = GRID[args.size]
-    make_workload(root, hidden, layers, lp, args.prompts * (args.warmup + args.steps) * 2, args.size in REAL_ROWS)
+    make_workload(
+        root, hidden, layers, lp, args.prompts * (args.warmup + args.steps) * 2, args.size in REAL_ROWS
+    )
     if args.size in REAL_ROWS:
         args.prompt_tokens = chat_prompt_tokens(root)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": args.device, "RAY_USAGE_STATS_ENABLED": "0",
-           "HF_HUB_OFFLINE": "1", "RLHF_NO_PROGRESS": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": args.device,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "RLHF_NO_PROGRESS": "1",
+    }
     for rep in range(args.reps):
         for dtype in dtypes:
             args.dtype = dtype
             for who in args.runs.split(","):  # A B A B
                 s = run_child(args, who, env, rep)
                 ph = " ".join(f"{k}={v:.2f}" for k, v in s["phases_median"].items())
-                print(f"{args.size} {dtype} beta={args.beta:g} t{args.threads} rep {rep} {who}: step "
-                      f"{s['step_s']:.2f}s (p90 {s['step_s_p90']:.2f}) [{ph}] gen {s['gen_tok_per_s']:.0f} tok/s  "
-                      f"startup {s['startup_s']:.1f}s  peak RSS {s['peak_rss_mib']:.0f} MiB (PSS "
-                      f"{s['peak_pss_mib']:.0f}, {s['max_procs']} procs)  others busy "
-                      f"{s['other_busy_cores_during']:.2f} cores", flush=True)
+                print(
+                    f"{args.size} {dtype} beta={args.beta:g} t{args.threads} rep {rep} {who}: step "
+                    f"{s['step_s']:.2f}s (p90 {s['step_s_p90']:.2f}) [{ph}] gen {s['gen_tok_per_s']:.0f} tok/s  "
+                    f"startup {s['startup_s']:.1f}s  peak RSS {s['peak_rss_mib']:.0f} MiB (PSS "
+                    f"{s['peak_pss_mib']:.0f}, {s['max_procs']} procs)  others busy "
+                    f"{s['other_busy_cores_during']:.2f} cores",
+                    flush=True,
+                )
     if args.size in REAL_ROWS:
         write_real_section(load_results(RESULTS.glob("*.json")))
 

@@ -43,9 +43,20 @@ def random_half_b(out_dir: str) -> str:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=1024, intermediate_size=4096, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
-                         tie_word_embeddings=True, rope_theta=1e5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1e5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     with torch.device("cpu"):
         model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir)
@@ -65,8 +76,12 @@ class Trainer:
         from rlhf_train_deepspeed.worker import TrainWorker
 
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear")).eval()
-        self.worker = TrainWorker.__new__(TrainWorker)  # no process group, no DeepSpeed engine: only its readers
+        self.model = get_peft_model(
+            base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear")
+        ).eval()
+        self.worker = TrainWorker.__new__(
+            TrainWorker
+        )  # no process group, no DeepSpeed engine: only its readers
         self.worker._module = lambda: self.model
         self.gen = torch.Generator().manual_seed(0)
 
@@ -78,7 +93,11 @@ class Trainer:
                     p.add_(0.02 * torch.randn(p.shape, generator=self.gen))
 
     def weights(self, mode: str):
-        return self.worker.adapter_weights() if mode == "adapter" else self.worker.named_weights(trainable_only=True)
+        return (
+            self.worker.adapter_weights()
+            if mode == "adapter"
+            else self.worker.named_weights(trainable_only=True)
+        )
 
     @torch.no_grad()
     def logprobs(self, response: list[int]) -> list[float]:
@@ -127,8 +146,11 @@ def free_port() -> int:
 def bench_model(name: str, model_dir: str, engines: list[str], rounds: int) -> list[dict]:
     trainer = Trainer(model_dir)
     # the trainer's frozen base of each adapted layer (no copy: named_weights merges, then unmerges in place)
-    targets = {n.removeprefix("base_model.model.") + ".weight": m.get_base_layer().weight.detach()
-               for n, m in trainer.model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")}
+    targets = {
+        n.removeprefix("base_model.model.") + ".weight": m.get_base_layer().weight.detach()
+        for n, m in trainer.model.named_modules()
+        if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")
+    }
     rows = []
     for kind in engines:
         if kind == "hf":
@@ -140,23 +162,40 @@ def bench_model(name: str, model_dir: str, engines: list[str], rounds: int) -> l
         else:
             from rlhf_rollout_vllm.engine import VLLMEngine
 
-            common = dict(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=128 << 20)
-            pick = {"adapter": VLLMEngine(model_dir, lora_rank=RANK, **common), "full": VLLMEngine(model_dir, **common)}
+            common = dict(
+                dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=128 << 20
+            )
+            pick = {
+                "adapter": VLLMEngine(model_dir, lora_rank=RANK, **common),
+                "full": VLLMEngine(model_dir, **common),
+            }
         results = {"adapter": [], "full": []}
         for r in range(rounds):
             trainer.step()
-            for mode in (("adapter", "full") if r % 2 == 0 else ("full", "adapter")):
+            for mode in ("adapter", "full") if r % 2 == 0 else ("full", "adapter"):
                 engine = pick[mode]
                 if kind == "hf" and mode == "adapter":
                     # the previous full sync made the merged weights this engine's base: put W0 back (untimed)
                     engine.update_weights(targets)
                 seconds, nbytes = sync(engine, trainer, mode, free_port())
                 results[mode].append((seconds, nbytes, gap(engine, trainer)))
-                print(f"  {name} {kind} round {r} {mode}: {seconds:.3f} s, {nbytes / 2**20:.2f} MiB, "
-                      f"gap {results[mode][-1][2]:.1e}", file=sys.stderr, flush=True)
+                print(
+                    f"  {name} {kind} round {r} {mode}: {seconds:.3f} s, {nbytes / 2**20:.2f} MiB, "
+                    f"gap {results[mode][-1][2]:.1e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for mode, res in results.items():
-            rows.append({"model": name, "engine": kind, "mode": mode, "mib": res[0][1] / 2**20,
-                         "s": statistics.median(s for s, _, _ in res), "gap": max(g for _, _, g in res)})
+            rows.append(
+                {
+                    "model": name,
+                    "engine": kind,
+                    "mode": mode,
+                    "mib": res[0][1] / 2**20,
+                    "s": statistics.median(s for s, _, _ in res),
+                    "gap": max(g for _, _, g in res),
+                }
+            )
         for engine in {id(e): e for e in pick.values()}.values():
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
@@ -178,11 +217,15 @@ def main() -> None:
         for name in args.models.split(","):
             model_dir = str(SMOLLM2) if name == "smollm2" else random_half_b(tmp)
             rows += bench_model(name, model_dir, args.engines.split(","), args.rounds)
-    print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+    print(
+        f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    )
     print("| model | engine | sync | MiB per sync | s per sync (median) | max log-prob gap |")
     print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {row['model']} | {row['engine']} | {row['mode']} | {row['mib']:.2f} | {row['s']:.3f} | {row['gap']:.1e} |")
+        print(
+            f"| {row['model']} | {row['engine']} | {row['mode']} | {row['mib']:.2f} | {row['s']:.3f} | {row['gap']:.1e} |"
+        )
     print("\n| model | engine | bytes full / adapter | s full / adapter |")
     print("| --- | --- | --- | --- |")
     for a, f in zip(rows[::2], rows[1::2], strict=True):

@@ -32,8 +32,10 @@ def make_adapter(out_dir: str, seed: int) -> str:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32),
+        LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear"),
+    )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -62,9 +64,19 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     before = rss_gb()
-    llm = LLM(model=str(SMOLLM2), dtype="float32", enforce_eager=True, enable_chunked_prefill=False, seed=0,
-              enable_lora=True, max_loras=2, max_lora_rank=RANK, max_model_len=256,
-              kv_cache_memory_bytes=128 << 20, gpu_memory_utilization=0.5)
+    llm = LLM(
+        model=str(SMOLLM2),
+        dtype="float32",
+        enforce_eager=True,
+        enable_chunked_prefill=False,
+        seed=0,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=RANK,
+        max_model_len=256,
+        kv_cache_memory_bytes=128 << 20,
+        gpu_memory_utilization=0.5,
+    )
     engine_gb = rss_gb() - before
     requests = [LoRARequest(f"policy{i}", i + 1, path) for i, path in enumerate(adapters)]
     prompts = [f"Question {i}: what is {i} plus {2 * i}?" for i in range(args.prompts)]
@@ -72,11 +84,14 @@ def main() -> None:
     half = len(prompts) // 2
 
     def mixed():
-        return llm.generate(prompts, params, use_tqdm=False, lora_request=[requests[i % 2] for i in range(len(prompts))])
+        return llm.generate(
+            prompts, params, use_tqdm=False, lora_request=[requests[i % 2] for i in range(len(prompts))]
+        )
 
     def per_call():
-        return (llm.generate(prompts[:half], params, use_tqdm=False, lora_request=requests[0])
-                + llm.generate(prompts[half:], params, use_tqdm=False, lora_request=requests[1]))
+        return llm.generate(prompts[:half], params, use_tqdm=False, lora_request=requests[0]) + llm.generate(
+            prompts[half:], params, use_tqdm=False, lora_request=requests[1]
+        )
 
     def base():
         return llm.generate(prompts, params, use_tqdm=False)
@@ -85,20 +100,24 @@ def main() -> None:
     mixed()  # warm-up: both adapters loaded
     seconds: dict[str, list[float]] = {k: [] for k in ways}
     for r in range(args.rounds):
-        for name in list(ways)[r % 3:] + list(ways)[:r % 3]:
+        for name in list(ways)[r % 3 :] + list(ways)[: r % 3]:
             t = time.perf_counter()
             outs = ways[name]()
             seconds[name].append(time.perf_counter() - t)
             assert sum(len(o.outputs[0].token_ids) for o in outs) == args.prompts * args.tokens
     tokens = args.prompts * args.tokens
-    print(f"one vLLM engine (SmolLM2-135M fp32, max_loras=2): {engine_gb:.2f} GB of RSS; "
-          f"peak RSS of this process {psutil.Process().memory_info().rss / 1e9:.2f} GB; threads {torch.get_num_threads()}")
+    print(
+        f"one vLLM engine (SmolLM2-135M fp32, max_loras=2): {engine_gb:.2f} GB of RSS; "
+        f"peak RSS of this process {psutil.Process().memory_info().rss / 1e9:.2f} GB; threads {torch.get_num_threads()}"
+    )
     print(f"{args.prompts} prompts x {args.tokens} tokens, median of {args.rounds} rounds:")
     med = {k: statistics.median(v) for k, v in seconds.items()}
     for name, s in med.items():
         print(f"  {name:<22} {s:7.2f} s  {tokens / s:8.1f} tokens/s")
-    print(f"  mixed / one adapter per call: {med['mixed'] / med['one adapter per call']:.2f}x the time; "
-          f"LoRA's cost over the base: {med['one adapter per call'] / med['no adapter']:.2f}x")
+    print(
+        f"  mixed / one adapter per call: {med['mixed'] / med['one adapter per call']:.2f}x the time; "
+        f"LoRA's cost over the base: {med['one adapter per call'] / med['no adapter']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

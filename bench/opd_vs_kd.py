@@ -24,30 +24,69 @@ from rlhf_core.testing.tiny import make_tiny_llama  # noqa: E402
 
 def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="opd_vs_kd_"))
-    student = make_tiny_llama(root / "student", seed=0, num_words=task_lib.NUM_WORDS, hidden_size=128,
-                              intermediate_size=128)
+    student = make_tiny_llama(
+        root / "student", seed=0, num_words=task_lib.NUM_WORDS, hidden_size=128, intermediate_size=128
+    )
     teacher = task_lib.make_teacher(root / "teacher")
     train = task_lib.prompts(1, 64)
     (root / "prompts.jsonl").write_text("".join(json.dumps({"input": p}) + "\n" for p in train))
     # OPD's 4 steps of 8 prompts draw the first 32 (one pass, in order); KD gets them 4 times each
-    (root / "kd.jsonl").write_text("".join(json.dumps({"input": p, "output": task_lib.ANSWER}) + "\n"
-                                           for p in train[:32] * 4))
+    (root / "kd.jsonl").write_text(
+        "".join(json.dumps({"input": p, "output": task_lib.ANSWER}) + "\n" for p in train[:32] * 4)
+    )
     task = {"student": student, "teacher": teacher, "data": str(root / "prompts.jsonl")}
     held = task_lib.prompts(2, 40)
-    rows = [("teacher", *task_lib.held_out(teacher, teacher, held), 0.0),
-            ("student at start", *task_lib.held_out(student, teacher, held), 0.0)]
+    rows = [
+        ("teacher", *task_lib.held_out(teacher, teacher, held), 0.0),
+        ("student at start", *task_lib.held_out(student, teacher, held), 0.0),
+    ]
     runs = [("opd (sync)", task_lib.opd_args(task, root / "opd", 4), root / "opd" / "model")]
     if "--async" in sys.argv:
-        runs.append(("opd (async)", [*task_lib.opd_args(task, root / "opd_async", 4), "--train.async_enable"],
-                     root / "opd_async" / "model"))
+        runs.append(
+            (
+                "opd (async)",
+                [*task_lib.opd_args(task, root / "opd_async", 4), "--train.async_enable"],
+                root / "opd_async" / "model",
+            )
+        )
     for coef in ("0.4", "1.0"):
         out = root / f"kd_{coef}"
-        runs.append((f"kd, kd_coef {coef}", [
-            "train", "kd", "--model.model_name_or_path", student, "--teacher.model_name_or_path", teacher,
-            "--teacher.kd_coef", coef, "--data.dataset", str(root / "kd.jsonl"), "--data.output_key", "output",
-            "--data.max_len", "12", "--train.batch_size", "32", "--train.micro_batch_size", "32",
-            "--ds.param_dtype", "fp32", "--model.adam.lr", "3e-2", "--model.lr_warmup_ratio", "0",
-            "--train.max_epochs", "1", "--ckpt.output_dir", str(out)], out))
+        runs.append(
+            (
+                f"kd, kd_coef {coef}",
+                [
+                    "train",
+                    "kd",
+                    "--model.model_name_or_path",
+                    student,
+                    "--teacher.model_name_or_path",
+                    teacher,
+                    "--teacher.kd_coef",
+                    coef,
+                    "--data.dataset",
+                    str(root / "kd.jsonl"),
+                    "--data.output_key",
+                    "output",
+                    "--data.max_len",
+                    "12",
+                    "--train.batch_size",
+                    "32",
+                    "--train.micro_batch_size",
+                    "32",
+                    "--ds.param_dtype",
+                    "fp32",
+                    "--model.adam.lr",
+                    "3e-2",
+                    "--model.lr_warmup_ratio",
+                    "0",
+                    "--train.max_epochs",
+                    "1",
+                    "--ckpt.output_dir",
+                    str(out),
+                ],
+                out,
+            )
+        )
     for name, args, model in runs:
         start = time.perf_counter()
         done = task_lib.run_cli(args)

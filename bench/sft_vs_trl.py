@@ -34,8 +34,13 @@ def make_workload(root: Path, args) -> tuple[str, str]:
     from rlhf_core.testing.tiny import make_tiny_llama
 
     model = make_tiny_llama(
-        root / "model", num_words=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+        root / "model",
+        num_words=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     rng = random.Random(0)
     data = root / "sft.jsonl"
@@ -105,23 +110,46 @@ def run_trl(model: str, data: str, out: Path, args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model)
     config = SFTConfig(
-        output_dir=str(out), report_to="none", use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=args.batch // args.micro_batch, learning_rate=1e-4,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
-        weight_decay=0.0, max_length=args.prompt_len + args.completion_len + 1, packing=False,
-        padding_free=False, completion_only_loss=True, num_train_epochs=1, logging_steps=1,
-        save_strategy="no", seed=0, dataloader_num_workers=0,
+        output_dir=str(out),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.batch // args.micro_batch,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        weight_decay=0.0,
+        max_length=args.prompt_len + args.completion_len + 1,
+        packing=False,
+        padding_free=False,
+        completion_only_loss=True,
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        dataloader_num_workers=0,
     )
     trainer = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-        args=config, train_dataset=load_dataset("json", data_files=data, split="train"),
-        processing_class=tok, callbacks=[StepTimer()],
+        args=config,
+        train_dataset=load_dataset("json", data_files=data, split="train"),
+        processing_class=tok,
+        callbacks=[StepTimer()],
     )
     tokens = args.batch * len(trainer.train_dataset[0]["input_ids"])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"step_s": times[args.warmup :], "tokens_per_step": [tokens] * len(times[args.warmup :]), "final_loss": losses[-1]}
+    return {
+        "step_s": times[args.warmup :],
+        "tokens_per_step": [tokens] * len(times[args.warmup :]),
+        "final_loss": losses[-1],
+    }
 
 
 def child(args) -> None:
@@ -134,7 +162,9 @@ def child(args) -> None:
     fn = run_ours if args.child == "ours" else run_trl
     result = fn(str(root / "model"), str(root / "sft.jsonl"), root / f"out-{args.child}-{os.getpid()}", args)
     total = time.perf_counter() - t0
-    result["startup_s"] = total - sum(result["step_s"]) * (args.steps + args.warmup) / max(1, len(result["step_s"]))
+    result["startup_s"] = total - sum(result["step_s"]) * (args.steps + args.warmup) / max(
+        1, len(result["step_s"])
+    )
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -161,9 +191,15 @@ def main() -> None:
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     make_workload(root, args)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0",
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
     runs: dict[str, list[dict]] = {"ours": [], "trl": []}
     for rep in range(args.reps):
         for who in ("ours", "trl"):  # A B A B
@@ -172,16 +208,23 @@ def main() -> None:
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode or line is None:
                 sys.exit(f"{who} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            r = json.loads(line[len("RESULT "):])
-            r["tok_per_s"] = statistics.median(t / s for t, s in zip(r["tokens_per_step"], r["step_s"], strict=True))
+            r = json.loads(line[len("RESULT ") :])
+            r["tok_per_s"] = statistics.median(
+                t / s for t, s in zip(r["tokens_per_step"], r["step_s"], strict=True)
+            )
             runs[who].append(r)
-            print(f"rep {rep} {who:4s}: {r['tok_per_s']:9.0f} tok/s  {r['tokens_per_step'][0]:.0f} tok/step"
-                  f"  median step {statistics.median(r['step_s']):.3f}s"
-                  f"  startup {r['startup_s']:.1f}s  final loss {r['final_loss']:.4f}", flush=True)
+            print(
+                f"rep {rep} {who:4s}: {r['tok_per_s']:9.0f} tok/s  {r['tokens_per_step'][0]:.0f} tok/step"
+                f"  median step {statistics.median(r['step_s']):.3f}s"
+                f"  startup {r['startup_s']:.1f}s  final loss {r['final_loss']:.4f}",
+                flush=True,
+            )
     ours = statistics.median(r["tok_per_s"] for r in runs["ours"])
     trl = statistics.median(r["tok_per_s"] for r in runs["trl"])
     # Each A B pair ran back to back; the median of the pair ratios resists load that drifts between pairs.
-    ratio = statistics.median(a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs["ours"], runs["trl"], strict=True))
+    ratio = statistics.median(
+        a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs["ours"], runs["trl"], strict=True)
+    )
     print(f"\nrlhf {ours:.0f} tok/s, TRL {trl:.0f} tok/s: median pair ratio {ratio:.2f}x")
     if not args.no_md:
         write_md(args, runs, ours, trl, ratio)
@@ -212,9 +255,12 @@ def write_md(args, runs, ours, trl, ratio) -> None:
     rows = []
     for who in ("ours", "trl"):
         for i, r in enumerate(runs[who]):
-            rows.append(f"| {'rlhf' if who == 'ours' else 'TRL'} | {i} | {r['tok_per_s']:.0f} | {r['tokens_per_step'][0]:.0f} | "
-                        f"{statistics.median(r['step_s']):.3f} | {r['startup_s']:.1f} | {r['final_loss']:.4f} |")
-    text = f"""# SFT throughput: rlhf (DeepSpeed backend) vs TRL SFTTrainer
+            rows.append(
+                f"| {'rlhf' if who == 'ours' else 'TRL'} | {i} | {r['tok_per_s']:.0f} | {r['tokens_per_step'][0]:.0f} | "
+                f"{statistics.median(r['step_s']):.3f} | {r['startup_s']:.1f} | {r['final_loss']:.4f} |"
+            )
+    text = (
+        f"""# SFT throughput: rlhf (DeepSpeed backend) vs TRL SFTTrainer
 
 Command: `{cmd}`
 
@@ -231,7 +277,11 @@ included. Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__
 
 | framework | rep | tokens/s | tokens/step | median step s | start-up s | final loss |
 | --- | --- | --- | --- | --- | --- | --- |
-""" + "\n".join(rows) + "\n" + NOTES
+"""
+        + "\n".join(rows)
+        + "\n"
+        + NOTES
+    )
     (HERE / "sft_vs_trl.md").write_text(text)
     print(f"wrote {HERE / 'sft_vs_trl.md'}")
 

@@ -37,7 +37,9 @@ def main():
     answer = last_number(final.choices[0].message.content)
     print(f"answer: {answer}", file=sys.stderr)
     correct = answer is not None and row["label"] is not None and answer == float(row["label"])
-    print(json.dumps({"reward": 1.0 if correct else 0.0, "extra_logs": {"answered": float(answer is not None)}}))
+    print(
+        json.dumps({"reward": 1.0 if correct else 0.0, "extra_logs": {"answered": float(answer is not None)}})
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,12 @@ MAX_TOKENS = 16
 async def chat(base_url, messages):
     """One chat completion; returns the assistant's reply."""
     if AsyncOpenAI is not None:
-        async with AsyncOpenAI(base_url=base_url, api_key="unused") as client:  # closed: no dangling connections
-            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=MAX_TOKENS)
+        async with AsyncOpenAI(
+            base_url=base_url, api_key="unused"
+        ) as client:  # closed: no dangling connections
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=MAX_TOKENS
+            )
         return reply.choices[0].message.content
     async with aiohttp.ClientSession() as session:
         body = {"model": "policy", "messages": messages, "max_tokens": MAX_TOKENS}

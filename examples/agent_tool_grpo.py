@@ -48,15 +48,24 @@ def warm_start(path: Path, questions, guessed, seed: int = 0):
     def enc(text):
         return tok.encode(text, add_special_tokens=False)
 
-    rows, replies, chosen = [], [], []  # token ids, the (start, end) spans of the replies, sampled first token?
+    rows, replies, chosen = (
+        [],
+        [],
+        [],
+    )  # token ids, the (start, end) spans of the replies, sampled first token?
     for a, b in questions:
         # what the endpoint renders: SmolLM2's template ignores `tools`, so the endpoint adds a Hermes block
-        turns = [{"role": "system", "content": hermes_tools_block(tools)},
-                 {"role": "user", "content": f"What is {a} * {b}?"}]
+        turns = [
+            {"role": "system", "content": hermes_tools_block(tools)},
+            {"role": "user", "content": f"What is {a} * {b}?"},
+        ]
         first = enc(tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
         call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} * {b}"}})
         call = enc(f"<tool_call>\n{call}\n</tool_call>") + [tok.eos_token_id]
-        turns += [{"role": "assistant", "content": tok.decode(call[:-1])}, {"role": "tool", "content": str(a * b)}]
+        turns += [
+            {"role": "assistant", "content": tok.decode(call[:-1])},
+            {"role": "tool", "content": str(a * b)},
+        ]
         second = enc(tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
         answer = enc(f"{a} * {b} = {a * b}") + [tok.eos_token_id]
         rows.append(second + answer)
@@ -72,10 +81,12 @@ def warm_start(path: Path, questions, guessed, seed: int = 0):
     ids = torch.full((len(rows), width), tok.eos_token_id)
     attention = torch.zeros_like(ids)
     target = torch.zeros_like(ids, dtype=torch.bool)  # the tokens the model writes
-    choice = torch.zeros_like(ids, dtype=torch.bool)  # first reply tokens of guessed questions: left to sampling
+    choice = torch.zeros_like(
+        ids, dtype=torch.bool
+    )  # first reply tokens of guessed questions: left to sampling
     for k, (row, spans) in enumerate(zip(rows, replies)):
-        ids[k, :len(row)] = torch.tensor(row)
-        attention[k, :len(row)] = 1
+        ids[k, : len(row)] = torch.tensor(row)
+        attention[k, : len(row)] = 1
         for start, end in spans:
             target[k, start:end] = True
         choice[k, spans[0][0]] = chosen[k]
@@ -83,11 +94,22 @@ def warm_start(path: Path, questions, guessed, seed: int = 0):
     labels, at_choice = ids[:, 1:][predicts], choice[:, 1:][predicts]
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)  # fused: its update takes 12 ms here, unfused 80
+    opt = torch.optim.Adam(
+        model.parameters(), lr=1e-2, fused=True
+    )  # fused: its update takes 12 ms here, unfused 80
     for _ in range(1000):
         hidden = model.model(ids, attention_mask=attention).last_hidden_state[:, :-1][predicts]
         nll = torch.nn.functional.cross_entropy(model.lm_head(hidden), labels, reduction="none")
@@ -97,16 +119,19 @@ def warm_start(path: Path, questions, guessed, seed: int = 0):
         nll.mean().backward()
         opt.step()
     else:
-        raise RuntimeError(f"warm start (seed {seed}): a reply token's probability is still "
-                           f"{float((-nll[~at_choice].max()).exp()):.3f} after 1000 steps")
+        raise RuntimeError(
+            f"warm start (seed {seed}): a reply token's probability is still "
+            f"{float((-nll[~at_choice].max()).exp()):.3f} after 1000 steps"
+        )
     with torch.no_grad():
         model.lm_head.weight *= 2
     model.save_pretrained(str(path))
     return model.eval(), tok, rows
 
 
-def learn(policy: Path, out: Path, questions, steps: int = 8, lr: float = 5e-4, seed: int = 0,
-          samples: int = 16) -> list[dict]:
+def learn(
+    policy: Path, out: Path, questions, steps: int = 8, lr: float = 5e-4, seed: int = 0, samples: int = 16
+) -> list[dict]:
     """``steps`` GRPO steps from ``policy``, each on every question with ``samples`` episodes of the agent;
     the run directory is ``out``. Returns the run's metrics, one dict per step."""
     from rlhf_cli import train  # here, not above: warm_start needs only rlhf-agents and transformers
@@ -117,8 +142,14 @@ def learn(policy: Path, out: Path, questions, steps: int = 8, lr: float = 5e-4, 
         actor={"model_name_or_path": str(policy), "adam": {"lr": lr}, "lr_warmup_ratio": 0},
         algo={"advantage": {"estimator": "group_norm"}, "kl": {"init_coef": 0}},  # GRPO
         rollout={"batch_size": len(questions), "n_samples_per_prompt": samples, "max_new_tokens": 48},
-        train={"batch_size": len(questions) * samples, "micro_batch_size": len(questions) * samples,
-               "max_steps": steps, "num_episodes": steps, "agent_func_path": str(AGENT), "seed": seed},
+        train={
+            "batch_size": len(questions) * samples,
+            "micro_batch_size": len(questions) * samples,
+            "max_steps": steps,
+            "num_episodes": steps,
+            "agent_func_path": str(AGENT),
+            "seed": seed,
+        },
         data={"max_len": 512, "label_key": "label"},
         ds={"param_dtype": "fp32"},
         ckpt={"output_dir": str(out)},
@@ -131,8 +162,10 @@ def main(out: Path, steps: int = 8, lr: float = 5e-4, seed: int = 0) -> list[dic
     warm_start(out / "policy", QUESTIONS, QUESTIONS, seed)
     metrics = learn(out / "policy", out / "run", QUESTIONS, steps, lr, seed)
     for row in metrics:
-        print(f"step {row['step']:2d}: reward {row['reward/mean']:.3f}, calculator calls per episode "
-              f"{row['tool_calls']:.3f}")
+        print(
+            f"step {row['step']:2d}: reward {row['reward/mean']:.3f}, calculator calls per episode "
+            f"{row['tool_calls']:.3f}"
+        )
     return metrics
 
 

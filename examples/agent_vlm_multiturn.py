@@ -34,7 +34,7 @@ def render_scene(rng: random.Random) -> Image.Image:
     pixels = np.zeros((56, 56, 3), dtype=np.uint8)
     for _ in range(3):
         x, y = rng.randrange(0, 40), rng.randrange(0, 40)
-        pixels[y:y + 16, x:x + 16] = [rng.randrange(256) for _ in range(3)]
+        pixels[y : y + 16, x : x + 16] = [rng.randrange(256) for _ in range(3)]
     return Image.fromarray(pixels)
 
 
@@ -66,7 +66,7 @@ class AgentInstance(AgentInstanceBase):
             return {
                 "rewards": torch.tensor(0.0),
                 "environment_feedback": f"{TURN_END}{USER_TURN}{IMAGE}\nThe scene changed. What now?{TURN_END}"
-                                        f"{ASSISTANT_TURN}",
+                f"{ASSISTANT_TURN}",
                 "environment_images": [render_scene(self.rng)],
                 "done": False,
             }

@@ -37,17 +37,59 @@ def stage_commands(args, k: int, policy: str) -> list[tuple[str, list[str]]]:
     """The two commands of iteration ``k`` starting from ``policy``."""
     it = Path(args.workdir) / f"iter{k}"
     reward_flag = "--reward_pretrain" if Path(args.reward).is_dir() else "--remote_rm_url"
-    generate = ["rlhf", "generate", "--pretrain", policy, "--dataset", args.prompts, "--iter", str(k),
-                "--rollout_batch_size", str(args.prompts_per_iter), "--best_of_n", str(args.best_of_n),
-                reward_flag, args.reward, "--post_processor", POST_PROCESSOR[args.mode],
-                "--output_path", str(it / "data.jsonl"), *shlex.split(args.generate_flags)]
+    generate = [
+        "rlhf",
+        "generate",
+        "--pretrain",
+        policy,
+        "--dataset",
+        args.prompts,
+        "--iter",
+        str(k),
+        "--rollout_batch_size",
+        str(args.prompts_per_iter),
+        "--best_of_n",
+        str(args.best_of_n),
+        reward_flag,
+        args.reward,
+        "--post_processor",
+        POST_PROCESSOR[args.mode],
+        "--output_path",
+        str(it / "data.jsonl"),
+        *shlex.split(args.generate_flags),
+    ]
     if args.mode == "iter_dpo":
-        train = ["rlhf", "train", "dpo", "--pretrain", policy, "--ref_pretrain", args.policy,
-                 "--dataset", str(it / "data.jsonl"), "--prompt_key", "prompt", "--chosen_key", "chosen",
-                 "--rejected_key", "rejected"]
+        train = [
+            "rlhf",
+            "train",
+            "dpo",
+            "--pretrain",
+            policy,
+            "--ref_pretrain",
+            args.policy,
+            "--dataset",
+            str(it / "data.jsonl"),
+            "--prompt_key",
+            "prompt",
+            "--chosen_key",
+            "chosen",
+            "--rejected_key",
+            "rejected",
+        ]
     else:  # the prompt is already templated by generate; the loss covers the response only
-        train = ["rlhf", "train", "sft", "--pretrain", policy, "--dataset", str(it / "data.jsonl"),
-                 "--input_key", "input", "--output_key", "output"]
+        train = [
+            "rlhf",
+            "train",
+            "sft",
+            "--pretrain",
+            policy,
+            "--dataset",
+            str(it / "data.jsonl"),
+            "--input_key",
+            "input",
+            "--output_key",
+            "output",
+        ]
     train += ["--save_path", str(it / "model"), *shlex.split(args.train_flags)]
     return [("generate", generate), ("train", train)]
 
@@ -56,10 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=sorted(POST_PROCESSOR), help="rs, iter_dpo or csft")
     ap.add_argument("--policy", required=True, help="the initial policy (and the DPO reference)")
-    ap.add_argument("--prompts", required=True, help="the prompt dataset (iteration k uses rows [k R, (k+1) R))")
-    ap.add_argument("--reward", required=True,
-                    help="a reward model directory (--reward_pretrain), or a reward .py file or server URL "
-                         "(--remote_rm_url)")
+    ap.add_argument(
+        "--prompts", required=True, help="the prompt dataset (iteration k uses rows [k R, (k+1) R))"
+    )
+    ap.add_argument(
+        "--reward",
+        required=True,
+        help="a reward model directory (--reward_pretrain), or a reward .py file or server URL "
+        "(--remote_rm_url)",
+    )
     ap.add_argument("--workdir", required=True, help="where each iteration's data and model go")
     ap.add_argument("--iterations", type=int, default=1)
     ap.add_argument("--prompts-per-iter", type=int, default=1024, help="R, prompts per iteration")
@@ -74,12 +121,17 @@ def main(argv: list[str] | None = None) -> int:
             if marker.exists():
                 print(f"[iterate] iteration {k} {stage}: done before, skipped", flush=True)
                 continue
-            print(f"\n[iterate] iteration {k} {stage}:\n  " + shlex.join(cmd).replace(" --", " \\\n    --"),
-                  flush=True)
+            print(
+                f"\n[iterate] iteration {k} {stage}:\n  " + shlex.join(cmd).replace(" --", " \\\n    --"),
+                flush=True,
+            )
             done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", *cmd[1:]])
             if done.returncode != 0:
-                print(f"[iterate] iteration {k} {stage} failed (exit {done.returncode}); run the same command "
-                      "again to resume", file=sys.stderr)
+                print(
+                    f"[iterate] iteration {k} {stage} failed (exit {done.returncode}); run the same command "
+                    "again to resume",
+                    file=sys.stderr,
+                )
                 return done.returncode
             marker.write_text(json.dumps({"command": cmd}) + "\n")
         policy = str(Path(args.workdir) / f"iter{k}" / "model")

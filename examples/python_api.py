@@ -20,7 +20,7 @@ def small_words(queries, prompts, labels, **kwargs):
     prompt texts, ``labels`` the ``--data.label_key`` column (none here). It may be ``async def``."""
     rewards = []
     for query, prompt in zip(queries, prompts):
-        words = query[len(prompt):].split()
+        words = query[len(prompt) :].split()
         rewards.append(sum(w.startswith("w") and int(w[1:]) < 50 for w in words) / max(1, len(words)))
     return rewards
 

@@ -31,7 +31,7 @@ def extract_answer(response):
 
 def reward_func(queries, prompts, labels, responses=None, **kwargs):
     if responses is None:  # called as OpenRLHF does: the query is prompt + response
-        responses = [q[len(p):] if q.startswith(p) else q for q, p in zip(queries, prompts)]
+        responses = [q[len(p) :] if q.startswith(p) else q for q, p in zip(queries, prompts)]
     answers = [extract_answer(r) for r in responses]
     correct = [1.0 if grade_answer(a, label) else 0.0 for a, label in zip(answers, labels)]
     return {

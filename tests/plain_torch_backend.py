@@ -32,7 +32,9 @@ def response_logprobs(model, seq: SequenceBatch, temperature: float) -> tuple[to
     position earlier.
     """
     logits = model(input_ids=seq.input_ids, attention_mask=seq.attention_mask).logits.float() / temperature
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, seq.input_ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
+    logp = (
+        torch.log_softmax(logits[:, :-1], -1).gather(-1, seq.input_ids[:, 1:, None]).squeeze(-1)
+    )  # [B, L-1]
     t = seq.num_response_positions
     index = (seq.prompt_lens[:, None] - 1 + torch.arange(t)[None, :]).clamp(max=logp.shape[1] - 1)  # [B, T]
     mask = seq.response_mask()
@@ -76,20 +78,37 @@ class PlainRank:
         if cfg.kl_coef or cfg.entropy_coef:
             raise NotImplementedError("the plain torch backend has no KL or entropy loss terms")
         policy_loss = resolve(get_plugin_manager(), "policy_losses", cfg.loss, "--actor.policy_loss_type")
-        agg = LossAggregation(mode=cfg.agg_mode, num_tokens=counts["num_tokens"],
-                              num_sequences=counts["num_sequences"], max_len=cfg.max_len, dp_size=self.world_size)
+        agg = LossAggregation(
+            mode=cfg.agg_mode,
+            num_tokens=counts["num_tokens"],
+            num_sequences=counts["num_sequences"],
+            max_len=cfg.max_len,
+            dp_size=self.world_size,
+        )
         self.optimizer.zero_grad()
         total, gap, tokens = 0.0, 0.0, 0.0
         for mb in mbs:
             lp, mask = response_logprobs(self.model, mb.seq, cfg.temperature)
             old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs
-            out = policy_loss(PolicyLossInput(
-                logprobs=lp, old_logprobs=old, advantages=mb.advantages, action_mask=mask,
-                rollout_logprobs=mb.rollout_logprobs, eps_clip_low=cfg.eps_clip_low, eps_clip_high=cfg.eps_clip_high,
-                dual_clip=cfg.dual_clip, is_correction=cfg.is_correction, is_threshold=tuple(cfg.is_threshold),
-                aggregation=agg))
+            out = policy_loss(
+                PolicyLossInput(
+                    logprobs=lp,
+                    old_logprobs=old,
+                    advantages=mb.advantages,
+                    action_mask=mask,
+                    rollout_logprobs=mb.rollout_logprobs,
+                    eps_clip_low=cfg.eps_clip_low,
+                    eps_clip_high=cfg.eps_clip_high,
+                    dual_clip=cfg.dual_clip,
+                    is_correction=cfg.is_correction,
+                    is_threshold=tuple(cfg.is_threshold),
+                    aggregation=agg,
+                )
+            )
             out.loss.backward()
-            total += float(out.loss.detach()) / self.world_size  # the aggregation multiplied by the rank count
+            total += (
+                float(out.loss.detach()) / self.world_size
+            )  # the aggregation multiplied by the rank count
             if mb.old_logprobs is None and mb.rollout_logprobs is not None:
                 gap += float(((lp.detach() - mb.rollout_logprobs).abs() * mask).sum())
                 tokens += float(mask.sum())
@@ -101,7 +120,7 @@ class PlainRank:
         if finite:
             offset = 0
             for p in self.model.parameters():
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
             self.optimizer.step()
         return {"loss": total, "skipped": float(not finite), "gap": gap, "tokens": tokens}
@@ -114,16 +133,19 @@ class PlainRank:
             return 0
         # the engines keep the group for every sync; another address means a new group (an engine was replaced)
         if getattr(self, "sync", None) is None or self.sync.address != f"{addr}:{port}":
-            self.sync = weight_sync.init_sync_group(addr, port, 0, world_size, backend, timeout_s,
-                                                    store=self.stores.pop(port))
+            self.sync = weight_sync.init_sync_group(
+                addr, port, 0, world_size, backend, timeout_s, store=self.stores.pop(port)
+            )
         self.sync.send(self.model.state_dict().items())
         return len(self.model.state_dict())
 
     def save(self, path: str) -> None:
         if self.rank == 0:  # the ranks hold the same weights and optimizer state
             Path(path).mkdir(parents=True, exist_ok=True)
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
-                       Path(path) / "plain.pt")
+            torch.save(
+                {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()},
+                Path(path) / "plain.pt",
+            )
         dist.barrier()
 
     def load(self, path: str) -> None:
@@ -153,7 +175,7 @@ class PlainGroup:
 
     def call_sharded_async(self, method: str, items: list, *args) -> tuple[list, list[int]]:
         per = math.ceil(len(items) / self.dp_size)
-        shares = [items[r * per:(r + 1) * per] for r in range(self.dp_size)]
+        shares = [items[r * per : (r + 1) * per] for r in range(self.dp_size)]
         refs = [getattr(a, method).remote(s, *args) for a, s in zip(self.actors, shares, strict=True) if s]
         return refs, [len(s) for s in shares if s]
 
@@ -164,11 +186,17 @@ class PlainGroup:
         if len(micro_batches) % self.dp_size:
             raise ValueError(f"{len(micro_batches)} micro-batches do not split over {self.dp_size} ranks")
         masks = [mb.seq.response_mask() for mb in micro_batches]
-        counts = {"num_tokens": float(sum(m.sum() for m in masks)),
-                  "num_sequences": float(sum(m.any(-1).sum() for m in masks))}
+        counts = {
+            "num_tokens": float(sum(m.sum() for m in masks)),
+            "num_sequences": float(sum(m.any(-1).sum() for m in masks)),
+        }
         per = len(micro_batches) // self.dp_size
-        results = ray.get([a.train_policy.remote(micro_batches[r * per:(r + 1) * per], cfg, counts)
-                           for r, a in enumerate(self.actors)])
+        results = ray.get(
+            [
+                a.train_policy.remote(micro_batches[r * per : (r + 1) * per], cfg, counts)
+                for r, a in enumerate(self.actors)
+            ]
+        )
         out = {"loss": sum(r["loss"] for r in results), "skipped": results[0]["skipped"]}
         tokens = sum(r["tokens"] for r in results)
         if tokens:
@@ -187,10 +215,13 @@ class PlainGroup:
     def weight_sync_address(self) -> tuple[str, int]:
         return ray.get(self.actors[0].master_address.remote())
 
-    def broadcast_weights_to_engines_async(self, master_addr, master_port, world_size, backend="gloo",
-                                           timeout_s=600.0) -> list:
-        return [a.broadcast_weights.remote(master_addr, master_port, world_size, backend, timeout_s)
-                for a in self.actors]
+    def broadcast_weights_to_engines_async(
+        self, master_addr, master_port, world_size, backend="gloo", timeout_s=600.0
+    ) -> list:
+        return [
+            a.broadcast_weights.remote(master_addr, master_port, world_size, backend, timeout_s)
+            for a in self.actors
+        ]
 
     def save_checkpoint(self, path: str) -> None:
         ray.get([a.save.remote(path) for a in self.actors])
@@ -218,8 +249,18 @@ class PlainTorchBackend:
 
     name = "plain_torch"
 
-    def create_group(self, role: str, cfg, pool=None, num_workers: int = 1, *, bundle_indices=None,
-                     num_cpus_per_worker: float = 1.0, num_threads: int | None = None, **_options):
+    def create_group(
+        self,
+        role: str,
+        cfg,
+        pool=None,
+        num_workers: int = 1,
+        *,
+        bundle_indices=None,
+        num_cpus_per_worker: float = 1.0,
+        num_threads: int | None = None,
+        **_options,
+    ):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if role != "actor":
@@ -230,13 +271,19 @@ class PlainTorchBackend:
             options = {"num_cpus": num_cpus_per_worker, "num_gpus": 0}
             if pool is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pool, placement_group_bundle_index=bundle_indices[r] if bundle_indices else r)
+                    placement_group=pool,
+                    placement_group_bundle_index=bundle_indices[r] if bundle_indices else r,
+                )
             ranks.append(ray.remote(PlainRank).options(**options).remote(r, num_workers, threads))
         group = PlainGroup(ranks)
         try:
             addr, port = ray.get(ranks[0].master_address.remote())
-            ray.get([a.init.remote(addr, port, cfg.actor.model_name_or_path, cfg.actor.adam.lr, cfg.train.seed)
-                     for a in ranks])
+            ray.get(
+                [
+                    a.init.remote(addr, port, cfg.actor.model_name_or_path, cfg.actor.adam.lr, cfg.train.seed)
+                    for a in ranks
+                ]
+            )
         except BaseException:
             group.shutdown()  # ranks outside a placement group would hold their CPUs for the tests after
             raise

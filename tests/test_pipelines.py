@@ -38,8 +38,10 @@ def reward_func(queries, prompts, labels, responses):
     return [float(r.split()[:1] in [[d] for d in {EVEN}]) for r in responses]
 '''
 GENERATE = "--label_key label --max_new_tokens 2 --param_dtype fp32 --micro_batch_size 64"
-TRAIN = ("--max_len 10 --train_batch_size {batch} --micro_train_batch_size {batch} --max_epochs {epochs} "
-         "--learning_rate {lr} --adam_betas 0.9 0.999 --zero_stage 0 --param_dtype fp32")
+TRAIN = (
+    "--max_len 10 --train_batch_size {batch} --micro_train_batch_size {batch} --max_epochs {epochs} "
+    "--learning_rate {lr} --adam_betas 0.9 0.999 --zero_stage 0 --param_dtype fp32"
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +52,23 @@ def task(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipelines")
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(root / "policy")
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(root / "policy")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "policy")
     rng = random.Random(0)
 
@@ -66,8 +79,14 @@ def task(tmp_path_factory):
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(512)))
     (root / "reward.py").write_text(REWARD)
     (root / "reward_even.py").write_text(REWARD_EVEN)
-    return {"root": root, "policy": str(root / "policy"), "prompts": str(root / "prompts.jsonl"),
-            "reward": str(root / "reward.py"), "reward_even": str(root / "reward_even.py"), "eval": rows(200)}
+    return {
+        "root": root,
+        "policy": str(root / "policy"),
+        "prompts": str(root / "prompts.jsonl"),
+        "reward": str(root / "reward.py"),
+        "reward_even": str(root / "reward_even.py"),
+        "eval": rows(200),
+    }
 
 
 def expected_reward(model_dir, rows, suffix="", right=None):
@@ -87,12 +106,36 @@ def expected_reward(model_dir, rows, suffix="", right=None):
 
 
 def iterate(task, mode, workdir, iterations, prompts_per_iter, train, env=None, reward="reward"):
-    cmd = [sys.executable, str(REPO / "examples" / "iterate.py"), mode, "--policy", task["policy"], "--prompts",
-           task["prompts"], "--reward", task[reward], "--workdir", str(workdir), "--iterations", str(iterations),
-           "--prompts-per-iter", str(prompts_per_iter), "--best-of-n", "8", "--generate-flags", GENERATE,
-           "--train-flags", train]
-    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
-                          text=True, timeout=1200)
+    cmd = [
+        sys.executable,
+        str(REPO / "examples" / "iterate.py"),
+        mode,
+        "--policy",
+        task["policy"],
+        "--prompts",
+        task["prompts"],
+        "--reward",
+        task[reward],
+        "--workdir",
+        str(workdir),
+        "--iterations",
+        str(iterations),
+        "--prompts-per-iter",
+        str(prompts_per_iter),
+        "--best-of-n",
+        "8",
+        "--generate-flags",
+        GENERATE,
+        "--train-flags",
+        train,
+    ]
+    return subprocess.run(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
 
 
 def rewards(path):
@@ -136,7 +179,8 @@ def test_iterative_dpo_raises_the_reward_each_iteration_and_resumes(task, tmp_pa
     assert text.startswith("".join(line + "\n" for line in done_before))  # finished prompts kept, not redone
     samples = [json.loads(line) for line in text.splitlines()]
     assert sorted((s["prompt_index"], s["sample_index"]) for s in samples) == [
-        (p, j) for p in range(256) for j in range(8)]
+        (p, j) for p in range(256) for j in range(8)
+    ]
     pairs = [json.loads(line) for line in (tmp_path / "iter1" / "data.jsonl").read_text().splitlines()]
     assert pairs and all(p["chosen_reward"] > p["rejected_reward"] for p in pairs)
 
@@ -149,7 +193,9 @@ def test_iterative_dpo_raises_the_reward_each_iteration_and_resumes(task, tmp_pa
 
 
 def test_conditional_sft_output_follows_the_condition(task, tmp_path):
-    done = iterate(task, "csft", tmp_path, 1, 128, TRAIN.format(batch=32, epochs=2, lr=3e-3), reward="reward_even")
+    done = iterate(
+        task, "csft", tmp_path, 1, 128, TRAIN.format(batch=32, epochs=2, lr=3e-3), reward="reward_even"
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "iter0" / "data.jsonl").read_text().splitlines()]
     assert len(rows) == 128 * 8 and {r["input"].split("<rm_score>: ")[1] for r in rows} == {"0.00 ", "1.00 "}

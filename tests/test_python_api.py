@@ -41,7 +41,9 @@ def example_run(tmp_path_factory) -> tuple[Path, str]:
 
 def metric_rows(run: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("perf/", "timing/"))} for r in rows]
+    return [
+        {k: v for k, v in r.items() if k != "time" and not k.startswith(("perf/", "timing/"))} for r in rows
+    ]
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -54,8 +56,12 @@ def test_the_example_trains_from_python_objects_and_prints_its_metrics(example_r
     rows = metric_rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert printed.splitlines()[-4:] == [  # after what DeepSpeed prints when DS_ACCELERATOR is unset
-        *(f"step {r['step']}: reward {r['reward/mean']:.3f}, policy loss {r['policy/loss']:+.4f}" for r in rows),
-        f"run directory: {run}"]
+        *(
+            f"step {r['step']}: reward {r['reward/mean']:.3f}, policy loss {r['policy/loss']:+.4f}"
+            for r in rows
+        ),
+        f"run directory: {run}",
+    ]
     # every reward is a fraction of 8 or fewer words (0, 1/8, ..., 1), so a step's mean over 16 samples is in [0, 1]
     assert all(0 <= r["reward/mean"] <= 1 for r in rows) and any(r["reward/mean"] > 0 for r in rows)
     # the list of prompts became a file of the run directory, which the saved config names
@@ -86,7 +92,9 @@ def test_a_run_stopped_by_its_reward_function_resumes_through_the_api_exactly(ex
 
     config = example_run[0] / "config.yaml"
     ckpt = {"output_dir": str(tmp_path / "run"), "save_steps": 1}
-    with pytest.raises(UserError, match=r"step 3: 16 of 16 samples could not be scored.*reward_func= .*flaky") as err:
+    with pytest.raises(
+        UserError, match=r"step 3: 16 of 16 samples could not be scored.*reward_func= .*flaky"
+    ) as err:
         train("ppo", config, reward_func=flaky, ckpt=ckpt)
     assert "ConnectionError: the judge went away" in str(err.value)
     assert "rlhf train ppo stopped: step 3" in (tmp_path / "run" / "train.log").read_text()
@@ -98,28 +106,66 @@ def test_a_run_stopped_by_its_reward_function_resumes_through_the_api_exactly(ex
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"rollout": {"batch_szie": 4}}, "unknown option --rollout.batch_szie for 'rlhf train ppo'; did you mean "
-                                     "--rollout.batch_size"),
-    ({"rollout": {"batch_size": "four"}}, "--rollout.batch_size: invalid int value: 'four'"),
-    ({"ds": {"tensor_parallel_size": 2}}, "--ds.tensor_parallel_size: DeepSpeed AutoTP is not wired"),
-    ({"rollout": {"vllm_generate_batch_size": None}}, "--rollout.vllm_generate_batch_size None: an override cannot"),
-    ({"reward_func": 42}, "reward_func= is a int (42), not a function"),
-    ({"reward_func": lambda texts: texts}, "reward_func= <lambda>(texts) cannot be called as reward_func(queries, "
-                                           "prompts, labels, **kwargs)"),
-    ({"reward_func": small_words, "reward": {"remote_url": "reward.py"}},
-     "reward_func= and --reward.remote_url both give the reward"),
-    ({"dataset": [{"input": "w1"}, "w2"]}, "dataset= row 1 is a str; expected a dict"),
-    ({"dataset": [{"input": {1, 2}}]}, "dataset= row 0 cannot be written as JSON"),
-    ({"dataset": [{"input": "w1"}], "data": {"prompt_dataset": ["p.jsonl"]}},
-     "dataset= and --data.prompt_dataset both give the data"),
-    ({"config": RLConfig(), "mode": "sft"}, "config= is a RLConfig: rlhf train sft takes a SupervisedConfig"),
-    ({"mode": "sft", "reward_func": small_words}, "reward_func= is the reward of 'rlhf train ppo'"),
-], ids=["misspelled", "mistyped", "refused", "none", "not-callable", "signature", "two-rewards", "row-not-dict",
-       "row-not-json", "two-datasets", "config-of-another-mode", "reward-for-sft"])
-def test_mistakes_are_refused_naming_the_field_before_anything_is_written(kwargs, message, tiny_model, tmp_path):
-    kwargs = {"mode": "ppo", "reward_func": small_words, "actor": {"model_name_or_path": tiny_model},
-              "ckpt": {"output_dir": str(tmp_path / "run")}, **kwargs}
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"rollout": {"batch_szie": 4}},
+            "unknown option --rollout.batch_szie for 'rlhf train ppo'; did you mean --rollout.batch_size",
+        ),
+        ({"rollout": {"batch_size": "four"}}, "--rollout.batch_size: invalid int value: 'four'"),
+        ({"ds": {"tensor_parallel_size": 2}}, "--ds.tensor_parallel_size: DeepSpeed AutoTP is not wired"),
+        (
+            {"rollout": {"vllm_generate_batch_size": None}},
+            "--rollout.vllm_generate_batch_size None: an override cannot",
+        ),
+        ({"reward_func": 42}, "reward_func= is a int (42), not a function"),
+        (
+            {"reward_func": lambda texts: texts},
+            "reward_func= <lambda>(texts) cannot be called as reward_func(queries, "
+            "prompts, labels, **kwargs)",
+        ),
+        (
+            {"reward_func": small_words, "reward": {"remote_url": "reward.py"}},
+            "reward_func= and --reward.remote_url both give the reward",
+        ),
+        ({"dataset": [{"input": "w1"}, "w2"]}, "dataset= row 1 is a str; expected a dict"),
+        ({"dataset": [{"input": {1, 2}}]}, "dataset= row 0 cannot be written as JSON"),
+        (
+            {"dataset": [{"input": "w1"}], "data": {"prompt_dataset": ["p.jsonl"]}},
+            "dataset= and --data.prompt_dataset both give the data",
+        ),
+        (
+            {"config": RLConfig(), "mode": "sft"},
+            "config= is a RLConfig: rlhf train sft takes a SupervisedConfig",
+        ),
+        ({"mode": "sft", "reward_func": small_words}, "reward_func= is the reward of 'rlhf train ppo'"),
+    ],
+    ids=[
+        "misspelled",
+        "mistyped",
+        "refused",
+        "none",
+        "not-callable",
+        "signature",
+        "two-rewards",
+        "row-not-dict",
+        "row-not-json",
+        "two-datasets",
+        "config-of-another-mode",
+        "reward-for-sft",
+    ],
+)
+def test_mistakes_are_refused_naming_the_field_before_anything_is_written(
+    kwargs, message, tiny_model, tmp_path
+):
+    kwargs = {
+        "mode": "ppo",
+        "reward_func": small_words,
+        "actor": {"model_name_or_path": tiny_model},
+        "ckpt": {"output_dir": str(tmp_path / "run")},
+        **kwargs,
+    }
     if kwargs["mode"] != "ppo":
         kwargs.pop("actor")
     with pytest.raises(UserError) as err:
@@ -132,8 +178,15 @@ def test_a_dry_run_checks_and_plans_from_a_config_object_without_changing_it(tin
     cfg = RLConfig()
     cfg.actor.model_name_or_path = tiny_model
     cfg.ckpt.output_dir = str(tmp_path / "run")
-    result = train("ppo", cfg, reward_func=small_words, dataset=[{"input": "w1"}], dry_run=True,
-                   algo={"advantage": {"estimator": "group_norm"}}, rollout={"n_samples_per_prompt": 2})
+    result = train(
+        "ppo",
+        cfg,
+        reward_func=small_words,
+        dataset=[{"input": "w1"}],
+        dry_run=True,
+        algo={"advantage": {"estimator": "group_norm"}},
+        rollout={"n_samples_per_prompt": 2},
+    )
     assert result.metrics == [] and not (tmp_path / "run").exists()  # a dry run writes nothing
     assert "advantage_estimators   group_norm" in result.plan and "single process" in result.plan
     assert result.config.rollout.n_samples_per_prompt == 2 and result.config.ds.param_dtype == "fp32"
@@ -141,7 +194,9 @@ def test_a_dry_run_checks_and_plans_from_a_config_object_without_changing_it(tin
     assert result.config.data.prompt_dataset == [str(tmp_path / "run" / "data" / "dataset.jsonl")]
     assert cfg.ds.param_dtype == "auto" and cfg.reward.func is None and cfg.rollout.n_samples_per_prompt == 1
     cfg.data.dataset = ["sft.jsonl"]  # a field of the supervised modes, which a flag of ppo cannot set
-    with pytest.raises(UserError, match=r"--data.dataset is an option of 'rlhf train sft\|rm\|dpo\|kto\|prm\|kd' only"):
+    with pytest.raises(
+        UserError, match=r"--data.dataset is an option of 'rlhf train sft\|rm\|dpo\|kto\|prm\|kd' only"
+    ):
         train("ppo", cfg, reward_func=small_words, dry_run=True)
 
 
@@ -155,8 +210,12 @@ def test_a_datasets_dataset_is_written_as_a_list_is_and_a_resume_on_other_rows_i
     cfg = RLConfig()
     cfg.ckpt.output_dir = str(tmp_path)
     files = _data_files("ppo", cfg, datasets.Dataset.from_list(rows), rows[:1])
-    assert files == {tmp_path / "data" / "dataset.jsonl": '{"input": "w1 w2", "label": 3}\n{"input": "w4", "label": null}\n',
-                     tmp_path / "data" / "eval_dataset.jsonl": '{"input": "w1 w2", "label": 3}\n'}
+    assert files == {
+        tmp_path
+        / "data"
+        / "dataset.jsonl": '{"input": "w1 w2", "label": 3}\n{"input": "w4", "label": null}\n',
+        tmp_path / "data" / "eval_dataset.jsonl": '{"input": "w1 w2", "label": 3}\n',
+    }
     assert cfg.data.prompt_dataset == [str(tmp_path / "data" / "dataset.jsonl")]
     assert cfg.eval.dataset == [str(tmp_path / "data" / "eval_dataset.jsonl")]
     for path, text in files.items():
@@ -166,5 +225,7 @@ def test_a_datasets_dataset_is_written_as_a_list_is_and_a_resume_on_other_rows_i
     cfg.ckpt.output_dir, cfg.ckpt.load_enable = str(tmp_path), True
     assert _data_files("ppo", cfg, rows, None)  # the same rows: the resume reads what the run read
     cfg.data.prompt_dataset = None
-    with pytest.raises(ConfigError, match="dataset=: the rows differ from .*dataset.jsonl, which the run being resumed"):
+    with pytest.raises(
+        ConfigError, match="dataset=: the rows differ from .*dataset.jsonl, which the run being resumed"
+    ):
         _data_files("ppo", cfg, rows[::-1], None)

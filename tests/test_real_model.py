@@ -15,13 +15,17 @@ def test_smollm2_is_an_ordinary_hf_directory_with_the_real_properties(smollm2):
     assert config.tie_word_embeddings and config.rope_parameters["rope_theta"] == 1e5
     tok = AutoTokenizer.from_pretrained(smollm2)
     assert tok.pad_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     # a pretrained instruct model, not a random one: greedy decoding answers the question
     out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
-    assert "5" in tok.decode(out[0, len(ids):])
+    assert "5" in tok.decode(out[0, len(ids) :])
 
 
 def test_a_missing_wheel_is_a_clear_error(tmp_path, monkeypatch):
@@ -50,11 +54,18 @@ def _chat_prompts(model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    convs = [[{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"},
-              {"role": "user", "content": "And 4+4?"}],
-             [{"role": "user", "content": "Name a color."}]]
-    return [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
-            for c in convs]
+    convs = [
+        [
+            {"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "And 4+4?"},
+        ],
+        [{"role": "user", "content": "Name a color."}],
+    ]
+    return [
+        list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for c in convs
+    ]
 
 
 def _nudged(state: dict, seed: int) -> dict:
@@ -91,9 +102,12 @@ def test_hf_engine_agrees_with_the_trainer_before_and_after_weight_syncs(smollm2
             trainer.load_state_dict(sent, strict=False)
             engine.update_weights(sent)
             engine.reset_prefix_cache()
-        requests = [GenerationRequest(p, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=10 * i + j,
-                                                        ignore_eos=True))
-                    for j, p in enumerate(prompts)]
+        requests = [
+            GenerationRequest(
+                p, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=10 * i + j, ignore_eos=True)
+            )
+            for j, p in enumerate(prompts)
+        ]
         gaps = []
         for req, outs in zip(requests, engine.generate(requests), strict=True):
             for out in outs:
@@ -115,21 +129,62 @@ def test_a_run_without_precision_flags_keeps_engine_and_trainer_together(smollm2
     import sys
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
-                               for q in ("What is 2+3?", "Name a color.")))
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
+            for q in ("What is 2+3?", "Name a color.")
+        )
+    )
     reward = tmp_path / "reward.py"
-    reward.write_text("def reward_func(queries, prompts, labels, **kw):\n"
-                      "    return [float(any(c.isdigit() for c in q[len(p):])) for q, p in zip(queries, prompts)]\n")
+    reward.write_text(
+        "def reward_func(queries, prompts, labels, **kw):\n"
+        "    return [float(any(c.isdigit() for c in q[len(p):])) for q, p in zip(queries, prompts)]\n"
+    )
     out = tmp_path / "run"
     env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu"}
     run = subprocess.run(
-        [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", "--pretrain", smollm2, "--remote_rm_url", str(reward),
-         "--prompt_data", str(prompts), "--input_key", "messages", "--apply_chat_template",
-         "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "2",
-         "--train_batch_size", "4", "--micro_train_batch_size", "4", "--generate_max_len", "4", "--max_steps", "1",
-         "--save_path", str(out)], capture_output=True, text=True, env=env, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "rlhf_cli.main",
+            "train",
+            "ppo",
+            "--pretrain",
+            smollm2,
+            "--remote_rm_url",
+            str(reward),
+            "--prompt_data",
+            str(prompts),
+            "--input_key",
+            "messages",
+            "--apply_chat_template",
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "2",
+            "--rollout_batch_size",
+            "2",
+            "--train_batch_size",
+            "4",
+            "--micro_train_batch_size",
+            "4",
+            "--generate_max_len",
+            "4",
+            "--max_steps",
+            "1",
+            "--save_path",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "--ds.param_dtype bf16" not in run.stderr  # no bf16, so no note about its gap
-    assert json.loads((out / "run.json").read_text())["plugins"]["placement_strategies"]["name"] == "colocate_all"
+    assert (
+        json.loads((out / "run.json").read_text())["plugins"]["placement_strategies"]["name"]
+        == "colocate_all"
+    )
     (row,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["policy/rollout_train_logprob_gap"] <= 1e-4, row["policy/rollout_train_logprob_gap"]

@@ -35,18 +35,54 @@ def test_sigkill_of_a_multi_process_driver_leaves_no_process_behind(tmp_path):
     model = make_tiny_llama(tmp_path / "model", num_words=20)
     (tmp_path / "reward.py").write_text(REWARD)
     (tmp_path / "prompts.jsonl").write_text("".join(f'{{"input": "w{k} w3"}}\n' for k in range(64)))
-    cmd = [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", "--pretrain", model, "--remote_rm_url",
-           str(tmp_path / "reward.py"), "--prompt_data", str(tmp_path / "prompts.jsonl"), "--input_key", "input",
-           "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "2",
-           "--train_batch_size", "4", "--micro_train_batch_size", "2", "--generate_max_len", "4",
-           "--train.placement", "separate", "--ds.param_dtype", "fp32", "--save_path", str(tmp_path / "out")]
-    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "RLHF_NO_PROGRESS": "1"}, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf_cli.main",
+        "train",
+        "ppo",
+        "--pretrain",
+        model,
+        "--remote_rm_url",
+        str(tmp_path / "reward.py"),
+        "--prompt_data",
+        str(tmp_path / "prompts.jsonl"),
+        "--input_key",
+        "input",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "2",
+        "--rollout_batch_size",
+        "2",
+        "--train_batch_size",
+        "4",
+        "--micro_train_batch_size",
+        "2",
+        "--generate_max_len",
+        "4",
+        "--train.placement",
+        "separate",
+        "--ds.param_dtype",
+        "fp32",
+        "--save_path",
+        str(tmp_path / "out"),
+    ]
+    driver = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "RLHF_NO_PROGRESS": "1"},
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # until the cluster's agents and an actor run
             names = " ".join(command_names(descendants(driver.pid)))
-            if all(k in names for k in ("raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::TrainWorker")):
+            if all(
+                k in names
+                for k in ("raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::TrainWorker")
+            ):
                 break
             assert driver.poll() is None, "the run ended before its Ray cluster was up"
             time.sleep(1)

@@ -42,9 +42,16 @@ def assets(tmp_path_factory):
     model = make_tiny_llama(root / "model", num_words=100, hidden_size=32, intermediate_size=64)
     with (root / "prompts.jsonl").open("w") as f:
         for i in range(48):
-            f.write(json.dumps({"input": f"w{i} w{(i * 7) % 100} w{(i * 13) % 100}", "label": str(i % 10)}) + "\n")
+            f.write(
+                json.dumps({"input": f"w{i} w{(i * 7) % 100} w{(i * 13) % 100}", "label": str(i % 10)}) + "\n"
+            )
     (root / "reward.py").write_text(REWARD)
-    return {"model": model, "prompts": str(root / "prompts.jsonl"), "reward": str(root / "reward.py"), "root": root}
+    return {
+        "model": model,
+        "prompts": str(root / "prompts.jsonl"),
+        "reward": str(root / "reward.py"),
+        "root": root,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +69,51 @@ def ray_session():
 
 
 def base_args(assets, out, steps=2):
-    return ["--actor.model_name_or_path", assets["model"], "--reward.remote_url", assets["reward"],
-            "--data.prompt_dataset", assets["prompts"], "--data.label_key", "label",
-            "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4",
-            "--rollout.micro_batch_size", "8", "--data.max_len", "16", "--train.batch_size", "16",
-            "--train.micro_batch_size", "4", "--actor.num_gpus_per_node", "2", "--ds.zero_stage", "3",
-            "--ds.param_dtype", "fp32", "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3",
-            "--actor.lr_warmup_ratio", "0", "--train.max_steps", str(steps), "--ckpt.output_dir", str(out)]
+    return [
+        "--actor.model_name_or_path",
+        assets["model"],
+        "--reward.remote_url",
+        assets["reward"],
+        "--data.prompt_dataset",
+        assets["prompts"],
+        "--data.label_key",
+        "label",
+        "--rollout.n_samples_per_prompt",
+        "4",
+        "--rollout.batch_size",
+        "4",
+        "--rollout.max_new_tokens",
+        "4",
+        "--rollout.micro_batch_size",
+        "8",
+        "--data.max_len",
+        "16",
+        "--train.batch_size",
+        "16",
+        "--train.micro_batch_size",
+        "4",
+        "--actor.num_gpus_per_node",
+        "2",
+        "--ds.zero_stage",
+        "3",
+        "--ds.param_dtype",
+        "fp32",
+        "--algo.kl.init_coef",
+        "0",
+        "--actor.adam.lr",
+        "1e-3",
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--train.max_steps",
+        str(steps),
+        "--ckpt.output_dir",
+        str(out),
+    ]
 
 
 def without(args: list[str], flag: str) -> list[str]:
     i = args.index(flag)
-    return args[:i] + args[i + 2:]
+    return args[:i] + args[i + 2 :]
 
 
 def in_one_process(args: list[str]) -> list[str]:
@@ -109,22 +149,52 @@ def metrics(out) -> list[dict]:
     return [rows[k] for k in sorted(rows)]
 
 
-@pytest.mark.parametrize("estimator,extra", [
-    # gae (a critic group): the reward-model test below
-    ("reinforce", ["--algo.kl.init_coef", "0.05"]),  # KL folded into the reward: the rank hosts the reference
-    # weights through the object store, not a group; a LoRA policy: only its adapter goes
-    ("reinforce_baseline", ["--vllm.sync_with_ray", "--ds.lora.rank", "4", "--ds.lora.alpha", "8"]),
-    ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
-    # 2 engine processes, which a LoRA policy's adapter reaches through the sync group
-    ("group_norm", ["--actor.eps_clip_low_high", "0.2", "0.28", "--vllm.num_engines", "2", "--ds.lora.rank", "4",
-                    "--ds.zero_stage", "2"]),
-    # hybrid engine: every role and the engines on the same bundles, taking turns (sleep/wake); on CPU the
-    # reference model and each engine live in the policy ranks' processes (engines get their weights by an
-    # in-process copy)
-    ("dr_grpo", ["--actor.loss_agg_mode", "seq_mean_token_sum_norm", "--train.colocate_all",
-                 "--vllm.enable_sleep", "--ds.enable_sleep", "--vllm.num_engines", "2",
-                 "--algo.kl.init_coef", "0.05", "--algo.kl.use_loss"]),
-])
+@pytest.mark.parametrize(
+    "estimator,extra",
+    [
+        # gae (a critic group): the reward-model test below
+        (
+            "reinforce",
+            ["--algo.kl.init_coef", "0.05"],
+        ),  # KL folded into the reward: the rank hosts the reference
+        # weights through the object store, not a group; a LoRA policy: only its adapter goes
+        ("reinforce_baseline", ["--vllm.sync_with_ray", "--ds.lora.rank", "4", "--ds.lora.alpha", "8"]),
+        ("rloo", ["--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3"]),
+        # 2 engine processes, which a LoRA policy's adapter reaches through the sync group
+        (
+            "group_norm",
+            [
+                "--actor.eps_clip_low_high",
+                "0.2",
+                "0.28",
+                "--vllm.num_engines",
+                "2",
+                "--ds.lora.rank",
+                "4",
+                "--ds.zero_stage",
+                "2",
+            ],
+        ),
+        # hybrid engine: every role and the engines on the same bundles, taking turns (sleep/wake); on CPU the
+        # reference model and each engine live in the policy ranks' processes (engines get their weights by an
+        # in-process copy)
+        (
+            "dr_grpo",
+            [
+                "--actor.loss_agg_mode",
+                "seq_mean_token_sum_norm",
+                "--train.colocate_all",
+                "--vllm.enable_sleep",
+                "--ds.enable_sleep",
+                "--vllm.num_engines",
+                "2",
+                "--algo.kl.init_coef",
+                "0.05",
+                "--algo.kl.use_loss",
+            ],
+        ),
+    ],
+)
 def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, capsys, estimator, extra):
     out = tmp_path / estimator
     args = base_args(assets, out) + ["--algo.advantage.estimator", estimator, *extra]
@@ -147,14 +217,22 @@ def test_each_estimator_runs_with_a_reward_file(assets, ray_session, tmp_path, c
         assert rows[-1]["kl/mean"] != 0.0  # the policy moved away from the reference after step 1
     placement = json.loads((out / "run.json").read_text())["plugins"]["placement_strategies"]["name"]
     assert placement == ("colocate_all" if "--train.colocate_all" in extra or one_process else "separate")
-    exported = "adapter_config.json" if "--ds.lora.rank" in extra else "config.json"  # LoRA exports the adapter
+    exported = (
+        "adapter_config.json" if "--ds.lora.rank" in extra else "config.json"
+    )  # LoRA exports the adapter
     assert (out / "model" / exported).is_file() and (out / "report" / "reward.png").is_file()
 
 
 def test_multi_turn_environment_from_a_plugin(assets, ray_session, tmp_path):
     out = tmp_path / "env"
-    args = base_args(assets, out) + ["--algo.advantage.estimator", "reinforce_baseline", "--train.env",
-                                     "guess_number", "--data.max_len", "32"]
+    args = base_args(assets, out) + [
+        "--algo.advantage.estimator",
+        "reinforce_baseline",
+        "--train.env",
+        "guess_number",
+        "--data.max_len",
+        "32",
+    ]
     assert train(in_one_process(args)) == 0
     rows = metrics(out)
     assert len(rows) == 2 and rows[-1]["rollout/samples"] == 16
@@ -163,14 +241,20 @@ def test_multi_turn_environment_from_a_plugin(assets, ray_session, tmp_path):
 def test_multi_turn_agent_file(assets, ray_session, tmp_path):
     out = tmp_path / "agent"
     args = without(base_args(assets, out), "--reward.remote_url")  # the environment gives the reward
-    args += ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path",
-             str(REPO / "examples" / "agent_multistep.py"), "--data.max_len", "48"]
+    args += [
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--train.agent_func_path",
+        str(REPO / "examples" / "agent_multistep.py"),
+        "--data.max_len",
+        "48",
+    ]
     assert train(in_one_process(args)) == 0  # on two vLLM engines: tests/test_rl_vllm.py
     rows = metrics(out)
     assert len(rows) == 2 and rows[-1]["reward/unscorable"] == 0
 
 
-PER_CALL_AGENT = r'''
+PER_CALL_AGENT = r"""
 import json, os, sys, urllib.request
 row = json.load(sys.stdin)
 def complete(prompt):
@@ -181,7 +265,7 @@ first = complete(row["prompt"])
 second = complete(row["prompt"] + " w1")  # without the first reply: the second call does not extend the first
 words = (first + " " + second).replace("</s>", " ").split()
 print(sum(w[1:].isdigit() and int(w[1:]) < 50 for w in words) / max(len(words), 1))
-'''
+"""
 
 
 def test_an_agent_program_whose_calls_do_not_extend_one_another(assets, ray_session, tmp_path):
@@ -200,9 +284,18 @@ def test_an_agent_program_whose_calls_do_not_extend_one_another(assets, ray_sess
 
 def test_grpo_raises_the_reward(assets, ray_session, tmp_path):
     out = tmp_path / "learn"
-    args = base_args(assets, out, steps=12) + ["--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "2e-2",
-                                               "--rollout.batch_size", "8", "--train.batch_size", "32",
-                                               "--train.num_episodes", "2"]
+    args = base_args(assets, out, steps=12) + [
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--actor.adam.lr",
+        "2e-2",
+        "--rollout.batch_size",
+        "8",
+        "--train.batch_size",
+        "32",
+        "--train.num_episodes",
+        "2",
+    ]
     assert train(in_one_process(args)) == 0  # learning on 2 ZeRO-3 ranks: tests/test_rl_vllm.py
     rewards = [r["reward/mean"] for r in metrics(out)]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
@@ -213,7 +306,12 @@ def test_grpo_raises_the_reward(assets, ray_session, tmp_path):
 def test_async_pipeline_respects_its_queue_bound(assets, ray_session, tmp_path, partial):
     out = tmp_path / "async"
     args = one_rank_on_ray(base_args(assets, out, steps=4)) + [
-        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--train.async_queue_size", "1"]
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--train.async_enable",
+        "--train.async_queue_size",
+        "1",
+    ]
     if partial:  # weights land in the engine while it may be generating (a second concurrent actor call)
         args.append("--train.partial_rollout_enable")
     assert train(args) == 0
@@ -227,7 +325,9 @@ def test_async_pipeline_respects_its_queue_bound(assets, ray_session, tmp_path, 
         assert [r["policy_version_lag"] for r in rows] == [0, 1, 1, 1]
 
 
-def test_async_over_generation_with_sleeping_trainers_and_hf_only_checkpoints(assets, ray_session, tmp_path, capsys):
+def test_async_over_generation_with_sleeping_trainers_and_hf_only_checkpoints(
+    assets, ray_session, tmp_path, capsys
+):
     """OpenRLHF's async recipe shape: one round of 8 prompts feeds two steps of 4 (over-generation), the hybrid
     trainers may sleep while they wait, and checkpoints hold an HF export only (--ckpt.disable_ds), which a
     resume refuses by name before starting anything."""
@@ -235,8 +335,18 @@ def test_async_over_generation_with_sleeping_trainers_and_hf_only_checkpoints(as
 
     out = tmp_path / "overgen"
     args = base_args(assets, out, steps=3) + [
-        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--rollout.vllm_generate_batch_size", "8",
-        "--train.colocate_all", "--ds.enable_sleep", "--ckpt.save_steps", "1", "--ckpt.save_hf", "--ckpt.disable_ds"]
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--train.async_enable",
+        "--rollout.vllm_generate_batch_size",
+        "8",
+        "--train.colocate_all",
+        "--ds.enable_sleep",
+        "--ckpt.save_steps",
+        "1",
+        "--ckpt.save_hf",
+        "--ckpt.disable_ds",
+    ]
     assert train(args) == 0
     rows = metrics(out)
     assert [(r["step"], r["rollout/prompts_used"]) for r in rows] == [(1, 8), (2, 0), (3, 8)]
@@ -258,17 +368,62 @@ def test_ppo_with_critic_and_a_reward_model_trained_by_rlhf_train_rm(assets, ray
     prefs = tmp_path / "prefs.jsonl"
     with prefs.open("w") as f:
         for i in range(64):
-            f.write(json.dumps({"prompt": f"w{i % 100}", "chosen": f"w{i % 50} w{(i + 3) % 50}",
-                                "rejected": f"w{50 + i % 50} w{50 + (i + 7) % 50}"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": f"w{i % 100}",
+                        "chosen": f"w{i % 50} w{(i + 3) % 50}",
+                        "rejected": f"w{50 + i % 50} w{50 + (i + 7) % 50}",
+                    }
+                )
+                + "\n"
+            )
     rm = tmp_path / "rm"
-    assert main(["train", "rm", "--model.model_name_or_path", assets["model"], "--data.dataset", str(prefs),
-                 "--data.prompt_key", "prompt", "--data.max_len", "16", "--train.batch_size", "16",
-                 "--train.micro_batch_size", "8", "--model.adam.lr", "3e-3", "--ds.zero_stage", "0",
-                 "--ds.param_dtype", "fp32", "--ray.single_process", "true", "--ckpt.output_dir", str(rm)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "rm",
+                "--model.model_name_or_path",
+                assets["model"],
+                "--data.dataset",
+                str(prefs),
+                "--data.prompt_key",
+                "prompt",
+                "--data.max_len",
+                "16",
+                "--train.batch_size",
+                "16",
+                "--train.micro_batch_size",
+                "8",
+                "--model.adam.lr",
+                "3e-3",
+                "--ds.zero_stage",
+                "0",
+                "--ds.param_dtype",
+                "fp32",
+                "--ray.single_process",
+                "true",
+                "--ckpt.output_dir",
+                str(rm),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "ppo"
     args = without(base_args(assets, out), "--reward.remote_url") + [
-        "--algo.advantage.estimator", "gae", "--reward.model_name_or_path", str(rm), "--critic.adam.lr", "1e-3",
-        "--algo.kl.init_coef", "0.01", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "24"]
+        "--algo.advantage.estimator",
+        "gae",
+        "--reward.model_name_or_path",
+        str(rm),
+        "--critic.adam.lr",
+        "1e-3",
+        "--algo.kl.init_coef",
+        "0.01",
+        "--train.dynamic_batch_enable",
+        "--train.max_tokens_per_gpu",
+        "24",
+    ]
     capsys.readouterr()
     assert train(args) == 0
     # 2 policy ranks, +1 reference, +1 critic, +1 reward model, +1 engine
@@ -295,8 +450,15 @@ def test_ppo_with_a_process_reward_model_scoring_each_step(assets, ray_session, 
     config.save_pretrained(prm)
     out = tmp_path / "ppo"
     args = without(base_args(assets, out, steps=1), "--reward.remote_url") + [
-        "--algo.advantage.estimator", "group_norm", "--reward.model_name_or_path", str(prm),
-        "--reward.prm_step_separator", " ", "--reward.prm_aggregation", "mean"]
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--reward.model_name_or_path",
+        str(prm),
+        "--reward.prm_step_separator",
+        " ",
+        "--reward.prm_aggregation",
+        "mean",
+    ]
     assert train(in_one_process(args)) == 0  # the PRM scores in the rollout worker, here the rank's process
     rows = metrics(out)
     assert len(rows) == 1 and rows[0]["policy/grad_norm"] > 0
@@ -328,31 +490,43 @@ def test_an_agent_that_fails_in_its_worker_is_reported_by_its_message(assets, ra
     agent = tmp_path / "agent.py"
     agent.write_text(BROKEN_AGENT)
     out = tmp_path / "run"
-    args = one_rank_on_ray(base_args(assets, out)) + ["--algo.advantage.estimator", "group_norm",
-                                                      "--train.agent_func_path", str(agent)]
+    args = one_rank_on_ray(base_args(assets, out)) + [
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--train.agent_func_path",
+        str(agent),
+    ]
     capfd.readouterr()
     assert train(args) == 1
     err = capfd.readouterr().err
-    assert (f"rlhf train ppo: --train.agent_func_path {agent}: AgentExecutor() raised RuntimeError: "
-            "AGENT_API_KEY is not set") in err
+    assert (
+        f"rlhf train ppo: --train.agent_func_path {agent}: AgentExecutor() raised RuntimeError: "
+        "AGENT_API_KEY is not set"
+    ) in err
     assert "Traceback" not in err and "ray::" not in err, err[-3000:]
     log = (out / "train.log").read_text()
     assert "Traceback (most recent call last)" in log and "AGENT_API_KEY is not set" in log
 
 
-def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(assets, ray_session, tmp_path, capfd):
+def test_a_reward_function_that_always_raises_stops_the_run_with_its_message(
+    assets, ray_session, tmp_path, capfd
+):
     """The rollout worker's RolloutFailureError reaches the user as its message, not as Ray's traceback chain;
     the traceback goes to the run's log file. One policy rank: the failure is the rollout actor's, whose
     process is the engine's either way."""
     reward = tmp_path / "judge_reward.py"
-    reward.write_text("def reward_func(queries, prompts, labels):\n    raise ValueError('the judge is down')\n")
+    reward.write_text(
+        "def reward_func(queries, prompts, labels):\n    raise ValueError('the judge is down')\n"
+    )
     out = tmp_path / "run"
     args = base_args(assets, out)
     args[args.index(assets["reward"])] = str(reward)
     assert train(one_rank_on_ray(args) + ["--algo.advantage.estimator", "group_norm"]) == 1
     err = capfd.readouterr().err
-    assert ("rlhf train ppo: step 1: 16 of 16 samples could not be scored, more than "
-            f"--reward.max_failure_fraction 0.1 (reward source: reward_func in {reward})") in err
+    assert (
+        "rlhf train ppo: step 1: 16 of 16 samples could not be scored, more than "
+        f"--reward.max_failure_fraction 0.1 (reward source: reward_func in {reward})"
+    ) in err
     assert "raised ValueError: the judge is down" in err
     assert "RayTaskError" not in err and "ray::" not in err
     # the reward function's own traceback may be logged once by the worker; no chain, no driver traceback
@@ -407,7 +581,13 @@ def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD + f"\nMARK = {str(mark)!r}\n" + KILL_HOOK)
     common = one_rank_on_ray(without(base_args(assets, "X", steps=3), "--reward.remote_url")) + [
-        "--reward.remote_url", str(reward), "--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "1e-3"]
+        "--reward.remote_url",
+        str(reward),
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--actor.adam.lr",
+        "1e-3",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     mark.write_text("")  # run A: no engine stops
     assert train(with_output(common, a)) == 0
@@ -433,7 +613,9 @@ def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, 
     # through a new broadcast group): its samples, and so every weight after it, are A's
     wa, wb = _export_weights(a), _export_weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert [r["rollout/prompt_digest"] for r in metrics(b)] == [r["rollout/prompt_digest"] for r in metrics(a)]
+    assert [r["rollout/prompt_digest"] for r in metrics(b)] == [
+        r["rollout/prompt_digest"] for r in metrics(a)
+    ]
 
 
 def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, ray_session, tmp_path, capfd):
@@ -448,9 +630,19 @@ def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, ray_
 
     import psutil
 
-    common = base_args(assets, "X", steps=6) + ["--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "2",
-                                                 "--actor.adam.lr", "1e-3", "--train.async_enable",
-                                                 "--rollout.vllm_generate_batch_size", "6", "--train.max_staleness", "1"]
+    common = base_args(assets, "X", steps=6) + [
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--ckpt.save_steps",
+        "2",
+        "--actor.adam.lr",
+        "1e-3",
+        "--train.async_enable",
+        "--rollout.vllm_generate_batch_size",
+        "6",
+        "--train.max_staleness",
+        "1",
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     assert train(with_output(common, a)) == 0
 
@@ -461,10 +653,14 @@ def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, ray_
     deadline = time.time() + 300
     killed = None
     while time.time() < deadline and killed is None and run_b.is_alive():
-        if (b / "checkpoints" / "latest").exists() and (b / "metrics.jsonl").exists() \
-                and len((b / "metrics.jsonl").read_text().splitlines()) >= 3:
-            workers = [p for p in psutil.Process().children(recursive=True)
-                       if "TrainWorker" in " ".join(p.cmdline())]
+        if (
+            (b / "checkpoints" / "latest").exists()
+            and (b / "metrics.jsonl").exists()
+            and len((b / "metrics.jsonl").read_text().splitlines()) >= 3
+        ):
+            workers = [
+                p for p in psutil.Process().children(recursive=True) if "TrainWorker" in " ".join(p.cmdline())
+            ]
             if workers:
                 killed = workers[-1]
                 os.kill(killed.pid, signal.SIGKILL)
@@ -561,13 +757,30 @@ def test_consecutive_nonfinite_losses_stop_the_run_keeping_the_last_good_checkpo
     site = tmp_path / "site"
     _install_plugin(site)
     out = tmp_path / "run"
-    args = base_args(assets, out, steps=8) + ["--algo.advantage.estimator", "group_norm", "--ckpt.save_steps", "1",
-                                              "--ckpt.max_num", "10", "--actor.policy_loss_type", "nan_after"]
+    args = base_args(assets, out, steps=8) + [
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--ckpt.save_steps",
+        "1",
+        "--ckpt.max_num",
+        "10",
+        "--actor.policy_loss_type",
+        "nan_after",
+    ]
     # 16 rows per step, micro-batches of 4 over 2 ranks: 2 loss calls per rank per step
-    env = {**os.environ, "RLHF_NO_PROGRESS": "1", "NAN_AFTER_CALLS": "4",
-           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "RLHF_NO_PROGRESS": "1",
+        "NAN_AFTER_CALLS": "4",
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "rlhf_cli.main", "train", "ppo", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "3 policy steps in a row had a non-finite loss" in done.stderr
     assert "--train.max_nonfinite_steps" in done.stderr
@@ -614,5 +827,7 @@ def test_a_damaged_checkpoint_stops_the_run_before_any_worker_starts(assets, tmp
     model_states.unlink()
     assert train(base_args(assets, out) + ["--ckpt.load_enable"]) == 1
     err = capsys.readouterr().err
-    assert f"no intact checkpoint under {out / 'checkpoints'}: step_00000002 ({model_states} is missing)" in err
+    assert (
+        f"no intact checkpoint under {out / 'checkpoints'}: step_00000002 ({model_states} is missing)" in err
+    )
     assert "workers up" not in err

@@ -20,8 +20,11 @@ from test_rl_e2e import REPO, REWARD, base_args, metrics, one_rank_on_ray, train
 from rlhf_rollout_vllm.plugin import VLLMEngineFactory
 
 REASON = VLLMEngineFactory().available()
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rl_vllm"),
-              pytest.mark.skipif(REASON is not None, reason=f"needs a runnable vLLM: {REASON}")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("rl_vllm"),
+    pytest.mark.skipif(REASON is not None, reason=f"needs a runnable vLLM: {REASON}"),
+]
 GAP = 1e-5
 ray_session = test_rl_e2e.ray_session  # the e2e runs' fixture: one local Ray session for this module
 
@@ -38,7 +41,8 @@ def held_out_score(model_dir: str, prompts: list[str]) -> float:
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     outs = HFEngine(model_dir, dtype="fp32").generate(
-        [GenerationRequest(i, SamplingParams(temperature=0.0, max_new_tokens=4)) for i in ids])
+        [GenerationRequest(i, SamplingParams(temperature=0.0, max_new_tokens=4)) for i in ids]
+    )
     queries = [p + " " + tok.decode(o.token_ids) for p, (o,) in zip(prompts, outs, strict=True)]
     scores = namespace["reward_func"](queries, prompts, [None] * len(prompts))
     return sum(scores) / len(scores)
@@ -49,13 +53,21 @@ def assets(tmp_path_factory):
     from rlhf_core.testing.tiny import make_tiny_llama
 
     root = tmp_path_factory.mktemp("rl_vllm")
-    model = make_tiny_llama(root / "model", num_words=100, hidden_size=128, intermediate_size=256,
-                            tie_word_embeddings=True)
+    model = make_tiny_llama(
+        root / "model", num_words=100, hidden_size=128, intermediate_size=256, tie_word_embeddings=True
+    )
     with (root / "prompts.jsonl").open("w") as f:
         for i in range(48):
-            f.write(json.dumps({"input": f"w{i} w{(i * 7) % 100} w{(i * 13) % 100}", "label": str(i % 10)}) + "\n")
+            f.write(
+                json.dumps({"input": f"w{i} w{(i * 7) % 100} w{(i * 13) % 100}", "label": str(i % 10)}) + "\n"
+            )
     (root / "reward.py").write_text(REWARD)
-    return {"model": model, "prompts": str(root / "prompts.jsonl"), "reward": str(root / "reward.py"), "root": root}
+    return {
+        "model": model,
+        "prompts": str(root / "prompts.jsonl"),
+        "reward": str(root / "reward.py"),
+        "root": root,
+    }
 
 
 def vllm_args(assets, out, steps=2):
@@ -67,13 +79,26 @@ def assert_synced(rows):
     assert max(gaps) <= GAP, f"engine and trainer log-probs differ after a sync: {gaps}"
 
 
-def test_grpo_on_vllm_raises_reward_and_held_out_score_and_resumes_exactly(assets, ray_session, tmp_path, capfd):
+def test_grpo_on_vllm_raises_reward_and_held_out_score_and_resumes_exactly(
+    assets, ray_session, tmp_path, capfd
+):
     """A run that learns on vLLM; then the same run resumed from its step-10 checkpoint ends on its weights,
     bit for bit (vLLM's seeded samples of steps 11-12 are the same after the engine is rebuilt)."""
     out = tmp_path / "learn"
-    args = vllm_args(assets, out, steps=12) + ["--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "2e-2",
-                                               "--rollout.batch_size", "8", "--train.batch_size", "32",
-                                               "--train.num_episodes", "2", "--ckpt.save_steps", "10"]
+    args = vllm_args(assets, out, steps=12) + [
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--actor.adam.lr",
+        "2e-2",
+        "--rollout.batch_size",
+        "8",
+        "--train.batch_size",
+        "32",
+        "--train.num_episodes",
+        "2",
+        "--ckpt.save_steps",
+        "10",
+    ]
     assert train(args) == 0
     rows = metrics(out)
     assert len(rows) == 12
@@ -91,7 +116,10 @@ def test_grpo_on_vllm_raises_reward_and_held_out_score_and_resumes_exactly(asset
     args[args.index("--ckpt.output_dir") + 1] = str(resumed)
     capfd.readouterr()
     assert train(args + ["--ckpt.load_enable"]) == 0
-    assert "resumed from" in capfd.readouterr().err and "step_00000010" in (resumed / "checkpoints" / "latest").read_text()
+    assert (
+        "resumed from" in capfd.readouterr().err
+        and "step_00000010" in (resumed / "checkpoints" / "latest").read_text()
+    )
     assert_synced(metrics(resumed)[10:])
     want, got = (load_file(str(d / "model" / "model.safetensors")) for d in (out, resumed))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -102,8 +130,13 @@ def test_async_pipeline_with_partial_rollout_on_vllm(assets, ray_session, tmp_pa
     concurrent actor call). (The plain async pipeline is the same run without that second call.)"""
     out = tmp_path / "async"
     args = one_rank_on_ray(vllm_args(assets, out, steps=4)) + [
-        "--algo.advantage.estimator", "group_norm", "--train.async_enable", "--train.async_queue_size", "1",
-        "--train.partial_rollout_enable"]
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--train.async_enable",
+        "--train.async_queue_size",
+        "1",
+        "--train.partial_rollout_enable",
+    ]
     assert train(args) == 0
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -113,9 +146,19 @@ def test_async_pipeline_with_partial_rollout_on_vllm(assets, ray_session, tmp_pa
 
 def test_multi_turn_agent_file_on_two_vllm_engines(assets, ray_session, tmp_path):
     out = tmp_path / "agent"
-    args = one_rank_on_ray(without(vllm_args(assets, out), "--reward.remote_url"))  # the environment gives the reward
-    args += ["--algo.advantage.estimator", "group_norm", "--train.agent_func_path",
-             str(REPO / "examples" / "agent_multistep.py"), "--data.max_len", "48", "--vllm.num_engines", "2"]
+    args = one_rank_on_ray(
+        without(vllm_args(assets, out), "--reward.remote_url")
+    )  # the environment gives the reward
+    args += [
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--train.agent_func_path",
+        str(REPO / "examples" / "agent_multistep.py"),
+        "--data.max_len",
+        "48",
+        "--vllm.num_engines",
+        "2",
+    ]
     assert train(args) == 0
     rows = metrics(out)
     assert len(rows) == 2 and rows[-1]["reward/unscorable"] == 0

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 ROLLOUT_PACKAGES = ("rlhf_core", "rlhf_algos", "rlhf_agents", "rlhf_rollout_vllm")
-REWARD = '''
+REWARD = """
 def reward_func(queries, prompts, labels, **kwargs):
     return [float(len(q) % 3 == 0) for q in queries]
-'''
+"""
 
 
 def is_rollout_node_entry(name: str) -> bool:
@@ -65,13 +65,35 @@ def start_node(python: Path, args: list[str], log: Path, temp_dir: Path) -> subp
     """``ray start --block`` in a session of its own: its raylet dies with it (Ray's fate sharing), and the
     whole session is ended by its id at the end. ``temp_dir`` is short: Ray's socket paths must fit 107 bytes."""
     agent, grpc, runtime_env, metrics, manager, objects = free_ports(6)
-    cmd = [str(python), "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address", "127.0.0.1",
-           "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(grpc),
-           "--runtime-env-agent-port", str(runtime_env), "--metrics-export-port", str(metrics),
-           "--node-manager-port", str(manager), "--object-manager-port", str(objects),
-           "--temp-dir", str(temp_dir), "--disable-usage-stats", *args]
+    cmd = [
+        str(python),
+        "-m",
+        "ray.scripts.scripts",
+        "start",
+        "--block",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--dashboard-agent-listen-port",
+        str(agent),
+        "--dashboard-agent-grpc-port",
+        str(grpc),
+        "--runtime-env-agent-port",
+        str(runtime_env),
+        "--metrics-export-port",
+        str(metrics),
+        "--node-manager-port",
+        str(manager),
+        "--object-manager-port",
+        str(objects),
+        "--temp-dir",
+        str(temp_dir),
+        "--disable-usage-stats",
+        *args,
+    ]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu"}
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
 
 def stop_node(proc: subprocess.Popen) -> None:
@@ -88,8 +110,10 @@ def stop_node(proc: subprocess.Popen) -> None:
 
 
 def wait_for_nodes(address: str, count: int, nodes: list[subprocess.Popen], timeout: float = 120.0) -> None:
-    probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-             "print(sum(n['Alive'] for n in ray.nodes()))")
+    probe = (
+        "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+        "print(sum(n['Alive'] for n in ray.nodes()))"
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert all(p.poll() is None for p in nodes), "a ray node exited; see its log in the test's tmp_path"
@@ -107,14 +131,31 @@ def test_node_resource_pins_the_rollout_pool_and_is_refused_when_the_engines_sha
 
     model = make_tiny_llama(tmp_path / "model", num_words=20)
     (tmp_path / "reward.py").write_text(REWARD)
-    args = ["--pretrain", model, "--remote_rm_url", str(tmp_path / "reward.py"), "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
-            "--init_kl_coef", "0", "--vllm_num_engines", "2", "--actor_num_gpus_per_node", "2",
-            "--rollout.node_resource", "rollout_node"]
+    args = [
+        "--pretrain",
+        model,
+        "--remote_rm_url",
+        str(tmp_path / "reward.py"),
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "2",
+        "--init_kl_coef",
+        "0",
+        "--vllm_num_engines",
+        "2",
+        "--actor_num_gpus_per_node",
+        "2",
+        "--rollout.node_resource",
+        "rollout_node",
+    ]
     plan = assemble("ppo", parse_config("ppo", args)[0], gpus=True).plan
     bundles = {p.name: p.bundles for p in plan.pools}
     assert bundles["rollout"] == [{"GPU": 1.0, "CPU": 1.0, "rollout_node": 1.0}] * 2
     assert all("rollout_node" not in b for b in bundles["actor"])
-    with pytest.raises(RunConfigError, match="--rollout.node_resource rollout_node .* shares their devices with actor "):
+    with pytest.raises(
+        RunConfigError, match="--rollout.node_resource rollout_node .* shares their devices with actor "
+    ):
         assemble("ppo", parse_config("ppo", args + ["--colocate_all_models"])[0], gpus=True)
 
 
@@ -123,15 +164,17 @@ def test_node_resource_pins_the_rollout_pool_and_is_refused_when_the_engines_sha
 def test_the_rollout_engine_runs_and_syncs_on_a_node_without_deepspeed(tmp_path):
     python = make_rollout_venv(tmp_path / "rollout-venv")
     # the inference node's environment: the rollout packages import, the training stack does not
-    check = ("import importlib, sys\n"
-             "for m in ('rlhf_core', 'rlhf_agents', 'rlhf_rollout_vllm', 'rlhf_agents.rollout_actor', 'ray'):\n"
-             "    importlib.import_module(m)\n"
-             "for m in ('deepspeed', 'rlhf_train_deepspeed', 'rlhf_cli'):\n"
-             "    try:\n"
-             "        importlib.import_module(m)\n"
-             "    except ImportError:\n"
-             "        continue\n"
-             "    sys.exit(f'{m} is importable')\n")
+    check = (
+        "import importlib, sys\n"
+        "for m in ('rlhf_core', 'rlhf_agents', 'rlhf_rollout_vllm', 'rlhf_agents.rollout_actor', 'ray'):\n"
+        "    importlib.import_module(m)\n"
+        "for m in ('deepspeed', 'rlhf_train_deepspeed', 'rlhf_cli'):\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ImportError:\n"
+        "        continue\n"
+        "    sys.exit(f'{m} is importable')\n"
+    )
     out = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
@@ -147,26 +190,78 @@ def test_the_rollout_engine_runs_and_syncs_on_a_node_without_deepspeed(tmp_path)
     port, client = free_ports(2)
     address = f"127.0.0.1:{port}"
     # the head has room for every worker: without --rollout.node_resource Ray puts the engine there too
-    nodes = [start_node(Path(sys.executable), ["--head", "--port", str(port), "--ray-client-server-port",
-                                               str(client), "--include-dashboard=false", "--num-cpus", "8"],
-                        tmp_path / "head.log", temp / "head")]
+    nodes = [
+        start_node(
+            Path(sys.executable),
+            [
+                "--head",
+                "--port",
+                str(port),
+                "--ray-client-server-port",
+                str(client),
+                "--include-dashboard=false",
+                "--num-cpus",
+                "8",
+            ],
+            tmp_path / "head.log",
+            temp / "head",
+        )
+    ]
     try:
         time.sleep(3)  # the head's GCS first
-        nodes.append(start_node(python, ["--address", address, "--num-cpus", "1",
-                                         "--resources", json.dumps({"rollout_node": 1})], tmp_path / "node.log",
-                                temp / "node"))
+        nodes.append(
+            start_node(
+                python,
+                ["--address", address, "--num-cpus", "1", "--resources", json.dumps({"rollout_node": 1})],
+                tmp_path / "node.log",
+                temp / "node",
+            )
+        )
         wait_for_nodes(address, 2, nodes)
         out_dir = tmp_path / "run"
         run = subprocess.run(
-            [str(Path(sys.executable).parent / "rlhf"), "train", "ppo", "--actor.model_name_or_path", model,
-             "--reward.remote_url", str(tmp_path / "reward.py"), "--data.prompt_dataset",
-             str(tmp_path / "prompts.jsonl"), "--algo.advantage.estimator", "group_norm",
-             "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "2", "--rollout.max_new_tokens", "4",
-             "--rollout.engine", "hf", "--rollout.node_resource", "rollout_node",
-             "--train.batch_size", "8", "--train.micro_batch_size", "4",
-             "--ds.zero_stage", "0", "--ds.param_dtype", "fp32", "--algo.kl.init_coef", "0",  # one rank
-             "--actor.adam.lr", "1e-3", "--train.max_steps", "2", "--ckpt.output_dir", str(out_dir)],
-            capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": address, "RLHF_NO_PROGRESS": "1"},
+            [
+                str(Path(sys.executable).parent / "rlhf"),
+                "train",
+                "ppo",
+                "--actor.model_name_or_path",
+                model,
+                "--reward.remote_url",
+                str(tmp_path / "reward.py"),
+                "--data.prompt_dataset",
+                str(tmp_path / "prompts.jsonl"),
+                "--algo.advantage.estimator",
+                "group_norm",
+                "--rollout.n_samples_per_prompt",
+                "4",
+                "--rollout.batch_size",
+                "2",
+                "--rollout.max_new_tokens",
+                "4",
+                "--rollout.engine",
+                "hf",
+                "--rollout.node_resource",
+                "rollout_node",
+                "--train.batch_size",
+                "8",
+                "--train.micro_batch_size",
+                "4",
+                "--ds.zero_stage",
+                "0",
+                "--ds.param_dtype",
+                "fp32",
+                "--algo.kl.init_coef",
+                "0",  # one rank
+                "--actor.adam.lr",
+                "1e-3",
+                "--train.max_steps",
+                "2",
+                "--ckpt.output_dir",
+                str(out_dir),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "RAY_ADDRESS": address, "RLHF_NO_PROGRESS": "1"},
             timeout=600,
         )
         assert run.returncode == 0, run.stderr[-3000:]

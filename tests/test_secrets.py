@@ -18,8 +18,19 @@ from rlhf_core.config_parser import ConfigError, all_leaves, parse_config
 KEY, PASSWORD, TOKEN = "sk-live-0123456789", "hunter2pw", "tok-9876"
 URL = f"http://rm:{PASSWORD}@127.0.0.1:9/get_reward?token={TOKEN}"
 # fields whose names look like secrets but hold dataset column names, a metric name or a PRM's step marker
-NOT_SECRETS = {"input_key", "output_key", "label_key", "prompt_key", "chosen_key", "rejected_key", "label_kto_key",
-               "image_key", "best_metric_key", "placeholder_token", "teacher_key"}
+NOT_SECRETS = {
+    "input_key",
+    "output_key",
+    "label_key",
+    "prompt_key",
+    "chosen_key",
+    "rejected_key",
+    "label_kto_key",
+    "image_key",
+    "best_metric_key",
+    "placeholder_token",
+    "teacher_key",
+}
 
 
 @pytest.fixture
@@ -40,7 +51,10 @@ def test_every_secret_looking_field_is_marked_secret():
     for mode in COMMANDS:
         for path, leaf in all_leaves(COMMANDS[mode]).items():
             name = path.rsplit(".", 1)[-1]
-            if re.search(r"(^|_)(key|token|password|passwd|secret|credentials?)$", name) and name not in NOT_SECRETS:
+            if (
+                re.search(r"(^|_)(key|token|password|passwd|secret|credentials?)$", name)
+                and name not in NOT_SECRETS
+            ):
                 assert leaf.secret, f"--{path} looks like a secret: mark it option(secret=True)"
 
 
@@ -49,25 +63,56 @@ def test_dry_run_shows_neither_the_key_nor_url_credentials(mode, wandb_site, tmp
     model = ["--pretrain", tiny_model]
     extra = ["--remote_rm_url", URL] if mode == "ppo" else ["--dataset", URL]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(wandb_site), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "train", mode, "--dry-run", *model, *extra,
-                          "--use_wandb", KEY, "--ckpt.output_dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf_cli.main",
+            "train",
+            mode,
+            "--dry-run",
+            *model,
+            *extra,
+            "--use_wandb",
+            KEY,
+            "--ckpt.output_dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert_hidden(out.stdout + out.stderr)
     assert "key: '***'" in out.stdout and "rm:***@127.0.0.1:9/get_reward?token=***" in out.stdout
 
 
-def test_the_run_directory_hides_them_and_a_saved_config_cannot_be_reused_blindly(wandb_site, tmp_path, monkeypatch,
-                                                                                  tiny_model):
+def test_the_run_directory_hides_them_and_a_saved_config_cannot_be_reused_blindly(
+    wandb_site, tmp_path, monkeypatch, tiny_model
+):
     monkeypatch.syspath_prepend(str(wandb_site))
-    cfg, _ = parse_config("ppo", ["--pretrain", tiny_model, "--remote_rm_url", URL, "--use_wandb", KEY,
-                                  "--ckpt.output_dir", str(tmp_path / "run")])
+    cfg, _ = parse_config(
+        "ppo",
+        [
+            "--pretrain",
+            tiny_model,
+            "--remote_rm_url",
+            URL,
+            "--use_wandb",
+            KEY,
+            "--ckpt.output_dir",
+            str(tmp_path / "run"),
+        ],
+    )
     assert cfg.logger.wandb.key == KEY and cfg.reward.remote_url == URL  # the code gets the real values
     assert KEY not in repr(cfg)
     run = write_run_dir(assemble("ppo", cfg, gpus=False))
     for name in ("config.yaml", "run.json"):
         assert_hidden((run / name).read_text())
-    with pytest.raises(ConfigError, match=r"--logger.wandb.key is '\*\*\*', the placeholder of a saved config"):
+    with pytest.raises(
+        ConfigError, match=r"--logger.wandb.key is '\*\*\*', the placeholder of a saved config"
+    ):
         parse_config("ppo", ["--config", str(run / "config.yaml")])
     again, _ = parse_config("ppo", ["--config", str(run / "config.yaml"), "--logger.wandb.key", KEY])
     assert again.logger.wandb.key == KEY

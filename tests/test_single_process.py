@@ -132,19 +132,38 @@ def dry_runs(*commands: list[str]) -> list[subprocess.CompletedProcess]:
     """``rlhf COMMAND`` for each command line, as its exit code, stdout and stderr."""
     env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", DRY_RUNS, json.dumps(commands)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", DRY_RUNS, json.dumps(commands)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
-            for argv, r in zip(commands, json.loads(done.stdout.splitlines()[-1]), strict=True)]
+    return [
+        subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
+        for argv, r in zip(commands, json.loads(done.stdout.splitlines()[-1]), strict=True)
+    ]
 
 
 def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more(tmp_path, tiny_model):
     reward = tmp_path / "reward.py"
     reward.write_text("def reward_func(queries, prompts, labels, **kw):\n    return [0.0] * len(queries)\n")
-    common = ["train", "ppo", "--dry-run", "--actor.model_name_or_path", tiny_model, "--reward.remote_url",
-              str(reward), "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2",
-              "--ckpt.output_dir", str(tmp_path / "run")]
+    common = [
+        "train",
+        "ppo",
+        "--dry-run",
+        "--actor.model_name_or_path",
+        tiny_model,
+        "--reward.remote_url",
+        str(reward),
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--rollout.n_samples_per_prompt",
+        "2",
+        "--ckpt.output_dir",
+        str(tmp_path / "run"),
+    ]
     colocated, default, separate, two_ranks, zero3, refused, generate = dry_runs(
         [*common, "--train.colocate_all", "--algo.kl.init_coef", "0.01"],
         [*common, "--algo.kl.init_coef", "0.01"],
@@ -152,7 +171,8 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
         [*common, "--actor.num_gpus_per_node", "2"],
         [*common, "--ds.zero_stage", "3"],
         [*common, "--ray.single_process", "true", "--actor.num_gpus_per_node", "2", "--train.colocate_all"],
-        ["generate", "--ray.single_process", "true", "--dry-run"])
+        ["generate", "--ray.single_process", "true", "--dry-run"],
+    )
     out = colocated
     assert out.returncode == 0, out.stderr
     assert "single process: the one training rank runs in this process; no Ray cluster starts" in out.stdout
@@ -170,9 +190,14 @@ def test_dry_run_says_single_process_and_true_is_refused_when_the_run_needs_more
     out = separate
     assert out.returncode == 0, out.stderr
     assert "single process" not in out.stdout and "by default" not in out.stdout
-    assert "this run starts Ray and 3 worker processes; with --train.colocate_all it would fit one" in out.stderr
+    assert (
+        "this run starts Ray and 3 worker processes; with --train.colocate_all it would fit one" in out.stderr
+    )
     assert "# precision: bf16 (--ds.param_dtype)" in out.stdout
-    assert out.stderr.count("--ds.param_dtype bf16: the rollout engine and the trainer both compute in bf16") == 1
+    assert (
+        out.stderr.count("--ds.param_dtype bf16: the rollout engine and the trainer both compute in bf16")
+        == 1
+    )
     assert "expect their log-probs of the same token to differ by ~1e-2" in out.stderr
     out = two_ranks  # two ranks: Ray whatever the placement, no note
     assert out.returncode == 0 and "would fit one process" not in out.stderr
@@ -193,8 +218,13 @@ def run_wrapped(tmp_path, name, args) -> dict:
     report = tmp_path / f"{name}.json"
     env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-c", WRAPPER, str(report), *args], capture_output=True, text=True,
-                          env=env, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", WRAPPER, str(report), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert done.returncode == 0 and report.is_file(), done.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["code"] == 0, done.stderr[-3000:]
@@ -211,10 +241,10 @@ def metric_rows(out: Path, keys) -> list[dict]:
     return [{k: r.get(k) for k in keys} for r in rows if "policy/loss" in r or "loss" in r]
 
 
-REWARD = '''
+REWARD = """
 def reward_func(queries, prompts, labels, **kwargs):
     return [sum(w.startswith("w") and int(w[1:]) < 50 for w in q[len(p):].split()) / 4 for q, p in zip(queries, prompts)]
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -225,17 +255,50 @@ def ppo_args(tmp_path_factory) -> list[str]:
 
     root = tmp_path_factory.mktemp("single_ppo")
     model = make_tiny_llama(root / "model", num_words=100, hidden_size=32, intermediate_size=64)
-    (root / "prompts.jsonl").write_text("".join(
-        json.dumps({"input": f"w{i} w{(i * 7) % 100}", "label": "0"}) + "\n" for i in range(32)))
+    (root / "prompts.jsonl").write_text(
+        "".join(json.dumps({"input": f"w{i} w{(i * 7) % 100}", "label": "0"}) + "\n" for i in range(32))
+    )
     (root / "reward.py").write_text(REWARD)
-    return ["train", "ppo", "--actor.model_name_or_path", model, "--reward.remote_url", str(root / "reward.py"),
-            "--data.prompt_dataset", str(root / "prompts.jsonl"), "--data.label_key", "label",
-            "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "4",
-            "--rollout.batch_size", "4", "--rollout.max_new_tokens", "4", "--data.max_len", "16",
-            "--train.batch_size", "16", "--train.micro_batch_size", "8", "--rollout.micro_batch_size", "8",
-            "--ds.param_dtype", "fp32", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0",
-            "--algo.kl.init_coef", "0.05", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
-            "--train.colocate_all"]
+    return [
+        "train",
+        "ppo",
+        "--actor.model_name_or_path",
+        model,
+        "--reward.remote_url",
+        str(root / "reward.py"),
+        "--data.prompt_dataset",
+        str(root / "prompts.jsonl"),
+        "--data.label_key",
+        "label",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--rollout.n_samples_per_prompt",
+        "4",
+        "--rollout.batch_size",
+        "4",
+        "--rollout.max_new_tokens",
+        "4",
+        "--data.max_len",
+        "16",
+        "--train.batch_size",
+        "16",
+        "--train.micro_batch_size",
+        "8",
+        "--rollout.micro_batch_size",
+        "8",
+        "--ds.param_dtype",
+        "fp32",
+        "--actor.adam.lr",
+        "1e-3",
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--algo.kl.init_coef",
+        "0.05",
+        "--algo.kl.use_loss",
+        "--algo.kl.estimator",
+        "k3",
+        "--train.colocate_all",
+    ]
 
 
 @pytest.mark.slow
@@ -248,12 +311,30 @@ def test_ppo_in_the_driver_computes_what_the_same_run_computes_on_ray(ppo_args, 
     single = run_wrapped(tmp_path, "single", [*args, "--ckpt.output_dir", str(tmp_path / "single")])
     reward_file = args[args.index("--reward.remote_url") + 1]
     api_args = [a for a in args[2:] if a not in ("--reward.remote_url", reward_file)]
-    on_ray = run_wrapped(tmp_path, "ray", ["--api", reward_file, *api_args, "--ray.single_process", "false",
-                                           "--ckpt.output_dir", str(tmp_path / "ray")])
+    on_ray = run_wrapped(
+        tmp_path,
+        "ray",
+        [
+            "--api",
+            reward_file,
+            *api_args,
+            "--ray.single_process",
+            "false",
+            "--ckpt.output_dir",
+            str(tmp_path / "ray"),
+        ],
+    )
     assert single["ray_init_calls"] == 0 and on_ray["ray_init_calls"] == 1
     assert "the worker in this process (no Ray) up in" in single["stderr"]
     assert "1 worker processes up in" in on_ray["stderr"]
-    keys = ["step", "policy/loss", "policy/kl_loss", "policy/grad_norm", "reward/mean", "response_length/mean"]
+    keys = [
+        "step",
+        "policy/loss",
+        "policy/kl_loss",
+        "policy/grad_norm",
+        "reward/mean",
+        "response_length/mean",
+    ]
     rows = metric_rows(tmp_path / "single", keys)
     assert len(rows) == 3 and all(r["policy/grad_norm"] > 0 for r in rows)
     assert rows[-1]["policy/kl_loss"] != 0  # the reference model hosted in the rank took part
@@ -272,20 +353,34 @@ def test_a_killed_single_process_run_resumes_exactly(ppo_args, tmp_path):
     env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}
 
     def cmd(out):
-        return [sys.executable, "-m", "rlhf_cli.main", *ppo_args, "--train.max_steps", "6", "--ckpt.save_steps", "2",
-                "--ckpt.output_dir", str(out)]
+        return [
+            sys.executable,
+            "-m",
+            "rlhf_cli.main",
+            *ppo_args,
+            "--train.max_steps",
+            "6",
+            "--ckpt.save_steps",
+            "2",
+            "--ckpt.output_dir",
+            str(out),
+        ]
 
     a, b = tmp_path / "a", tmp_path / "b"
     done = subprocess.run(cmd(a), env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     proc = subprocess.Popen(cmd(b), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (b / "checkpoints" / "step_00000004").is_dir():
+    while (
+        time.time() < deadline and proc.poll() is None and not (b / "checkpoints" / "step_00000004").is_dir()
+    ):
         time.sleep(0.02)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
-    done = subprocess.run(cmd(b) + ["--ckpt.load_enable"], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        cmd(b) + ["--ckpt.load_enable"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
     wa, wb = weights(a / "model"), weights(b / "model")
@@ -298,15 +393,41 @@ def test_sft_in_the_driver_computes_what_the_same_run_computes_on_ray(tmp_path):
     from rlhf_core.testing.tiny import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "model", num_words=50, hidden_size=32, intermediate_size=64)
-    (tmp_path / "sft.jsonl").write_text("".join(
-        json.dumps({"input": f"w{i} w{i + 1}", "output": f"w{(i * 3) % 50}"}) + "\n" for i in range(40)))
-    args = ["train", "sft", "--model.model_name_or_path", model, "--data.dataset", str(tmp_path / "sft.jsonl"),
-            "--data.input_key", "input", "--data.output_key", "output", "--data.max_len", "8",
-            "--train.batch_size", "8", "--train.micro_batch_size", "4", "--train.max_epochs", "1",
-            "--model.adam.lr", "1e-3", "--ds.param_dtype", "fp32", "--ds.zero_stage", "2"]
+    (tmp_path / "sft.jsonl").write_text(
+        "".join(
+            json.dumps({"input": f"w{i} w{i + 1}", "output": f"w{(i * 3) % 50}"}) + "\n" for i in range(40)
+        )
+    )
+    args = [
+        "train",
+        "sft",
+        "--model.model_name_or_path",
+        model,
+        "--data.dataset",
+        str(tmp_path / "sft.jsonl"),
+        "--data.input_key",
+        "input",
+        "--data.output_key",
+        "output",
+        "--data.max_len",
+        "8",
+        "--train.batch_size",
+        "8",
+        "--train.micro_batch_size",
+        "4",
+        "--train.max_epochs",
+        "1",
+        "--model.adam.lr",
+        "1e-3",
+        "--ds.param_dtype",
+        "fp32",
+        "--ds.zero_stage",
+        "2",
+    ]
     single = run_wrapped(tmp_path, "single", [*args, "--ckpt.output_dir", str(tmp_path / "single")])
-    on_ray = run_wrapped(tmp_path, "ray", [*args, "--ray.single_process", "false",
-                                           "--ckpt.output_dir", str(tmp_path / "ray")])
+    on_ray = run_wrapped(
+        tmp_path, "ray", [*args, "--ray.single_process", "false", "--ckpt.output_dir", str(tmp_path / "ray")]
+    )
     assert single["ray_init_calls"] == 0 and on_ray["ray_init_calls"] == 1
     keys = ["step", "train/loss", "train/grad_norm"]
     rows = metric_rows(tmp_path / "single", keys)

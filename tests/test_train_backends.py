@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from rlhf_core.testing import TrainBackendConformance
 
-REWARD = '''
+REWARD = """
 def reward_func(queries, prompts, labels, **kwargs):
     return [float(len(q) % 3 == 0) for q in queries]
-'''
+"""
 
 
 @pytest.mark.slow
@@ -32,9 +32,21 @@ def test_only_a_backend_that_hosts_roles_gets_engines_in_its_ranks(register_plug
 
     register_plugin(Plugin(), "plain-torch-test")
     (tmp_path / "reward.py").write_text(REWARD)
-    args = ["--pretrain", make_tiny_llama(tmp_path / "model", num_words=20), "--remote_rm_url",
-            str(tmp_path / "reward.py"), "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
-            "--init_kl_coef", "0.01", "--colocate_all_models", "--actor_num_gpus_per_node", "2"]
+    args = [
+        "--pretrain",
+        make_tiny_llama(tmp_path / "model", num_words=20),
+        "--remote_rm_url",
+        str(tmp_path / "reward.py"),
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "2",
+        "--init_kl_coef",
+        "0.01",
+        "--colocate_all_models",
+        "--actor_num_gpus_per_node",
+        "2",
+    ]
     assert assemble("ppo", parse_config("ppo", args)[0], gpus=False).in_actor == {"ref", "rollout"}
     plain = parse_config("ppo", args + ["--train.backend", "plain_torch"])[0]
     assert assemble("ppo", plain, gpus=False).in_actor == set()
@@ -53,13 +65,44 @@ def test_a_grpo_run_trains_and_syncs_on_the_plain_torch_backend(register_plugin,
             f.write(json.dumps({"input": f"w{i} w{i * 7 % 100}"}) + "\n")
     (tmp_path / "reward.py").write_text(REWARD)
     out = tmp_path / "run"
-    code = main(["train", "ppo", "--train.backend", "plain_torch", "--actor.model_name_or_path", model,
-                 "--reward.remote_url", str(tmp_path / "reward.py"), "--data.prompt_dataset",
-                 str(tmp_path / "prompts.jsonl"), "--algo.advantage.estimator", "group_norm",
-                 "--rollout.n_samples_per_prompt", "4", "--rollout.batch_size", "2", "--rollout.max_new_tokens", "4",
-                 "--train.batch_size", "8", "--train.micro_batch_size", "2", "--actor.num_gpus_per_node", "2",
-                 "--algo.kl.init_coef", "0", "--actor.adam.lr", "1e-3", "--ds.param_dtype", "fp32",
-                 "--train.max_steps", "2", "--ckpt.output_dir", str(out)])
+    code = main(
+        [
+            "train",
+            "ppo",
+            "--train.backend",
+            "plain_torch",
+            "--actor.model_name_or_path",
+            model,
+            "--reward.remote_url",
+            str(tmp_path / "reward.py"),
+            "--data.prompt_dataset",
+            str(tmp_path / "prompts.jsonl"),
+            "--algo.advantage.estimator",
+            "group_norm",
+            "--rollout.n_samples_per_prompt",
+            "4",
+            "--rollout.batch_size",
+            "2",
+            "--rollout.max_new_tokens",
+            "4",
+            "--train.batch_size",
+            "8",
+            "--train.micro_batch_size",
+            "2",
+            "--actor.num_gpus_per_node",
+            "2",
+            "--algo.kl.init_coef",
+            "0",
+            "--actor.adam.lr",
+            "1e-3",
+            "--ds.param_dtype",
+            "fp32",
+            "--train.max_steps",
+            "2",
+            "--ckpt.output_dir",
+            str(out),
+        ]
+    )
     assert code == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -30,7 +30,10 @@ def draw(rng: random.Random, red_larger: bool) -> Image.Image:
     img = Image.new("RGB", (56, 56), (0, 0, 0))
     pen = ImageDraw.Draw(img)
     big, small = rng.randint(30, 38), rng.randint(8, 12)
-    for color, size in (((220, 20, 20), big if red_larger else small), ((20, 20, 220), small if red_larger else big)):
+    for color, size in (
+        ((220, 20, 20), big if red_larger else small),
+        ((20, 20, 220), small if red_larger else big),
+    ):
         x, y = rng.randint(0, 56 - size), rng.randint(0, 56 - size)
         pen.rectangle([x, y, x + size, y + size], fill=color)
     return img
@@ -50,9 +53,17 @@ def assets(tmp_path_factory):
             red = i % 2 == 0
             draw(rng, red).save(root / "images" / f"{i}.png")
             msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w2 w3"}]}]
-            f.write(json.dumps({"prompt": msgs, "images": [f"images/{i}.png"], "label": "w0" if red else "w1"}) + "\n")
+            f.write(
+                json.dumps({"prompt": msgs, "images": [f"images/{i}.png"], "label": "w0" if red else "w1"})
+                + "\n"
+            )
     (root / "reward.py").write_text(REWARD)
-    return {"model": model, "prompts": str(root / "prompts.jsonl"), "reward": str(root / "reward.py"), "root": root}
+    return {
+        "model": model,
+        "prompts": str(root / "prompts.jsonl"),
+        "reward": str(root / "reward.py"),
+        "root": root,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +89,59 @@ def test_grpo_learns_a_visual_task_with_the_vision_encoder_frozen(assets, ray_se
 
     os.environ["RLHF_NO_PROGRESS"] = "1"
     out = tmp_path / "run"
-    args = ["--actor.model_name_or_path", assets["model"], "--reward.remote_url", assets["reward"],
-            "--data.prompt_dataset", assets["prompts"], "--data.input_key", "prompt", "--data.label_key", "label",
-            "--data.image_key", "images", "--data.max_images_per_prompt", "1", "--data.apply_chat_template",
-            "--actor.freeze_visual_encoder", "--algo.advantage.estimator", "group_norm",
-            "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "16", "--rollout.max_new_tokens", "1",
-            "--rollout.micro_batch_size", "32", "--data.max_len", "24", "--train.batch_size", "128",
-            "--train.micro_batch_size", "16", "--actor.num_gpus_per_node", "2", "--ds.zero_stage", "3",
-            "--ds.param_dtype", "fp32", "--algo.kl.init_coef", "1e-3", "--algo.kl.use_loss",
-            "--actor.adam.lr", "1e-2", "--actor.lr_scheduler", "constant", "--train.num_episodes", "3",
-            "--train.max_steps", "20", "--ckpt.output_dir", str(out)]
+    args = [
+        "--actor.model_name_or_path",
+        assets["model"],
+        "--reward.remote_url",
+        assets["reward"],
+        "--data.prompt_dataset",
+        assets["prompts"],
+        "--data.input_key",
+        "prompt",
+        "--data.label_key",
+        "label",
+        "--data.image_key",
+        "images",
+        "--data.max_images_per_prompt",
+        "1",
+        "--data.apply_chat_template",
+        "--actor.freeze_visual_encoder",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--rollout.n_samples_per_prompt",
+        "8",
+        "--rollout.batch_size",
+        "16",
+        "--rollout.max_new_tokens",
+        "1",
+        "--rollout.micro_batch_size",
+        "32",
+        "--data.max_len",
+        "24",
+        "--train.batch_size",
+        "128",
+        "--train.micro_batch_size",
+        "16",
+        "--actor.num_gpus_per_node",
+        "2",
+        "--ds.zero_stage",
+        "3",
+        "--ds.param_dtype",
+        "fp32",
+        "--algo.kl.init_coef",
+        "1e-3",
+        "--algo.kl.use_loss",
+        "--actor.adam.lr",
+        "1e-2",
+        "--actor.lr_scheduler",
+        "constant",
+        "--train.num_episodes",
+        "3",
+        "--train.max_steps",
+        "20",
+        "--ckpt.output_dir",
+        str(out),
+    ]
     assert main(["train", "ppo", *args]) == 0
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 21))
@@ -98,14 +152,19 @@ def test_grpo_learns_a_visual_task_with_the_vision_encoder_frozen(assets, ray_se
         assert r["policy/rollout_train_logprob_gap"] < 1e-4, r["policy/rollout_train_logprob_gap"]
         assert r["policy/skipped"] == 0 and "policy/kl_loss" in r
     # the vision encoder was frozen: bit-identical, while the language model moved
-    before, after = load_file(Path(assets["model"]) / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    before, after = (
+        load_file(Path(assets["model"]) / "model.safetensors"),
+        load_file(out / "model" / "model.safetensors"),
+    )
     assert before.keys() == after.keys()
     visual = [k for k in before if k.startswith("visual.")]  # Qwen2-VL's checkpoint names
     assert len(visual) > 10 and all(torch.equal(before[k], after[k]) for k in visual)
     assert not torch.equal(before["lm_head.weight"], after["lm_head.weight"])
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     # saying w0 or w1 at random earns 0.5 at best: above it, the model reads the image
-    assert first < 0.25 and last > 0.6, f"the reward did not rise past what ignoring the image gives: {rewards}"
+    assert first < 0.25 and last > 0.6, (
+        f"the reward did not rise past what ignoring the image gives: {rewards}"
+    )
 
 
 def test_ray_sends_the_image_of_a_groups_samples_once(ray_session):

@@ -32,7 +32,9 @@ ENV.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", RLHF_N
 
 
 def run(cmd: list, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +61,10 @@ def clean_venv(path: Path, leave_out: tuple[str, ...] = ()) -> Path:
 
 
 def pip_install(python: Path, wheels: Path, *names: str) -> subprocess.CompletedProcess:
-    return run([python, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--no-cache-dir", *names],
-               cwd=wheels)
+    return run(
+        [python, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--no-cache-dir", *names],
+        cwd=wheels,
+    )
 
 
 def test_make_dist_builds_a_wheel_and_an_sdist_of_every_package(wheels):
@@ -85,17 +89,46 @@ def test_cli_and_algos_install_runs_doctor_and_a_one_step_sft(wheels, tmp_path):
     assert "rlhf-rollout-vllm      -- not installed" in doctor.stdout
     assert "install     trainer (generates on the HF engine; no rlhf-rollout-vllm)" in doctor.stdout
 
-    make_data = ("import sys\nfrom rlhf_core.testing.tiny import make_tiny_llama\n"
-                 "from rlhf_train_deepspeed.testing import sft_rows, write_jsonl\n"
-                 "import rlhf_cli\nprint(rlhf_cli.__file__)\n"
-                 "make_tiny_llama('model')\nwrite_jsonl('sft.jsonl', sft_rows(8))\n")
+    make_data = (
+        "import sys\nfrom rlhf_core.testing.tiny import make_tiny_llama\n"
+        "from rlhf_train_deepspeed.testing import sft_rows, write_jsonl\n"
+        "import rlhf_cli\nprint(rlhf_cli.__file__)\n"
+        "make_tiny_llama('model')\nwrite_jsonl('sft.jsonl', sft_rows(8))\n"
+    )
     made = run([python, "-c", make_data], cwd=tmp_path)
     assert made.returncode == 0, made.stderr[-3000:]
-    assert made.stdout.startswith(str(tmp_path / "venv")), made.stdout  # the wheel's code, not the repository's
-    sft = run([rlhf, "train", "sft", "--model.model_name_or_path", "model", "--data.dataset", "sft.jsonl",
-               "--data.input_key", "input", "--data.output_key", "output", "--train.batch_size", "8",
-               "--train.micro_batch_size", "8", "--train.max_epochs", "1", "--ds.zero_stage", "0",
-               "--ds.param_dtype", "fp32", "--ckpt.output_dir", "out"], cwd=tmp_path, timeout=600)
+    assert made.stdout.startswith(str(tmp_path / "venv")), (
+        made.stdout
+    )  # the wheel's code, not the repository's
+    sft = run(
+        [
+            rlhf,
+            "train",
+            "sft",
+            "--model.model_name_or_path",
+            "model",
+            "--data.dataset",
+            "sft.jsonl",
+            "--data.input_key",
+            "input",
+            "--data.output_key",
+            "output",
+            "--train.batch_size",
+            "8",
+            "--train.micro_batch_size",
+            "8",
+            "--train.max_epochs",
+            "1",
+            "--ds.zero_stage",
+            "0",
+            "--ds.param_dtype",
+            "fp32",
+            "--ckpt.output_dir",
+            "out",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert sft.returncode == 0, sft.stdout[-3000:] + sft.stderr[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     # the step's loss is the initial model's: its logits are near zero (weights drawn with std 0.02), so
@@ -109,22 +142,27 @@ def test_rollout_node_installs_without_deepspeed(wheels, tmp_path):
     done = pip_install(python, wheels, "rlhf-core", "rlhf-agents", "rlhf-rollout-vllm")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # every module of the three packages imports (rlhf_core.testing aside: it is the [testing] extra)
-    probe = ("import importlib, importlib.util, pkgutil, sys\n"
-             "import rlhf_core, rlhf_agents, rlhf_rollout_vllm\n"
-             "for pkg in (rlhf_core, rlhf_agents, rlhf_rollout_vllm):\n"
-             "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
-             "        if not m.name.startswith('rlhf_core.testing'):\n"
-             "            importlib.import_module(m.name)\n"
-             "from rlhf_core import plugins\n"
-             "pm = plugins.get_plugin_manager()\n"
-             "print(sorted(d['distribution'] for d in plugins.describe(pm)))\n"
-             "print(sorted(plugins.collect(pm, 'rollout_engines')))\n"
-             "print(importlib.util.find_spec('deepspeed'), [m for m in sys.modules if m.split('.')[0] == 'deepspeed'])\n")
+    probe = (
+        "import importlib, importlib.util, pkgutil, sys\n"
+        "import rlhf_core, rlhf_agents, rlhf_rollout_vllm\n"
+        "for pkg in (rlhf_core, rlhf_agents, rlhf_rollout_vllm):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if not m.name.startswith('rlhf_core.testing'):\n"
+        "            importlib.import_module(m.name)\n"
+        "from rlhf_core import plugins\n"
+        "pm = plugins.get_plugin_manager()\n"
+        "print(sorted(d['distribution'] for d in plugins.describe(pm)))\n"
+        "print(sorted(plugins.collect(pm, 'rollout_engines')))\n"
+        "print(importlib.util.find_spec('deepspeed'), [m for m in sys.modules if m.split('.')[0] == 'deepspeed'])\n"
+    )
     out = run([python, "-c", probe], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     # rlhf-algos comes with rlhf-agents (the PRM reward source's step scores); no training stack does
-    assert out.stdout.splitlines() == ["['rlhf-agents', 'rlhf-algos', 'rlhf-core', 'rlhf-rollout-vllm']",
-                                       "['hf', 'vllm']", "None []"]
+    assert out.stdout.splitlines() == [
+        "['rlhf-agents', 'rlhf-algos', 'rlhf-core', 'rlhf-rollout-vllm']",
+        "['hf', 'vllm']",
+        "None []",
+    ]
     # the same venv refuses the training backend: its dependency on deepspeed cannot be met here
     refused = pip_install(python, wheels, "rlhf-train-deepspeed")
     assert refused.returncode != 0 and "deepspeed" in refused.stdout + refused.stderr
@@ -134,11 +172,15 @@ def test_example_plugin_installs_against_the_wheels_and_is_found(wheels, tmp_pat
     python = clean_venv(tmp_path / "venv")
     done = pip_install(python, wheels, "rlhf-example-plugin")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    probe = ("from rlhf_core import plugins\n"
-             "pm = plugins.get_plugin_manager()\n"
-             "print(sorted(d['distribution'] for d in plugins.describe(pm)))\n"
-             "print(plugins.collect(pm, 'advantage_estimators')['group_median'].distribution)\n")
+    probe = (
+        "from rlhf_core import plugins\n"
+        "pm = plugins.get_plugin_manager()\n"
+        "print(sorted(d['distribution'] for d in plugins.describe(pm)))\n"
+        "print(plugins.collect(pm, 'advantage_estimators')['group_median'].distribution)\n"
+    )
     out = run([python, "-c", probe], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["['rlhf-agents', 'rlhf-algos', 'rlhf-core', 'rlhf-example-plugin']",
-                                       "rlhf-example-plugin"]
+    assert out.stdout.splitlines() == [
+        "['rlhf-agents', 'rlhf-algos', 'rlhf-core', 'rlhf-example-plugin']",
+        "rlhf-example-plugin",
+    ]

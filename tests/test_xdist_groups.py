@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GROUPED = '''
+GROUPED = """
 import os, time, pytest
 
 pytestmark = pytest.mark.xdist_group("g")
@@ -22,7 +22,7 @@ def test_records_its_worker(i):
 
 def test_ungrouped_ones_still_spread():
     pass
-'''
+"""
 
 
 def run(tmp_path, *args) -> set[str]:
@@ -30,9 +30,28 @@ def run(tmp_path, *args) -> set[str]:
     record = tmp_path / "record"
     record.mkdir()
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", "-p", "conftest", "--rootdir",
-         str(tmp_path), "-c", "/dev/null", *args, str(tmp_path / "test_grouped.py")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "conftest",
+            "--rootdir",
+            str(tmp_path),
+            "-c",
+            "/dev/null",
+            *args,
+            str(tmp_path / "test_grouped.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "RECORD_DIR": str(record)},
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

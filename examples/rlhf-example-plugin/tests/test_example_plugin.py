@@ -69,6 +69,8 @@ class TestAboveMeanConformance(PostProcessorConformance):
 
 def test_above_mean_by_hand():
     # prompt 0: rewards 1, 4, 1 -> mean 2 -> keeps the 4; prompt 1: 3, 3 -> nothing beats the mean
-    groups = [[ScoredSample("p0", f"a{j}", r, 0, j) for j, r in enumerate([1.0, 4.0, 1.0])],
-              [ScoredSample("p1", f"b{j}", 3.0, 1, j) for j in range(2)]]
+    groups = [
+        [ScoredSample("p0", f"a{j}", r, 0, j) for j, r in enumerate([1.0, 4.0, 1.0])],
+        [ScoredSample("p1", f"b{j}", 3.0, 1, j) for j in range(2)],
+    ]
     assert AboveMean()(PostProcessInput(groups)) == [{"input": "p0", "output": "a1", "reward": 4.0}]

@@ -75,8 +75,11 @@ def main() -> None:
 
     def seeded(uid: int, turn: int | None = None) -> SamplingParams:
         seed = derive_seed(cfg.train.seed, 0, uid, 0)
-        return SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True,
-                              seed=seed if turn is None else derive_seed(seed, "turn", turn))
+        return SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=True,
+            seed=seed if turn is None else derive_seed(seed, "turn", turn),
+        )
 
     def raw_single():
         engine.generate([GenerationRequest(ids, seeded(i)) for i, ids in enumerate(prompt_ids)])
@@ -85,20 +88,34 @@ def main() -> None:
         contexts = [list(ids) for ids in prompt_ids]
         for turn in range(TURNS):
             outs = engine.generate([GenerationRequest(c, seeded(i, turn)) for i, c in enumerate(contexts)])
-            contexts = [c + o[0].token_ids + (feedback_ids if turn < TURNS - 1 else []) for c, o in zip(contexts, outs)]
+            contexts = [
+                c + o[0].token_ids + (feedback_ids if turn < TURNS - 1 else [])
+                for c, o in zip(contexts, outs)
+            ]
 
-    single = RolloutWorker(AsyncEngine(engine), tokenizer, SingleTurnAgentExecutor(), PythonFileRewardSource(str(reward)), cfg)
+    single = RolloutWorker(
+        AsyncEngine(engine), tokenizer, SingleTurnAgentExecutor(), PythonFileRewardSource(str(reward)), cfg
+    )
     multi = RolloutWorker(AsyncEngine(engine), tokenizer, MultiTurnAgentExecutor(ThreeTurns), None, cfg)
     rows = []
-    for name, peer, worker, turns in (("single-turn", raw_single, single, 1), ("multi-turn (3 turns)", raw_multi, multi, TURNS)):
+    for name, peer, worker, turns in (
+        ("single-turn", raw_single, single, 1),
+        ("multi-turn (3 turns)", raw_multi, multi, TURNS),
+    ):
         tokens = args.batch * args.max_new_tokens * turns
-        assert sum(sum(t.action_mask) for t in worker.rollout(prompts, params, step=0)) == tokens  # and warm up
+        assert (
+            sum(sum(t.action_mask) for t in worker.rollout(prompts, params, step=0)) == tokens
+        )  # and warm up
         peer()
-        t_peer, t_worker = median_times(peer, lambda w=worker: w.rollout(prompts, params, step=0), args.repeats)
+        t_peer, t_worker = median_times(
+            peer, lambda w=worker: w.rollout(prompts, params, step=0), args.repeats
+        )
         rows.append((name, tokens / t_peer, tokens / t_worker, t_worker / t_peer))
     single.close()
     multi.close()
-    print(f"batch {args.batch}, {args.max_new_tokens} new tokens per turn, tiny Llama hidden {args.hidden}, CPU")
+    print(
+        f"batch {args.batch}, {args.max_new_tokens} new tokens per turn, tiny Llama hidden {args.hidden}, CPU"
+    )
     print("| episode | engine direct (tok/s) | RolloutWorker (tok/s) | worker / direct time |")
     print("| --- | --- | --- | --- |")
     for name, direct, worker, ratio in rows:

@@ -71,7 +71,9 @@ def check_trajectory_tokens(traj, model, temperature: float = 1.0, atol: float =
     ref = teacher_forced_logprobs(model, full, temperature)[len(traj.prompt_ids) - 1 :]
     for k, (mask, got, want) in enumerate(zip(traj.action_mask, traj.rollout_logprobs, ref)):
         if mask:
-            assert abs(got - want) < atol, f"response token {k}: rollout log-prob {got} vs teacher-forced {want}"
+            assert abs(got - want) < atol, (
+                f"response token {k}: rollout log-prob {got} vs teacher-forced {want}"
+            )
         else:
             assert got == 0.0
 

@@ -25,33 +25,39 @@ def command(*argv) -> str:
     return shlex.join([sys.executable, *map(str, argv)])
 
 
-def test_the_example_program_yields_a_token_trajectory_and_its_reward(async_engine, tokenizer, cfg_factory,
-                                                                      check_tokens, examples_dir):
+def test_the_example_program_yields_a_token_trajectory_and_its_reward(
+    async_engine, tokenizer, cfg_factory, check_tokens, examples_dir
+):
     """examples/agent_command.py, run as a command, drives two chat calls with the ``openai`` client; its
     episode is one token-exact trajectory, and its printed reward is the episode's."""
     pytest.importorskip("openai")
-    cfg = cfg_factory(train={"agent_command": command(examples_dir / "agent_command.py")}, data={"max_len": 96})
+    cfg = cfg_factory(
+        train={"agent_command": command(examples_dir / "agent_command.py")}, data={"max_len": 96}
+    )
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
-    prompts = [{"prompt_text": "w5 w6 w7", "label": "3", "prompt_uid": 0}]  # one process: importing openai costs ~1.5 s
+    prompts = [
+        {"prompt_text": "w5 w6 w7", "label": "3", "prompt_uid": 0}
+    ]  # one process: importing openai costs ~1.5 s
     trajs = worker.rollout(prompts, SamplingParams(n=1, max_new_tokens=8), step=0)
     worker.close()
     for t in trajs:
         assert t.error is None, t.error
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": t.prompt_text}], tokenize=False,
-                                                 add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": t.prompt_text}], tokenize=False, add_generation_prompt=True
+        )
         assert t.prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
         check_tokens(t)
         mask = t.action_mask
         starts = [k for k in range(len(mask)) if mask[k] == 1 and (k == 0 or mask[k - 1] == 0)]
         assert len(starts) == 2 and t.extra_logs["num_turns"] == 2.0  # the program's two calls
-        final = tokenizer.decode(t.response_ids[starts[1]:], skip_special_tokens=True)
+        final = tokenizer.decode(t.response_ids[starts[1] :], skip_special_tokens=True)
         numbers = [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?", final)]
         answered = bool(numbers)
         assert t.reward == (1.0 if answered and numbers[-1] == float(t.label) else 0.0)
         assert t.extra_logs["answered"] == float(answered)
 
 
-FLAKY_AGENT = r'''
+FLAKY_AGENT = r"""
 import json, os, subprocess, sys, time, urllib.request
 row = json.load(sys.stdin)
 kind = row["label"]
@@ -74,7 +80,7 @@ elif kind == "hang":
     time.sleep(60)
 else:
     print("the answer is probably 4")
-'''
+"""
 
 
 def alive(pid: int) -> bool:
@@ -85,15 +91,21 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_failing_programs_are_counted_logged_once_and_killed_at_the_timeout(tmp_path, async_engine, tokenizer,
-                                                                             cfg_factory, caplog):
+def test_failing_programs_are_counted_logged_once_and_killed_at_the_timeout(
+    tmp_path, async_engine, tokenizer, cfg_factory, caplog
+):
     agent = tmp_path / "flaky.py"
     agent.write_text(FLAKY_AGENT)
     pid_file = tmp_path / "child.pid"
-    cfg = cfg_factory(train={"agent_command": command(agent, pid_file), "env_step_timeout": 6.0},
-                      reward={"max_failure_fraction": 1.0})
+    cfg = cfg_factory(
+        train={"agent_command": command(agent, pid_file), "env_step_timeout": 6.0},
+        reward={"max_failure_fraction": 1.0},
+    )
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
-    rows = [{"prompt_text": "w5", "label": kind, "prompt_uid": i} for i, kind in enumerate(["ok", "exit", "hang", "talk"])]
+    rows = [
+        {"prompt_text": "w5", "label": kind, "prompt_uid": i}
+        for i, kind in enumerate(["ok", "exit", "hang", "talk"])
+    ]
     start = time.perf_counter()
     with caplog.at_level(logging.ERROR, logger="rlhf_agents.command_agent"):
         ok, crashed, hung, talked = worker.rollout(rows, SamplingParams(max_new_tokens=2), step=0)
@@ -122,8 +134,11 @@ def test_failing_programs_are_counted_logged_once_and_killed_at_the_timeout(tmp_
     worker.max_failure_fraction = 0.5
     with caplog.at_level(logging.ERROR, logger="rlhf_agents.command_agent"):
         with pytest.raises(RolloutFailureError, match=r"3 of 4 samples .*agent command: "):
-            worker.rollout([dict(rows[0], label=kind) for kind in ("ok", "exit", "talk", "exit")],
-                           SamplingParams(max_new_tokens=2), step=1)
+            worker.rollout(
+                [dict(rows[0], label=kind) for kind in ("ok", "exit", "talk", "exit")],
+                SamplingParams(max_new_tokens=2),
+                step=1,
+            )
     assert caplog.records == []
     worker.close()
 
@@ -144,11 +159,17 @@ def test_the_command_is_checked_before_any_worker_starts(tmp_path, cfg_factory):
     assert check(str(script))[1] == ([str(script)],)
     with pytest.raises(ConfigError, match=r"--train.agent_command .*does not parse"):
         check("python 'unclosed")
-    with pytest.raises(ConfigError, match=r"--train.agent_command is the agent; drop --train.agent_func_path"):
+    with pytest.raises(
+        ConfigError, match=r"--train.agent_command is the agent; drop --train.agent_func_path"
+    ):
         check(str(script), agent_func_path="agent.py")
-    with pytest.raises(ConfigError, match=r"--train.per_call_samples 'sometimes': choose one of auto, always, never"):
+    with pytest.raises(
+        ConfigError, match=r"--train.per_call_samples 'sometimes': choose one of auto, always, never"
+    ):
         check(str(script), per_call_samples="sometimes")
-    with pytest.raises(ConfigError, match=r"--train.per_call_samples never applies to agents on the OpenAI endpoint"):
+    with pytest.raises(
+        ConfigError, match=r"--train.per_call_samples never applies to agents on the OpenAI endpoint"
+    ):
         executor_class(cfg_factory(train={"per_call_samples": "never"}))
 
 
@@ -156,7 +177,10 @@ def test_parse_agent_output():
     from rlhf_agents.command_agent import parse_agent_output
 
     assert parse_agent_output("log line\n 0.5 \n\n") == 0.5
-    assert parse_agent_output('{"reward": 1, "extra_logs": {"x": 2}}\n') == {"reward": 1, "extra_logs": {"x": 2}}
+    assert parse_agent_output('{"reward": 1, "extra_logs": {"x": 2}}\n') == {
+        "reward": 1,
+        "extra_logs": {"x": 2},
+    }
     assert parse_agent_output('{"reward": null}') == {"reward": None}  # the reward source scores it
     for bad in ("", "\n \n", "true", '{"score": 1}', "[1]", "0.5 points"):
         with pytest.raises(ValueError):
@@ -177,9 +201,12 @@ def test_a_long_lived_agent_service_through_a_forwarding_command(async_engine, t
     class AgentService(BaseHTTPRequestHandler):
         def do_POST(self):
             row = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            body = json.dumps({"messages": [{"role": "user", "content": row["prompt"]}], "max_tokens": 2}).encode()
-            request = urllib.request.Request(self.headers["X-Base-URL"] + "/chat/completions", body,
-                                             {"Content-Type": "application/json"})
+            body = json.dumps(
+                {"messages": [{"role": "user", "content": row["prompt"]}], "max_tokens": 2}
+            ).encode()
+            request = urllib.request.Request(
+                self.headers["X-Base-URL"] + "/chat/completions", body, {"Content-Type": "application/json"}
+            )
             reply = json.load(urllib.request.urlopen(request))["choices"][0]["message"]["content"]
             seen.append((row, reply))
             self.send_response(200)
@@ -191,12 +218,18 @@ def test_a_long_lived_agent_service_through_a_forwarding_command(async_engine, t
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), AgentService)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    forward = (f"""bash -c 'curl -sf -H "X-Base-URL: $OPENAI_BASE_URL" --data-binary @- """
-               f"""http://127.0.0.1:{server.server_address[1]}/run'""")
+    forward = (
+        f"""bash -c 'curl -sf -H "X-Base-URL: $OPENAI_BASE_URL" --data-binary @- """
+        f"""http://127.0.0.1:{server.server_address[1]}/run'"""
+    )
     try:
         cfg = cfg_factory(train={"agent_command": forward})
         worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
-        (t,) = worker.rollout([{"prompt_text": "w5 w6", "label": "7", "prompt_uid": 0}], SamplingParams(max_new_tokens=2), step=0)
+        (t,) = worker.rollout(
+            [{"prompt_text": "w5 w6", "label": "7", "prompt_uid": 0}],
+            SamplingParams(max_new_tokens=2),
+            step=0,
+        )
         worker.close()
     finally:
         server.shutdown()

@@ -32,7 +32,9 @@ class ScriptedServer:
             if status != 200:
                 return web.json_response({"detail": f"scripted {status}"}, status=status)
             rewards = [float(len(q)) for q in body["query"]]
-            return web.json_response({"rewards": rewards, "scores": rewards, "extra_logs": {"seen": [1.0] * len(rewards)}})
+            return web.json_response(
+                {"rewards": rewards, "scores": rewards, "extra_logs": {"seen": [1.0] * len(rewards)}}
+            )
         finally:
             self.load["in_flight"] -= 1
 
@@ -87,7 +89,11 @@ def test_400_is_not_retried():
     server, result = asyncio.run(run())
     assert len(server.bodies) == 1
     assert result.rewards == [None, None]
-    assert server.url in result.errors[0] and "status 400" in result.errors[0] and "not retried" in result.errors[0]
+    assert (
+        server.url in result.errors[0]
+        and "status 400" in result.errors[0]
+        and "not retried" in result.errors[0]
+    )
 
 
 def test_a_failing_server_gets_exactly_the_configured_attempts():
@@ -175,7 +181,12 @@ def test_wrong_length_answer_names_the_server():
 
 
 def test_config_builds_one_load_balanced_source(cfg_factory):
-    cfg = cfg_factory(reward={"remote_url": "http://127.0.0.1:1/get_reward, http://127.0.0.1:2/get_reward", "max_retries": 2})
+    cfg = cfg_factory(
+        reward={
+            "remote_url": "http://127.0.0.1:1/get_reward, http://127.0.0.1:2/get_reward",
+            "max_retries": 2,
+        }
+    )
     source = build_reward_source(cfg)
     assert isinstance(source, HttpRewardSource)
     assert source.urls == ["http://127.0.0.1:1/get_reward", "http://127.0.0.1:2/get_reward"]
@@ -186,6 +197,7 @@ def test_config_builds_one_load_balanced_source(cfg_factory):
 
 def test_credentials_in_the_url_are_used_but_never_shown():
     """A URL with a password and a token parameter still reaches the server; messages mask both."""
+
     async def run():
         async with ScriptedServer([400]) as server:
             url = server.url.replace("http://", "http://rm:hunter2@") + "?token=tok-42"

@@ -34,7 +34,9 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def test_multistep_example_appends_feedback_tokens_verbatim(async_engine, tokenizer, cfg_factory, check_tokens, examples_dir):
+def test_multistep_example_appends_feedback_tokens_verbatim(
+    async_engine, tokenizer, cfg_factory, check_tokens, examples_dir
+):
     path = str(examples_dir / "agent_multistep.py")
     example = load_module(path, "test")
     cfg = cfg_factory(train={"agent_func_path": path, "check_retokenization": True}, data={"max_len": 96})
@@ -72,7 +74,11 @@ def test_multistep_example_rewards_a_correct_answer(examples_dir):
         return wrong, right
 
     wrong, right = asyncio.run(episode())
-    assert (wrong["rewards"], wrong["done"], wrong["environment_feedback"]) == (0.0, False, example.RETRY_FEEDBACK)
+    assert (wrong["rewards"], wrong["done"], wrong["environment_feedback"]) == (
+        0.0,
+        False,
+        example.RETRY_FEEDBACK,
+    )
     assert right["rewards"] == pytest.approx(0.9) and right["done"] and right["scores"] == 1.0
 
 
@@ -93,7 +99,9 @@ class CountingEnv(AgentInstanceBase):
         }
 
 
-def test_registered_environment_with_async_init(register_plugin, async_engine, tokenizer, cfg_factory, check_tokens):
+def test_registered_environment_with_async_init(
+    register_plugin, async_engine, tokenizer, cfg_factory, check_tokens
+):
     class Plugin:
         @staticmethod
         @hookimpl
@@ -104,14 +112,18 @@ def test_registered_environment_with_async_init(register_plugin, async_engine, t
     cfg = cfg_factory(train={"env": "counting"})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
     assert isinstance(worker.executor, MultiTurnAgentExecutor)
-    trajs = worker.rollout([{"prompt_text": "w1 w2", "prompt_uid": 0}], SamplingParams(n=2, max_new_tokens=6), step=0)
+    trajs = worker.rollout(
+        [{"prompt_text": "w1 w2", "prompt_uid": 0}], SamplingParams(n=2, max_new_tokens=6), step=0
+    )
     worker.close()
     for t in trajs:
         check_tokens(t)
         segments = runs(t.action_mask)
         assert [v for v, _, _ in segments] == [1, 0, 1, 0]
         assert segments[2][2] - segments[2][1] <= 2  # the second turn used the returned sampling params
-        assert t.response_ids[segments[1][1] : segments[1][2]] == tokenizer.encode(" w40 w41", add_special_tokens=False)
+        assert t.response_ids[segments[1][1] : segments[1][2]] == tokenizer.encode(
+            " w40 w41", add_special_tokens=False
+        )
         assert t.reward == 1.0 and t.extra_logs["num_turns"] == 2.0
 
 
@@ -143,11 +155,15 @@ class AgentExecutor(MultiTurnAgentExecutor):
 """
 
 
-def test_failing_environments_end_only_their_own_episode(tmp_path, async_engine, tokenizer, cfg_factory, caplog):
+def test_failing_environments_end_only_their_own_episode(
+    tmp_path, async_engine, tokenizer, cfg_factory, caplog
+):
     path = tmp_path / "env.py"
     path.write_text(ENV_FILE)
     # 3 s: an "ok" step is instant, but on 2 loaded cores (load 11 seen) one exceeded a 0.5 s limit
-    cfg = cfg_factory(train={"agent_func_path": str(path), "env_step_timeout": 3.0}, reward={"max_failure_fraction": 0.9})
+    cfg = cfg_factory(
+        train={"agent_func_path": str(path), "env_step_timeout": 3.0}, reward={"max_failure_fraction": 0.9}
+    )
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
     labels = ["ok", "hang", "raise", "bad", "nan", "ok"]
     prompts = [{"prompt_text": "w1", "label": label, "prompt_uid": i} for i, label in enumerate(labels)]
@@ -157,7 +173,10 @@ def test_failing_environments_end_only_their_own_episode(tmp_path, async_engine,
     by_label = {t.label: t for t in trajs}
     assert by_label["ok"].reward == 1.0 and by_label["ok"].error is None
     assert "took longer than --train.env_step_timeout 3 s" in by_label["hang"].error
-    assert "ValueError: the environment broke" in by_label["raise"].error and str(path) in by_label["raise"].error
+    assert (
+        "ValueError: the environment broke" in by_label["raise"].error
+        and str(path) in by_label["raise"].error
+    )
     assert "without ['done']" in by_label["bad"].error and str(path) in by_label["bad"].error
     assert "reward is nan" in by_label["nan"].error
     for label in ("hang", "raise", "bad", "nan"):
@@ -165,7 +184,9 @@ def test_failing_environments_end_only_their_own_episode(tmp_path, async_engine,
     m = worker.last_metrics
     assert (m["error/env_timeout"], m["error/env_error"], m["error/env_invalid"]) == (2.0, 2.0, 4.0)
     assert m["reward/unscorable"] == 8.0
-    tracebacks = [r for r in caplog.records if "environment broke" in r.getMessage() and "Traceback" in r.getMessage()]
+    tracebacks = [
+        r for r in caplog.records if "environment broke" in r.getMessage() and "Traceback" in r.getMessage()
+    ]
     assert len(tracebacks) == 1  # two samples raise from the same line: one traceback
 
 
@@ -200,19 +221,28 @@ class SlowEngine:
 
 
 def test_an_agent_that_hangs_outside_its_environment_is_ended_by_the_episode_timeout(
-        tmp_path, async_engine, tokenizer, cfg_factory):
+    tmp_path, async_engine, tokenizer, cfg_factory
+):
     path = tmp_path / "agent.py"
     path.write_text(HANGING_AGENT)
     # 1.5 s: the "ok" episode's own time is milliseconds, but loaded CI cores stretch it
-    cfg = cfg_factory(train={"agent_func_path": str(path), "episode_timeout": 1.5}, reward={"max_failure_fraction": 0.5})
+    cfg = cfg_factory(
+        train={"agent_func_path": str(path), "episode_timeout": 1.5}, reward={"max_failure_fraction": 0.5}
+    )
     worker = RolloutWorker.from_config(cfg, SlowEngine(async_engine), tokenizer)
-    prompts = [{"prompt_text": "w1", "label": label, "prompt_uid": i} for i, label in enumerate(["ok", "hang"])]
+    prompts = [
+        {"prompt_text": "w1", "label": label, "prompt_uid": i} for i, label in enumerate(["ok", "hang"])
+    ]
     start = time.monotonic()
     trajs = worker.rollout(prompts, SamplingParams(n=2, max_new_tokens=3), step=0)
     assert time.monotonic() - start < 15  # the hanging episodes sleep 30 s
     ok, hung = trajs[0], trajs[2]
     assert ok.reward == 1.0 and ok.error is None  # it waited 3 s for the engine, over the 1.5 s limit
-    assert hung.reward is None and "longer than --train.episode_timeout 1.5 s" in hung.error and str(path) in hung.error
+    assert (
+        hung.reward is None
+        and "longer than --train.episode_timeout 1.5 s" in hung.error
+        and str(path) in hung.error
+    )
     m = worker.last_metrics
     assert m["error/episode_timeout"] == 2.0 and m["reward/unscorable"] == 2.0
     worker.max_failure_fraction = 0.25  # the unscorable threshold counts them like any failure
@@ -221,13 +251,19 @@ def test_an_agent_that_hangs_outside_its_environment_is_ended_by_the_episode_tim
     worker.close()
 
 
-def test_too_many_environment_failures_stop_the_run_naming_the_file(tmp_path, async_engine, tokenizer, cfg_factory):
+def test_too_many_environment_failures_stop_the_run_naming_the_file(
+    tmp_path, async_engine, tokenizer, cfg_factory
+):
     path = tmp_path / "env.py"
     path.write_text(ENV_FILE)
     cfg = cfg_factory(train={"agent_func_path": str(path)}, reward={"max_failure_fraction": 0.25})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
-    prompts = [{"prompt_text": "w1", "label": label, "prompt_uid": i} for i, label in enumerate(["ok", "raise"])]
-    with pytest.raises(RolloutFailureError, match=r"step 4: 2 of 4 samples.*max_failure_fraction 0.25") as info:
+    prompts = [
+        {"prompt_text": "w1", "label": label, "prompt_uid": i} for i, label in enumerate(["ok", "raise"])
+    ]
+    with pytest.raises(
+        RolloutFailureError, match=r"step 4: 2 of 4 samples.*max_failure_fraction 0.25"
+    ) as info:
         worker.rollout(prompts, SamplingParams(n=2, max_new_tokens=2), step=4)
     worker.close()
     assert f"agent file: {path}" in str(info.value) and "the environment broke" in str(info.value)
@@ -243,13 +279,15 @@ def test_agent_file_errors_name_path_and_symbol(tmp_path, cfg_factory):
         build_executor(cfg_factory(train={"agent_func_path": str(tmp_path / "missing.py")}))
     with pytest.raises(UserCodeError, match=r"defines no 'AgentExecutor'; it defines: Helper, x"):
         build("x = 1\nclass Helper: pass\n")
-    with pytest.raises(UserCodeError, match=r"AgentExecutor is a int .*expected a subclass of rlhf_agents.AgentExecutorBase"):
+    with pytest.raises(
+        UserCodeError, match=r"AgentExecutor is a int .*expected a subclass of rlhf_agents.AgentExecutorBase"
+    ):
         build("AgentExecutor = 5\n")
     with pytest.raises(UserCodeError, match=r"importing the file raised ZeroDivisionError"):
         build("1 / 0\n")
 
 
-OPENRLHF_AGENT = '''
+OPENRLHF_AGENT = """
 from typing import Any, Dict
 
 import torch
@@ -287,19 +325,24 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
 
-def test_an_openrlhf_agent_file_runs_with_only_its_import_changed(tmp_path, async_engine, tokenizer, cfg_factory, check_tokens):
+def test_an_openrlhf_agent_file_runs_with_only_its_import_changed(
+    tmp_path, async_engine, tokenizer, cfg_factory, check_tokens
+):
     path = tmp_path / "agent_func.py"
     path.write_text(OPENRLHF_AGENT)
     cfg = cfg_factory(train={"agent_func_path": str(path)}, data={"max_len": 128})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
-    (t,) = worker.rollout([{"prompt_text": "w1 w2", "prompt_uid": 0}], SamplingParams(max_new_tokens=4), step=0)
+    (t,) = worker.rollout(
+        [{"prompt_text": "w1 w2", "prompt_uid": 0}], SamplingParams(max_new_tokens=4), step=0
+    )
     worker.close()
     check_tokens(t)
     retry = tokenizer.encode(
-        "\n\nHuman: [INCORRECT]\nPlease analyze the issues and try again.\n</s>\n\nAssistant: ", add_special_tokens=False
+        "\n\nHuman: [INCORRECT]\nPlease analyze the issues and try again.\n</s>\n\nAssistant: ",
+        add_special_tokens=False,
     )
     final = tokenizer.encode("\n\nHuman: [CORRECT]\n</s>", add_special_tokens=False)
     segments = runs(t.action_mask)

@@ -9,11 +9,16 @@ from rlhf_agents.loading import load_module
 from rlhf_core.types import SamplingParams
 
 
-def test_openai_client_example_yields_a_token_trajectory(async_engine, tokenizer, cfg_factory, check_tokens, examples_dir):
+def test_openai_client_example_yields_a_token_trajectory(
+    async_engine, tokenizer, cfg_factory, check_tokens, examples_dir
+):
     path = str(examples_dir / "agent_openai_client.py")
     cfg = cfg_factory(train={"agent_func_path": path, "check_retokenization": True}, data={"max_len": 96})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
-    prompts = [{"prompt_text": "w5 w6 w7", "label": "3", "prompt_uid": 0}, {"prompt_text": "w9", "label": "9", "prompt_uid": 1}]
+    prompts = [
+        {"prompt_text": "w5 w6 w7", "label": "3", "prompt_uid": 0},
+        {"prompt_text": "w9", "label": "9", "prompt_uid": 1},
+    ]
     trajs = worker.rollout(prompts, SamplingParams(n=2, max_new_tokens=8), step=0)
     worker.close()
 
@@ -29,7 +34,9 @@ def test_openai_client_example_yields_a_token_trajectory(async_engine, tokenizer
         assert len(starts) == 2 and starts[0] == 0  # two calls: reply, feedback (mask 0), reply
         first_reply = t.response_ids[: mask.index(0)]
         # the second call's input is the whole conversation so far, rendered again by the template
-        reply_text = tokenizer.decode(first_reply[:-1] if first_reply[-1] == tokenizer.eos_token_id else first_reply)
+        reply_text = tokenizer.decode(
+            first_reply[:-1] if first_reply[-1] == tokenizer.eos_token_id else first_reply
+        )
         second = first + [
             {"role": "assistant", "content": reply_text},
             {"role": "user", "content": "check your work . what is the final answer ?"},
@@ -65,7 +72,9 @@ def test_a_turn_that_does_not_extend_the_prefix_is_reported(async_engine, tokeni
     agent = EditsHistory()
     agent.per_call_samples = "never"
     worker = RolloutWorker(async_engine, tokenizer, agent, None, cfg)
-    (t,) = worker.rollout([{"prompt_text": "w5 w6", "prompt_uid": 0}], SamplingParams(max_new_tokens=4), step=0)
+    (t,) = worker.rollout(
+        [{"prompt_text": "w5 w6", "prompt_uid": 0}], SamplingParams(max_new_tokens=4), step=0
+    )
     worker.close()
     assert t.reward is None
     assert t.error.startswith("prefix violation at call 2")
@@ -91,15 +100,23 @@ class TokenIdsAgent(OpenAIServerAgentExecutor):
         return None  # let the reward source score it
 
 
-def test_completions_with_token_ids_and_a_reward_source(tmp_path, async_engine, tokenizer, cfg_factory, check_tokens):
+def test_completions_with_token_ids_and_a_reward_source(
+    tmp_path, async_engine, tokenizer, cfg_factory, check_tokens
+):
     reward = tmp_path / "reward.py"
-    reward.write_text("def reward_func(q, p, labels, response_ids):\n    return [float(len(r)) for r in response_ids]\n")
+    reward.write_text(
+        "def reward_func(q, p, labels, response_ids):\n    return [float(len(r)) for r in response_ids]\n"
+    )
     cfg = cfg_factory(reward={"remote_url": str(reward)})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
     worker.executor = TokenIdsAgent()
     prompt_ids, tool_ids = [7, 8, 9], [40, 41, 42, 43]
     label = {"prompt_ids": prompt_ids, "tool_ids": tool_ids}
-    (t,) = worker.rollout([{"prompt_ids": prompt_ids, "label": label, "prompt_uid": 0}], SamplingParams(max_new_tokens=8), step=0)
+    (t,) = worker.rollout(
+        [{"prompt_ids": prompt_ids, "label": label, "prompt_uid": 0}],
+        SamplingParams(max_new_tokens=8),
+        step=0,
+    )
     worker.close()
     check_tokens(t)
     assert t.error is None and t.prompt_ids == prompt_ids

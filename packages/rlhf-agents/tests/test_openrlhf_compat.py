@@ -18,7 +18,7 @@ MATH_REWARD = "from openrlhf.utils import extract_boxed_answer, grade_answer\n"
 AGENT_BASES = "from openrlhf.utils.agent import AgentExecutorBase, AgentInstanceBase\n"
 MULTI_TURN = "from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n"
 
-REWARD_BODY = '''
+REWARD_BODY = """
 import torch
 
 
@@ -26,9 +26,9 @@ def reward_func(queries, prompts, labels, **kwargs):
     rewards = [1.0 if grade_answer(extract_boxed_answer(q[len(p):]), label) else 0.0
                for q, p, label in zip(queries, prompts, labels)]
     return {"rewards": torch.tensor(rewards), "scores": torch.tensor(rewards)}
-'''
+"""
 
-AGENT_BODY = '''
+AGENT_BODY = """
 
 class AgentInstance(AgentInstanceBase):
     async def reset(self, states, **kwargs):
@@ -41,9 +41,9 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
-RUN = '''
+RUN = """
 import json, sys
 from types import SimpleNamespace
 from rlhf_agents.executors import executor_class
@@ -64,7 +64,7 @@ try:
     print(json.dumps({"ok": result, "openrlhf": sys.modules["openrlhf"].__doc__ or sys.modules["openrlhf"].__file__}))
 except UserCodeError as exc:
     print(json.dumps({"error": str(exc)}))
-'''
+"""
 
 
 def run(tmp_path, kind: str, source: str, extra_path: str | None = None) -> dict:
@@ -73,8 +73,13 @@ def run(tmp_path, kind: str, source: str, extra_path: str | None = None) -> dict
     env = dict(os.environ)
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_path, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", RUN, kind, str(user_file)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, kind, str(user_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -94,20 +99,25 @@ def test_openrlhf_agent_file_runs_unchanged(tmp_path, imports):
 def test_a_name_rlhf_does_not_serve_says_which_it_does(tmp_path):
     out = run(tmp_path, "reward", "from openrlhf.utils import get_tokenizer\n" + REWARD_BODY)
     assert "openrlhf.utils.get_tokenizer is OpenRLHF's, which is not installed" in out["error"]
-    assert "openrlhf.utils.grade_answer" in out["error"] and "openrlhf.utils.agent.MultiTurnAgentExecutor" in out["error"]
+    assert (
+        "openrlhf.utils.grade_answer" in out["error"]
+        and "openrlhf.utils.agent.MultiTurnAgentExecutor" in out["error"]
+    )
 
 
 def test_a_real_openrlhf_install_wins(tmp_path):
     site = tmp_path / "site"
     (site / "openrlhf" / "utils").mkdir(parents=True)
     (site / "openrlhf" / "__init__.py").write_text("")
-    (site / "openrlhf" / "utils" / "__init__.py").write_text(textwrap.dedent('''
+    (site / "openrlhf" / "utils" / "__init__.py").write_text(
+        textwrap.dedent("""
         def extract_boxed_answer(text):
             return "always"
 
         def grade_answer(given, truth):
             return given == "always"
-    '''))
+    """)
+    )
     out = run(tmp_path, "reward", MATH_REWARD + REWARD_BODY, extra_path=str(site))
     assert out["ok"] == [1.0, 1.0]  # OpenRLHF's own helpers answered, not rlhf's
     assert out["openrlhf"].startswith(str(site))

@@ -33,11 +33,15 @@ class ThreeCalls(OpenAIServerAgentExecutor):
         made = self.calls.setdefault(prompt, [])
         async with aiohttp.ClientSession() as http:
             for _ in range(3):
-                async with http.post(f"{base_url}/chat/completions", json={"messages": messages, "max_tokens": 3}) as resp:
+                async with http.post(
+                    f"{base_url}/chat/completions", json={"messages": messages, "max_tokens": 3}
+                ) as resp:
                     choice = (await resp.json())["choices"][0]
                 made.append((list(messages), choice["token_ids"]))
-                messages += [{"role": "assistant", "content": choice["message"]["content"]},
-                             {"role": "user", "content": "w1 w2"}]
+                messages += [
+                    {"role": "assistant", "content": choice["message"]["content"]},
+                    {"role": "user", "content": "w1 w2"},
+                ]
         return float(len(label))
 
 
@@ -45,7 +49,10 @@ def rollout(tokenizer, async_engine, cfg, per_call):
     executor = ThreeCalls()
     executor.per_call_samples = per_call
     worker = RolloutWorker(async_engine, tokenizer, executor, None, cfg)
-    rows = [{"prompt_text": "w5 w6", "label": "ab", "prompt_uid": 0}, {"prompt_text": "w7", "label": "abc", "prompt_uid": 1}]
+    rows = [
+        {"prompt_text": "w5 w6", "label": "ab", "prompt_uid": 0},
+        {"prompt_text": "w7", "label": "abc", "prompt_uid": 1},
+    ]
     trajs = worker.rollout(rows, SamplingParams(max_new_tokens=3), step=0)
     worker.close()
     return trajs, executor.calls, worker.last_metrics
@@ -58,8 +65,9 @@ def stripping_tokenizer(tokenizer):
     return tok
 
 
-def test_a_template_that_strips_earlier_replies_gives_one_sample_per_call(stripping_tokenizer, async_engine,
-                                                                         cfg_factory, check_tokens, caplog):
+def test_a_template_that_strips_earlier_replies_gives_one_sample_per_call(
+    stripping_tokenizer, async_engine, cfg_factory, check_tokens, caplog
+):
     tok = stripping_tokenizer
     cfg = cfg_factory(data={"max_len": 64}, reward={"max_failure_fraction": 1.0})
 
@@ -79,8 +87,12 @@ def test_a_template_that_strips_earlier_replies_gives_one_sample_per_call(stripp
         assert len(t.segments) == 3
         for seg, (messages, engine_ids) in zip(t.segments, calls[t.prompt_text]):
             rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            assert seg.prompt_ids == tok.encode(rendered, add_special_tokens=False)  # what the model was given
-            assert seg.response_ids == engine_ids and seg.action_mask == [1] * len(engine_ids)  # what it generated
+            assert seg.prompt_ids == tok.encode(
+                rendered, add_special_tokens=False
+            )  # what the model was given
+            assert seg.response_ids == engine_ids and seg.action_mask == [1] * len(
+                engine_ids
+            )  # what it generated
             check_tokens(seg)  # the engine's log-probs, in that call's context
         last = t.segments[-1]  # the episode's own ids: the final conversation, for a reward function
         assert (t.prompt_ids, t.response_ids) == (last.prompt_ids, last.response_ids)

@@ -44,8 +44,12 @@ def test_executor_and_reward_source_from_the_config(tmp_path, cfg_factory):
 
     reward = tmp_path / "r.py"
     reward.write_text("def reward_func(q, p, l):\n    return [0.0] * len(q)\n")
-    assert isinstance(build_reward_source(cfg_factory(reward={"remote_url": str(reward)})), PythonFileRewardSource)
-    explicit = build_reward_source(cfg_factory(reward={"remote_url": "http://127.0.0.1:9/r", "source": "http"}))
+    assert isinstance(
+        build_reward_source(cfg_factory(reward={"remote_url": str(reward)})), PythonFileRewardSource
+    )
+    explicit = build_reward_source(
+        cfg_factory(reward={"remote_url": "http://127.0.0.1:9/r", "source": "http"})
+    )
     assert isinstance(explicit, HttpRewardSource)
     with pytest.raises(Exception, match="no reward source accepts 'reward.txt'"):
         build_reward_source(cfg_factory(reward={"remote_url": "reward.txt"}))
@@ -82,8 +86,25 @@ def test_drift_is_found_where_it_starts():
 class ScriptedExecutor(AgentExecutorBase):
     """Ends every episode with a model token ``a`` followed by feedback ``b``: text "ab" drifts to [ab]."""
 
-    async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None, *, prompt_ids=None):
-        return Trajectory(prompt_ids=list(prompt_ids), response_ids=[2, 3], action_mask=[1, 0], rollout_logprobs=[-1.0, 0.0], reward=1.0)
+    async def execute(
+        self,
+        prompt,
+        label,
+        sampling_params,
+        max_length,
+        hf_tokenizer,
+        llm_engine,
+        images=None,
+        *,
+        prompt_ids=None,
+    ):
+        return Trajectory(
+            prompt_ids=list(prompt_ids),
+            response_ids=[2, 3],
+            action_mask=[1, 0],
+            rollout_logprobs=[-1.0, 0.0],
+            reward=1.0,
+        )
 
 
 def test_worker_reports_drift_once_and_counts_it(cfg_factory, caplog):

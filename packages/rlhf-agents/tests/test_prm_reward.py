@@ -53,7 +53,9 @@ def test_mark_steps_puts_the_marker_after_every_step():
 def test_aggregations():
     s = [0.9, 0.2, 0.6]
     assert aggregate_steps(s, "min") == 0.2 and aggregate_steps(s, "last") == 0.6
-    assert aggregate_steps(s, "mean") == pytest.approx(1.7 / 3) and aggregate_steps(s, "prod") == pytest.approx(0.108)
+    assert aggregate_steps(s, "mean") == pytest.approx(1.7 / 3) and aggregate_steps(
+        s, "prod"
+    ) == pytest.approx(0.108)
     with pytest.raises(ValueError, match="--reward.prm_aggregation 'max'"):
         aggregate_steps(s, "max")
 
@@ -76,12 +78,18 @@ def test_step_scores_are_the_positive_token_probability_at_each_marker(tmp_path)
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0]
         marks = [i for i in range(len(head), len(ids)) if ids[i] == tok.convert_tokens_to_ids("w50")]
-        want = [math.exp(logits[i, good]) / (math.exp(logits[i, good]) + math.exp(logits[i, bad])) for i in marks]
+        want = [
+            math.exp(logits[i, good]) / (math.exp(logits[i, good]) + math.exp(logits[i, bad])) for i in marks
+        ]
         assert got == pytest.approx(want, abs=1e-5)
 
     source = PRMRewardSource(prm, "min")
-    request = RewardRequest(queries=[p + " " + r for p, r in zip(prompts, responses)], prompts=prompts,
-                            labels=[None] * 3, responses=responses)
+    request = RewardRequest(
+        queries=[p + " " + r for p, r in zip(prompts, responses)],
+        prompts=prompts,
+        labels=[None] * 3,
+        responses=responses,
+    )
     result = asyncio.run(source.score(request))
     assert result.rewards[:2] == pytest.approx([min(scores[0]), scores[1][0]])
     assert result.rewards[2] is None and "no step to score" in result.errors[2]

@@ -77,11 +77,15 @@ def test_one_raising_sample_in_64_is_unscorable_and_the_rest_are_scored(tmp_path
     assert logged.rstrip().endswith("ValueError: cannot score boom")
 
 
-def test_raising_sample_through_the_worker_is_counted_and_the_run_continues(tmp_path, async_engine, tokenizer, cfg_factory):
+def test_raising_sample_through_the_worker_is_counted_and_the_run_continues(
+    tmp_path, async_engine, tokenizer, cfg_factory
+):
     path = reward_file(tmp_path, RAISES_ON_BOOM, "boom_reward.py")
     cfg = cfg_factory(reward={"remote_url": path})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
-    prompts = [{"prompt_text": f"w{i}", "label": "boom" if i == 9 else "1", "prompt_uid": i} for i in range(16)]
+    prompts = [
+        {"prompt_text": f"w{i}", "label": "boom" if i == 9 else "1", "prompt_uid": i} for i in range(16)
+    ]
     trajs = worker.rollout(prompts, SamplingParams(n=4, max_new_tokens=2), step=0)  # 64 samples
     worker.close()
     bad = [t for t in trajs if t.reward is None]
@@ -112,10 +116,16 @@ def test_nan_inf_none_and_wrongly_typed_values_mark_only_their_sample(tmp_path):
 
 
 def test_wrong_length_names_file_function_expected_and_actual(tmp_path):
-    path = reward_file(tmp_path, "def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0] * (len(queries) - 1)}\n")
+    path = reward_file(
+        tmp_path,
+        "def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0] * (len(queries) - 1)}\n",
+    )
     result = score(PythonFileRewardSource(path), request(64))
     assert result.rewards == [None] * 64
-    assert result.errors[0] == f"reward_func in {path} returned 63 rewards for a batch of 64 samples (expected 64)"
+    assert (
+        result.errors[0]
+        == f"reward_func in {path} returned 63 rewards for a batch of 64 samples (expected 64)"
+    )
 
 
 def test_wrong_type_names_file_function_expected_and_actual(tmp_path):
@@ -123,14 +133,22 @@ def test_wrong_type_names_file_function_expected_and_actual(tmp_path):
     result = score(PythonFileRewardSource(path), request(3))
     assert result.rewards == [None] * 3
     message = result.errors[0]
-    assert f"reward_func in {path}" in message and "str" in message and "expected a dict with 'rewards'" in message
+    assert (
+        f"reward_func in {path}" in message
+        and "str" in message
+        and "expected a dict with 'rewards'" in message
+    )
 
 
 def test_wrong_length_stops_the_run_naming_the_file(tmp_path, async_engine, tokenizer, cfg_factory):
-    path = reward_file(tmp_path, "def reward_func(queries, prompts, labels):\n    return [0.0]\n", "short_reward.py")
+    path = reward_file(
+        tmp_path, "def reward_func(queries, prompts, labels):\n    return [0.0]\n", "short_reward.py"
+    )
     worker = RolloutWorker.from_config(cfg_factory(reward={"remote_url": path}), async_engine, tokenizer)
     with pytest.raises(RolloutFailureError) as info:
-        worker.rollout([{"prompt_text": "w1", "prompt_uid": 0}], SamplingParams(n=4, max_new_tokens=2), step=2)
+        worker.rollout(
+            [{"prompt_text": "w1", "prompt_uid": 0}], SamplingParams(n=4, max_new_tokens=2), step=2
+        )
     worker.close()
     message = str(info.value)
     assert "step 2: 4 of 4 samples could not be scored" in message
@@ -180,13 +198,17 @@ def test_reward_file_loading_errors(tmp_path):
 
 
 def test_slow_reward_function_times_out(tmp_path):
-    path = reward_file(tmp_path, "import time\ndef reward_func(q, p, l):\n    time.sleep(1)\n    return [0.0] * len(q)\n")
+    path = reward_file(
+        tmp_path, "import time\ndef reward_func(q, p, l):\n    time.sleep(1)\n    return [0.0] * len(q)\n"
+    )
     result = score(PythonFileRewardSource(path, timeout=0.2), request(4))
     assert result.rewards == [None] * 4 and "longer than --reward.timeout 0.2 s" in result.errors[0]
 
 
 def test_weighted_sources_are_combined_and_logged_each(tmp_path, cfg_factory):
-    a = reward_file(tmp_path, "def reward_func(q, p, labels):\n    return [float(x) for x in labels]\n", "accuracy.py")
+    a = reward_file(
+        tmp_path, "def reward_func(q, p, labels):\n    return [float(x) for x in labels]\n", "accuracy.py"
+    )
     b = reward_file(
         tmp_path,
         "def reward_func(q, p, labels):\n    return [None if x == '3' else 10.0 for x in labels]\n",
@@ -227,14 +249,20 @@ def test_local_reward_model_matches_an_unpadded_forward(tiny_dir, cfg_factory):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    cfg = cfg_factory(reward={"model_name_or_path": str(tiny_dir)}, ds={"param_dtype": "fp32"}, rollout={"micro_batch_size": 2})
+    cfg = cfg_factory(
+        reward={"model_name_or_path": str(tiny_dir)},
+        ds={"param_dtype": "fp32"},
+        rollout={"micro_batch_size": 2},
+    )
     source = build_reward_source(cfg)
     assert isinstance(source, RewardModelSource)
     req = request(3)
     req.prompt_ids = [[5, 6, 7], [8], [9, 10]]
     req.response_ids = [[11, 2], [12, 13, 14, 15], [2]]
     result = score(source, req)
-    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_dir), num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(tiny_dir), num_labels=1, dtype=torch.float32
+    )
     model.score.load_state_dict(source.handle.head.state_dict())  # the same (randomly initialised) head
     for i in range(3):
         with torch.no_grad():

@@ -30,7 +30,9 @@ def rm_dir(tmp_path_factory, tiny_dir) -> Path:
 
     out = tmp_path_factory.mktemp("tiny_rm")
     torch.manual_seed(1)
-    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_dir), num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(tiny_dir), num_labels=1, dtype=torch.float32
+    )
     model.save_pretrained(str(out))
     AutoTokenizer.from_pretrained(str(tiny_dir)).save_pretrained(str(out))
     return out
@@ -78,7 +80,9 @@ class Server:
 
 def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
     """Status and JSON answer; an answer that is not JSON (a bare 500) comes back as ``{"text": ...}``."""
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             status, raw = resp.status, resp.read()
@@ -104,13 +108,20 @@ def listening_address(port: int) -> str:
 def server(rm_dir):
     srv = Server(
         [
-            "--reward.model_name_or_path", str(rm_dir),
-            "--port", "0",
-            "--ds.param_dtype", "fp32",
-            "--batch_size", "2",
-            "--max_len", "64",
-            "--max_body_bytes", "262144",
-            "--max_batch", "8",
+            "--reward.model_name_or_path",
+            str(rm_dir),
+            "--port",
+            "0",
+            "--ds.param_dtype",
+            "fp32",
+            "--batch_size",
+            "2",
+            "--max_len",
+            "64",
+            "--max_body_bytes",
+            "262144",
+            "--max_batch",
+            "8",
         ],
         env={"RLHF_RM_API_KEY": API_KEY},
     )
@@ -195,9 +206,11 @@ def test_every_unreadable_body_is_a_400_with_its_reason_and_the_server_stays_up(
         status, answer = post(url, body, auth)
         assert (status, reason in answer.get("detail", "")) == (400, True), (body[:60], status, answer)
     # bodies it can read, whatever is in the fields it does not use: NaN, huge floats, deep-ish nesting
-    for body in (b'{"query": ["w1"], "labels": [NaN], "prompts": [Infinity]}',
-                 b'{"query": ["w1"], "labels": [1e999999]}',
-                 b'{"query": ["w1"], "labels": [' + b"[" * 200 + b"]" * 200 + b"]}"):
+    for body in (
+        b'{"query": ["w1"], "labels": [NaN], "prompts": [Infinity]}',
+        b'{"query": ["w1"], "labels": [1e999999]}',
+        b'{"query": ["w1"], "labels": [' + b"[" * 200 + b"]" * 200 + b"]}",
+    ):
         status, answer = post(url, body, auth)
         assert status == 200 and len(answer["rewards"]) == 1, (body[:60], status, answer)
     with urllib.request.urlopen(f"{base}/health", timeout=10) as resp:
@@ -215,7 +228,15 @@ def test_binds_to_loopback_by_default(server):
 
 def test_refuses_other_interfaces_without_an_api_key(rm_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "rlhf_agents.serve_rm", "--reward.model_name_or_path", str(rm_dir), "--host", "0.0.0.0"],
+        [
+            sys.executable,
+            "-m",
+            "rlhf_agents.serve_rm",
+            "--reward.model_name_or_path",
+            str(rm_dir),
+            "--host",
+            "0.0.0.0",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -27,7 +27,9 @@ def write(tmp_path, name, text):
     return str(path)
 
 
-def test_single_turn_trajectories_match_a_teacher_forced_forward(tmp_path, async_engine, tokenizer, cfg_factory, check_tokens):
+def test_single_turn_trajectories_match_a_teacher_forced_forward(
+    tmp_path, async_engine, tokenizer, cfg_factory, check_tokens
+):
     reward_path = write(tmp_path, "reward.py", REWARD_FILE)
     cfg = cfg_factory(reward={"remote_url": reward_path}, train={"seed": 7})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
@@ -39,7 +41,14 @@ def test_single_turn_trajectories_match_a_teacher_forced_forward(tmp_path, async
     trajs = worker.rollout(prompts, SamplingParams(n=3, max_new_tokens=6), step=0)
     worker.close()
 
-    assert [(t.prompt_uid, t.sample_index) for t in trajs] == [(11, 0), (11, 1), (11, 2), (12, 0), (12, 1), (12, 2)]
+    assert [(t.prompt_uid, t.sample_index) for t in trajs] == [
+        (11, 0),
+        (11, 1),
+        (11, 2),
+        (12, 0),
+        (12, 1),
+        (12, 2),
+    ]
     assert trajs[0].prompt_ids == tokenizer.encode("w1 w2 w3", add_special_tokens=False)
     assert trajs[3].prompt_ids == given_ids  # token ids in: used verbatim
     for t in trajs:
@@ -77,7 +86,9 @@ def test_seeds_make_rollouts_reproducible(tmp_path, async_engine, tokenizer, cfg
     assert len({tuple(x) for x in first}) > 1  # the samples of one prompt differ from each other
 
 
-def test_context_budget_truncates_and_overlong_prompts_are_counted(tmp_path, async_engine, tokenizer, cfg_factory):
+def test_context_budget_truncates_and_overlong_prompts_are_counted(
+    tmp_path, async_engine, tokenizer, cfg_factory
+):
     reward_path = write(tmp_path, "reward.py", REWARD_FILE)
     cfg = cfg_factory(reward={"remote_url": reward_path, "max_failure_fraction": 1.0}, data={"max_len": 6})
     worker = RolloutWorker.from_config(cfg, async_engine, tokenizer)
@@ -125,7 +136,9 @@ def test_reward_math_example_finds_and_grades_the_final_answer(examples_dir):
     assert not verify("no number here", "1")
     assert verify("The answer: -7", "-7")
     out = module.reward_func(
-        ["q: 2+2? the answer is 4", "q: 1+1? 3"], ["q: 2+2? ", "q: 1+1? "], ["4", "2"]  # OpenRLHF-style call
+        ["q: 2+2? the answer is 4", "q: 1+1? 3"],
+        ["q: 2+2? ", "q: 1+1? "],
+        ["4", "2"],  # OpenRLHF-style call
     )
     assert out["rewards"].tolist() == [1.0, 0.0]
     assert out["extra_logs"]["has_answer"].tolist() == [1.0, 1.0]

@@ -34,7 +34,7 @@ def test_parse_tool_calls_reads_hermes_blocks_and_leaves_the_rest_as_content():
     ]
     assert all(c["type"] == "function" for c in calls)
     # a block that is not a call stays text; a reply without blocks is unchanged
-    bad = "<tool_call>{not json}</tool_call> and <tool_call>{\"arguments\": {}}</tool_call>"
+    bad = '<tool_call>{not json}</tool_call> and <tool_call>{"arguments": {}}</tool_call>'
     assert parse_tool_calls(bad, "c") == (bad, [])
     assert parse_tool_calls("just text", "c") == ("just text", [])
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>', "c")[0] is None  # nothing but the call
@@ -45,20 +45,28 @@ def tool_policy(tmp_path_factory, smollm2):
     """A tiny Llama with SmolLM2's tokenizer and chat template whose replies to ``QUESTION`` are the calculator
     call and then, after the tool's result, ``FINAL`` (``examples/agent_tool_grpo.py``'s warm start)."""
     path = tmp_path_factory.mktemp("tool_policy")
-    model, tok, (ids,) = load_module(str(WARM_START), "agent_tool_grpo").warm_start(path, [(37, 12)], guessed=[])
-    assert tok.decode(ids).endswith(CALL + "<|im_end|>\n<|im_start|>tool\n444<|im_end|>\n<|im_start|>assistant\n"
-                                    + FINAL + "<|im_end|>")
+    model, tok, (ids,) = load_module(str(WARM_START), "agent_tool_grpo").warm_start(
+        path, [(37, 12)], guessed=[]
+    )
+    assert tok.decode(ids).endswith(
+        CALL + "<|im_end|>\n<|im_start|>tool\n444<|im_end|>\n<|im_start|>assistant\n" + FINAL + "<|im_end|>"
+    )
     return path, model, tok, ids
 
 
 @pytest.mark.real_model
-def test_the_openai_client_calls_a_tool_and_the_episode_stays_token_exact(tool_policy, cfg_factory, check_tokens):
+def test_the_openai_client_calls_a_tool_and_the_episode_stays_token_exact(
+    tool_policy, cfg_factory, check_tokens
+):
     path, model, tok, ids = tool_policy
     engine = AsyncEngine(HFEngine(str(path), dtype="float32"))
     cfg = cfg_factory(train={"agent_func_path": str(EXAMPLE)}, data={"max_len": 256})
     worker = RolloutWorker.from_config(cfg, engine, tok)
-    (traj,) = worker.rollout([{"prompt_text": QUESTION, "label": "444", "prompt_uid": 0}],
-                             SamplingParams(n=1, max_new_tokens=48, temperature=0.0), step=0)
+    (traj,) = worker.rollout(
+        [{"prompt_text": QUESTION, "label": "444", "prompt_uid": 0}],
+        SamplingParams(n=1, max_new_tokens=48, temperature=0.0),
+        step=0,
+    )
     worker.close()
 
     assert traj.error is None, traj.error
@@ -68,24 +76,39 @@ def test_the_openai_client_calls_a_tool_and_the_episode_stays_token_exact(tool_p
     assert traj.prompt_ids + traj.response_ids == ids
     mask = traj.action_mask
     feedback = [k for k in range(len(mask)) if mask[k] == 0]
-    assert tok.decode([traj.response_ids[k] for k in feedback]) == "\n<|im_start|>tool\n444<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode([traj.response_ids[k] for k in feedback])
+        == "\n<|im_start|>tool\n444<|im_end|>\n<|im_start|>assistant\n"
+    )
     check_tokens(traj, model)
-    assert worker.last_metrics.get("error/prefix_violation", 0.0) == 0.0 and not traj.segments  # one trajectory
+    assert (
+        worker.last_metrics.get("error/prefix_violation", 0.0) == 0.0 and not traj.segments
+    )  # one trajectory
 
 
 class AsksForAForcedCall(OpenAIServerAgentExecutor):
     async def run_agent(self, base_url, prompt, label):
-        body = {"messages": [{"role": "user", "content": prompt}], "tools": [{"type": "function", "function": {"name": "f"}}],
-                "tool_choice": "required"}
-        async with aiohttp.ClientSession() as http, http.post(f"{base_url}/chat/completions", json=body) as resp:
+        body = {
+            "messages": [{"role": "user", "content": prompt}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+        }
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{base_url}/chat/completions", json=body) as resp,
+        ):
             self.seen = (resp.status, (await resp.json())["error"]["message"])
         return 0.0
 
 
 def test_a_forced_tool_choice_is_refused_with_the_reason(async_engine, tokenizer, cfg_factory):
     executor = AsksForAForcedCall()
-    worker = RolloutWorker(async_engine, tokenizer, executor, None, cfg_factory(reward={"max_failure_fraction": 1.0}))
-    worker.rollout([{"prompt_text": "w5", "label": "1", "prompt_uid": 0}], SamplingParams(n=1, max_new_tokens=4), step=0)
+    worker = RolloutWorker(
+        async_engine, tokenizer, executor, None, cfg_factory(reward={"max_failure_fraction": 1.0})
+    )
+    worker.rollout(
+        [{"prompt_text": "w5", "label": "1", "prompt_uid": 0}], SamplingParams(n=1, max_new_tokens=4), step=0
+    )
     worker.close()
     status, message = executor.seen
-    assert status == 400 and "tool_choice=\"required\" is not supported" in message and "'auto'" in message
+    assert status == 400 and 'tool_choice="required" is not supported' in message and "'auto'" in message

@@ -22,21 +22,30 @@ def vlm(tmp_path_factory):
 
     path = make_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model")
     engine = HFEngine(path)
-    return {"path": path, "tok": AutoTokenizer.from_pretrained(path), "images": ImageProcessing.from_pretrained(path),
-            "engine": engine, "model": engine.model}
+    return {
+        "path": path,
+        "tok": AutoTokenizer.from_pretrained(path),
+        "images": ImageProcessing.from_pretrained(path),
+        "engine": engine,
+        "model": engine.model,
+    }
 
 
 def prompt_row(vlm, uid: int, color=(200, 0, 0), label="w1") -> dict:
     images = vlm["images"].process([Image.new("RGB", (56, 56), color)])
     text = vlm["tok"].apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6"}]}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     ids = vlm["images"].expand(vlm["tok"](text, add_special_tokens=False)["input_ids"], images)
     return {"prompt_text": text, "prompt_ids": ids, "label": label, "prompt_uid": uid, "images": images}
 
 
 def worker_for(vlm, cfg) -> RolloutWorker:
-    return RolloutWorker.from_config(cfg, AsyncEngine(vlm["engine"]), vlm["tok"], image_processing=vlm["images"])
+    return RolloutWorker.from_config(
+        cfg, AsyncEngine(vlm["engine"]), vlm["tok"], image_processing=vlm["images"]
+    )
 
 
 def check_tokens(vlm, traj) -> None:
@@ -48,30 +57,40 @@ def check_tokens(vlm, traj) -> None:
     seq = torch.tensor([full])
     with torch.no_grad():
         kwargs, _ = image_forward_inputs(vlm["model"], seq, torch.ones_like(seq), [traj.images])
-        logp = vlm["model"](input_ids=seq, attention_mask=torch.ones_like(seq), **kwargs).logits[0].log_softmax(-1)
-    ref = logp[:-1].gather(1, seq[0, 1:, None])[:, 0][len(traj.prompt_ids) - 1:]
+        logp = (
+            vlm["model"](input_ids=seq, attention_mask=torch.ones_like(seq), **kwargs)
+            .logits[0]
+            .log_softmax(-1)
+        )
+    ref = logp[:-1].gather(1, seq[0, 1:, None])[:, 0][len(traj.prompt_ids) - 1 :]
     for mask, got, want in zip(traj.action_mask, traj.rollout_logprobs, ref.tolist(), strict=True):
         assert abs(got - want) < 1e-5 if mask else got == 0.0
 
 
 def test_single_turn_samples_share_their_prompts_images(vlm, cfg_factory, tmp_path):
     # a reward file sees a query's images as the prompt text has them: one placeholder each
-    (tmp_path / "reward.py").write_text("def reward_func(queries, prompts, labels, **kw):\n"
-                                        "    return [float(q.count('<|image_pad|>') == p.count('<|image_pad|>') == 1)\n"
-                                        "            for q, p in zip(queries, prompts)]\n")
-    worker = worker_for(vlm, cfg_factory(reward={"remote_url": str(tmp_path / "reward.py")}, data={"max_len": 32}))
+    (tmp_path / "reward.py").write_text(
+        "def reward_func(queries, prompts, labels, **kw):\n"
+        "    return [float(q.count('<|image_pad|>') == p.count('<|image_pad|>') == 1)\n"
+        "            for q, p in zip(queries, prompts)]\n"
+    )
+    worker = worker_for(
+        vlm, cfg_factory(reward={"remote_url": str(tmp_path / "reward.py")}, data={"max_len": 32})
+    )
     rows = [prompt_row(vlm, 0), prompt_row(vlm, 1, (0, 0, 200))]
     trajs = worker.rollout(rows, SamplingParams(n=3, max_new_tokens=4), step=0)
     worker.close()
     assert len(trajs) == 6 and [t.reward for t in trajs] == [1.0] * 6
     for k, t in enumerate(trajs):
-        assert t.images == rows[k // 3]["images"] and t.images[0] is rows[k // 3]["images"][0]  # the same object
+        assert (
+            t.images == rows[k // 3]["images"] and t.images[0] is rows[k // 3]["images"][0]
+        )  # the same object
         check_tokens(vlm, t)
 
 
 # The shape of OpenRLHF's VLM multi-turn agent (examples/python/vlm_multiturn_agent.py): torch rewards,
 # Qwen chat markup in the feedback, numpy "screenshots" of 28 x 28, 3 or 4 turns, an image every 2nd turn.
-OPENRLHF_VLM_AGENT = '''
+OPENRLHF_VLM_AGENT = """
 import random
 from typing import Any, Dict
 
@@ -119,11 +138,13 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
 
 @pytest.mark.parametrize("source", ["openrlhf_shape", "example"])
-def test_a_vlm_agent_gets_environment_images_into_its_episode(vlm, cfg_factory, tmp_path, examples_dir, source):
+def test_a_vlm_agent_gets_environment_images_into_its_episode(
+    vlm, cfg_factory, tmp_path, examples_dir, source
+):
     if source == "example":
         path = examples_dir / "agent_vlm_multiturn.py"
     else:
@@ -150,7 +171,7 @@ def test_a_vlm_agent_gets_environment_images_into_its_episode(vlm, cfg_factory, 
     assert screens > 0
 
 
-MISMATCHED = '''
+MISMATCHED = """
 from PIL import Image
 from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor
 
@@ -162,14 +183,15 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
 
 def test_environment_images_without_placeholders_end_the_episode_with_the_reason(vlm, cfg_factory, tmp_path):
     path = tmp_path / "agent.py"
     path.write_text(MISMATCHED)
-    cfg = cfg_factory(train={"agent_func_path": str(path)}, data={"max_len": 64},
-                      reward={"max_failure_fraction": 1.0})
+    cfg = cfg_factory(
+        train={"agent_func_path": str(path)}, data={"max_len": 64}, reward={"max_failure_fraction": 1.0}
+    )
     worker = worker_for(vlm, cfg)
     (t,) = worker.rollout([prompt_row(vlm, 0)], SamplingParams(max_new_tokens=2), step=0)
     worker.close()
@@ -185,7 +207,10 @@ def test_images_past_the_limit_or_the_room_are_dropped_with_their_tokens(vlm, cf
     a, b = img(3), img(2)
     ids = [1, pad, pad, pad, 7, pad, pad, 8]
     assert fit_feedback(ids, [a, b], 8, pad) == (ids, [a, b])
-    assert fit_feedback(ids, [a, b], 6, pad) == ([1, pad, pad, pad, 7], [a])  # b would be cut: the prefix ends before it
+    assert fit_feedback(ids, [a, b], 6, pad) == (
+        [1, pad, pad, pad, 7],
+        [a],
+    )  # b would be cut: the prefix ends before it
     assert fit_feedback(ids, [a, b], 3, pad) == ([1], [])
     assert fit_feedback([1, 2, 3], [], 2, None) == ([1, 2], [])
 
@@ -202,7 +227,7 @@ def test_images_past_the_limit_or_the_room_are_dropped_with_their_tokens(vlm, cf
     check_tokens(vlm, t)
 
 
-RESETTING = '''
+RESETTING = """
 from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor
 
 class AgentInstance(AgentInstanceBase):
@@ -216,19 +241,30 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
 
 def test_a_reset_observation_keeps_the_prompts_images_or_ends_the_episode(vlm, cfg_factory, tmp_path):
     path = tmp_path / "agent.py"
     path.write_text(RESETTING)
-    cfg = cfg_factory(train={"agent_func_path": str(path)}, data={"max_len": 64}, reward={"max_failure_fraction": 1.0})
+    cfg = cfg_factory(
+        train={"agent_func_path": str(path)}, data={"max_len": 64}, reward={"max_failure_fraction": 1.0}
+    )
     worker = worker_for(vlm, cfg)
-    kept, dropped = worker.rollout([prompt_row(vlm, 0, label="w2"), prompt_row(vlm, 1, label="w1")],
-                                   SamplingParams(max_new_tokens=2), step=0)
+    kept, dropped = worker.rollout(
+        [prompt_row(vlm, 0, label="w2"), prompt_row(vlm, 1, label="w1")],
+        SamplingParams(max_new_tokens=2),
+        step=0,
+    )
     worker.close()
     assert kept.error is None and kept.reward == 1.0
-    assert kept.prompt_ids[-1] == vlm["tok"].convert_tokens_to_ids("w9")  # the new observation, images expanded
+    assert kept.prompt_ids[-1] == vlm["tok"].convert_tokens_to_ids(
+        "w9"
+    )  # the new observation, images expanded
     check_tokens(vlm, kept)
-    assert dropped.reward is None and "returned an observation that does not fit the prompt's images: the text has " \
-        "0 image placeholders for 1 images" in dropped.error
+    assert (
+        dropped.reward is None
+        and "returned an observation that does not fit the prompt's images: the text has "
+        "0 image placeholders for 1 images"
+        in dropped.error
+    )

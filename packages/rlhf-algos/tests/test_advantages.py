@@ -41,9 +41,7 @@ def b(x):
 def test_group_shaping_hand_computed():
     r = t([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 1.0, 1.0])
     # rloo, group 1: sum 12, leave-one-out means 11/3, 10/3, 9/3, 6/3
-    torch.testing.assert_close(
-        group_shaped_rewards(r, 4, "rloo")[:4], t([1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0])
-    )
+    torch.testing.assert_close(group_shaped_rewards(r, 4, "rloo")[:4], t([1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0]))
     # group 2: sum 2 -> means 2/3, 2/3, 1/3, 1/3
     torch.testing.assert_close(group_shaped_rewards(r, 4, "rloo")[4:], t([-2 / 3, -2 / 3, 2 / 3, 2 / 3]))
     for name in ("reinforce_baseline", "dr_grpo"):
@@ -325,11 +323,15 @@ def test_opd_hand_computed():
     kl = student - teacher  # k1: [[.5, -1.5, 0], [0, -2, 0], [1, -.5, 0], [.2, .1, 0]]
     mask = b([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]])
     only_kl = opd_advantages(kl, 2.0, mask)
-    torch.testing.assert_close(only_kl, t([[-1.0, 3.0, 0.0], [0.0, 4.0, 0.0], [-2.0, 1.0, 0.0], [-0.4, -0.2, 0.0]]))
+    torch.testing.assert_close(
+        only_kl, t([[-1.0, 3.0, 0.0], [0.0, 4.0, 0.0], [-2.0, 1.0, 0.0], [-0.4, -0.2, 0.0]])
+    )
     # two groups of 2: rewards (1, 0) and (1, 1); group_norm gives +-0.5 / sqrt(0.5) = +-sqrt(0.5), and 0
     g = math.sqrt(0.5)
     mixed = opd_advantages(kl, 2.0, mask, t([1.0, 0.0, 1.0, 1.0]), 2, task_reward_coef=0.5)
-    want = t([[-1.0 + g / 2, 3.0 + g / 2, g / 2], [-g / 2, 4.0 - g / 2, 0.0], [-2.0, 1.0, 0.0], [-0.4, -0.2, 0.0]])
+    want = t(
+        [[-1.0 + g / 2, 3.0 + g / 2, g / 2], [-g / 2, 4.0 - g / 2, 0.0], [-2.0, 1.0, 0.0], [-0.4, -0.2, 0.0]]
+    )
     torch.testing.assert_close(mixed, want)
     # an invalid sample: its row is 0, and its group has one valid sample left (no task advantage)
     invalid = opd_advantages(kl, 2.0, mask, t([1.0, NAN, 1.0, 0.0]), 2, 0.5, valid=b([1, 0, 1, 1]))
@@ -338,15 +340,29 @@ def test_opd_hand_computed():
     clipped = opd_advantages(kl, 2.0, mask, t([1.0, 0.0, 1.0, 1.0]), 2, 0.5, reward_clip=(-0.5, 0.5))
     torch.testing.assert_close(clipped[0], t([-1.0 + 0.25, 3.0 + 0.25, 0.25]))
     # through the registered estimator: the same numbers, returns equal to the advantages
-    out = ADVANTAGE_ESTIMATORS["opd"](AdvantageInput(
-        rewards=t([1.0, 0.0, 1.0, 1.0]), action_mask=mask, n_samples_per_prompt=2, kl=kl, kl_coef=2.0,
-        task_reward_coef=0.5, gamma=0.5))  # gamma is not read: there is no return over tokens
+    out = ADVANTAGE_ESTIMATORS["opd"](
+        AdvantageInput(
+            rewards=t([1.0, 0.0, 1.0, 1.0]),
+            action_mask=mask,
+            n_samples_per_prompt=2,
+            kl=kl,
+            kl_coef=2.0,
+            task_reward_coef=0.5,
+            gamma=0.5,
+        )
+    )  # gamma is not read: there is no return over tokens
     torch.testing.assert_close(out.advantages, want)
     torch.testing.assert_close(out.returns, want)
     assert not ADVANTAGE_ESTIMATORS["opd"].needs_critic
-    with pytest.raises(ValueError, match=r"n_samples_per_prompt >= 2 \(got 1\)"):  # a task reward needs groups
-        compute_advantages(AdvantageInput(rewards=t([0.0]), action_mask=mask[:1], kl=kl[:1], kl_coef=1.0,
-                                          task_reward_coef=1.0), "opd")
+    with pytest.raises(
+        ValueError, match=r"n_samples_per_prompt >= 2 \(got 1\)"
+    ):  # a task reward needs groups
+        compute_advantages(
+            AdvantageInput(
+                rewards=t([0.0]), action_mask=mask[:1], kl=kl[:1], kl_coef=1.0, task_reward_coef=1.0
+            ),
+            "opd",
+        )
 
 
 def test_dr_grpo_is_mean_centred_without_any_scaling():
@@ -443,8 +459,9 @@ def test_nan_reward_counts_as_invalid_even_if_marked_valid():
     for name in ADVANTAGE_ESTIMATORS:
         if name == "gae":
             continue
-        torch.testing.assert_close(compute_advantages(marked, name).advantages,
-                                   compute_advantages(explicit, name).advantages)
+        torch.testing.assert_close(
+            compute_advantages(marked, name).advantages, compute_advantages(explicit, name).advantages
+        )
 
 
 # --- configuration errors -----------------------------------------------------------------------------

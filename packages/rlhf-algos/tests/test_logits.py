@@ -64,7 +64,9 @@ def test_logprobs_and_entropy_in_one_pass_match_both_and_torch_autograd():
         ref = logits.double().requires_grad_(True)
         logp = torch.log_softmax(ref, -1)
         want_h = -(logp.exp() * logp).sum(-1)
-        (a * (logp.gather(-1, labels[..., None]).squeeze(-1) * w_lp).sum() + b * (want_h * w_h).sum()).backward()
+        (
+            a * (logp.gather(-1, labels[..., None]).squeeze(-1) * w_lp).sum() + b * (want_h * w_h).sum()
+        ).backward()
         z = logits.clone().requires_grad_(True)
         lp, h = logprobs_and_entropy(z, labels)
         loss = a * (lp * w_lp).sum() + (b * (h * w_h).sum() if b else 0.0)
@@ -99,8 +101,10 @@ def test_logprobs_and_entropy_hold_at_most_two_vocabulary_buffers_besides_the_lo
             loss(*logprobs_and_entropy(z, labels)).backward()
         # the raw allocator records, in time order (a free is a negative size): the function events would
         # attribute them to ops and lose the order
-        records = sorted((r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
-                         key=lambda r: r.start_ns())
+        records = sorted(
+            (r for r in prof.profiler.kineto_results.events() if r.name() == "[memory]"),
+            key=lambda r: r.start_ns(),
+        )
         live = peak = 0
         for r in records:
             if abs(r.nbytes()) == buffer:
@@ -135,7 +139,9 @@ def test_head_logprobs_reentrant_recompute_gives_the_same_values_and_gradients(m
     got = []
     for reentrant in (False, True):
         hx = h.clone().requires_grad_(True)
-        lp, ent = head_logprobs(head, hx, labels, head.weight.shape[0], 0.7, with_entropy=True, reentrant=reentrant)
+        lp, ent = head_logprobs(
+            head, hx, labels, head.weight.shape[0], 0.7, with_entropy=True, reentrant=reentrant
+        )
         (lp.sum() + 0.5 * ent.sum()).backward()
         got.append((lp.detach(), ent.detach(), hx.grad))
     assert all(torch.equal(a, b) for a, b in zip(*got))

@@ -17,7 +17,15 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "rlhf_algos"
 def test_names_and_provenance():
     pm = get_plugin_manager()
     expected = {
-        "advantage_estimators": {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "opd"},
+        "advantage_estimators": {
+            "gae",
+            "reinforce",
+            "reinforce_baseline",
+            "rloo",
+            "group_norm",
+            "dr_grpo",
+            "opd",
+        },
         "policy_losses": {"ppo", "gspo"},
         "kl_estimators": {"k1", "k2", "k3"},
     }

@@ -48,7 +48,9 @@ def test_prm_soft_labels_need_two_reward_tokens():
 
 
 def test_step_scores_are_the_positive_probability():
-    torch.testing.assert_close(step_scores(torch.tensor([[math.log(3), 0.0], [0.0, 0.0]])), torch.tensor([0.75, 0.5]))
+    torch.testing.assert_close(
+        step_scores(torch.tensor([[math.log(3), 0.0], [0.0, 0.0]])), torch.tensor([0.75, 0.5])
+    )
 
 
 def test_kd_loss_hand_computed():

@@ -41,18 +41,26 @@ def test_micro_batched_step_equals_the_full_batch_step():
     r = stop_properly_penalty(r, lengths == t, coef=0.5)
     ctl = make_kl_controller(0.02, target=0.1, horizon=100)
     adv = estimator(
-        AdvantageInput(rewards=r, action_mask=mask, n_samples_per_prompt=n, kl=k1(old_logp, ref_logp),
-                       kl_coef=ctl.value)
+        AdvantageInput(
+            rewards=r, action_mask=mask, n_samples_per_prompt=n, kl=k1(old_logp, ref_logp), kl_coef=ctl.value
+        )
     )
 
     def step_loss(rows, agg):
         logp = logprobs_from_logits(logits[rows], labels[rows])
-        batch = PolicyLossInput(logprobs=logp, old_logprobs=old_logp[rows], advantages=adv.advantages[rows],
-                                action_mask=mask[rows], aggregation=agg)
+        batch = PolicyLossInput(
+            logprobs=logp,
+            old_logprobs=old_logp[rows],
+            advantages=adv.advantages[rows],
+            action_mask=mask[rows],
+            aggregation=agg,
+        )
         out = policy_loss(batch)
         h = entropy_from_logits(logits[rows])
-        return out.loss + 0.1 * kl_loss(logp, ref_logp[rows], mask[rows], "k3", agg) + entropy_loss(
-            h, mask[rows], 0.01, agg
+        return (
+            out.loss
+            + 0.1 * kl_loss(logp, ref_logp[rows], mask[rows], "k3", agg)
+            + entropy_loss(h, mask[rows], 0.01, agg)
         )
 
     step_loss(slice(0, b), LossAggregation()).backward()

@@ -30,13 +30,22 @@ def greedy_reply(model_dir, messages, max_new_tokens=4):
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    (out,), = HFEngine(model_dir, dtype="fp32").generate(
-        [GenerationRequest(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))])
+    ((out,),) = HFEngine(model_dir, dtype="fp32").generate(
+        [GenerationRequest(ids, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))]
+    )
     return tok.decode(out.token_ids, skip_special_tokens=True)
 
 
-FLAGS = ["--apply_chat_template", "--greedy_sampling", "--repetition_penalty", "1.0", "--max_new_tokens", "4",
-         "--param_dtype", "fp32"]
+FLAGS = [
+    "--apply_chat_template",
+    "--greedy_sampling",
+    "--repetition_penalty",
+    "1.0",
+    "--max_new_tokens",
+    "4",
+    "--param_dtype",
+    "fp32",
+]
 
 
 def run_chat(model_dir, stdin, *flags):
@@ -58,8 +67,14 @@ def chat_in_process(model_dir, stdin, *flags, stream=False):
 @pytest.fixture(scope="module")
 def replies(model):
     first = greedy_reply(model, [{"role": "user", "content": "w1 w2"}])
-    second = greedy_reply(model, [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": first},
-                                  {"role": "user", "content": "w3"}])
+    second = greedy_reply(
+        model,
+        [
+            {"role": "user", "content": "w1 w2"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "w3"},
+        ],
+    )
     # the history changes the answer here, so a chat that forgot it would be caught
     assert second != greedy_reply(model, [{"role": "user", "content": "w3"}])
     return first.strip(), second.strip()
@@ -83,11 +98,14 @@ def test_exit_ends_the_chat(model):
     assert len(out.splitlines()) == 1
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--chat.ta_prompt", "missing.txt"], "--chat.ta_prompt missing.txt: no such file"),
-    (["--chat.stream", "maybe"], "--chat.stream maybe: use auto, true or false"),
-    (["--temperature", "-1"], "--chat.temperature -1.0: must be 0 (greedy) or more"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--chat.ta_prompt", "missing.txt"], "--chat.ta_prompt missing.txt: no such file"),
+        (["--chat.stream", "maybe"], "--chat.stream maybe: use auto, true or false"),
+        (["--temperature", "-1"], "--chat.temperature -1.0: must be 0 (greedy) or more"),
+    ],
+)
 def test_bad_settings_are_refused_with_the_flag_named(model, capsys, flags, message):
     assert chat.main(["--pretrain", model, *flags]) == 2
     err = capsys.readouterr().err

@@ -28,7 +28,9 @@ def config(**rollout) -> RLConfig:
 
 def controller(cfg, num_prompts: int, groups: Groups | None = None) -> RLController:
     prompts = [Prompt(i, [1, 2], f"p{i}", label=i) for i in range(num_prompts)]
-    return RLController(cfg, groups or Groups(actor=None, rollout=[]), PromptStream(prompts, seed=0), pad_token_id=0)
+    return RLController(
+        cfg, groups or Groups(actor=None, rollout=[]), PromptStream(prompts, seed=0), pad_token_id=0
+    )
 
 
 def fake_generate(pass_uids):
@@ -37,8 +39,19 @@ def fake_generate(pass_uids):
 
     def generate(prompts, step, eval_mode=False):
         calls.append([p.uid for p in prompts])
-        trajs = [Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i,
-                            reward=0.5 if p.uid in pass_uids else 1.0) for p in prompts for i in range(2)]
+        trajs = [
+            Trajectory(
+                [1],
+                [3],
+                [1],
+                [0.0],
+                prompt_uid=p.uid,
+                sample_index=i,
+                reward=0.5 if p.uid in pass_uids else 1.0,
+            )
+            for p in prompts
+            for i in range(2)
+        ]
         return trajs, {}
 
     return generate, calls
@@ -99,8 +112,13 @@ def test_client_state_round_trip():
     ctl.step, ctl.evaluation.best_metric, ctl.sync.policy_version = 1, 0.7, 1
     ctl.kl_ctl.update(0.5, 64)
     state = ctl.client_state()
-    before_split = pickle.dumps(state, protocol=0).replace(b"rlhf_cli.rl.rollout\n", b"rlhf_cli.rl.controller\n")
-    assert b"rlhf_cli.rl.controller\nWaitingGroup" in before_split and b"rlhf_cli.rl.controller\nBatch" in before_split
+    before_split = pickle.dumps(state, protocol=0).replace(
+        b"rlhf_cli.rl.rollout\n", b"rlhf_cli.rl.controller\n"
+    )
+    assert (
+        b"rlhf_cli.rl.controller\nWaitingGroup" in before_split
+        and b"rlhf_cli.rl.controller\nBatch" in before_split
+    )
     upcoming = [p.uid for p in copy.deepcopy(ctl.stream).take(4)]
     for saved in (state, pickle.loads(before_split)):
         other = controller(cfg, 10)
@@ -147,7 +165,7 @@ def rank_group(ranks: list[FakeRank]):
 def token_logprobs(b) -> torch.Tensor:
     out = torch.zeros(len(b), b.num_response_positions)
     for i, (pl, rl) in enumerate(zip(b.prompt_lens.tolist(), b.response_lens.tolist())):
-        out[i, :rl] = -b.input_ids[i, pl:pl + rl].float() / 100
+        out[i, :rl] = -b.input_ids[i, pl : pl + rl].float() / 100
     return out
 
 
@@ -165,8 +183,17 @@ def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
     for i, (p, r) in enumerate(shapes):
         response = [10 * i + t for t in range(r)]
         mask = [0 if (i, t) == (3, 3) else 1 for t in range(r)]
-        trajs.append(Trajectory([i + 1] * p, response, mask, [-x / 100 * m for x, m in zip(response, mask)],
-                                prompt_uid=i // 2, sample_index=i % 2, reward=float(i % 3)))
+        trajs.append(
+            Trajectory(
+                [i + 1] * p,
+                response,
+                mask,
+                [-x / 100 * m for x, m in zip(response, mask)],
+                prompt_uid=i // 2,
+                sample_index=i % 2,
+                reward=float(i % 3),
+            )
+        )
     ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[]))
     exp = ctl.experience.make(trajs, kl_coef=0.0)
 
@@ -179,7 +206,7 @@ def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
         assert all(len(rows) * max(sum(shapes[x - 1]) for x in rows) <= 12 for rows in seen)
     want = torch.zeros(8, 9)
     for i, t in enumerate(trajs):
-        want[i, :len(t.response_ids)] = torch.tensor(t.rollout_logprobs)
+        want[i, : len(t.response_ids)] = torch.tensor(t.rollout_logprobs)
     torch.testing.assert_close(exp.old_logprobs, want, atol=0, rtol=0)
     assert exp.info["policy/rollout_train_logprob_gap"] == 0.0
 
@@ -206,8 +233,18 @@ def test_an_on_policy_step_skips_the_old_logprob_pass():
     cfg = config()
     cfg.rollout.micro_batch_size = 2
     cfg.train.batch_size, cfg.train.micro_batch_size = 8, 2
-    trajs = [Trajectory([i + 1] * 2, [10 * i, 10 * i + 1], [1, 1], [-0.1, -0.2], prompt_uid=i // 2,
-                        sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
+    trajs = [
+        Trajectory(
+            [i + 1] * 2,
+            [10 * i, 10 * i + 1],
+            [1, 1],
+            [-0.1, -0.2],
+            prompt_uid=i // 2,
+            sample_index=i % 2,
+            reward=float(i % 3),
+        )
+        for i in range(8)
+    ]
     ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[]))
     exp = ctl.experience.make(trajs, kl_coef=0.0)
     assert ranks[0].passes == ranks[1].passes == [] and exp.old_logprobs is None
@@ -230,8 +267,18 @@ def test_a_ring_group_gets_one_budget_per_rank():
     cfg.train.batch_size = 8
     cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 12
     lengths = [2 + 5] * 8  # prompt + response tokens of every row
-    trajs = [Trajectory([i + 1] * 2, [10 * i + t for t in range(5)], [1] * 5, [-0.1] * 5, prompt_uid=i // 2,
-                        sample_index=i % 2, reward=float(i % 3)) for i in range(8)]
+    trajs = [
+        Trajectory(
+            [i + 1] * 2,
+            [10 * i + t for t in range(5)],
+            [1] * 5,
+            [-0.1] * 5,
+            prompt_uid=i // 2,
+            sample_index=i % 2,
+            reward=float(i % 3),
+        )
+        for i in range(8)
+    ]
     actor = rank_group(ranks)
     actor.ring_size = 2
     ctl = controller(cfg, 4, Groups(actor=actor, rollout=[]))
@@ -253,9 +300,18 @@ def test_token_budgets_keep_a_prompts_samples_together(shared):
     cfg.train.batch_size = 16
     # a prompt's rows have 5 to 8 tokens: its four fit the budget padded; longest first they would mix prompts
     cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = True, 32
-    trajs = [Trajectory([i // 4 + 1] * 2, [10 * i + t for t in range(3 + i % 4)], [1] * (3 + i % 4),
-                        [-0.1] * (3 + i % 4), prompt_uid=i // 4, sample_index=i % 4, reward=float(i % 3))
-             for i in range(16)]
+    trajs = [
+        Trajectory(
+            [i // 4 + 1] * 2,
+            [10 * i + t for t in range(3 + i % 4)],
+            [1] * (3 + i % 4),
+            [-0.1] * (3 + i % 4),
+            prompt_uid=i // 4,
+            sample_index=i % 4,
+            reward=float(i % 3),
+        )
+        for i in range(16)
+    ]
     ctl = controller(cfg, 4, Groups(actor=rank_group(ranks), rollout=[], critic=rank_group([critic])))
     ctl.policy.train(ctl.experience.make(trajs, kl_coef=0.0), step=1, kl_coef=0.0)
     for mbs in (ranks[0].trained[0] + ranks[1].trained[0], critic.trained[0]):
@@ -272,7 +328,9 @@ class FakeEngineActor:
 
     def __init__(self, ranks: int, calls: list):
         def remote(name, result=None):
-            return SimpleNamespace(remote=lambda *a, **kw: calls.append((self, name, a, kw)) or InlineRef(result))
+            return SimpleNamespace(
+                remote=lambda *a, **kw: calls.append((self, name, a, kw)) or InlineRef(result)
+            )
 
         self.weight_sync_ranks = remote("ranks", ranks)
         self.init_weight_sync = remote("join")
@@ -280,21 +338,27 @@ class FakeEngineActor:
         self.update_weights = remote("update")
 
 
-@pytest.mark.parametrize("ranks,with_ray", [([2, 1], False), ([1, 0], False), ([1, 1], True)],
-                         ids=["tp2-and-hf", "one-engine-cannot-join", "sync-with-ray"])
+@pytest.mark.parametrize(
+    "ranks,with_ray",
+    [([2, 1], False), ([1, 0], False), ([1, 1], True)],
+    ids=["tp2-and-hf", "one-engine-cannot-join", "sync-with-ray"],
+)
 def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
     import sys
 
     import ray
 
     # the controller imports Ray where a run uses it (a single-process run never does): fake it there
-    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=lambda refs: refs, put=lambda x: x,
-                                                            exceptions=ray.exceptions))
+    monkeypatch.setitem(
+        sys.modules, "ray", SimpleNamespace(get=lambda refs: refs, put=lambda x: x, exceptions=ray.exceptions)
+    )
     calls, sends = [], []
     engines = [FakeEngineActor(r, calls) for r in ranks]
-    actor = SimpleNamespace(weight_sync_address=lambda: ("10.0.0.1", 29500),
-                            broadcast_weights_to_engines_async=lambda *a: sends.append(a),
-                            get_state_dict_for_engines=lambda: {"w": torch.ones(1)})
+    actor = SimpleNamespace(
+        weight_sync_address=lambda: ("10.0.0.1", 29500),
+        broadcast_weights_to_engines_async=lambda *a: sends.append(a),
+        get_state_dict_for_engines=lambda: {"w": torch.ones(1)},
+    )
     cfg = config()
     cfg.vllm.sync_with_ray = with_ray
     ctl = controller(cfg, 4, Groups(actor=actor, rollout=engines))
@@ -307,7 +371,10 @@ def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
         return
     # the TP-2 engine takes ranks 1-2, the next one rank 3; the group is joined once, then reused
     joins = [kw for _, name, _, kw in calls if name == "join"]
-    assert [(j["first_rank"], j["world_size"], j["backend"]) for j in joins] == [(1, 4, "gloo"), (3, 4, "gloo")]
+    assert [(j["first_rank"], j["world_size"], j["backend"]) for j in joins] == [
+        (1, 4, "gloo"),
+        (3, 4, "gloo"),
+    ]
     assert names.count((0, "receive")) == names.count((1, "receive")) == 2
     assert [s[:3] for s in sends] == [("10.0.0.1", 29500, 4)] * 2
 
@@ -322,22 +389,32 @@ class FakeRolloutActor:
             calls.append((self, "rollout", [r["prompt_uid"] for r in rows], step))
             if dies:
                 return InlineRef(error=ray.exceptions.ActorDiedError())
-            return InlineRef(([Trajectory([1], [2], [1], [0.0], prompt_uid=r["prompt_uid"]) for r in rows], {}))
+            return InlineRef(
+                ([Trajectory([1], [2], [1], [0.0], prompt_uid=r["prompt_uid"]) for r in rows], {})
+            )
 
         self.rollout = SimpleNamespace(remote=rollout)
         self.ping = SimpleNamespace(remote=lambda: InlineRef(True))
-        self.update_weights = SimpleNamespace(remote=lambda w: calls.append((self, "update", w)) or InlineRef(1))
+        self.update_weights = SimpleNamespace(
+            remote=lambda w: calls.append((self, "update", w)) or InlineRef(1)
+        )
 
 
-@pytest.mark.parametrize("replacements_die,budget", [(0, 3), (5, 2), (0, 0)], ids=["replaced", "crash-loop", "off"])
-def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_rerun(monkeypatch, replacements_die,
-                                                                                  budget):
+@pytest.mark.parametrize(
+    "replacements_die,budget", [(0, 3), (5, 2), (0, 0)], ids=["replaced", "crash-loop", "off"]
+)
+def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_rerun(
+    monkeypatch, replacements_die, budget
+):
     import sys
 
     import ray
 
-    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(put=lambda x: ("ref", x), kill=lambda a: None,
-                                                            exceptions=ray.exceptions))
+    monkeypatch.setitem(
+        sys.modules,
+        "ray",
+        SimpleNamespace(put=lambda x: ("ref", x), kill=lambda a: None, exceptions=ray.exceptions),
+    )
     calls, started = [], []
 
     def new_engine(i):
@@ -355,11 +432,19 @@ def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_reru
             ctl.rollout.generate(prompts, step=5)
         cause = "The actor died unexpectedly before finishing this task."
         if budget:
-            assert str(err.value) == (f"rollout engine 1 died after 2 engine restart(s), the most "
-                                      f"--rollout.max_engine_restarts allows (2): {cause}")
+            assert str(err.value) == (
+                f"rollout engine 1 died after 2 engine restart(s), the most "
+                f"--rollout.max_engine_restarts allows (2): {cause}"
+            )
         else:
-            assert str(err.value) == (f"rollout engine 1 died: {cause} (--rollout.max_engine_restarts 0: a dead "
-                                      f"engine stops the run)") and started == []
+            assert (
+                str(err.value)
+                == (
+                    f"rollout engine 1 died: {cause} (--rollout.max_engine_restarts 0: a dead "
+                    f"engine stops the run)"
+                )
+                and started == []
+            )
         return
     trajs, _ = ctl.rollout.generate(prompts, step=5)
     assert [t.prompt_uid for t in trajs] == [0, 1, 2, 3]  # engine order kept
@@ -457,8 +542,13 @@ def test_filtered_groups_come_back_once_in_a_later_round():
     def generate(prompts, step, eval_mode=False):  # a score of 0.5 passes the (0, 1) filter, 1.0 does not
         calls.append([p.uid for p in prompts])
         passes = {p.uid: p.uid != x and (p.uid != y or step != 1) for p in prompts}
-        return [Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i,
-                           reward=0.5 if passes[p.uid] else 1.0) for p in prompts for i in range(2)], {}
+        return [
+            Trajectory(
+                [1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i, reward=0.5 if passes[p.uid] else 1.0
+            )
+            for p in prompts
+            for i in range(2)
+        ], {}
 
     ctl.rollout.generate = generate
     b1 = ctl.rollout.collect(step=1)
@@ -467,10 +557,17 @@ def test_filtered_groups_come_back_once_in_a_later_round():
     assert {t.prompt_uid for t in b1.trajectories} == set(order[2:5])
     assert ctl.rollout.requeued == [(x, True), (y, True)]
     m = b1.rollout_metrics
-    assert (m["rollout/filtered_requeued"], m["rollout/filtered_lost"], m["dynamic_filtering_pass_rate"]) == (2, 0, 3 / 5)
+    assert (m["rollout/filtered_requeued"], m["rollout/filtered_lost"], m["dynamic_filtering_pass_rate"]) == (
+        2,
+        0,
+        3 / 5,
+    )
     b2 = ctl.rollout.collect(step=2)
     assert calls[2:] == [[x, y]] and {t.prompt_uid for t in b2.trajectories} == {y}
-    assert (b2.rollout_metrics["rollout/filtered_requeued"], b2.rollout_metrics["rollout/filtered_lost"]) == (0, 1)
+    assert (b2.rollout_metrics["rollout/filtered_requeued"], b2.rollout_metrics["rollout/filtered_lost"]) == (
+        0,
+        1,
+    )
     assert ctl.rollout.collect(step=3) is None
     resumed = controller(cfg, num_prompts=5)
     resumed.load_client_state(state)
@@ -512,17 +609,32 @@ def async_run(tmp_path, ahead, max_steps, resume=None, stop_after=None):
     checkpoints = CheckpointManager(tmp_path / "ckpt", max_num=10)
     trainer = FakeTrainer()
     prompts = [Prompt(i, [1, 2], f"p{i}") for i in range(30)]
-    ctl = RLController(cfg, Groups(actor=trainer, rollout=[], rollout_in_actor=True), PromptStream(prompts, 0), 0,
-                       checkpoints)
+    ctl = RLController(
+        cfg,
+        Groups(actor=trainer, rollout=[], rollout_in_actor=True),
+        PromptStream(prompts, 0),
+        0,
+        checkpoints,
+    )
     jitter = random.Random(resume or 0)
     generated_on: dict = {}
 
     def generate(prompts, step, eval_mode=False):
         time.sleep(jitter.random() / 50)
         generated_on[step] = trainer.engine_weights
-        return [Trajectory([1], [3], [1], [0.0], prompt_uid=p.uid, sample_index=i,
-                           reward=float(derive_seed(p.uid, step, trainer.engine_weights) % 97)) for p in prompts
-                for i in range(2)], {}
+        return [
+            Trajectory(
+                [1],
+                [3],
+                [1],
+                [0.0],
+                prompt_uid=p.uid,
+                sample_index=i,
+                reward=float(derive_seed(p.uid, step, trainer.engine_weights) % 97),
+            )
+            for p in prompts
+            for i in range(2)
+        ], {}
 
     def train(exp, step, kl_coef):
         time.sleep(jitter.random() / 50)
@@ -632,7 +744,12 @@ def test_a_plugin_policy_loss_without_a_default_aggregation_gets_token_mean(regi
 def per_call_batch():
     """Two prompts x two episodes; three episodes are per-call samples (segments), one a plain trajectory.
     Row r's prompt starts with token r + 1, its response tokens are 10 (r + 1) + t."""
-    shapes = {0: [(2, 2), (3, 3)], 1: [(2, 2)], 2: [(2, 1), (4, 2), (5, 2)], 3: [(3, 2), (2, 3)]}  # (prompt, response)
+    shapes = {
+        0: [(2, 2), (3, 3)],
+        1: [(2, 2)],
+        2: [(2, 1), (4, 2), (5, 2)],
+        3: [(3, 2), (2, 3)],
+    }  # (prompt, response)
     rewards = {0: 1.0, 1: 0.0, 2: 2.0, 3: 0.5}
     row = 0
     trajs = []
@@ -642,9 +759,18 @@ def per_call_batch():
             row += 1
             segs.append(Trajectory([row] * p, [10 * row + t for t in range(r)], [1] * r, [-0.1] * r))
         last = segs[-1]
-        trajs.append(Trajectory(last.prompt_ids, last.response_ids, last.action_mask, last.rollout_logprobs,
-                                prompt_uid=e // 2, sample_index=e % 2, reward=rewards[e],
-                                segments=segs if len(segs) > 1 else []))
+        trajs.append(
+            Trajectory(
+                last.prompt_ids,
+                last.response_ids,
+                last.action_mask,
+                last.rollout_logprobs,
+                prompt_uid=e // 2,
+                sample_index=e % 2,
+                reward=rewards[e],
+                segments=segs if len(segs) > 1 else [],
+            )
+        )
     return trajs, shapes, rewards
 
 
@@ -668,7 +794,7 @@ def test_per_call_samples_are_trained_with_their_episodes_advantage():
     for e, parts in shapes.items():
         for _ in parts:
             row += 1
-            want[row] = sign[e] * 2 ** -0.5
+            want[row] = sign[e] * 2**-0.5
     trained = {}
     for mb in ranks[0].trained[0] + ranks[1].trained[0]:
         for i, (first, rl) in enumerate(zip(mb.seq.input_ids[:, 0].tolist(), mb.seq.response_lens.tolist())):
@@ -695,8 +821,11 @@ def test_per_call_advantages_with_kl_in_the_reward_are_those_of_the_whole_episod
     out = estimate_advantages(ADVANTAGE_ESTIMATORS["reinforce"], exp, cfg, kl, coef)
     expected = {}
     for e in range(4):
-        tokens = [(r, c) for r in (exp.episode_of == e).nonzero().flatten().tolist()
-                  for c in exp.action_mask[r].nonzero().flatten().tolist()]
+        tokens = [
+            (r, c)
+            for r in (exp.episode_of == e).nonzero().flatten().tolist()
+            for c in exp.action_mask[r].nonzero().flatten().tolist()
+        ]
         for k, (r, c) in enumerate(tokens):
             expected[r, c] = rewards[e] - coef * sum(float(kl[q]) for q in tokens[k:])
     values = torch.tensor(list(expected.values()), dtype=torch.float64)

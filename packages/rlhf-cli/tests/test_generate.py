@@ -27,54 +27,148 @@ def assets(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("generate")
     model = make_tiny_llama(root / "model", num_words=20)
-    rows = [{"input": f"w{i % 20} w{(3 * i) % 20}", "label": f"w{(i + 1) % 20}", "output": f"w{i % 7} w{i % 5}"}
-            for i in range(16)]
+    rows = [
+        {"input": f"w{i % 20} w{(3 * i) % 20}", "label": f"w{(i + 1) % 20}", "output": f"w{i % 7} w{i % 5}"}
+        for i in range(16)
+    ]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "reward.py").write_text(REWARD)
     (root / "no_reward_func.py").write_text("def score(texts):\n    return [0.0] * len(texts)\n")
-    return {"root": root, "model": model, "prompts": str(root / "prompts.jsonl"), "reward": str(root / "reward.py")}
+    return {
+        "root": root,
+        "model": model,
+        "prompts": str(root / "prompts.jsonl"),
+        "reward": str(root / "reward.py"),
+    }
 
 
 def gen_flags(assets, tmp_path, *extra, drop=()):
     """Flags of a small run; ``extra`` come last (a repeated flag's last value wins), ``drop`` are left out."""
-    base = {"--pretrain": assets["model"], "--dataset": assets["prompts"], "--label_key": "label",
-            "--remote_rm_url": assets["reward"], "--output_path": str(tmp_path / "out.jsonl"),
-            "--param_dtype": "fp32", "--max_new_tokens": "3"}
+    base = {
+        "--pretrain": assets["model"],
+        "--dataset": assets["prompts"],
+        "--label_key": "label",
+        "--remote_rm_url": assets["reward"],
+        "--output_path": str(tmp_path / "out.jsonl"),
+        "--param_dtype": "fp32",
+        "--max_new_tokens": "3",
+    }
     return [x for flag, value in base.items() if flag not in drop for x in (flag, value)] + list(extra)
 
 
 def test_openrlhf_flat_flags_set_the_generate_config():
-    cfg, notes = parse_config("generate", [
-        "--pretrain", "m", "--reward_pretrain", "rm", "--dataset", "d.jsonl", "--best_of_n", "4", "--iter", "2",
-        "--rollout_batch_size", "64", "--post_processor", "iter_dpo", "--greedy_sampling", "--tp_size", "2",
-        "--output_path", "o.jsonl", "--eval_task", "generate_vllm", "--micro_batch_size", "8", "--zero_stage", "0",
-        "--enable_csft", "--csft_prompt", "<rm_score>: 1.00", "--disable_fast_tokenizer"])
-    assert (cfg.model.model_name_or_path, cfg.reward.model_name_or_path, cfg.data.dataset) == ("m", "rm", ["d.jsonl"])
+    cfg, notes = parse_config(
+        "generate",
+        [
+            "--pretrain",
+            "m",
+            "--reward_pretrain",
+            "rm",
+            "--dataset",
+            "d.jsonl",
+            "--best_of_n",
+            "4",
+            "--iter",
+            "2",
+            "--rollout_batch_size",
+            "64",
+            "--post_processor",
+            "iter_dpo",
+            "--greedy_sampling",
+            "--tp_size",
+            "2",
+            "--output_path",
+            "o.jsonl",
+            "--eval_task",
+            "generate_vllm",
+            "--micro_batch_size",
+            "8",
+            "--zero_stage",
+            "0",
+            "--enable_csft",
+            "--csft_prompt",
+            "<rm_score>: 1.00",
+            "--disable_fast_tokenizer",
+        ],
+    )
+    assert (cfg.model.model_name_or_path, cfg.reward.model_name_or_path, cfg.data.dataset) == (
+        "m",
+        "rm",
+        ["d.jsonl"],
+    )
     assert (cfg.rollout.n_samples_per_prompt, cfg.generate.iter, cfg.rollout.batch_size) == (4, 2, 64)
-    assert (cfg.generate.post_processor, cfg.rollout.temperature, cfg.vllm.tensor_parallel_size) == ("iter_dpo", 0.0, 2)
-    assert (cfg.generate.task, cfg.rollout.micro_batch_size, cfg.generate.enable_csft) == ("generate_vllm", 8, True)
-    assert notes == ["--zero_stage is ignored: generation runs the policy in rollout engines, not under DeepSpeed",
-                     "--data.disable_fast_tokenizer changes nothing: transformers 5 has one tokenizer implementation "
-                     "and ignores use_fast (OpenRLHF passes it on unread too)"]
+    assert (cfg.generate.post_processor, cfg.rollout.temperature, cfg.vllm.tensor_parallel_size) == (
+        "iter_dpo",
+        0.0,
+        2,
+    )
+    assert (cfg.generate.task, cfg.rollout.micro_batch_size, cfg.generate.enable_csft) == (
+        "generate_vllm",
+        8,
+        True,
+    )
+    assert notes == [
+        "--zero_stage is ignored: generation runs the policy in rollout engines, not under DeepSpeed",
+        "--data.disable_fast_tokenizer changes nothing: transformers 5 has one tokenizer implementation "
+        "and ignores use_fast (OpenRLHF passes it on unread too)",
+    ]
 
 
-@pytest.mark.parametrize("extra, drop, message", [
-    ((), ("--output_path",), "--generate.output_path is required"),
-    (("--repetition_penalty", "1.2"), (), "--rollout.repetition_penalty 1.2: the rollout engines sample without"),
-    (("--post_processor", "best_of_all"), (), "no post-processor named 'best_of_all' (asked for by "
-                                              "--generate.post_processor best_of_all). Registered: "),
-    (("--post_processor", "csft", "--reward_template", "{input} scored"), (), "must contain {reward}"),
-    (("--post_processor", "rs"), ("--remote_rm_url",), "--generate.post_processor rs works on rewards: give a"),
-    (("--remote_rm_url", "nowhere.py"), (), "the reward source cannot score: --reward.remote_url nowhere.py"),
-    (("--remote_rm_url", "{root}/no_reward_func.py"), (), "no_reward_func.py: the file defines no 'reward_func'"),
-    (("--reward_pretrain", "{root}"), ("--remote_rm_url",), "--reward.model_name_or_path {root}: no model there"),
-    (("--iter", "1", "--rollout_batch_size", "16"), (), "--generate.iter 1 with --rollout.batch_size 16 starts at "
-                                                        "row 16, but the data has only 16 rows"),
-    (("--input_key", "question"), (), "prompts.jsonl row 0: missing key 'question' (set by --data.input_key)"),
-    (("--rollout.engine", "vllm"), (), "--rollout.engine vllm cannot run here"),
-    (("--reward.clip_range", "-1", "1"), (), "--reward.clip_range is an option of 'rlhf train ppo' only: "
-                                                 "the code of 'rlhf generate' does not use it"),
-])
+@pytest.mark.parametrize(
+    "extra, drop, message",
+    [
+        ((), ("--output_path",), "--generate.output_path is required"),
+        (
+            ("--repetition_penalty", "1.2"),
+            (),
+            "--rollout.repetition_penalty 1.2: the rollout engines sample without",
+        ),
+        (
+            ("--post_processor", "best_of_all"),
+            (),
+            "no post-processor named 'best_of_all' (asked for by "
+            "--generate.post_processor best_of_all). Registered: ",
+        ),
+        (("--post_processor", "csft", "--reward_template", "{input} scored"), (), "must contain {reward}"),
+        (
+            ("--post_processor", "rs"),
+            ("--remote_rm_url",),
+            "--generate.post_processor rs works on rewards: give a",
+        ),
+        (
+            ("--remote_rm_url", "nowhere.py"),
+            (),
+            "the reward source cannot score: --reward.remote_url nowhere.py",
+        ),
+        (
+            ("--remote_rm_url", "{root}/no_reward_func.py"),
+            (),
+            "no_reward_func.py: the file defines no 'reward_func'",
+        ),
+        (
+            ("--reward_pretrain", "{root}"),
+            ("--remote_rm_url",),
+            "--reward.model_name_or_path {root}: no model there",
+        ),
+        (
+            ("--iter", "1", "--rollout_batch_size", "16"),
+            (),
+            "--generate.iter 1 with --rollout.batch_size 16 starts at row 16, but the data has only 16 rows",
+        ),
+        (
+            ("--input_key", "question"),
+            (),
+            "prompts.jsonl row 0: missing key 'question' (set by --data.input_key)",
+        ),
+        (("--rollout.engine", "vllm"), (), "--rollout.engine vllm cannot run here"),
+        (
+            ("--reward.clip_range", "-1", "1"),
+            (),
+            "--reward.clip_range is an option of 'rlhf train ppo' only: "
+            "the code of 'rlhf generate' does not use it",
+        ),
+    ],
+)
 def test_bad_settings_are_refused_before_any_worker(assets, tmp_path, capsys, extra, drop, message):
     extra = [x.replace("{root}", str(assets["root"])) for x in extra]
     assert generate.main(gen_flags(assets, tmp_path, *extra, drop=drop)) == 2
@@ -85,11 +179,16 @@ def test_bad_settings_are_refused_before_any_worker(assets, tmp_path, capsys, ex
 
 
 def test_dry_run_prints_the_plan_and_starts_nothing(assets, tmp_path, capsys):
-    assert generate.main(gen_flags(assets, tmp_path, "--best_of_n", "4", "--post_processor", "rs", "--dry-run")) == 0
+    assert (
+        generate.main(gen_flags(assets, tmp_path, "--best_of_n", "4", "--post_processor", "rs", "--dry-run"))
+        == 0
+    )
     out = capsys.readouterr().out
     assert "# prompts: 16 from" in out and "# generation: 4 sample(s) per prompt with the hf engine" in out
     assert "# reward: reward_func in" in out and "# post-processor: rs" in out
-    assert "# precision: fp32 (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)" in out  # --param_dtype fp32
+    assert (
+        "# precision: fp32 (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)" in out
+    )  # --param_dtype fp32
     assert not (tmp_path / "out.jsonl.samples.jsonl").exists()
 
 
@@ -103,12 +202,34 @@ def test_worker_scores_each_row_with_the_reward_model_in_order(assets, tmp_path)
     rm_dir = tmp_path / "rm"
     tok = make_tiny_tokenizer(rm_dir, num_words=20)
     torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
     AutoModelForSequenceClassification.from_config(config).save_pretrained(rm_dir)
-    cfg, _ = parse_config("generate", ["--eval_task", "rm", "--reward_pretrain", str(rm_dir), "--dataset",
-                                       assets["prompts"], "--output_path", str(tmp_path / "o.jsonl"),
-                                       "--param_dtype", "fp32", "--micro_batch_size", "5"])
+    cfg, _ = parse_config(
+        "generate",
+        [
+            "--eval_task",
+            "rm",
+            "--reward_pretrain",
+            str(rm_dir),
+            "--dataset",
+            assets["prompts"],
+            "--output_path",
+            str(tmp_path / "o.jsonl"),
+            "--param_dtype",
+            "fp32",
+            "--micro_batch_size",
+            "5",
+        ],
+    )
     the_plan = generate.plan(cfg)
     assert the_plan.engine is None and the_plan.n == 1
     records = generate.GenerationWorker(cfg, None, 0, 1).run(the_plan.prompts)
@@ -138,7 +259,9 @@ def test_resume_cuts_a_partial_line_and_the_samples_of_unfinished_prompts(assets
     the_plan.samples_path.write_text(text)
     finished, note = generate.recover_samples(the_plan)
     assert finished == {0, 1}
-    assert "2 of 16 prompts done; dropped a partial last line and the samples of 1 unfinished prompt(s)" in note
+    assert (
+        "2 of 16 prompts done; dropped a partial last line and the samples of 1 unfinished prompt(s)" in note
+    )
     assert generate.read_samples(the_plan.samples_path) == done
 
     cfg.rollout.n_samples_per_prompt = 3  # other settings: the samples are not this run's
@@ -186,12 +309,18 @@ def test_a_registered_reward_source_scores_without_change(assets, tmp_path, regi
             register("word_count", Factory())
 
     register_plugin(Plugin, name="word-count-plugin")
-    cfg, _ = parse_config("generate", gen_flags(assets, tmp_path, "--reward.source", "word_count", "--best_of_n", "2",
-                                                drop=("--remote_rm_url",)))
+    cfg, _ = parse_config(
+        "generate",
+        gen_flags(
+            assets, tmp_path, "--reward.source", "word_count", "--best_of_n", "2", drop=("--remote_rm_url",)
+        ),
+    )
     the_plan = generate.plan(cfg)
     assert the_plan.reward == "WordCount"
     records = generate.GenerationWorker(cfg, the_plan.engine, 0, 1).run(the_plan.prompts[:3])
-    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(p, j) for p in range(3) for j in range(2)]
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [
+        (p, j) for p in range(3) for j in range(2)
+    ]
     assert [r["reward"] for r in records] == [float(len(r["output"].split())) for r in records]
 
 
@@ -210,16 +339,31 @@ def test_a_third_party_post_processor_filters_the_output(assets, tmp_path, regis
             register("keep_correct", KeepCorrect())
 
     register_plugin(Plugin, name="keep-correct-plugin")
-    cfg, _ = parse_config("generate", gen_flags(assets, tmp_path, "--best_of_n", "2", "--post_processor",
-                                                "keep_correct"))
+    cfg, _ = parse_config(
+        "generate", gen_flags(assets, tmp_path, "--best_of_n", "2", "--post_processor", "keep_correct")
+    )
     the_plan = generate.plan(cfg)
     generate.recover_samples(the_plan)
     # every prompt already generated (as by an earlier run): no worker starts, the filter runs
-    records = [{"prompt_index": p["index"], "sample_index": j, "input": p["text"], "output": f"w{j}",
-                "reward": float(j == p["index"] % 2)} for p in the_plan.prompts for j in range(2)]
-    records[0]["reward"], records[0]["error"] = None, "raised"  # prompt 0's right one is unscorable: not offered
+    records = [
+        {
+            "prompt_index": p["index"],
+            "sample_index": j,
+            "input": p["text"],
+            "output": f"w{j}",
+            "reward": float(j == p["index"] % 2),
+        }
+        for p in the_plan.prompts
+        for j in range(2)
+    ]
+    records[0]["reward"], records[0]["error"] = (
+        None,
+        "raised",
+    )  # prompt 0's right one is unscorable: not offered
     generate.append_records(the_plan.samples_path, records, 1)
     summary = generate.run_generate(the_plan)
     rows = [json.loads(line) for line in the_plan.output_path.read_text().splitlines()]
-    assert rows == [{"input": p["text"], "output": f"w{p['index'] % 2}"} for p in the_plan.prompts if p["index"] != 0]
+    assert rows == [
+        {"input": p["text"], "output": f"w{p['index'] % 2}"} for p in the_plan.prompts if p["index"] != 0
+    ]
     assert (summary["samples"], summary["unscorable"], summary["rows"]) == (32, 1, 15)

@@ -8,8 +8,13 @@ from rlhf_core.testing import PlacementStrategyConformance
 from rlhf_core.types import RoleDemand
 
 STRATEGIES = {s.name: s for s in BUILTIN}
-ROLES = {"actor": RoleDemand(2), "ref": RoleDemand(2), "critic": RoleDemand(2), "reward": RoleDemand(1),
-         "rollout": RoleDemand(2)}
+ROLES = {
+    "actor": RoleDemand(2),
+    "ref": RoleDemand(2),
+    "critic": RoleDemand(2),
+    "reward": RoleDemand(1),
+    "rollout": RoleDemand(2),
+}
 
 
 def pools_of(plan):
@@ -35,7 +40,10 @@ def test_partial_colocation_honours_both_flags():
     assert pools_of(STRATEGIES["colocate_actor_ref"].plan(ROLES, cfg, True))["critic"] == "critic"
     cfg.train.colocate_critic_reward = True
     pools = pools_of(STRATEGIES["colocate_actor_ref"].plan(ROLES, cfg, True))
-    assert pools["actor"] == pools["ref"] == "actor+ref" and pools["critic"] == pools["reward"] == "critic+reward"
+    assert (
+        pools["actor"] == pools["ref"] == "actor+ref"
+        and pools["critic"] == pools["reward"] == "critic+reward"
+    )
 
 
 def test_colocate_all_refuses_more_engine_gpus_than_actor_gpus():
@@ -48,8 +56,7 @@ def test_cpu_plans_use_cpu_bundles():
     plan = plan_pools({"actor": RoleDemand(2), "rollout": RoleDemand(1)}, [{"actor", "rollout"}], False)
     (pool,) = plan.pools
     assert pool.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
-    assert {g.role: g.num_cpus_per_worker for g in plan.groups} == {
-        "actor": 0.5, "rollout": 0.5}
+    assert {g.role: g.num_cpus_per_worker for g in plan.groups} == {"actor": 0.5, "rollout": 0.5}
 
 
 def test_roles_in_the_actors_pool_run_inside_the_actor_ranks():
@@ -59,7 +66,12 @@ def test_roles_in_the_actors_pool_run_inside_the_actor_ranks():
         cfg = RLConfig()
         for k, v in flags.items():
             setattr(cfg.vllm if k == "sync_with_ray" else cfg.train, k, v)
-        roles = {"actor": RoleDemand(2), "ref": RoleDemand(1), "critic": RoleDemand(1), "rollout": RoleDemand(engines)}
+        roles = {
+            "actor": RoleDemand(2),
+            "ref": RoleDemand(1),
+            "critic": RoleDemand(1),
+            "rollout": RoleDemand(engines),
+        }
         return roles_in_actor(STRATEGIES[strategy].plan(roles, cfg, gpus), engine, cfg)
 
     assert hosted() == {"ref", "rollout"}  # the critic trains beside the policy: it keeps its ranks
@@ -103,8 +115,10 @@ def test_groups_land_on_the_nodes_the_strategy_says():
             try:
                 found = {}
                 for spec in plan.groups:
-                    actors = [Where.options(**worker_options(spec, pools[spec.pool], r)).remote()
-                              for r in range(spec.num_workers)]
+                    actors = [
+                        Where.options(**worker_options(spec, pools[spec.pool], r)).remote()
+                        for r in range(spec.num_workers)
+                    ]
                     found[spec.role] = ray.get([a.node.remote() for a in actors])
                     for a in actors:
                         ray.kill(a)

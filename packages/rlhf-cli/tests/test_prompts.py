@@ -57,8 +57,12 @@ def test_bad_rows_name_file_row_and_key_or_are_skipped(tmp_path):
 
 def test_overlong_prompts_follow_the_policy(tmp_path):
     f = tmp_path / "prompts.jsonl"
-    f.write_text(json.dumps({"input": " ".join(f"w{i}" for i in range(6)), "label": "x"}) + "\n"
-                 + json.dumps({"input": "w1", "label": "y"}) + "\n")
+    f.write_text(
+        json.dumps({"input": " ".join(f"w{i}" for i in range(6)), "label": "x"})
+        + "\n"
+        + json.dumps({"input": "w1", "label": "y"})
+        + "\n"
+    )
     tok = make_tiny_tokenizer()
     with pytest.raises(DataError, match="prompt has 6 tokens, more than the 4 allowed"):
         load_prompts(make_cfg(f), tok)  # budget: max_len 12 - max_new_tokens 8
@@ -87,10 +91,14 @@ def test_prompts_with_images_hold_their_image_tokens_and_where_the_images_are(tm
     (tmp_path / "img").mkdir()
     Image.new("RGB", (56, 84), (255, 0, 0)).save(tmp_path / "img" / "a.png")  # 6 image tokens
     Image.new("RGB", (56, 56), (0, 0, 255)).save(tmp_path / "img" / "b.png")  # 4
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w1"}, {"type": "image"}]}]
-    rows = [{"input": chat, "images": ["img/a.png", "img/b.png"], "label": "two"},   # a conversation, 2 images
-            {"input": "w2 w3", "images": "img/b.png", "label": "one"},                # a question: image first
-            {"input": "w4", "images": None, "label": "none"}]                         # text only
+    chat = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w1"}, {"type": "image"}]}
+    ]
+    rows = [
+        {"input": chat, "images": ["img/a.png", "img/b.png"], "label": "two"},  # a conversation, 2 images
+        {"input": "w2 w3", "images": "img/b.png", "label": "one"},  # a question: image first
+        {"input": "w4", "images": None, "label": "none"},
+    ]  # text only
     f = tmp_path / "prompts.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = make_cfg(f, image_key="images", max_images_per_prompt=2, apply_chat_template=True, max_len=64)
@@ -105,7 +113,9 @@ def test_prompts_with_images_hold_their_image_tokens_and_where_the_images_are(tm
     f.write_text(json.dumps({"input": "w2 w3", "images": ["img/b.png"], "label": "x"}) + "\n")
     with pytest.raises(DataError, match=rf"{f} row 0: the text has 0 image placeholders for 1 images"):
         load_prompts(make_cfg(f, image_key="images", max_len=64), tok, images=images)
-    f.write_text(json.dumps({"input": f"{IMAGE_PLACEHOLDER} w2 w3", "images": ["img/b.png"], "label": "x"}) + "\n")
+    f.write_text(
+        json.dumps({"input": f"{IMAGE_PLACEHOLDER} w2 w3", "images": ["img/b.png"], "label": "x"}) + "\n"
+    )
     (raw,) = load_prompts(make_cfg(f, image_key="images", max_len=64), tok, images=images)
     assert raw.ids.count(pad) == 4
 
@@ -118,21 +128,42 @@ def test_a_missing_image_names_file_and_row_or_is_skipped_and_images_are_never_c
     tok, images = vlm
     Image.new("RGB", (56, 56)).save(tmp_path / "ok.png")
     f = tmp_path / "prompts.jsonl"
-    rows = [{"input": "w1", "images": ["ok.png"], "label": "a"}, {"input": "w2", "images": ["gone.png"], "label": "b"}]
+    rows = [
+        {"input": "w1", "images": ["ok.png"], "label": "a"},
+        {"input": "w2", "images": ["gone.png"], "label": "b"},
+    ]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = make_cfg(f, image_key="images", apply_chat_template=True, max_len=64)
-    with pytest.raises(DataError, match=rf"{f} row 1: image 0 of key 'images': image file gone.png does not exist"):
+    with pytest.raises(
+        DataError, match=rf"{f} row 1: image 0 of key 'images': image file gone.png does not exist"
+    ):
         load_prompts(cfg, tok, images=images)
     stats = DataStats()
-    kept = load_prompts(make_cfg(f, image_key="images", apply_chat_template=True, max_len=64, skip_bad_rows=True),
-                        tok, images=images, stats=stats)
+    kept = load_prompts(
+        make_cfg(f, image_key="images", apply_chat_template=True, max_len=64, skip_bad_rows=True),
+        tok,
+        images=images,
+        stats=stats,
+    )
     assert [p.label for p in kept] == ["a"] and stats.as_metrics()["data/bad_rows_skipped"] == 1
     # 4 image tokens + the chat markup do not fit in 16 - 8: cutting from the left would cut the image
     f.write_text(json.dumps(rows[0]) + "\n")
-    with pytest.raises(DataError, match=rf"{f} row 0: the prompt has \d+ tokens with its images, more than the 8 "
-                                         "allowed, and a prompt with images cannot be cut"):
-        load_prompts(make_cfg(f, image_key="images", apply_chat_template=True, max_len=16,
-                              overlong_prompt_policy="truncate_left"), tok, images=images)
+    with pytest.raises(
+        DataError,
+        match=rf"{f} row 0: the prompt has \d+ tokens with its images, more than the 8 "
+        "allowed, and a prompt with images cannot be cut",
+    ):
+        load_prompts(
+            make_cfg(
+                f,
+                image_key="images",
+                apply_chat_template=True,
+                max_len=16,
+                overlong_prompt_policy="truncate_left",
+            ),
+            tok,
+            images=images,
+        )
 
 
 def test_tokenizer_chat_template_shapes_the_rl_prompts(tmp_path):

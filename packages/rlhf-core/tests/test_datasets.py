@@ -27,8 +27,9 @@ def test_local_directories_saved_or_of_data_files_and_their_subdirectories(tmp_p
     import datasets
 
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))  # a Dataset: no splits
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:2]), "test": datasets.Dataset.from_list(ROWS[2:])}
-                         ).save_to_disk(str(tmp_path / "repo" / "main"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:2]), "test": datasets.Dataset.from_list(ROWS[2:])}
+    ).save_to_disk(str(tmp_path / "repo" / "main"))
     write_jsonl(tmp_path / "plain" / "prompts.jsonl", ROWS)  # no split in the file name: all of it is train
     write_jsonl(tmp_path / "repo" / "other" / "train-00000.jsonl", ROWS[1:])
     assert [r.data for r in read_rows(tmp_path / "saved")] == ROWS
@@ -74,15 +75,28 @@ HUB = textwrap.dedent("""
 def test_hub_names_load_from_the_offline_cache_or_fail_naming_the_dataset(tmp_path):
     write_jsonl(tmp_path / "src" / "train.jsonl", ROWS)
     write_jsonl(tmp_path / "src" / "main.jsonl", ROWS[::-1])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf_home")}
-    done = subprocess.run([sys.executable, "-c", HUB, str(tmp_path / "cache"), str(tmp_path / "src")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "cache"),
+        "HF_HOME": str(tmp_path / "hf_home"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", HUB, str(tmp_path / "cache"), str(tmp_path / "src")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["plain"] == ROWS and out["main"] == ROWS[::-1]
     assert out["where"] == "acme/prompts[train] row 1"
     missing = out["acme/missing:train"]
     assert "dataset 'acme/missing' is not a local file or directory" in missing
-    assert "offline mode: only datasets already in the cache load" in missing and str(tmp_path / "cache") in missing
+    assert (
+        "offline mode: only datasets already in the cache load" in missing
+        and str(tmp_path / "cache") in missing
+    )
     assert out["acme/prompts:test"] == "dataset 'acme/prompts': no split 'test'; it has train"

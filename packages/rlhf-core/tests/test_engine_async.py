@@ -30,7 +30,9 @@ def engine(tmp_path_factory):
 
 
 def turn_request(episode: int, turn: int, history: list[int]) -> GenerationRequest:
-    return GenerationRequest(history, SamplingParams(n=1, max_new_tokens=4, ignore_eos=True, seed=100 * episode + turn))
+    return GenerationRequest(
+        history, SamplingParams(n=1, max_new_tokens=4, ignore_eos=True, seed=100 * episode + turn)
+    )
 
 
 async def episode(llm, index: int, turns: int = 3) -> list[list[int]]:

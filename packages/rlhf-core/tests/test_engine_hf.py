@@ -69,7 +69,9 @@ class TestHFEngineRayActor(RolloutEngineConformance):
     def make_engine(self, model_dir):
         import ray
 
-        handle = ray.remote(num_cpus=1)(HFEngine).remote(model_dir, dtype="float32", device="cpu", num_threads=1)
+        handle = ray.remote(num_cpus=1)(HFEngine).remote(
+            model_dir, dtype="float32", device="cpu", num_threads=1
+        )
         return RayEngine(handle)
 
     def close_engine(self, engine):
@@ -82,7 +84,9 @@ class TestHFEngineRayActor(RolloutEngineConformance):
         other = self.make_engine(model_dir)
         try:
             req = GenerationRequest([3, 4, 5], SamplingParams(n=2, max_new_tokens=6, seed=9, ignore_eos=True))
-            assert [o.token_ids for o in other.generate([req])[0]] == [o.token_ids for o in engine.generate([req])[0]]
+            assert [o.token_ids for o in other.generate([req])[0]] == [
+                o.token_ids for o in engine.generate([req])[0]
+            ]
         finally:
             self.close_engine(other)
 
@@ -113,12 +117,20 @@ def test_logprobs_equal_trainer_recomputation(tiny_dir, monkeypatch):
     engine = HFEngine(tiny_dir, device="cpu")
     forward_rows = []
     forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, *a: forward_rows.append(ids.shape) or forward(ids, *a))
+    monkeypatch.setattr(
+        engine, "_forward", lambda ids, *a: forward_rows.append(ids.shape) or forward(ids, *a)
+    )
     prompts = [[10, 11, 12], [40, 41, 42, 43, 44, 45], [70], [10, 11, 12]]
     temperature = 0.6
-    requests = [GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=i))
-                for i, p in enumerate(prompts)]
-    samples = [(req.prompt_ids, out) for req, outs in zip(requests, engine.generate(requests), strict=True) for out in outs]
+    requests = [
+        GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    samples = [
+        (req.prompt_ids, out)
+        for req, outs in zip(requests, engine.generate(requests), strict=True)
+        for out in outs
+    ]
     assert forward_rows[0] == (3, 6)  # prefill: 3 distinct prompts for 8 samples
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
@@ -141,8 +153,10 @@ def test_logprobs_equal_trainer_recomputation(tiny_dir, monkeypatch):
 def test_long_batches_are_split_and_finished_rows_dropped(tiny_dir):
     """More samples than max_batch_size, with very different lengths: the same tokens as one by one."""
     engine = HFEngine(tiny_dir, device="cpu", max_batch_size=5)
-    requests = [GenerationRequest([20 + i] * (1 + i % 4), SamplingParams(n=3, max_new_tokens=2 + 5 * (i % 3), seed=i))
-                for i in range(6)]
+    requests = [
+        GenerationRequest([20 + i] * (1 + i % 4), SamplingParams(n=3, max_new_tokens=2 + 5 * (i % 3), seed=i))
+        for i in range(6)
+    ]
     together = engine.generate(requests)
     for req, outs in zip(requests, together, strict=True):
         alone = engine.generate([req])[0]
@@ -154,7 +168,9 @@ def test_prompt_too_long_for_the_model(tmp_path):
     engine = HFEngine(make_tiny_llama(tmp_path, max_position_embeddings=16), device="cpu")
     with pytest.raises(ValueError, match="request 0: the prompt has 16 tokens.*max_position_embeddings=16"):
         engine.generate([GenerationRequest([5] * 16, SamplingParams(max_new_tokens=4))])
-    (out,), = engine.generate([GenerationRequest([5] * 12, SamplingParams(max_new_tokens=50, ignore_eos=True))])
+    ((out,),) = engine.generate(
+        [GenerationRequest([5] * 12, SamplingParams(max_new_tokens=50, ignore_eos=True))]
+    )
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
 
@@ -182,7 +198,9 @@ def test_registered_as_hf_and_built_from_the_config(tiny_dir):
     cfg.rollout.max_new_tokens = 3
     engine = factory.create(cfg, index=1, device="cpu")
     assert isinstance(engine, HFEngine) and factory.engine_class() is HFEngine
-    params = SamplingParams(n=cfg.rollout.n_samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens, seed=5)
+    params = SamplingParams(
+        n=cfg.rollout.n_samples_per_prompt, max_new_tokens=cfg.rollout.max_new_tokens, seed=5
+    )
     (outs,) = engine.generate([GenerationRequest([4, 5], params)])
     assert len(outs) == 2 and all(len(o.token_ids) <= 3 for o in outs)
 
@@ -204,12 +222,16 @@ def test_direct_decode_equals_the_module_forward(kind, weights, monkeypatch):
     assert engine.fast_path and engine.plan is not None and engine.pack_weights == (weights == "packed")
     attn = model.model.layers[0].self_attn
     # fused: the projections are views of one tensor, holding the same values as before
-    shared = attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
+    shared = (
+        attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()
+    )
     assert shared == (weights != "module")
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
-    requests = [GenerationRequest(list(range(5, 5 + n)), SamplingParams(n=3, max_new_tokens=9 + n, seed=n))
-                for n in (1, 4, 7)]
+    requests = [
+        GenerationRequest(list(range(5, 5 + n)), SamplingParams(n=3, max_new_tokens=9 + n, seed=n))
+        for n in (1, 4, 7)
+    ]
     seen = []
     decode = hf_engine.decode_token
     monkeypatch.setattr(hf_engine, "decode_token", lambda plan, *a: seen.append(a[-1]) or decode(plan, *a))
@@ -221,7 +243,9 @@ def test_direct_decode_equals_the_module_forward(kind, weights, monkeypatch):
     engine.plan = None
     writes = []
     update = GrowingKVLayer.update
-    monkeypatch.setattr(GrowingKVLayer, "update", lambda self, k, v, *a, **kw: writes.append(1) or update(self, k, v))
+    monkeypatch.setattr(
+        GrowingKVLayer, "update", lambda self, k, v, *a, **kw: writes.append(1) or update(self, k, v)
+    )
     module = engine.generate(requests)
     assert len(writes) > 2 * 9  # every layer, every step
     for a_outs, b_outs in zip(direct, module, strict=True):
@@ -240,6 +264,7 @@ def test_fused_layout_returns_after_sleep(tmp_path):
     def fused() -> bool:
         def storage(m):
             return m.weight.untyped_storage().data_ptr()
+
         return storage(attn.q_proj) == storage(attn.v_proj) and storage(mlp.gate_proj) == storage(mlp.up_proj)
 
     requests = [GenerationRequest([5, 6, 7], SamplingParams(n=2, max_new_tokens=6, seed=3))]
@@ -263,8 +288,9 @@ def test_packed_weights_by_default_from_hidden_size_256(tmp_path):
     from rlhf_core.rollout.hf_engine import PACK_MIN_HIDDEN
 
     small = make_tiny_llama(tmp_path / "small", hidden_size=PACK_MIN_HIDDEN // 2, intermediate_size=64)
-    wide = make_tiny_llama(tmp_path / "wide", hidden_size=PACK_MIN_HIDDEN, intermediate_size=64,
-                           num_hidden_layers=1)
+    wide = make_tiny_llama(
+        tmp_path / "wide", hidden_size=PACK_MIN_HIDDEN, intermediate_size=64, num_hidden_layers=1
+    )
     assert not HFEngine(small, device="cpu").pack_weights
     assert HFEngine(wide, device="cpu").pack_weights
     assert not HFEngine(wide, device="cpu", dtype="bf16").pack_weights
@@ -317,13 +343,18 @@ def test_bf16_decode_on_cuda_matches_a_bf16_forward_and_sleep_frees_the_weights(
     engine = HFEngine(model_dir, dtype="bfloat16", device="cuda")
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     prompt = list(range(5, 21))
-    (outs,) = engine.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24, min_new_tokens=24,
-                                                                        seed=3, n=4))])
+    (outs,) = engine.generate(
+        [GenerationRequest(prompt, SamplingParams(max_new_tokens=24, min_new_tokens=24, seed=3, n=4))]
+    )
     gaps = []
     for out in outs:
         with torch.no_grad():
-            logits = reference(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0, len(prompt) - 1:-1]
-        want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])
+            logits = reference(torch.tensor([prompt + out.token_ids], device="cuda")).logits[
+                0, len(prompt) - 1 : -1
+            ]
+        want = torch.log_softmax(logits.float(), -1).gather(
+            1, torch.tensor(out.token_ids, device="cuda")[:, None]
+        )
         gaps.append((torch.tensor(out.logprobs) - want.squeeze(1).cpu()).abs().mean())
     assert float(torch.stack(gaps).mean()) <= 0.05, gaps
 
@@ -350,8 +381,10 @@ def test_a_lora_adapter_is_merged_over_the_base_the_engine_loaded(tiny_dir):
 
     engine = HFEngine(tiny_dir, device="cpu")
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    trainer = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
-                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    trainer = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    ).eval()
     prompt = [10, 11, 12]
     request = GenerationRequest(prompt, SamplingParams(n=2, max_new_tokens=8, seed=0))
     gen = torch.Generator().manual_seed(0)
@@ -361,13 +394,22 @@ def test_a_lora_adapter_is_merged_over_the_base_the_engine_loaded(tiny_dir):
                 if "lora_" in name:
                     p.copy_(0.3 * torch.randn(p.shape, generator=gen))
         sent = list(lora_adapter_tensors(trainer))
-        assert len(sent) == 2 * 3 * 2 and all(n.endswith((".lora_A", ".lora_B")) for n, _ in sent)  # layers x targets x A/B
+        assert len(sent) == 2 * 3 * 2 and all(
+            n.endswith((".lora_A", ".lora_B")) for n, _ in sent
+        )  # layers x targets x A/B
         engine.update_weights(sent)
         for out in engine.generate([request])[0]:
-            torch.testing.assert_close(out.logprobs, forward_logprobs(trainer, prompt, out.token_ids, 1.0), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                out.logprobs, forward_logprobs(trainer, prompt, out.token_ids, 1.0), atol=1e-5, rtol=0
+            )
     out = engine.generate([request])[0][0]
-    assert max(abs(a - b) for a, b in zip(out.logprobs, forward_logprobs(base, prompt, out.token_ids, 1.0))) > 1e-2
-    engine.update_weights(dict(base.named_parameters()))  # full weights again: the adapters' bases are dropped
+    assert (
+        max(abs(a - b) for a, b in zip(out.logprobs, forward_logprobs(base, prompt, out.token_ids, 1.0)))
+        > 1e-2
+    )
+    engine.update_weights(
+        dict(base.named_parameters())
+    )  # full weights again: the adapters' bases are dropped
     engine.update_weights(sent[:2])  # one layer's pair, merged over the new base
     assert not engine._lora_base.keys() - {sent[0][0].removesuffix(".lora_A") + ".weight"}
     with pytest.raises(Exception, match="not the next half of a LoRA pair"):

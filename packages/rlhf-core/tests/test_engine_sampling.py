@@ -78,7 +78,9 @@ def test_top_k_and_top_p_sample_from_the_renormalised_head():
 
 
 def test_top_k_top_p_mask_by_hand():
-    probs = torch.tensor([[0.15, 0.5, 0.05, 0.2, 0.1]])  # sorted: 0.5 (1), 0.2 (3), 0.15 (0), 0.1 (4), 0.05 (2)
+    probs = torch.tensor(
+        [[0.15, 0.5, 0.05, 0.2, 0.1]]
+    )  # sorted: 0.5 (1), 0.2 (3), 0.15 (0), 0.1 (4), 0.05 (2)
 
     def kept(k, p):
         mask = top_k_top_p_mask(probs, torch.tensor([k]), torch.tensor([p]))
@@ -100,8 +102,14 @@ def test_logprobs_ignore_filtering_and_suppression_and_greedy_uses_temperature_o
     stop_ids = torch.tensor([[1, 1], [2, 3], [0, 3]])  # row 0 has one stop id, repeated
     suppress = torch.tensor([True, False, True])  # rows 0 and 2 may not stop yet
     tokens, logprobs = sample_next(
-        logits, temperature, keys_for(3), 0, top_k=torch.tensor([2, 4, 4]), top_p=torch.ones(3),
-        stop_ids=stop_ids, suppress=suppress,
+        logits,
+        temperature,
+        keys_for(3),
+        0,
+        top_k=torch.tensor([2, 4, 4]),
+        top_p=torch.ones(3),
+        stop_ids=stop_ids,
+        suppress=suppress,
     )
     assert tokens[0] in (0, 3)  # the top 2 once token 1, the most likely, is suppressed
     assert tokens[2] == 1  # greedy: the argmax once tokens 0 and 3 are suppressed

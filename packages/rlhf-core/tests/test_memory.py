@@ -37,8 +37,9 @@ def step_faults(mode: str) -> list[int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(sys.platform != "linux" or "libc" not in (ctypes.util.find_library("c") or ""),
-                    reason="glibc malloc only")
+@pytest.mark.skipif(
+    sys.platform != "linux" or "libc" not in (ctypes.util.find_library("c") or ""), reason="glibc malloc only"
+)
 def test_freed_memory_is_reused_without_page_faults():
     default, kept = step_faults("default"), step_faults("keep")
     # both fault the first step's memory in
@@ -67,12 +68,15 @@ print(json.dumps([freed, anon(), float(sum(x.sum() for x in kept))]))
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux" or "libc" not in (ctypes.util.find_library("c") or ""),
-                    reason="glibc malloc only")
+@pytest.mark.skipif(
+    sys.platform != "linux" or "libc" not in (ctypes.util.find_library("c") or ""), reason="glibc malloc only"
+)
 def test_release_free_heap_hands_back_the_free_pages_only():
     out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True)
     freed, released, total = json.loads(out.stdout.strip().splitlines()[-1])
-    assert released <= freed - 80  # 96 MiB freed: most of it leaves (chunk headers keep a page here and there)
+    assert (
+        released <= freed - 80
+    )  # 96 MiB freed: most of it leaves (chunk headers keep a page here and there)
     assert total == sum(float(k) * (1 << 18) for k in range(0, 128, 4))  # the 32 kept read back intact
 
 

@@ -54,7 +54,9 @@ def test_fixture_cleans_up():
 def test_duplicate_name_names_both_sources(register_plugin):
     register_plugin(Alpha, name="first")
     register_plugin(AlphaAgain, name="second")
-    with pytest.raises(PluginError, match="'alpha_est' is registered twice: by <(first|second)> and by <(first|second)>"):
+    with pytest.raises(
+        PluginError, match="'alpha_est' is registered twice: by <(first|second)> and by <(first|second)>"
+    ):
         collect(get_plugin_manager(load_entrypoints=False), "advantage_estimators")
 
 
@@ -82,7 +84,10 @@ def test_resolve_error_lists_names_and_install_hint(register_plugin):
     with pytest.raises(PluginError) as err:
         resolve(pm, "advantage_estimators", "group_norm", "--algo.advantage.estimator")
     msg = str(err.value)
-    assert "no advantage estimator named 'group_norm' (asked for by --algo.advantage.estimator group_norm)" in msg
+    assert (
+        "no advantage estimator named 'group_norm' (asked for by --algo.advantage.estimator group_norm)"
+        in msg
+    )
     assert "Registered: alpha_est." in msg and "pip install rlhf-algos" in msg
     assert "Did you mean" not in msg  # nothing close to group_norm is registered
     with pytest.raises(PluginError, match="Registered: none"):
@@ -135,7 +140,9 @@ def test_an_object_that_does_not_fit_its_seam_is_refused_naming_its_plugin(regis
         "docs/plugin-hooks.md says what an advantage estimator provides. Fix or uninstall <median-plugin>, or "
         "run without it: RLHF_DISABLE_PLUGINS=<median-plugin>"
     )
-    with pytest.raises(PluginError, match="registered 'env' as an environment, but it is an object, not a class"):
+    with pytest.raises(
+        PluginError, match="registered 'env' as an environment, but it is an object, not a class"
+    ):
         collect(pm, "environments")
     with pytest.raises(PluginError, match="registered 'mine' as a placement strategy, but it has no plan"):
         collect(pm, "placement_strategies")
@@ -155,7 +162,9 @@ def _fake_entry_point(monkeypatch, plugin):
             return plugin
 
     real = md.entry_points
-    monkeypatch.setattr(md, "entry_points", lambda group: [EntryPoint()] if group == "rlhf" else real(group=group))
+    monkeypatch.setattr(
+        md, "entry_points", lambda group: [EntryPoint()] if group == "rlhf" else real(group=group)
+    )
 
 
 def test_a_hook_that_raises_names_the_distribution_entry_point_and_how_to_skip_it(monkeypatch):
@@ -202,9 +211,13 @@ def test_broken_plugin_names_its_distribution(monkeypatch):
             import no_such_module_xyz  # noqa: F401
 
     real = md.entry_points
-    monkeypatch.setattr(md, "entry_points", lambda group: [BrokenEP()] if group == "rlhf" else real(group=group))
-    with pytest.raises(PluginError, match="'broken'.*distribution 'broken-dist'.*ModuleNotFoundError.*"
-                                          "RLHF_DISABLE_PLUGINS=broken-dist"):
+    monkeypatch.setattr(
+        md, "entry_points", lambda group: [BrokenEP()] if group == "rlhf" else real(group=group)
+    )
+    with pytest.raises(
+        PluginError,
+        match="'broken'.*distribution 'broken-dist'.*ModuleNotFoundError.*RLHF_DISABLE_PLUGINS=broken-dist",
+    ):
         get_plugin_manager()
 
 

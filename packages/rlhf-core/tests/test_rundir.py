@@ -48,14 +48,28 @@ def test_metrics_every_logging_steps_and_wandb_gets_the_config_without_its_key(t
     wandb.log = lambda row, step: calls.append(("log", step))
     wandb.finish = lambda: calls.append(("finish",))
     monkeypatch.setitem(sys.modules, "wandb", wandb)
-    cfg, _ = parse_config("sft", ["--logging_steps", "3", "--use_wandb", "sk-secret-1", "--wandb_project", "p"])
+    cfg, _ = parse_config(
+        "sft", ["--logging_steps", "3", "--use_wandb", "sk-secret-1", "--wandb_project", "p"]
+    )
     writer = MetricsWriter(tmp_path, cfg.logger, total_steps=7, config=shown_config(cfg, "sft"))
-    assert [writer.log(s, {"loss": s / 10}) for s in range(1, 8)] == [True, False, True, False, False, True, True]
+    assert [writer.log(s, {"loss": s / 10}) for s in range(1, 8)] == [
+        True,
+        False,
+        True,
+        False,
+        False,
+        True,
+        True,
+    ]
     writer.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 0.1), (3, 0.3), (6, 0.6), (7, 0.7)]
     assert calls[0] == ("login", "sk-secret-1")  # the code gets the real key...
     init = calls[1][1]
-    assert init["project"] == "p" and init["config"]["logger"]["wandb"]["key"] == "***"  # ...the record does not
+    assert (
+        init["project"] == "p" and init["config"]["logger"]["wandb"]["key"] == "***"
+    )  # ...the record does not
     assert "sk-secret-1" not in json.dumps(init)
-    assert [c for c in calls if c[0] == "log"] == [("log", s) for s in (1, 3, 6, 7)] and calls[-1] == ("finish",)
+    assert [c for c in calls if c[0] == "log"] == [("log", s) for s in (1, 3, 6, 7)] and calls[-1] == (
+        "finish",
+    )

@@ -28,12 +28,18 @@ def vlm(request, tmp_path_factory):
     path = make_tiny_vlm(tmp_path_factory.mktemp(request.param) / "model", kind=request.param)
     from transformers import AutoTokenizer
 
-    return {"path": path, "tok": AutoTokenizer.from_pretrained(path), "images": ImageProcessing.from_pretrained(path),
-            "model": load_model(path).eval()}
+    return {
+        "path": path,
+        "tok": AutoTokenizer.from_pretrained(path),
+        "images": ImageProcessing.from_pretrained(path),
+        "model": load_model(path).eval(),
+    }
 
 
 def prompt_ids(vlm, images, words="w3 w4") -> list[int]:
-    msgs = [{"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": words}]}]
+    msgs = [
+        {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": words}]}
+    ]
     text = vlm["tok"].apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return vlm["images"].expand(vlm["tok"](text, add_special_tokens=False)["input_ids"], images)
 
@@ -75,19 +81,31 @@ def test_bad_images_fail_naming_file_row_key_and_image(tmp_path):
 
     with pytest.raises(DataError, match=rf"{where}: image file missing.png does not exist"):
         read("missing.png")
-    with pytest.raises(DataError, match=rf"{where}: .*text.png cannot be read as an image \(UnidentifiedImageError"):
+    with pytest.raises(
+        DataError, match=rf"{where}: .*text.png cannot be read as an image \(UnidentifiedImageError"
+    ):
         read(str(tmp_path / "text.png"))
-    with pytest.raises(DataError, match=rf"{where}: http://x/a.png is a web URL; rlhf reads local files only"):
+    with pytest.raises(
+        DataError, match=rf"{where}: http://x/a.png is a web URL; rlhf reads local files only"
+    ):
         read("http://x/a.png")
     with pytest.raises(DataError, match=rf"{where}: the data URI is not base64"):
         read("data:image/png;base64,@@@")
-    with pytest.raises(DataError, match=rf"{where}: expected a path, file:// URL, data URI or bytes, got int"):
+    with pytest.raises(
+        DataError, match=rf"{where}: expected a path, file:// URL, data URI or bytes, got int"
+    ):
         read(5)
-    with pytest.raises(DataError, match=r"d.jsonl row 2: missing key 'images' \(set by --data.image_key\); the row "
-                                         r"has keys: prompt"):
+    with pytest.raises(
+        DataError,
+        match=r"d.jsonl row 2: missing key 'images' \(set by --data.image_key\); the row "
+        r"has keys: prompt",
+    ):
         row_images(Row({"prompt": "x"}, "d.jsonl", 2), "images", 1)
-    with pytest.raises(DataError, match=r"d.jsonl row 2: 2 images in key 'images', more than "
-                                         r"--data.max_images_per_prompt 1"):
+    with pytest.raises(
+        DataError,
+        match=r"d.jsonl row 2: 2 images in key 'images', more than "
+        r"--data.max_images_per_prompt 1",
+    ):
         row_images(Row({"images": [png(), png()]}, "d.jsonl", 2), "images", 1)
     assert read_image(png(), tmp_path, "w").size == (56, 56)
 
@@ -113,7 +131,9 @@ def test_forward_inputs_match_the_models_own_image_path_and_encode_each_image_on
     """Rows that share images (a group's samples) encode them once, and the logits are those of the model
     fed the repeated pixel values itself (its own M-RoPE and placeholder scatter)."""
     m = vlm["model"]
-    imgs = vlm["images"].process([Image.new("RGB", (56, 84), (200, 30, 30)), Image.new("RGB", (56, 56), (0, 0, 250))])
+    imgs = vlm["images"].process(
+        [Image.new("RGB", (56, 84), (200, 30, 30)), Image.new("RGB", (56, 56), (0, 0, 250))]
+    )
     ids = prompt_ids(vlm, imgs)
     rows = torch.tensor([ids + [10, 11, 12], ids + [13, 0, 0], [5, 20, 21, 22, 0, 0] + [0] * (len(ids) - 3)])
     mask = torch.ones_like(rows)
@@ -128,8 +148,13 @@ def test_forward_inputs_match_the_models_own_image_path_and_encode_each_image_on
             mine = m(input_ids=rows, attention_mask=mask, **kwargs).logits
             pixels = torch.cat([im.pixel_values for im in imgs] * 2)
             grid = torch.stack([im.grid_thw for im in imgs] * 2)
-            theirs = m(input_ids=rows, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-                       mm_token_type_ids=(rows == m.config.image_token_id).int()).logits
+            theirs = m(
+                input_ids=rows,
+                attention_mask=mask,
+                pixel_values=pixels,
+                image_grid_thw=grid,
+                mm_token_type_ids=(rows == m.config.image_token_id).int(),
+            ).logits
     finally:
         hook.remove()
     assert calls[0] == 24 + 16  # the first call: each distinct image's patches once, not once per row
@@ -138,7 +163,9 @@ def test_forward_inputs_match_the_models_own_image_path_and_encode_each_image_on
     assert (mine - theirs)[real].abs().max() < 1e-5
     # M-RoPE: the text after a 2 x 3 and a 2 x 2 merged grid sits 3 + 2 positions before its token index
     assert offsets[:, 0].tolist() == [-(6 - 3) - (4 - 2)] * 2 + [0]
-    with pytest.raises(ValueError, match="sequence 0 of the batch has 10 image tokens for 1 images of 6 tokens"):
+    with pytest.raises(
+        ValueError, match="sequence 0 of the batch has 10 image tokens for 1 images of 6 tokens"
+    ):
         image_forward_inputs(m, rows, mask, [imgs[:1], imgs, []])
 
 
@@ -149,31 +176,47 @@ def teacher_forced(model, prompt, tokens, images) -> torch.Tensor:
     seq = torch.tensor([prompt + tokens])
     with torch.no_grad():
         kwargs, _ = image_forward_inputs(model, seq, torch.ones_like(seq), [images])
-        logp = model(input_ids=seq, attention_mask=torch.ones_like(seq), **kwargs).logits.float().log_softmax(-1)
-    return logp[0, len(prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        logp = (
+            model(input_ids=seq, attention_mask=torch.ones_like(seq), **kwargs).logits.float().log_softmax(-1)
+        )
+    return logp[0, len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def test_the_engine_samples_from_text_and_images_with_the_trainers_logprobs(vlm):
     engine = HFEngine.from_model(vlm["model"])
-    red, blue = vlm["images"].process([Image.new("RGB", (56, 56), (250, 0, 0)), Image.new("RGB", (56, 84), (0, 0, 250))])
+    red, blue = vlm["images"].process(
+        [Image.new("RGB", (56, 56), (250, 0, 0)), Image.new("RGB", (56, 84), (0, 0, 250))]
+    )
     same_ids = prompt_ids(vlm, [red])
     params = SamplingParams(n=3, max_new_tokens=6, seed=11)
     requests = [
         GenerationRequest(same_ids, params, [red]),
-        GenerationRequest(prompt_ids(vlm, [blue], "w7"), SamplingParams(n=2, max_new_tokens=6, seed=12), [blue]),
+        GenerationRequest(
+            prompt_ids(vlm, [blue], "w7"), SamplingParams(n=2, max_new_tokens=6, seed=12), [blue]
+        ),
         GenerationRequest([5, 12, 13], SamplingParams(n=2, max_new_tokens=6, seed=13)),  # text only
     ]
     outs = engine.generate(requests)
     for req, samples in zip(requests, outs, strict=True):
         assert len(samples) == req.params.n
         for out in samples:
-            gap = (teacher_forced(vlm["model"], req.prompt_ids, out.token_ids, list(req.images))
-                   - torch.tensor(out.logprobs)).abs().max()
+            gap = (
+                (
+                    teacher_forced(vlm["model"], req.prompt_ids, out.token_ids, list(req.images))
+                    - torch.tensor(out.logprobs)
+                )
+                .abs()
+                .max()
+            )
             assert gap < 1e-5, gap  # fp32: KV-cached decode vs one full forward, rounding only
     # equal ids, different image: the two prompts must not share a prefill
     recolored = vlm["images"].process([Image.new("RGB", (56, 56), (0, 250, 0))])[0]
-    pair = engine.generate([GenerationRequest(same_ids, SamplingParams(max_new_tokens=4, seed=5), [red]),
-                            GenerationRequest(same_ids, SamplingParams(max_new_tokens=4, seed=5), [recolored])])
+    pair = engine.generate(
+        [
+            GenerationRequest(same_ids, SamplingParams(max_new_tokens=4, seed=5), [red]),
+            GenerationRequest(same_ids, SamplingParams(max_new_tokens=4, seed=5), [recolored]),
+        ]
+    )
     for (out,), image in zip(pair, [red, recolored], strict=True):
         ref = teacher_forced(vlm["model"], same_ids, out.token_ids, [image])
         assert (ref - torch.tensor(out.logprobs)).abs().max() < 1e-5
@@ -196,8 +239,9 @@ def test_the_engine_never_samples_the_image_token_and_reports_the_full_distribut
     engine = HFEngine.from_model(model)
     ids = prompt_ids(vlm, [])
     for temperature in (0.0, 1.0):
-        (outs,) = engine.generate([GenerationRequest(ids, SamplingParams(n=4, max_new_tokens=8, seed=3,
-                                                                         temperature=temperature))])
+        (outs,) = engine.generate(
+            [GenerationRequest(ids, SamplingParams(n=4, max_new_tokens=8, seed=3, temperature=temperature))]
+        )
         for out in outs:
             assert pad not in out.token_ids
             ref = teacher_forced(model, ids, out.token_ids, [])

@@ -224,7 +224,9 @@ def test_lora_pairs_merge_into_the_base_and_out_of_order_tensors_are_refused():
     a, b = torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0], [2.0]])
     want = torch.tensor([[2.0, 3.0, 4.0], [3.0, 5.0, 7.0]])
     assert torch.equal(merge_lora_pair(base, a, b, out=torch.empty(2, 3)), want)
-    assert torch.equal(merge_lora_pair(base.bfloat16(), a, b, out=torch.empty(2, 3, dtype=torch.bfloat16)).float(), want)
+    assert torch.equal(
+        merge_lora_pair(base.bfloat16(), a, b, out=torch.empty(2, 3, dtype=torch.bfloat16)).float(), want
+    )
     with pytest.raises(WeightSyncError, match=r"does not fit a weight of shape \(3, 2\)"):
         merge_lora_pair(torch.ones(3, 2), a, b, out=torch.empty(3, 2))
     assert [n for n, _, _ in lora_pairs([("l.lora_A", a), ("l.lora_B", b)])] == ["l"]

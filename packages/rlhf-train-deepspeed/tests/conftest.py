@@ -50,7 +50,9 @@ def reused_groups(ray_cluster) -> dict:
 def pytest_runtest_teardown(item, nextitem):
     result = yield
     ray = sys.modules.get("ray")  # None: no test here started Ray
-    if ray is not None and (nextitem is None or nextitem.path.parent != item.path.parent):  # this directory's last
+    if ray is not None and (
+        nextitem is None or nextitem.path.parent != item.path.parent
+    ):  # this directory's last
         for group in REUSED_GROUPS.values():
             group.shutdown()
         REUSED_GROUPS.clear()

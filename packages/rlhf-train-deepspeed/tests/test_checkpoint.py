@@ -45,7 +45,9 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_latest(t
         """
     )
     env = {**os.environ, "RLHF_FAULT": "mid_save:3"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 137, proc.stderr
     # max_num=1: step 2 is the only committed checkpoint and must have survived the crash of step 3
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step_00000003")]
@@ -93,8 +95,16 @@ def _garble(path):
 DAMAGE = {  # what is done to step 4, the file named, why
     "model states missing": (lambda d: (d / MODEL).unlink(), MODEL, "is missing"),
     "optimizer states garbage": (lambda d: _garble(d / OPTIM), OPTIM, "is not a readable torch file"),
-    "model states truncated": (lambda d: os.truncate(d / MODEL, 40), MODEL, "has 40 bytes where the save wrote"),
-    "client state garbage": (lambda d: _garble(d / "client_state.pt"), "client_state.pt", "is not a readable torch file"),
+    "model states truncated": (
+        lambda d: os.truncate(d / MODEL, 40),
+        MODEL,
+        "has 40 bytes where the save wrote",
+    ),
+    "client state garbage": (
+        lambda d: _garble(d / "client_state.pt"),
+        "client_state.pt",
+        "is not a readable torch file",
+    ),
     "client state missing": (lambda d: (d / "client_state.pt").unlink(), "client_state.pt", "is missing"),
     "rng file missing": (lambda d: (d / RNG).unlink(), RNG, "is missing"),
     "checkpoint directory gone": (lambda d: shutil.rmtree(d), "", "is missing"),
@@ -149,11 +159,15 @@ def test_a_checkpoint_without_manifest_is_still_checked(tmp_path):
         (tmp_path / f"step_0000000{step}" / "manifest.json").unlink()
     assert damage(tmp_path / "step_00000004") is None
     _garble(tmp_path / "step_00000004" / OPTIM)
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is not a readable torch file" in damage(tmp_path / "step_00000004")
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is not a readable torch file" in damage(
+        tmp_path / "step_00000004"
+    )
     assert mgr.latest().name == "step_00000002"
 
 
-def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(tiny_llama, tmp_path, monkeypatch):
+def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(
+    tiny_llama, tmp_path, monkeypatch
+):
     """`rlhf train sft --ckpt.load_enable` with no intact checkpoint: a CheckpointError (a UserError, which the
     CLI prints as one line) naming the damage, before Ray starts or a worker group is made (both recorded: an
     earlier test of this process may have left a Ray session up)."""
@@ -166,7 +180,10 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(ti
     from rlhf_train_deepspeed.testing import sft_rows, write_jsonl
 
     cfg = SupervisedConfig()
-    cfg.model.model_name_or_path, cfg.data.dataset = tiny_llama, [write_jsonl(tmp_path / "sft.jsonl", sft_rows(16))]
+    cfg.model.model_name_or_path, cfg.data.dataset = (
+        tiny_llama,
+        [write_jsonl(tmp_path / "sft.jsonl", sft_rows(16))],
+    )
     cfg.data.output_key, cfg.train.batch_size, cfg.train.micro_batch_size = "output", 8, 4
     cfg.ckpt.output_dir, cfg.ckpt.load_enable = str(tmp_path / "out"), True
     mgr = _two_checkpoints(tmp_path / "out" / "checkpoints")
@@ -174,7 +191,9 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(ti
         (mgr.root / f"step_0000000{step}" / OPTIM).unlink()
     started = []
     monkeypatch.setattr(rlhf_train_deepspeed.trainers, "init_ray", lambda cfg: started.append("ray"))
-    monkeypatch.setattr(rlhf_train_deepspeed.group, "create_worker_group", lambda *a, **k: started.append("group"))
+    monkeypatch.setattr(
+        rlhf_train_deepspeed.group, "create_worker_group", lambda *a, **k: started.append("group")
+    )
     with pytest.raises(CheckpointError) as error:
         DeepSpeedBackend().run_trainer("sft", cfg)
     assert isinstance(error.value, UserError)

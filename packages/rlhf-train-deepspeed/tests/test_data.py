@@ -96,9 +96,13 @@ def _cfg(**data):
 def test_bad_rows_fail_naming_file_row_and_key_or_are_skipped_and_counted(tmp_path, tok):
     rows = [{"input": "w1 w2", "output": "w3"}, {"input": "w1"}, {"input": 7, "output": "w3"}]
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
-    with pytest.raises(DataError, match=r"rows.jsonl row 1: missing key 'output' \(set by --data.output_key\)"):
+    with pytest.raises(
+        DataError, match=r"rows.jsonl row 1: missing key 'output' \(set by --data.output_key\)"
+    ):
         build_examples("sft", read_rows(path), tok, _cfg(), DataStats())
-    with pytest.raises(DataError, match=r"rows.jsonl row 2: key 'input' \(set by --data.input_key\) should be str, got int"):
+    with pytest.raises(
+        DataError, match=r"rows.jsonl row 2: key 'input' \(set by --data.input_key\) should be str, got int"
+    ):
         build_examples("sft", read_rows(path)[2:], tok, _cfg(), DataStats())
     stats = DataStats()
     examples = build_examples("sft", read_rows(path), tok, _cfg(skip_bad_rows=True), stats)
@@ -112,7 +116,9 @@ def test_bad_rows_fail_naming_file_row_and_key_or_are_skipped_and_counted(tmp_pa
 
 def test_overlong_prompts_follow_the_policy_and_are_never_cut_silently(tmp_path, tok):
     long_prompt = " ".join(f"w{i}" for i in range(20))  # 20 tokens; the budget is max_len - 1 = 15
-    path = write_jsonl(tmp_path / "long.jsonl", [{"input": long_prompt, "output": "w1"}, {"input": "w2", "output": "w3"}])
+    path = write_jsonl(
+        tmp_path / "long.jsonl", [{"input": long_prompt, "output": "w1"}, {"input": "w2", "output": "w3"}]
+    )
     with pytest.raises(DataError, match=r"long.jsonl row 0: prompt has 20 tokens, more than the 15 allowed"):
         build_examples("sft", read_rows(path), tok, _cfg(), DataStats())
     stats = DataStats()
@@ -124,14 +130,21 @@ def test_overlong_prompts_follow_the_policy_and_are_never_cut_silently(tmp_path,
     assert cut[0].prompt == encode(tok, long_prompt)[-15:]
     assert fit_prompt([1, 2, 3], 3, "error", "x") == [1, 2, 3]
     # over-long responses are cut to the room the prompt leaves, each one counted
-    pair = write_jsonl(tmp_path / "pair.jsonl", [{"prompt": "w1", "chosen": long_prompt, "rejected": "w2"},
-                                                 {"prompt": "w1", "chosen": long_prompt, "rejected": long_prompt}])
+    pair = write_jsonl(
+        tmp_path / "pair.jsonl",
+        [
+            {"prompt": "w1", "chosen": long_prompt, "rejected": "w2"},
+            {"prompt": "w1", "chosen": long_prompt, "rejected": long_prompt},
+        ],
+    )
     stats = DataStats()
     pairs = build_examples("dpo", read_rows(pair), tok, _cfg(prompt_key="prompt"), stats)
     room = 16 - len(pairs[0].prompt)
     assert stats.counts["responses_truncated"] == 3
     assert [len(p.chosen) for p in pairs] == [room, room] and len(pairs[1].rejected) == room
-    assert pairs[0].chosen == encode(tok, long_prompt)[:room] and pairs[0].rejected == encode(tok, "w2") + [tok.eos_token_id]
+    assert pairs[0].chosen == encode(tok, long_prompt)[:room] and pairs[0].rejected == encode(tok, "w2") + [
+        tok.eos_token_id
+    ]
 
 
 def test_sft_examples_train_on_the_response_only(tmp_path, tok):
@@ -159,11 +172,17 @@ def test_multiturn_loss_covers_assistant_turns_only(tok):
 
 
 def test_multiturn_sft_examples_from_rows(tmp_path, tok):
-    conv = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"},
-            {"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]
+    conv = [
+        {"role": "user", "content": "w1"},
+        {"role": "assistant", "content": "w2"},
+        {"role": "user", "content": "w3"},
+        {"role": "assistant", "content": "w4"},
+    ]
     path = write_jsonl(tmp_path / "c.jsonl", [{"input": conv}, {"input": "not a conversation"}])
     cfg = _cfg(multiturn=True, max_len=64)
-    with pytest.raises(DataError, match=r"c.jsonl row 1: key 'input' \(set by --data.input_key\) should be list"):
+    with pytest.raises(
+        DataError, match=r"c.jsonl row 1: key 'input' \(set by --data.input_key\) should be list"
+    ):
         build_examples("sft", read_rows(path), tok, cfg, DataStats())
     (ex,) = build_examples("sft", read_rows(path)[:1], tok, cfg, DataStats())
     trained = [t for t, m in zip(tok.convert_ids_to_tokens(ex.response), ex.response_mask, strict=True) if m]

@@ -27,8 +27,12 @@ def cost(lengths: list[int], rows: list[int], packed: bool) -> int:
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.integers(1, 4).flatmap(lambda r: st.tuples(
-        st.just(r), st.lists(st.integers(1, 60), min_size=r, max_size=48).map(lambda x: x[: len(x) // r * r]))),
+    st.integers(1, 4).flatmap(
+        lambda r: st.tuples(
+            st.just(r),
+            st.lists(st.integers(1, 60), min_size=r, max_size=48).map(lambda x: x[: len(x) // r * r]),
+        )
+    ),
     st.integers(1, 120),
     st.booleans(),
 )
@@ -38,11 +42,13 @@ def test_rows_once_within_budget_same_count_per_rank(ranks_and_lengths, max_toke
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
     for mb in mbs:
         assert mb and mb == sorted(mb)
-        assert cost(lengths, mb, packed) <= max_tokens or len(mb) == 1  # only a lone row may exceed the budget
+        assert (
+            cost(lengths, mb, packed) <= max_tokens or len(mb) == 1
+        )  # only a lone row may exceed the budget
     assert len(mbs) % ranks == 0
     per = len(mbs) // ranks
     for r in range(ranks):  # rank-major: rank r's share is contiguous and holds B / R rows
-        assert sum(len(mb) for mb in mbs[r * per:(r + 1) * per]) == len(lengths) // ranks
+        assert sum(len(mb) for mb in mbs[r * per : (r + 1) * per]) == len(lengths) // ranks
 
 
 @settings(max_examples=200, deadline=None)
@@ -56,9 +62,14 @@ def test_any_row_count_keeps_every_row_within_budget(lengths, ranks, max_tokens,
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.integers(1, 4).flatmap(lambda r: st.tuples(
-        st.just(r), st.lists(st.tuples(st.integers(1, 60), st.integers(0, 5)), min_size=r, max_size=48)
-        .map(lambda x: x[: len(x) // r * r]))),
+    st.integers(1, 4).flatmap(
+        lambda r: st.tuples(
+            st.just(r),
+            st.lists(st.tuples(st.integers(1, 60), st.integers(0, 5)), min_size=r, max_size=48).map(
+                lambda x: x[: len(x) // r * r]
+            ),
+        )
+    ),
     st.integers(1, 120),
     st.booleans(),
 )
@@ -71,21 +82,32 @@ def test_prompt_units_keep_every_guarantee(ranks_and_rows, max_tokens, packed):
     assert len(mbs) % ranks == 0
     per = len(mbs) // ranks
     for r in range(ranks):
-        assert sum(len(mb) for mb in mbs[r * per:(r + 1) * per]) == len(lengths) // ranks
+        assert sum(len(mb) for mb in mbs[r * per : (r + 1) * per]) == len(lengths) // ranks
 
 
 def test_rows_of_one_prompt_share_micro_batches():
     # 4 prompts x 4 samples, interleaved, all 10 tokens; 2 ranks, 40 tokens per micro-batch
     lengths, keys = [10] * 16, [i % 4 for i in range(16)]
     assert token_budget_micro_batches(lengths, 2, 40, packed=False, prompts=keys) == [
-        [0, 4, 8, 12], [2, 6, 10, 14], [1, 5, 9, 13], [3, 7, 11, 15]]
+        [0, 4, 8, 12],
+        [2, 6, 10, 14],
+        [1, 5, 9, 13],
+        [3, 7, 11, 15],
+    ]
     # without keys the rows are dealt to the ranks in turn, so each micro-batch mixes two prompts
     assert token_budget_micro_batches(lengths, 2, 40, packed=False) == [
-        [0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+        [0, 2, 4, 6],
+        [8, 10, 12, 14],
+        [1, 3, 5, 7],
+        [9, 11, 13, 15],
+    ]
     # a prompt with more samples than a rank holds is dealt row by row, longest first, to the rank with the
     # fewest tokens: 9 -> r0, 8 -> r1, 7 -> r1, 6 -> r0, 5 -> r0 (15 vs 15), 4 -> r1
     lengths = [5, 9, 7, 8, 6, 4]
-    assert token_budget_micro_batches(lengths, 2, 100, packed=False, prompts=["p"] * 6) == [[0, 1, 4], [2, 3, 5]]
+    assert token_budget_micro_batches(lengths, 2, 100, packed=False, prompts=["p"] * 6) == [
+        [0, 1, 4],
+        [2, 3, 5],
+    ]
 
 
 def test_packed_and_padded_costs_group_differently():
@@ -134,8 +156,9 @@ def spec(path: str) -> ModelSpec:
     # Adam's first step moves a weight by lr * g / (|g| + eps): with the default eps (1e-8) a gradient entry
     # of ~1e-9, summation-order noise that depends on the grouping, could move it by up to lr
     opt.adam.lr, opt.adam.eps = 1e-2, 1e-3
-    return ModelSpec(path=path, kind="causal", trainable=True, optim=opt, micro_batch_size=2, grad_accum=2,
-                     total_steps=10)
+    return ModelSpec(
+        path=path, kind="causal", trainable=True, optim=opt, micro_batch_size=2, grad_accum=2, total_steps=10
+    )
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +168,11 @@ def group(reused_groups, tiny_llama):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray")
-@pytest.mark.parametrize("stage,packed,agg", [(3, False, "token_mean"), (2, True, "seq_mean_token_mean")],
-                         ids=["zero3-padded-token-mean", "zero2-packed-seq-mean"])
+@pytest.mark.parametrize(
+    "stage,packed,agg",
+    [(3, False, "token_mean"), (2, True, "seq_mean_token_mean")],
+    ids=["zero3-padded-token-mean", "zero2-packed-seq-mean"],
+)
 def test_token_budget_step_equals_fixed_micro_batches(group, tiny_llama, stage, packed, agg):
     prompts, responses = rows()
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
@@ -164,8 +190,12 @@ def test_token_budget_step_equals_fixed_micro_batches(group, tiny_llama, stage, 
     group.init_model(spec(tiny_llama), ds)
     before = group.get_state_dict_for_engines()
     # per-row [8, 9] old log-probs (the model's, moved so that ratios leave the clip range) and advantages
-    lp = torch.cat([torch.nn.functional.pad(x, (0, 9 - x.shape[1])) for x in group.compute_logprobs(
-        [batch(c) for c in fixed])])
+    lp = torch.cat(
+        [
+            torch.nn.functional.pad(x, (0, 9 - x.shape[1]))
+            for x in group.compute_logprobs([batch(c) for c in fixed])
+        ]
+    )
     g = torch.Generator().manual_seed(1)
     old = lp + 0.3 * torch.randn(lp.shape, generator=g)
     adv = torch.randn(lp.shape, generator=g)

@@ -30,8 +30,16 @@ def ray_test(test):
 def spec(path: str, grad_accum: int, beta: float | None = BETA) -> ModelSpec:
     opt = ModelConfig(lr_scheduler="constant", lr_warmup_ratio=0.0, max_norm=1.0)
     opt.adam.lr, opt.adam.eps = LR, ADAM_EPS
-    return ModelSpec(path=path, kind="causal", trainable=True, optim=opt, micro_batch_size=2,
-                     grad_accum=grad_accum, total_steps=10, ema_beta=beta)
+    return ModelSpec(
+        path=path,
+        kind="causal",
+        trainable=True,
+        optim=opt,
+        micro_batch_size=2,
+        grad_accum=grad_accum,
+        total_steps=10,
+        ema_beta=beta,
+    )
 
 
 def zero(stage: int) -> DSConfig:
@@ -77,8 +85,10 @@ def micro_batches(model_path) -> list[PolicyMicroBatch]:
 
 @pytest.fixture(scope="module")
 def groups(reused_groups, model_path):
-    return {2: reused_groups[2]("actor", spec(model_path, 2), zero(3), 2, 42),
-            1: reused_groups[1]("actor", spec(model_path, 4), zero(0), 1, 42)}
+    return {
+        2: reused_groups[2]("actor", spec(model_path, 2), zero(3), 2, 42),
+        1: reused_groups[1]("actor", spec(model_path, 4), zero(0), 1, 42),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +111,14 @@ def zero3_run(groups, model_path, micro_batches, tmp_path_factory) -> dict:
             group.wake_up()
     group.export_hf(str(tmp / "ema"))  # the default with an EMA: the average
     group.export_hf(str(tmp / "raw"), ema=False)
-    return {"raw": raw, "ema": exported(tmp / "ema"), "raw_export": exported(tmp / "raw"),
-            "engines_after": group.get_state_dict_for_engines(), "ckpt": tmp / "ckpt", "tmp": tmp}
+    return {
+        "raw": raw,
+        "ema": exported(tmp / "ema"),
+        "raw_export": exported(tmp / "raw"),
+        "engines_after": group.get_state_dict_for_engines(),
+        "ckpt": tmp / "ckpt",
+        "tmp": tmp,
+    }
 
 
 def test_ema_update_is_the_convex_combination():

@@ -151,7 +151,12 @@ def test_flash_attention_packed_matches_padded_on_gpu(tiny_llama, batch):
     model = load_causal_lm(tiny_llama, torch.bfloat16, "flash_attention_2").cuda().eval()
     ref = load_causal_lm(tiny_llama, torch.bfloat16, "sdpa").cuda().eval()
     b = make_sequence_batch(PROMPTS, RESPONSES, 0)
-    b = type(b)(*(x.cuda() if x is not None else None for x in (b.input_ids, b.attention_mask, b.prompt_lens, b.action_mask)))
+    b = type(b)(
+        *(
+            x.cuda() if x is not None else None
+            for x in (b.input_ids, b.attention_mask, b.prompt_lens, b.action_mask)
+        )
+    )
     with torch.no_grad():
         packed = response_logprobs(model, b, packing=True)[0]
         padded = response_logprobs(ref, b, packing=False)[0]
@@ -184,9 +189,18 @@ def wide_vocab_llama(request):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(5)
-    config = LlamaConfig(vocab_size=WIDE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-                         tie_word_embeddings=request.param, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=WIDE_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        tie_word_embeddings=request.param,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(config)
 
 
@@ -230,7 +244,9 @@ def test_chunked_head_equals_full_logits_in_values_and_gradients(wide_vocab_llam
     torch.testing.assert_close(ent, want_h, atol=1e-5, rtol=0)
     assert lp[0, 2] == ent[0, 2] == 0.0 and mask.sum() == 6
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, want_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            param.grad, want_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_chunked_head_keeps_no_logits_for_backward(wide_vocab_llama, monkeypatch):
@@ -261,7 +277,9 @@ def test_chunked_head_keeps_no_logits_for_backward(wide_vocab_llama, monkeypatch
 
     chunked = vocab_bytes_saved(lambda: response_logprobs(model, seq, 0.7, with_entropy=True))
     labels = seq.input_ids[:, 3:]
-    whole = vocab_bytes_saved(lambda: logprobs_and_entropy(model(seq.input_ids).logits[:, 2:-1] / 0.7, labels))
+    whole = vocab_bytes_saved(
+        lambda: logprobs_and_entropy(model(seq.input_ids).logits[:, 2:-1] / 0.7, labels)
+    )
     assert whole == 20 * WIDE_VOCAB * 4
     last = 20 % 3 or 3  # response rows in the last chunk of 3
     assert chunked == last * WIDE_VOCAB * 4
@@ -285,16 +303,30 @@ def test_a_tied_heads_gradient_takes_the_embeddings_in_place(monkeypatch):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             response_logprobs(model, seq, 0.7)[0].sum().backward()
         vh = WIDE_VOCAB * 32 * 4
-        return ({n: p.grad.clone() for n, p in model.named_parameters()},
-                [e.name for e in prof.events() if e.self_cpu_memory_usage == vh])
+        return (
+            {n: p.grad.clone() for n, p in model.named_parameters()},
+            [e.name for e in prof.events() if e.self_cpu_memory_usage == vh],
+        )
 
     torch.manual_seed(5)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=WIDE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=True, attn_implementation="sdpa"))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=WIDE_VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            tie_word_embeddings=True,
+            attn_implementation="sdpa",
+        )
+    )
     grads, allocations = grads_and_vh_allocations(model)
     assert len(allocations) == 2 and "aten::add" not in allocations, allocations
-    monkeypatch.setattr(models._TiedHead, "apply", lambda h, weight, into_grad: torch.nn.functional.linear(h, weight))
+    monkeypatch.setattr(
+        models._TiedHead, "apply", lambda h, weight, into_grad: torch.nn.functional.linear(h, weight)
+    )
     linear_grads, linear_allocations = grads_and_vh_allocations(model)
     assert len(linear_allocations) == 3 and "aten::add" in linear_allocations, linear_allocations
     for name, grad in grads.items():
@@ -315,9 +347,19 @@ def test_a_tied_weight_can_take_both_gradients_straight_into_its_grad():
 
     def tied_llama(tie: bool = True):
         torch.manual_seed(5)
-        return LlamaForCausalLM(LlamaConfig(
-            vocab_size=WIDE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=tie, attn_implementation="sdpa"))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=WIDE_VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                pad_token_id=0,
+                tie_word_embeddings=tie,
+                attn_implementation="sdpa",
+            )
+        )
 
     seq = make_sequence_batch([[1, 0, 5, 6]] * 4, [[7, 8, 0, 10, 11]] * 4, pad_token_id=0)  # pad ids inside
 
@@ -327,8 +369,10 @@ def test_a_tied_weight_can_take_both_gradients_straight_into_its_grad():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             response_logprobs(model, seq, 0.7, with_entropy=True)[1].sum().backward()
         vh = WIDE_VOCAB * 32 * 4
-        return ({n: p.grad.clone() for n, p in model.named_parameters()},
-                [e.name for e in prof.events() if e.self_cpu_memory_usage == vh])
+        return (
+            {n: p.grad.clone() for n, p in model.named_parameters()},
+            [e.name for e in prof.events() if e.self_cpu_memory_usage == vh],
+        )
 
     want, autograd_allocations = two_backwards(tied_llama())
     assert len(autograd_allocations) == 2, autograd_allocations
@@ -344,7 +388,9 @@ def test_a_tied_weight_can_take_both_gradients_straight_into_its_grad():
         if name != tied:
             assert torch.equal(got[name], grad), name
     with torch.no_grad():  # a forward without autograd is the plain lookup
-        assert torch.equal(model.model.embed_tokens(seq.input_ids), model.model.embed_tokens.weight[seq.input_ids])
+        assert torch.equal(
+            model.model.embed_tokens(seq.input_ids), model.model.embed_tokens.weight[seq.input_ids]
+        )
 
     assert not accumulate_tied_gradient_in_place(tied_llama(tie=False))
     frozen = tied_llama()
@@ -361,7 +407,7 @@ def test_the_fused_adamw_steps_like_the_per_tensor_one_and_a_float64_adamw():
     model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 3), torch.nn.LayerNorm(3))
     for p in model.parameters():
         p.data = torch.empty_like(p).uniform_(-0.5, 0.5)
-    grads = [[torch.randn_like(p) * 10.0 ** -k for k, p in enumerate(model.parameters())] for _ in range(5)]
+    grads = [[torch.randn_like(p) * 10.0**-k for k, p in enumerate(model.parameters())] for _ in range(5)]
     opt = OptimizerFields()
     opt.adam.lr, opt.adam.weight_decay = 1e-2, 0.1
     (beta1, beta2), eps = opt.adam.betas, opt.adam.eps
@@ -376,14 +422,26 @@ def test_the_fused_adamw_steps_like_the_per_tensor_one_and_a_float64_adamw():
         return [p.detach() for p in params]
 
     fused = run(lambda m: make_optimizer(m, opt, offload=False))
-    per_tensor = run(lambda m: torch.optim.AdamW(
-        [{"params": [p for p in m if p.dim() >= 2], "weight_decay": 0.1},
-         {"params": [p for p in m if p.dim() < 2], "weight_decay": 0.0}],
-        lr=1e-2, betas=(beta1, beta2), eps=eps, foreach=False))
+    per_tensor = run(
+        lambda m: torch.optim.AdamW(
+            [
+                {"params": [p for p in m if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": [p for p in m if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=1e-2,
+            betas=(beta1, beta2),
+            eps=eps,
+            foreach=False,
+        )
+    )
     assert make_optimizer(torch.nn.Linear(2, 2), opt, offload=False).defaults["fused"]
     exact = []
     for k, p in enumerate(model.parameters()):
-        x, m, v = p.detach().double(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)
+        x, m, v = (
+            p.detach().double(),
+            torch.zeros_like(p, dtype=torch.float64),
+            torch.zeros_like(p, dtype=torch.float64),
+        )
         decay = 0.1 if p.dim() >= 2 else 0.0
         for t, step_grads in enumerate(grads, start=1):
             g = step_grads[k].double()

@@ -37,7 +37,9 @@ def test_batch_sizes_must_divide():
     cfg = SupervisedConfig()
     cfg.model.num_gpus_per_node = 2
     cfg.train.batch_size, cfg.train.micro_batch_size = 12, 4
-    with pytest.raises(ConfigError, match="--train.batch_size 12 must be a multiple of --train.micro_batch_size 4 x 2 ranks"):
+    with pytest.raises(
+        ConfigError, match="--train.batch_size 12 must be a multiple of --train.micro_batch_size 4 x 2 ranks"
+    ):
         BatchPlan.from_config(cfg)
     cfg.train.batch_size = 16
     assert BatchPlan.from_config(cfg).grad_accum == 2

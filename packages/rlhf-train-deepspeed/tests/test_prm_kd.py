@@ -87,8 +87,10 @@ def test_prm_ranks_held_out_right_steps_above_wrong_ones(factory, tmp_path):
     wrong = [s for r, ss in zip(held_out_rows, scores) for s, lab in zip(ss, r["label"]) if lab == BAD]
     assert len(right) + len(wrong) == 3 * len(held_out_rows)
     pairs = sum(r > w for r in right for w in wrong) / (len(right) * len(wrong))  # ROC AUC
-    print(f"PRM held-out: eval/acc {result['eval']['eval/acc']:.3f}, AUC {pairs:.3f}, mean score right "
-          f"{sum(right) / len(right):.3f} / wrong {sum(wrong) / len(wrong):.3f}")
+    print(
+        f"PRM held-out: eval/acc {result['eval']['eval/acc']:.3f}, AUC {pairs:.3f}, mean score right "
+        f"{sum(right) / len(right):.3f} / wrong {sum(wrong) / len(wrong):.3f}"
+    )
     assert pairs > 0.9, pairs
     assert sum(right) / len(right) > 0.7 > 0.3 > sum(wrong) / len(wrong)
 

@@ -38,15 +38,21 @@ def rows(*dicts):
 
 def test_prm_examples_hold_marker_positions_and_labels(tok):
     prm = prm_tokens(tok, "w50", ["w51", "w52"])
-    data = rows({"input": "w1 w2 w50 w3 w5 w50", "label": ["w51", "w52"]},
-                {"input": "w7 w50", "label": [0.25]})
+    data = rows(
+        {"input": "w1 w2 w50 w3 w5 w50", "label": ["w51", "w52"]}, {"input": "w7 w50", "label": [0.25]}
+    )
     examples = build_examples("prm", data, tok, prm_cfg(), DataStats(), prm)
     assert [e.positions for e in examples] == [[2, 5], [1]]
     assert [e.classes for e in examples] == [[0, 1], [1]]  # p = 0.25 < 0.5: the negative token's class
     assert math.isnan(examples[0].soft_labels[0]) and examples[1].soft_labels == [0.25]
     batch = collate("prm", examples, tok.pad_token_id)
     assert batch.rows.tolist() == [0, 0, 1] and batch.cols.tolist() == [2, 5, 1]
-    assert batch.seq.input_ids[0, 2] == batch.seq.input_ids[0, 5] == batch.seq.input_ids[1, 1] == prm.placeholder_id
+    assert (
+        batch.seq.input_ids[0, 2]
+        == batch.seq.input_ids[0, 5]
+        == batch.seq.input_ids[1, 1]
+        == prm.placeholder_id
+    )
     assert step_counts("prm", [batch]) == {"num_tokens": 3.0, "num_sequences": 2.0}
 
 
@@ -60,13 +66,22 @@ def test_prm_full_vocabulary_labels_and_truncation(tok):
     assert stats.counts["prm_steps_truncated"] == 1
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"input": "w1 w2 w3", "label": ["w51"]}, "steps.jsonl row 0: key 'input' has no placeholder token 'w50'"),
-    ({"input": "w1 w50 w2", "label": ["w51", "w52"]}, "1 steps marked with 'w50' but 2 labels"),
-    ({"input": "w1 w50", "label": ["w9"]}, r"step 0 label 'w9' \(key 'label'\) is not one of --prm.reward_tokens"),
-    ({"input": "w1 w50", "label": [1.5]}, "in \\[0, 1\\]"),
-    ({"input": "w1 w50", "label": "w51"}, "key 'label' .* should be list"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {"input": "w1 w2 w3", "label": ["w51"]},
+            "steps.jsonl row 0: key 'input' has no placeholder token 'w50'",
+        ),
+        ({"input": "w1 w50 w2", "label": ["w51", "w52"]}, "1 steps marked with 'w50' but 2 labels"),
+        (
+            {"input": "w1 w50", "label": ["w9"]},
+            r"step 0 label 'w9' \(key 'label'\) is not one of --prm.reward_tokens",
+        ),
+        ({"input": "w1 w50", "label": [1.5]}, "in \\[0, 1\\]"),
+        ({"input": "w1 w50", "label": "w51"}, "key 'label' .* should be list"),
+    ],
+)
 def test_prm_bad_rows_name_the_file_row_and_step(tok, row, message):
     prm = prm_tokens(tok, "w50", ["w51", "w52"])
     with pytest.raises(DataError, match=message):
@@ -84,7 +99,9 @@ def test_prm_tokens_must_be_single_known_tokens(tok):
         prm_tokens(tok, None, None)
     with pytest.raises(SetupError, match=r"--prm.reward_tokens 'w51 w52' is 2 tokens"):
         prm_tokens(tok, "w50", ["w51 w52", "w53"])
-    with pytest.raises(SetupError, match="--prm.placeholder_token 'ки' is not in this tokenizer's vocabulary"):
+    with pytest.raises(
+        SetupError, match="--prm.placeholder_token 'ки' is not in this tokenizer's vocabulary"
+    ):
         prm_tokens(tok, "ки", ["w51", "w52"])
     with pytest.raises(SetupError, match="must differ"):
         prm_tokens(tok, "w50", ["w50", "w52"])
@@ -99,8 +116,10 @@ class NoWorkers:
 
 def test_bad_input_stops_the_run_before_any_worker(tmp_path):
     model = make_tiny_llama(tmp_path / "m", num_words=60)
-    data = write_jsonl(tmp_path / "d.jsonl", [{"input": "w1 w50 w2 w50", "label": ["w51", "w52"]},
-                                              {"input": "w1 w2", "label": ["w51"]}])
+    data = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"input": "w1 w50 w2 w50", "label": ["w51", "w52"]}, {"input": "w1 w2", "label": ["w51"]}],
+    )
     cfg = PRMConfig()
     cfg.model.model_name_or_path, cfg.data.dataset = model, [data]
     cfg.ckpt.output_dir = str(tmp_path / "run")
@@ -151,8 +170,14 @@ def test_step_and_response_logits_packed_equal_padded_equal_single_rows(tmp_path
     model = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "m", num_words=60)).eval()
     prm = prm_tokens(tok, "w50", ["w51", "w52"])
     texts = ["w1 w2 w50 w3 w4 w5 w50", "w9 w50", "w3 w4 w50 w6 w50"]
-    examples = build_examples("prm", rows(*({"input": t, "label": ["w51"] * t.count("w50")} for t in texts)),
-                              tok, prm_cfg(), DataStats(), prm)
+    examples = build_examples(
+        "prm",
+        rows(*({"input": t, "label": ["w51"] * t.count("w50")} for t in texts)),
+        tok,
+        prm_cfg(),
+        DataStats(),
+        prm,
+    )
     batch = collate("prm", examples, tok.pad_token_id)
     with torch.no_grad():
         single = torch.cat([model(torch.tensor([e.ids])).logits[0, e.positions] for e in examples])

@@ -71,8 +71,13 @@ def to_cfg(values: dict) -> SupervisedConfig:
 def start_driver(values: dict, fault: str, ray_address: str) -> subprocess.Popen:
     values = {**values, "model.adam.lr": 5e-3}
     env = {**os.environ, "RLHF_FAULT": fault, "RAY_ADDRESS": ray_address}
-    return subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(values)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, json.dumps(values)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
@@ -84,7 +89,9 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster, reused_groups, tiny_llama, tmp_path):
+def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(
+    ray_cluster, reused_groups, tiny_llama, tmp_path
+):
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(64))
     factory = reused_groups[2]
     full = to_cfg(settings(tiny_llama, data, str(tmp_path / "full")))
@@ -113,8 +120,12 @@ def test_killed_and_resumed_runs_end_with_the_uninterrupted_weights(ray_cluster,
             assert (got[key] - want[key]).abs().max().item() <= 1e-6, (name, key)
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in lines if "loss" in m] == list(range(1, 9))
-    full_losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-    resumed = [json.loads(x)["loss"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    full_losses = [
+        json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+    ]
+    resumed = [
+        json.loads(x)["loss"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert resumed == pytest.approx(full_losses, abs=1e-6)
 
     # 3. DeepSpeed's real files, damaged: the driver names the file before any worker is asked for

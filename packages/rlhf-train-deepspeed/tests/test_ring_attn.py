@@ -34,7 +34,9 @@ RESPONSES = [[14, 15, 16, 2], [17, 18, 19], [20]]
 
 def packed_batch(shift: int = 0):
     return make_sequence_batch(
-        [[t + shift for t in p] for p in PROMPTS], [[t + shift for t in r] for r in RESPONSES], pad_token_id=0,
+        [[t + shift for t in p] for p in PROMPTS],
+        [[t + shift for t in r] for r in RESPONSES],
+        pad_token_id=0,
         action_masks=[[1, 1, 0, 1], [1, 1, 1], [1]],
     )
 
@@ -126,10 +128,16 @@ def test_the_gather_attention_path_equals_the_unsliced_model(tiny_llama, one_ran
     vsliced.load_state_dict(vplain.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(
-            response_values(vsliced, batch, True, ring)[0], response_values(vplain, batch, True)[0], atol=1e-5, rtol=0
+            response_values(vsliced, batch, True, ring)[0],
+            response_values(vplain, batch, True)[0],
+            atol=1e-5,
+            rtol=0,
         )
         torch.testing.assert_close(
-            sequence_rewards(vsliced, batch, True, ring), sequence_rewards(vplain, batch, True), atol=1e-5, rtol=0
+            sequence_rewards(vsliced, batch, True, ring),
+            sequence_rewards(vplain, batch, True),
+            atol=1e-5,
+            rtol=0,
         )
 
 
@@ -143,7 +151,9 @@ def test_ring_attention_is_refused_where_it_cannot_run(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "ring_flash_attn" else real_find_spec(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "ring_flash_attn" else real_find_spec(name, *a),
     )
     with pytest.raises(ConfigError) as err:
         check_features(DSConfig(ring_attn_size=2, packing_samples=True))
@@ -158,7 +168,9 @@ def test_ring_attention_is_refused_where_it_cannot_run(monkeypatch):
 # difference d moves it by at most lr * d / eps.
 LR, ADAM_EPS, MAX_NORM = 1e-2, 1e-3, 1.0
 FP32_UNIT = 2.0**-24
-GRAD_ERROR_UNITS = 64  # fp32 gradients summed in another order: within 64 units of the largest entry (test_workers)
+GRAD_ERROR_UNITS = (
+    64  # fp32 gradients summed in another order: within 64 units of the largest entry (test_workers)
+)
 
 
 def optim() -> ModelConfig:
@@ -168,8 +180,16 @@ def optim() -> ModelConfig:
 
 
 def spec(path: str, kind: str = "causal", grad_ckpt: bool = False) -> ModelSpec:
-    return ModelSpec(path=path, kind=kind, trainable=True, optim=optim(), micro_batch_size=3, grad_accum=2,
-                     total_steps=10, grad_ckpt=grad_ckpt)
+    return ModelSpec(
+        path=path,
+        kind=kind,
+        trainable=True,
+        optim=optim(),
+        micro_batch_size=3,
+        grad_accum=2,
+        total_steps=10,
+        grad_ckpt=grad_ckpt,
+    )
 
 
 RING = DSConfig(zero_stage=3, param_dtype="fp32", packing_samples=True, ring_attn_size=2)
@@ -178,7 +198,9 @@ PLAIN = DSConfig(zero_stage=3, param_dtype="fp32", packing_samples=True)
 
 @pytest.fixture(scope="module")
 def groups(reused_groups, tiny_llama):
-    return reused_groups[2]("actor", spec(tiny_llama), RING, 2, 42), reused_groups[1]("actor", spec(tiny_llama), PLAIN, 1, 42)
+    return reused_groups[2]("actor", spec(tiny_llama), RING, 2, 42), reused_groups[1](
+        "actor", spec(tiny_llama), PLAIN, 1, 42
+    )
 
 
 def assert_same_step(m_ring: dict, m_plain: dict) -> None:
@@ -215,7 +237,9 @@ def test_two_ring_ranks_match_one_plain_rank_for_logprobs_and_a_policy_step(grou
     # one PPO step with an entropy bonus: same loss, same weights after it
     g = torch.Generator().manual_seed(1)
     mbs = [
-        PolicyMicroBatch(s, lp.detach() - 0.1 * torch.rand(lp.shape, generator=g), torch.randn(lp.shape, generator=g))
+        PolicyMicroBatch(
+            s, lp.detach() - 0.1 * torch.rand(lp.shape, generator=g), torch.randn(lp.shape, generator=g)
+        )
         for s, (lp, _) in zip(seqs, want, strict=True)
     ]
     cfg = PolicyStepConfig(loss="ppo", temperature=0.8, entropy_coef=0.01)
@@ -256,14 +280,18 @@ def test_two_ring_ranks_match_one_plain_rank_for_an_sft_step_and_a_critic_step(g
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray")
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (ring-flash-attn across 2 ranks)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (ring-flash-attn across 2 ranks)"
+)
 def test_ring_flash_attn_matches_unsliced_flash_attn_on_two_gpus(ray_cluster, tiny_llama):
     pytest.importorskip("ring_flash_attn", reason="ring-flash-attn is not installed")
     pytest.importorskip("flash_attn", reason="flash-attn is not installed")
     from rlhf_train_deepspeed.group import create_worker_group
 
     s = ModelSpec(path=tiny_llama, kind="causal", trainable=False)
-    ring = create_worker_group("ref", s, DSConfig(param_dtype="bf16", packing_samples=True, ring_attn_size=2), 2)
+    ring = create_worker_group(
+        "ref", s, DSConfig(param_dtype="bf16", packing_samples=True, ring_attn_size=2), 2
+    )
     try:
         got = ring.compute_logprobs([packed_batch()])[0]
     finally:

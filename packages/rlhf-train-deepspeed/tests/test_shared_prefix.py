@@ -67,7 +67,11 @@ def test_log_probs_entropies_and_gradients_equal_the_padded_batch(kind):
     w = torch.randn(lp_a.shape, generator=torch.Generator().manual_seed(1))
     for lp, ent in ((lp_a, ent_a), (lp_b, ent_b)):
         ((lp * w).sum() + 0.1 * ent.sum()).backward()
-    trained = [(n, a, b) for (n, a), b in zip(plain.named_parameters(), shared.parameters(), strict=True) if a.requires_grad]
+    trained = [
+        (n, a, b)
+        for (n, a), b in zip(plain.named_parameters(), shared.parameters(), strict=True)
+        if a.requires_grad
+    ]
     assert trained
     for name, a, b in trained:
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -79,7 +83,9 @@ def test_without_a_layout_the_model_computes_plain_sdpa(tiny_llama):
     plain = load_causal_lm(tiny_llama, torch.float32, "sdpa")
     shared = load_causal_lm(tiny_llama, torch.float32, causal_attn(tiny_llama, ds(), "sdpa"))
     assert shared.config._attn_implementation == shared_prefix.ATTN
-    batch = make_sequence_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]], 0)  # padded, nothing shared
+    batch = make_sequence_batch(
+        [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]], 0
+    )  # padded, nothing shared
     assert shared_prefix.plan(batch.input_ids, batch.attention_mask, batch.prompt_lens) is None
     kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     assert torch.equal(shared(**kwargs).logits, plain(**kwargs).logits)
@@ -93,7 +99,9 @@ def test_the_plan_declines_when_sharing_runs_more_tokens():
     assert plan([[5, 6], [7, 8]], [[9], [10]]) is None  # no prompt in common
     # a 5-sample group of 1-token responses beside a lone 9-token one: 2 rows x (2 + 5 x 8) > 6 x 11 padded
     assert plan([[5, 6]] * 5 + [[7, 8]], [[9]] * 5 + [list(range(10, 19))]) is None
-    layout = plan([[5, 6, 7]] * 4, [[9, 10]] * 4)  # 1 x (3 + 4 x 1) < 4 x 5: a slot holds only the first token
+    layout = plan(
+        [[5, 6, 7]] * 4, [[9, 10]] * 4
+    )  # 1 x (3 + 4 x 1) < 4 x 5: a slot holds only the first token
     assert layout is not None and layout.input_ids.tolist() == [[5, 6, 7, 9, 9, 9, 9]]
     assert layout.columns.tolist() == [2, 3, 4, 5, 6]
     # 8 samples of 4,096 tokens after a 512-token prompt: an 8 x 4,096 x 4,608 mask (151M), over the limit

@@ -27,11 +27,13 @@ def preference_rows(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        rows.append({
-            "prompt": words(rng.randrange(20) for _ in range(3)),
-            "chosen": words(rng.choice(GOOD) for _ in range(3)),
-            "rejected": words(rng.choice(BAD) for _ in range(3)),
-        })
+        rows.append(
+            {
+                "prompt": words(rng.randrange(20) for _ in range(3)),
+                "chosen": words(rng.choice(GOOD) for _ in range(3)),
+                "rejected": words(rng.choice(BAD) for _ in range(3)),
+            }
+        )
     return rows
 
 
@@ -105,11 +107,13 @@ def test_kto_improves_its_objective(factory, tiny_llama, tmp_path):
     rows = []
     for _ in range(64):
         good = rng.random() < 0.5
-        rows.append({
-            "input": words(rng.randrange(20) for _ in range(3)),
-            "output": words(rng.choice(GOOD if good else BAD) for _ in range(3)),
-            "label": good,
-        })
+        rows.append(
+            {
+                "input": words(rng.randrange(20) for _ in range(3)),
+                "output": words(rng.choice(GOOD if good else BAD) for _ in range(3)),
+                "label": good,
+            }
+        )
     data = write_jsonl(tmp_path / "kto.jsonl", rows)
     cfg = make_cfg(PreferenceConfig, tiny_llama, tmp_path, data, output_key="output", lr=3e-3)
     run_supervised("kto", cfg, factory)
@@ -135,9 +139,13 @@ def test_lora_sft_exports_an_adapter_that_merges_into_a_plain_model(factory, tin
     assert lora_merge(["--base", tiny_llama, "--adapter", result["output_dir"], "--out", merged_dir]) == 0
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama), result["output_dir"]).eval()
+    adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_llama), result["output_dir"]
+    ).eval()
     ids = torch.tensor([[1, 8, 9, 10, 11]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, atol=1e-5, rtol=0)
         base = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-        assert not torch.allclose(base(ids).logits, merged(ids).logits, atol=1e-4)  # the adapter did something
+        assert not torch.allclose(
+            base(ids).logits, merged(ids).logits, atol=1e-4
+        )  # the adapter did something

@@ -33,8 +33,16 @@ def optim() -> ModelConfig:
 
 
 def spec(path: str, grad_accum: int, **kw) -> ModelSpec:
-    return ModelSpec(path=path, kind="causal", trainable=True, optim=optim(), micro_batch_size=2,
-                     grad_accum=grad_accum, total_steps=10, **kw)
+    return ModelSpec(
+        path=path,
+        kind="causal",
+        trainable=True,
+        optim=optim(),
+        micro_batch_size=2,
+        grad_accum=grad_accum,
+        total_steps=10,
+        **kw,
+    )
 
 
 def global_batch() -> list:
@@ -83,14 +91,23 @@ def reference_step(path: str, mbs) -> Reference:
     params = list(model.parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.95), eps=EPS,
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=EPS,
     )
     grads = {k: v.grad.detach().clone() for k, v in model.named_parameters()}
     opt.step()
-    return Reference(loss.item(), float(grad_norm), before, grads,
-                     {k: v.detach().clone() for k, v in model.named_parameters()})
+    return Reference(
+        loss.item(),
+        float(grad_norm),
+        before,
+        grads,
+        {k: v.detach().clone() for k, v in model.named_parameters()},
+    )
 
 
 def adam_first_step_tolerance(grad: torch.Tensor, weight: torch.Tensor, grad_error: float) -> torch.Tensor:
@@ -117,8 +134,12 @@ def test_first_step_tolerance_by_hand():
     tol = adam_first_step_tolerance(torch.tensor([1e-3, 1e-8, 0.0]), w, grad_error=1e-9) - 8 * FP32_UNIT * LR
     # f(1e-3 - 1e-9) is the farther side: 1e-3 / (1e-3 + 1e-8) - (1e-3 - 1e-9) / (1e-3 - 1e-9 + 1e-8)
     far = 1e-3 / (1e-3 + 1e-8) - (1e-3 - 1e-9) / (1e-3 + 1e-8 - 1e-9)
-    torch.testing.assert_close(tol, LR * torch.tensor([far, 1e-8 / 2e-8 - 0.9e-8 / 1.9e-8, 1e-9 / 1.1e-8],
-                                                      dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        tol,
+        LR * torch.tensor([far, 1e-8 / 2e-8 - 0.9e-8 / 1.9e-8, 1e-9 / 1.1e-8], dtype=torch.float64),
+        rtol=1e-6,
+        atol=0,
+    )
 
 
 def cpu_adam_ready() -> bool:
@@ -134,20 +155,38 @@ def cpu_adam_ready() -> bool:
 @pytest.fixture(scope="module")
 def groups(reused_groups, tiny_llama):
     ds = DSConfig(zero_stage=3, param_dtype="fp32")
-    return {2: reused_groups[2]("actor", spec(tiny_llama, 2), ds, 2, 42), 1: reused_groups[1]("actor", spec(tiny_llama, 4), ds, 1, 42)}
+    return {
+        2: reused_groups[2]("actor", spec(tiny_llama, 2), ds, 2, 42),
+        1: reused_groups[1]("actor", spec(tiny_llama, 4), ds, 1, 42),
+    }
 
 
 @pytest.mark.parametrize(
     "ranks,stage,grad_ckpt,offload",
-    [(2, 0, False, False), (2, 2, False, False), (2, 3, False, False), (1, 3, False, False),
-     (2, 3, True, False), (2, 2, False, True)],
-    ids=["2ranks-zero0", "2ranks-zero2", "2ranks-zero3", "1rank-zero3", "zero3-grad-ckpt", "zero2-adam-offload"],
+    [
+        (2, 0, False, False),
+        (2, 2, False, False),
+        (2, 3, False, False),
+        (1, 3, False, False),
+        (2, 3, True, False),
+        (2, 2, False, True),
+    ],
+    ids=[
+        "2ranks-zero0",
+        "2ranks-zero2",
+        "2ranks-zero3",
+        "1rank-zero3",
+        "zero3-grad-ckpt",
+        "zero2-adam-offload",
+    ],
 )
 def test_one_step_matches_plain_torch(groups, tiny_llama, ranks, stage, grad_ckpt, offload):
     if offload and not cpu_adam_ready():
-        pytest.skip("DeepSpeedCPUAdam is not built on this machine (a ~3 min JIT compile on 2 cores); build it once "
-                    "with `python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()'` "
-                    "or set RLHF_TEST_BUILD_OPS=1")
+        pytest.skip(
+            "DeepSpeedCPUAdam is not built on this machine (a ~3 min JIT compile on 2 cores); build it once "
+            "with `python -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()'` "
+            "or set RLHF_TEST_BUILD_OPS=1"
+        )
     mbs = global_batch()
     ref = reference_step(tiny_llama, mbs)
     group = groups[ranks]
@@ -165,7 +204,9 @@ def test_one_step_matches_plain_torch(groups, tiny_llama, ranks, stage, grad_ckp
         grad_error = GRAD_ERROR_UNITS * FP32_UNIT * ref.grads[name].abs().max().item()
         tol = adam_first_step_tolerance(ref.grads[name], ref.before[name], grad_error)
         off = (w.double() - ref.after[name]).abs() - tol
-        assert (off <= 0).all(), f"{name}: {int((off > 0).sum())} weights beyond tolerance, worst by {off.max():.3g}"
+        assert (off <= 0).all(), (
+            f"{name}: {int((off > 0).sum())} weights beyond tolerance, worst by {off.max():.3g}"
+        )
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -207,7 +248,9 @@ def test_forward_calls_match_in_process_models(groups, tiny_llama, tmp_path):
     group.export_hf(str(tmp_path / "hf"))
     exported = load_causal_lm(str(tmp_path / "hf"), torch.float32).eval()
     with torch.no_grad():
-        torch.testing.assert_close(response_logprobs(exported, seqs[0])[0], response_logprobs(model, seqs[0])[0])
+        torch.testing.assert_close(
+            response_logprobs(exported, seqs[0])[0], response_logprobs(model, seqs[0])[0]
+        )
 
 
 def test_bf16_on_cpu_trains_close_to_fp32(groups, tiny_llama):
@@ -227,7 +270,9 @@ def test_critic_and_reward_groups(reused_groups, tiny_llama):
     from rlhf_train_deepspeed.models import load_value_model, response_values, sequence_rewards
 
     seqs = global_batch()[:2]
-    critic_spec = ModelSpec(path=tiny_llama, kind="value", trainable=True, optim=optim(), micro_batch_size=2, total_steps=10)
+    critic_spec = ModelSpec(
+        path=tiny_llama, kind="value", trainable=True, optim=optim(), micro_batch_size=2, total_steps=10
+    )
     # the directory's 1-rank group with a value model loaded (init_model seeds with 42 first, as a new group
     # would): the role name only labels a group's errors, so this saves starting a rank
     critic = reused_groups[1]("critic", critic_spec, DSConfig(zero_stage=2, param_dtype="fp32"), 1, 42)
@@ -253,7 +298,9 @@ def test_weights_reach_an_engine_through_the_sync_group(groups, tiny_llama):
     want = group.get_state_dict_for_engines()
     addr, port = group.weight_sync_address()
     refs = group.broadcast_weights_to_engines_async(addr, port, world_size=2, timeout_s=60)
-    engine_side = init_sync_group(addr, port, rank=1, world_size=2, timeout_s=60)  # this test plays the engine
+    engine_side = init_sync_group(
+        addr, port, rank=1, world_size=2, timeout_s=60
+    )  # this test plays the engine
     got = dict(engine_side.receive())
     import ray
 
@@ -303,8 +350,10 @@ def test_an_engine_hosted_in_each_rank_gets_its_weights_in_process(groups, tiny_
         outs = [o for out in ray.get([e.generate.remote([request]) for e in engines]) for o in out[0]]
         batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
         (trainer,) = group.compute_logprobs([batch])
-        return [float((trainer[i, : len(o.logprobs)] - torch.tensor(o.logprobs)).abs().max())
-                for i, o in enumerate(outs)]
+        return [
+            float((trainer[i, : len(o.logprobs)] - torch.tensor(o.logprobs)).abs().max())
+            for i, o in enumerate(outs)
+        ]
 
     assert min(gaps()) > 1e-3  # the engines still hold the weights they loaded
     group.push_weights_to_hosted("engine")
@@ -333,17 +382,35 @@ def test_experts_implementation_reaches_the_trained_and_reference_moe_models(gro
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2))
+    moe = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     moe.save_pretrained(tmp_path / "moe")
     group = groups[1]
     chosen = {}
     for experts in (None, "batched_mm"):  # None: transformers' own choice (grouped_mm)
-        group.init_model(spec(str(tmp_path / "moe"), 4, ref_path=str(tmp_path / "moe")),
-                         DSConfig(zero_stage=0, param_dtype="fp32", experts_implementation=experts))
-        (chosen[experts],) = group.call("__ray_call__", lambda w: (w.hf_config._experts_implementation,
-                                        w.ref_engine.module.config._experts_implementation))
+        group.init_model(
+            spec(str(tmp_path / "moe"), 4, ref_path=str(tmp_path / "moe")),
+            DSConfig(zero_stage=0, param_dtype="fp32", experts_implementation=experts),
+        )
+        (chosen[experts],) = group.call(
+            "__ray_call__",
+            lambda w: (
+                w.hf_config._experts_implementation,
+                w.ref_engine.module.config._experts_implementation,
+            ),
+        )
     assert chosen == {None: ("grouped_mm", "grouped_mm"), "batched_mm": ("batched_mm", "batched_mm")}
 
 
@@ -362,7 +429,9 @@ def test_a_group_whose_set_up_fails_gives_its_cpus_back(ray_cluster, tmp_path):
 
     free = ray_cluster.available_resources()["CPU"]
     with pytest.raises(Exception, match="no_such_model") as kept:  # as pytest keeps a failed test's error
-        create_worker_group("actor", spec(str(tmp_path / "no_such_model"), 4), DSConfig(), 1, num_cpus_per_worker=2)
+        create_worker_group(
+            "actor", spec(str(tmp_path / "no_such_model"), 4), DSConfig(), 1, num_cpus_per_worker=2
+        )
     deadline = time.monotonic() + 30  # a killed actor's resources come back asynchronously
     while ray_cluster.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -489,7 +558,7 @@ def resident_kib(ptr: int) -> int:
         if "-" in span and not span.endswith(":"):
             lo, hi = (int(x, 16) for x in span.split("-"))
             if lo <= ptr < hi:
-                return next(int(x.split()[1]) for x in lines[k + 1:] if x.startswith("Rss:"))
+                return next(int(x.split()[1]) for x in lines[k + 1 :] if x.startswith("Rss:"))
     raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
@@ -506,7 +575,9 @@ def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_l
     worker = TrainWorker(0, 1)
     try:
         worker.init_distributed(worker.master_address())
-        worker.init_model(spec(tiny_llama, 4, ref_path=tiny_llama), DSConfig(zero_stage=0, param_dtype="fp32"))
+        worker.init_model(
+            spec(tiny_llama, 4, ref_path=tiny_llama), DSConfig(zero_stage=0, param_dtype="fp32")
+        )
         weight = worker.ref_engine.module.get_input_embeddings().weight
         seqs = global_batch()[:2]
         first = worker.compute_logprobs(seqs, ref=True)
@@ -546,7 +617,9 @@ def test_a_cpu_training_forward_hands_back_the_heaps_free_pages_before_the_head(
         worker.close()
 
 
-def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained_policy(groups, tiny_llama, tmp_path):
+def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained_policy(
+    groups, tiny_llama, tmp_path
+):
     """A LoRA policy (rank 4 on q/v/down, ZeRO-3 over 2 ranks), trained two steps and synced after each, sends
     the engines its adapter pairs only: the bytes are counted (the base, 14x more, would fail it). An engine
     hosted in each rank (in-process copy) and one loaded from the path (the object-store path) then give the
@@ -582,14 +655,24 @@ def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained
         assert all(n.endswith((".lora_A", ".lora_B")) for n in sent) and len(sent) == 2 * 3 * 2
         assert sum(t.numel() * t.element_size() for t in sent.values()) == adapter_bytes < base_bytes / 10
         engine.update_weights(sent)
-        outs = engine.generate([request])[0] + [o for e in hosted for o in ray.get(e.generate.remote([request]))[0]]
+        outs = engine.generate([request])[0] + [
+            o for e in hosted for o in ray.get(e.generate.remote([request]))[0]
+        ]
         batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
         (trainer,) = group.compute_logprobs([batch])
         for i, o in enumerate(outs):
-            torch.testing.assert_close(trainer[i, : len(o.logprobs)], torch.tensor(o.logprobs), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                trainer[i, : len(o.logprobs)], torch.tensor(o.logprobs), atol=1e-5, rtol=0
+            )
     out = outs[0]
-    assert max(abs(a - b) for a, b in zip(out.logprobs, forward_logprobs(base, prompt, out.token_ids, 1.0))) > 1e-3
+    assert (
+        max(abs(a - b) for a, b in zip(out.logprobs, forward_logprobs(base, prompt, out.token_ids, 1.0)))
+        > 1e-3
+    )
     group.export_hf(str(tmp_path / "adapter"))
     merged = AutoModelForCausalLM.from_pretrained(
-        merge_lora(tiny_llama, str(tmp_path / "adapter"), str(tmp_path / "merged")), dtype=torch.float32).eval()
-    torch.testing.assert_close(forward_logprobs(merged, prompt, out.token_ids, 1.0), out.logprobs, atol=1e-5, rtol=0)
+        merge_lora(tiny_llama, str(tmp_path / "adapter"), str(tmp_path / "merged")), dtype=torch.float32
+    ).eval()
+    torch.testing.assert_close(
+        forward_logprobs(merged, prompt, out.token_ids, 1.0), out.logprobs, atol=1e-5, rtol=0
+    )

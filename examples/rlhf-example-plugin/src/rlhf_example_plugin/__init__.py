@@ -111,7 +111,9 @@ class AboveMean:
         rows = []
         for group in batch.groups:
             mean = sum(s.reward for s in group) / len(group)
-            rows += [{"input": s.input, "output": s.output, "reward": s.reward} for s in group if s.reward > mean]
+            rows += [
+                {"input": s.input, "output": s.output, "reward": s.reward} for s in group if s.reward > mean
+            ]
         return rows
 
 

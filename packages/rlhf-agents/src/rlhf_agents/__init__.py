@@ -25,8 +25,23 @@ from rlhf_agents.worker import RolloutFailureError, RolloutWorker, retokenizatio
 
 # The version lives in pyproject.toml only; an installed distribution reports it.
 __version__ = importlib.metadata.version("rlhf-agents")
-__all__ = ["AgentExecutorBase", "AgentInstanceBase", "HttpRewardSource", "MultiTurnAgentExecutor",
-           "OpenAIServerAgentExecutor", "PythonFileRewardSource", "RewardModelSource", "RolloutFailureError",
-           "RolloutWorker", "SingleTurnAgentExecutor", "TokenTrace", "UserCodeError", "WeightedRewardSource",
-           "build_executor", "build_reward_source", "extract_boxed_answer", "grade_answer",
-           "retokenization_drift"]
+__all__ = [
+    "AgentExecutorBase",
+    "AgentInstanceBase",
+    "HttpRewardSource",
+    "MultiTurnAgentExecutor",
+    "OpenAIServerAgentExecutor",
+    "PythonFileRewardSource",
+    "RewardModelSource",
+    "RolloutFailureError",
+    "RolloutWorker",
+    "SingleTurnAgentExecutor",
+    "TokenTrace",
+    "UserCodeError",
+    "WeightedRewardSource",
+    "build_executor",
+    "build_reward_source",
+    "extract_boxed_answer",
+    "grade_answer",
+    "retokenization_drift",
+]

@@ -57,7 +57,9 @@ def check_reward_value(value: Any, what: str = "reward") -> tuple[float | None, 
     return number, None
 
 
-def log_failure_once(logger: logging.Logger, where: str, message: str, exc: BaseException | None = None) -> None:
+def log_failure_once(
+    logger: logging.Logger, where: str, message: str, exc: BaseException | None = None
+) -> None:
     """Log a failure of user code with its traceback the first time it is seen, at debug level after that.
     Keyed by ``where`` and the frame that raised: one bad line logs one traceback however many samples hit
     it."""
@@ -69,6 +71,7 @@ def log_failure_once(logger: logging.Logger, where: str, message: str, exc: Base
         logger.debug("%s: %s", where, message)
         return
     _logged.add(key)
-    trace = "" if exc is None else "\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    trace = (
+        "" if exc is None else "\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    )
     logger.error("%s: %s (further occurrences are counted, not logged)%s", where, message, trace)
-

@@ -28,7 +28,9 @@ def command_argv(command: str) -> list[str]:
     try:
         argv = shlex.split(command)
     except ValueError as exc:
-        raise ValueError(f"--train.agent_command {command!r} does not parse as a command line: {exc}") from None
+        raise ValueError(
+            f"--train.agent_command {command!r} does not parse as a command line: {exc}"
+        ) from None
     if not argv:
         raise ValueError("--train.agent_command is empty")
     program = argv[0]
@@ -36,8 +38,10 @@ def command_argv(command: str) -> list[str]:
         if not os.path.isfile(program):
             raise ValueError(f"--train.agent_command {command!r}: {program} does not exist")
         if not os.access(program, os.X_OK):
-            raise ValueError(f"--train.agent_command {command!r}: {program} is not executable (chmod +x it, or "
-                             f"name its interpreter first: python {program})")
+            raise ValueError(
+                f"--train.agent_command {command!r}: {program} is not executable (chmod +x it, or "
+                f"name its interpreter first: python {program})"
+            )
     elif shutil.which(program) is None:
         raise ValueError(f"--train.agent_command {command!r}: no program {program!r} on PATH")
     return argv
@@ -59,7 +63,7 @@ def parse_agent_output(stdout: str) -> Any:
         return float(result)
     if isinstance(result, dict) and "reward" in result:
         return result
-    raise ValueError(f"printed {last[:200]!r} last; expected a number or a JSON object with \"reward\"")
+    raise ValueError(f'printed {last[:200]!r} last; expected a number or a JSON object with "reward"')
 
 
 class CommandAgentExecutor(OpenAIServerAgentExecutor):
@@ -78,32 +82,55 @@ class CommandAgentExecutor(OpenAIServerAgentExecutor):
         tail = stderr.decode("utf-8", "replace")[-STDERR_TAIL:].rstrip()
         if kind not in self._logged_kinds:
             self._logged_kinds.add(kind)
-            logger.error("%s: %s (further such failures are counted in error/%s, not logged); its stderr ended "
-                         "with:\n%s", self.agent_name(), message, kind, tail or "(nothing)")
+            logger.error(
+                "%s: %s (further such failures are counted in error/%s, not logged); its stderr ended "
+                "with:\n%s",
+                self.agent_name(),
+                message,
+                kind,
+                tail or "(nothing)",
+            )
         return EpisodeFailure(kind, f"{self.agent_name()} {message}")
 
     async def run_bounded(self, base_url: str, prompt: str, label: Any) -> Any:
         """Run the program for one episode and read its result (it bounds its own time, so that a program
         that runs too long is killed and its stderr logged)."""
-        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "rlhf",
-               "RLHF_EPISODE_ID": base_url.rsplit("/", 2)[-2]}
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": "rlhf",
+            "RLHF_EPISODE_ID": base_url.rsplit("/", 2)[-2],
+        }
         row = json.dumps({"prompt": prompt, "label": label}, default=str).encode() + b"\n"
         proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True,  # its own process group, to kill
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # its own process group, to kill
         )
         stdout, stderr = bytearray(), bytearray()  # what was read survives a timeout
         try:
-            await asyncio.wait_for(asyncio.gather(
-                _feed(proc.stdin, row), _drain(proc.stdout, stdout), _drain(proc.stderr, stderr), proc.wait()
-            ), self.env_step_timeout)
+            await asyncio.wait_for(
+                asyncio.gather(
+                    _feed(proc.stdin, row),
+                    _drain(proc.stdout, stdout),
+                    _drain(proc.stderr, stderr),
+                    proc.wait(),
+                ),
+                self.env_step_timeout,
+            )
         except BaseException as exc:  # timed out (a child may hold its pipes open), or abandoned
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the program and whatever it started
             await proc.wait()
             if isinstance(exc, asyncio.TimeoutError):
-                raise self._fail("agent_timeout", f"ran longer than --train.env_step_timeout "
-                                 f"{self.env_step_timeout:g} s and was killed", stderr) from None
+                raise self._fail(
+                    "agent_timeout",
+                    f"ran longer than --train.env_step_timeout {self.env_step_timeout:g} s and was killed",
+                    stderr,
+                ) from None
             raise
         if proc.returncode != 0:
             raise self._fail("agent_exit", f"exited with status {proc.returncode}", stderr)

@@ -76,8 +76,9 @@ class TokenTrace:
 
     def add_action(self, out: GenerationOutput) -> None:
         if len(out.token_ids) != len(out.logprobs):
-            raise ValueError(f"the rollout engine returned {len(out.token_ids)} tokens but "
-                             f"{len(out.logprobs)} log-probs")
+            raise ValueError(
+                f"the rollout engine returned {len(out.token_ids)} tokens but {len(out.logprobs)} log-probs"
+            )
         self.response_ids += list(out.token_ids)
         self.action_mask += [1] * len(out.token_ids)
         self.logprobs += [float(x) for x in out.logprobs]
@@ -88,8 +89,13 @@ class TokenTrace:
         self.logprobs += [0.0] * len(ids)
 
     def to_trajectory(self, **kwargs: Any) -> Trajectory:
-        return Trajectory(prompt_ids=list(self.prompt_ids), response_ids=list(self.response_ids),
-                          action_mask=list(self.action_mask), rollout_logprobs=list(self.logprobs), **kwargs)
+        return Trajectory(
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            action_mask=list(self.action_mask),
+            rollout_logprobs=list(self.logprobs),
+            **kwargs,
+        )
 
 
 class AgentExecutorBase(ABC):
@@ -110,9 +116,18 @@ class AgentExecutorBase(ABC):
     are dropped."""
 
     @abstractmethod
-    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
-                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
-                      prompt_ids: list[int] | None = None) -> Trajectory: ...
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory: ...
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release what the executor holds (servers, connections)."""
@@ -121,23 +136,41 @@ class AgentExecutorBase(ABC):
 class SingleTurnAgentExecutor(AgentExecutorBase):
     """Generate once; the reward source scores the result (in batches, after the episodes finish)."""
 
-    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
-                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
-                      prompt_ids: list[int] | None = None) -> Trajectory:
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory:
         ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
         trace = TokenTrace(prompt_ids=ids)
         if len(ids) >= max_length:  # no room to generate: unscorable
             return trace.to_trajectory(
-                finish_reason="length", truncated=True, prompt_text=prompt, label=label,
+                finish_reason="length",
+                truncated=True,
+                prompt_text=prompt,
+                label=label,
                 error=f"the prompt has {len(ids)} tokens, which leaves no room under max_len {max_length}",
-                extra_logs={"error/overlong_prompt": 1.0})
+                extra_logs={"error/overlong_prompt": 1.0},
+            )
         max_new = min(sampling_params.max_new_tokens, max_length - len(ids))
         params = dataclasses.replace(sampling_params, n=1, max_new_tokens=max_new)
         images = list(images or [])
         (out,) = await llm_engine.generate(GenerationRequest(prompt_ids=ids, params=params, images=images))
         trace.add_action(out)
-        return trace.to_trajectory(finish_reason=out.finish_reason, truncated=out.finish_reason == "length",
-                                   prompt_text=prompt, label=label, images=images)
+        return trace.to_trajectory(
+            finish_reason=out.finish_reason,
+            truncated=out.finish_reason == "length",
+            prompt_text=prompt,
+            label=label,
+            images=images,
+        )
 
 
 class AgentInstanceBase(ABC):
@@ -180,8 +213,10 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
 
     def __init__(self, agent_instance_cls: type):
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
-            raise TypeError("MultiTurnAgentExecutor needs a subclass of rlhf_agents.AgentInstanceBase, got "
-                            f"{describe(agent_instance_cls)}")
+            raise TypeError(
+                "MultiTurnAgentExecutor needs a subclass of rlhf_agents.AgentInstanceBase, got "
+                f"{describe(agent_instance_cls)}"
+            )
         self.agent_instance_cls = agent_instance_cls
         self.where = describe_class(agent_instance_cls)
 
@@ -189,9 +224,12 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         try:
             return await asyncio.wait_for(call_user(fn, *args), self.env_step_timeout)
         except asyncio.TimeoutError:
-            raise EpisodeFailure("env_timeout", f"{self.where}.{method} took longer than "
-                                 f"--train.env_step_timeout {self.env_step_timeout:g} s; the episode "
-                                 "was ended") from None
+            raise EpisodeFailure(
+                "env_timeout",
+                f"{self.where}.{method} took longer than "
+                f"--train.env_step_timeout {self.env_step_timeout:g} s; the episode "
+                "was ended",
+            ) from None
         except Exception as exc:
             message = f"{method} raised {type(exc).__name__}: {exc}"
             log_failure_once(logger, self.where, message, exc)
@@ -202,18 +240,35 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         log_failure_once(logger, self.where, message)
         return EpisodeFailure("env_invalid", message)
 
-    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
-                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
-                      prompt_ids: list[int] | None = None) -> Trajectory:
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory:
         ids = list(prompt_ids) if prompt_ids is not None else encode(hf_tokenizer, prompt)
         trace = TokenTrace(prompt_ids=ids)
-        state = {"reward": 0.0, "score": None, "extra": {}, "turns": 0, "finish": "stop", "truncated": False,
-                 "images": list(images or [])}
+        state = {
+            "reward": 0.0,
+            "score": None,
+            "extra": {},
+            "turns": 0,
+            "finish": "stop",
+            "truncated": False,
+            "images": list(images or []),
+        }
         instance, error = None, None
         try:
             instance = await self._env("__init__", new_instance, self.agent_instance_cls)
-            await self._run(instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer,
-                            llm_engine)
+            await self._run(
+                instance, trace, state, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine
+            )
         except EpisodeFailure as failure:
             error = str(failure)
             state["extra"][f"error/{failure.kind}"] = 1.0
@@ -228,32 +283,55 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return trace.to_trajectory(
             reward=state["reward"] if scored else None,
             score=(state["reward"] if state["score"] is None else state["score"]) if scored else None,
-            finish_reason=state["finish"], truncated=state["truncated"], prompt_text=prompt, label=label,
-            error=error, extra_logs={**state["extra"], "num_turns": float(state["turns"])},
-            images=state["images"])
+            finish_reason=state["finish"],
+            truncated=state["truncated"],
+            prompt_text=prompt,
+            label=label,
+            error=error,
+            extra_logs={**state["extra"], "num_turns": float(state["turns"])},
+            images=state["images"],
+        )
 
-    async def _run(self, instance: Any, trace: TokenTrace, state: dict, prompt: str, label: Any,
-                   params: SamplingParams, max_length: int, tokenizer: Any, engine: Any) -> None:
+    async def _run(
+        self,
+        instance: Any,
+        trace: TokenTrace,
+        state: dict,
+        prompt: str,
+        label: Any,
+        params: SamplingParams,
+        max_length: int,
+        tokenizer: Any,
+        engine: Any,
+    ) -> None:
         reset = await self._env("reset", instance.reset, {"observation": prompt, "label": label})
         observation_text = reset.get("observation") if isinstance(reset, dict) else None
         if not isinstance(observation_text, str):
-            raise self._invalid("reset", f"returned {describe(reset)}; expected a dict with an 'observation' string")
+            raise self._invalid(
+                "reset", f"returned {describe(reset)}; expected a dict with an 'observation' string"
+            )
         if observation_text != prompt:
             trace.prompt_ids = encode(tokenizer, observation_text)
             if state["images"]:  # the prompt's images keep their places in the new observation
                 try:
                     trace.prompt_ids = self.image_processing.expand(trace.prompt_ids, state["images"])
                 except ValueError as exc:
-                    raise self._invalid("reset", f"returned an observation that does not fit the prompt's images: "
-                                        f"{exc}") from None
+                    raise self._invalid(
+                        "reset", f"returned an observation that does not fit the prompt's images: {exc}"
+                    ) from None
         if len(trace) >= max_length:
             state["truncated"], state["finish"] = True, "length"
-            raise EpisodeFailure("overlong_prompt", f"the prompt has {len(trace)} tokens, which leaves no "
-                                 f"room under max_len {max_length}")
+            raise EpisodeFailure(
+                "overlong_prompt",
+                f"the prompt has {len(trace)} tokens, which leaves no room under max_len {max_length}",
+            )
         while True:
             turn_params = dataclasses.replace(
-                params, n=1, max_new_tokens=min(params.max_new_tokens, max_length - len(trace)),
-                seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]))
+                params,
+                n=1,
+                max_new_tokens=min(params.max_new_tokens, max_length - len(trace)),
+                seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]),
+            )
             context = trace.all_ids()
             request = GenerationRequest(prompt_ids=context, params=turn_params, images=list(state["images"]))
             (out,) = await engine.generate(request)
@@ -261,9 +339,18 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             state["turns"] += 1
             state["finish"] = out.finish_reason
             action_text = tokenizer.decode(out.token_ids, skip_special_tokens=False)
-            result = await self._env("step", instance.step, {
-                "observation_text": observation_text, "action_text": action_text, "label": label,
-                "sampling_params": params, "observation_ids": context, "action_ids": list(out.token_ids)})
+            result = await self._env(
+                "step",
+                instance.step,
+                {
+                    "observation_text": observation_text,
+                    "action_text": action_text,
+                    "label": label,
+                    "sampling_params": params,
+                    "observation_ids": context,
+                    "action_ids": list(out.token_ids),
+                },
+            )
             done, feedback, params = self._read_step(result, state, params)
             observation_text += action_text + feedback
             feedback_ids = encode(tokenizer, feedback)
@@ -275,7 +362,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             trace.add_feedback(kept_ids)
             state["images"] += kept_images
             if len(kept_images) < len(new_images):
-                state["extra"]["images_dropped"] = state["extra"].get("images_dropped", 0.0) + len(new_images) - len(kept_images)
+                state["extra"]["images_dropped"] = (
+                    state["extra"].get("images_dropped", 0.0) + len(new_images) - len(kept_images)
+                )
             if done:
                 state["truncated"] = out.finish_reason == "length"
                 return
@@ -295,13 +384,20 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         if not pictures and not found:
             return []
         if token is None:
-            raise self._invalid("step", "returned environment_images, but the model is not a vision-language model")
+            raise self._invalid(
+                "step", "returned environment_images, but the model is not a vision-language model"
+            )
         if found != len(pictures):
-            raise self._invalid("step", f"returned {len(pictures)} environment_images but its environment_feedback "
-                                f"has {found} image placeholders (one per image)")
+            raise self._invalid(
+                "step",
+                f"returned {len(pictures)} environment_images but its environment_feedback "
+                f"has {found} image placeholders (one per image)",
+            )
         room = max(0, self.max_images - len(state["images"])) if self.max_images else len(pictures)
         if len(pictures) > room:
-            state["extra"]["images_dropped"] = state["extra"].get("images_dropped", 0.0) + len(pictures) - room
+            state["extra"]["images_dropped"] = (
+                state["extra"].get("images_dropped", 0.0) + len(pictures) - room
+            )
             drop = [k for k, t in enumerate(feedback_ids) if t == token][room:]
             for k in reversed(drop):
                 del feedback_ids[k]
@@ -309,10 +405,14 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         try:
             return await asyncio.to_thread(self.image_processing.process, pictures)
         except Exception as exc:
-            raise self._invalid("step", f"returned environment_images that could not be processed: "
-                                f"{type(exc).__name__}: {exc}") from None
+            raise self._invalid(
+                "step",
+                f"returned environment_images that could not be processed: {type(exc).__name__}: {exc}",
+            ) from None
 
-    def _read_step(self, result: Any, state: dict, params: SamplingParams) -> tuple[bool, str, SamplingParams]:
+    def _read_step(
+        self, result: Any, state: dict, params: SamplingParams
+    ) -> tuple[bool, str, SamplingParams]:
         """Check a ``step`` result and fold it into ``state``; returns (done, feedback, next params)."""
         if not isinstance(result, dict):
             raise self._invalid("step", f"returned {describe(result)}; expected a dict")
@@ -330,7 +430,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             state["score"] = score
         feedback = "" if result["environment_feedback"] is None else result["environment_feedback"]
         if not isinstance(feedback, str):
-            raise self._invalid("step", f"returned 'environment_feedback' as {describe(feedback)}; expected a str")
+            raise self._invalid(
+                "step", f"returned 'environment_feedback' as {describe(feedback)}; expected a str"
+            )
         state["extra"].update(numeric_logs(result.get("extra_logs"), logger, f"{self.where}.step"))
         new_params = result.get("sampling_params")
         if isinstance(new_params, dict):
@@ -341,8 +443,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         elif new_params is None:
             new_params = params
         elif not isinstance(new_params, SamplingParams):
-            raise self._invalid("step", f"returned sampling_params as {describe(new_params)}; expected "
-                                "rlhf_core.types.SamplingParams or a dict")
+            raise self._invalid(
+                "step",
+                f"returned sampling_params as {describe(new_params)}; expected "
+                "rlhf_core.types.SamplingParams or a dict",
+            )
         try:
             done = bool(result["done"])
         except Exception as exc:
@@ -350,8 +455,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         return done, feedback, new_params
 
 
-def fit_feedback(ids: list[int], images: list[ImageInput], room: int,
-                 image_token_id: int | None) -> tuple[list[int], list[ImageInput]]:
+def fit_feedback(
+    ids: list[int], images: list[ImageInput], room: int, image_token_id: int | None
+) -> tuple[list[int], list[ImageInput]]:
     """The longest prefix of ``ids`` (image tokens expanded) within ``room`` tokens that cuts no image in two,
     and the images whose tokens it holds: an image that does not fit ends the prefix before it."""
     if not images:
@@ -385,14 +491,18 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
 
     train = cfg.train
     if train.per_call_samples not in PER_CALL_SAMPLES:
-        raise ConfigError(f"--train.per_call_samples {train.per_call_samples!r}: choose one of "
-                          f"{', '.join(PER_CALL_SAMPLES)}")
+        raise ConfigError(
+            f"--train.per_call_samples {train.per_call_samples!r}: choose one of "
+            f"{', '.join(PER_CALL_SAMPLES)}"
+        )
     if train.agent_command:
         from rlhf_agents.command_agent import CommandAgentExecutor, command_argv
 
         others = [f for f in ("agent_func_path", "agent_executor", "env") if getattr(train, f)]
         if others:
-            raise ConfigError(f"--train.agent_command is the agent; drop {', '.join('--train.' + f for f in others)}")
+            raise ConfigError(
+                f"--train.agent_command is the agent; drop {', '.join('--train.' + f for f in others)}"
+            )
         try:
             return CommandAgentExecutor, (command_argv(train.agent_command),)
         except ValueError as exc:
@@ -404,7 +514,8 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
         if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
             raise UserCodeError(
                 f"--train.agent_func_path {path}: AgentExecutor is a {describe(cls)}; expected a subclass of "
-                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)")
+                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)"
+            )
         where, args, error = f"--train.agent_func_path {path}: AgentExecutor", (), UserCodeError
     else:
         name = train.agent_executor or ("multi_turn" if train.env else "single_turn")
@@ -414,14 +525,19 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
     if inspect.isabstract(cls):
         raise error(f"{where} leaves {', '.join(sorted(cls.__abstractmethods__))} unimplemented")
     if train.per_call_samples != "auto" and not issubclass(cls, OpenAIServerAgentExecutor):
-        raise ConfigError(f"--train.per_call_samples {train.per_call_samples} applies to agents on the OpenAI "
-                          f"endpoint (--train.agent_command, or an OpenAIServerAgentExecutor); {where} records "
-                          f"its episodes as one trajectory by construction")
+        raise ConfigError(
+            f"--train.per_call_samples {train.per_call_samples} applies to agents on the OpenAI "
+            f"endpoint (--train.agent_command, or an OpenAIServerAgentExecutor); {where} records "
+            f"its episodes as one trajectory by construction"
+        )
     try:
         inspect.signature(cls).bind(*args)
     except TypeError as exc:
-        hint = ("" if train.agent_func_path else
-                ": multi_turn needs --train.env NAME, and openai_server a subclass in --train.agent_func_path")
+        hint = (
+            ""
+            if train.agent_func_path
+            else ": multi_turn needs --train.env NAME, and openai_server a subclass in --train.agent_func_path"
+        )
         raise error(f"{where} cannot be built from the flags ({exc}){hint}") from None
     return cls, args
 
@@ -435,7 +551,9 @@ def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
     except Exception as exc:
         if not path:
             raise
-        raise UserCodeError(f"--train.agent_func_path {path}: AgentExecutor() raised {type(exc).__name__}: {exc}") from exc
+        raise UserCodeError(
+            f"--train.agent_func_path {path}: AgentExecutor() raised {type(exc).__name__}: {exc}"
+        ) from exc
     executor.env_step_timeout = cfg.train.env_step_timeout
     executor.max_images = cfg.data.max_images_per_prompt
     executor.per_call_samples = cfg.train.per_call_samples  # read by the OpenAI-endpoint executors only

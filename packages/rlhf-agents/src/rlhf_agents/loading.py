@@ -50,7 +50,10 @@ def load_symbol(path: str | Path, symbol: str, flag: str) -> Any:
     """``symbol`` from the Python file at ``path``; the error lists what the file does define."""
     module = load_module(path, flag)
     if not hasattr(module, symbol):
-        defined = sorted(n for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, ModuleType))
+        defined = sorted(
+            n for n, v in vars(module).items() if not n.startswith("_") and not isinstance(v, ModuleType)
+        )
         raise UserCodeError(
-            f"{flag} {path}: the file defines no {symbol!r}; it defines: {', '.join(defined) or 'nothing'}")
+            f"{flag} {path}: the file defines no {symbol!r}; it defines: {', '.join(defined) or 'nothing'}"
+        )
     return getattr(module, symbol)

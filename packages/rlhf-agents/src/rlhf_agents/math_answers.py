@@ -23,9 +23,35 @@ import re
 from fractions import Fraction
 
 # words dropped after a number ("5 cm", "90 degrees", "3 sq units")
-_UNITS = ("cm", "mm", "km", "m", "meters?", "metres?", "inch(?:es)?", "in", "feet", "foot", "ft", "yards?", "miles?",
-          "units?", "sq", "square", "cubic", "degrees?", "dollars?", "cents?", "seconds?", "minutes?", "hours?",
-          "days?", "weeks?", "months?", "years?")
+_UNITS = (
+    "cm",
+    "mm",
+    "km",
+    "m",
+    "meters?",
+    "metres?",
+    "inch(?:es)?",
+    "in",
+    "feet",
+    "foot",
+    "ft",
+    "yards?",
+    "miles?",
+    "units?",
+    "sq",
+    "square",
+    "cubic",
+    "degrees?",
+    "dollars?",
+    "cents?",
+    "seconds?",
+    "minutes?",
+    "hours?",
+    "days?",
+    "weeks?",
+    "months?",
+    "years?",
+)
 _MAX_SYMBOLIC_LEN = 120
 
 
@@ -57,8 +83,24 @@ def normalize_answer(answer: str) -> str:
         s = boxed
     for command in ("text", "textbf", "mathrm", "mbox", "mathbf"):  # \command{x} -> x (x without braces)
         s = re.sub(r"\\" + command + r"\s*\{([^{}]*)\}", r"\1", s)
-    for junk in ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\quad", "\\$", "$", "\\%",
-                 "%", "^{\\circ}", "^\\circ", "\\circ", "°"):
+    for junk in (
+        "\\left",
+        "\\right",
+        "\\displaystyle",
+        "\\!",
+        "\\,",
+        "\\;",
+        "\\:",
+        "\\quad",
+        "\\$",
+        "$",
+        "\\%",
+        "%",
+        "^{\\circ}",
+        "^\\circ",
+        "\\circ",
+        "°",
+    ):
         s = s.replace(junk, "")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = s.strip().rstrip(".").strip()

@@ -80,8 +80,13 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str | None, list[dict]]:
         for c in items:
             arguments = c.get("arguments", c.get("parameters", {}))
             arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
-            calls.append({"id": f"{call_id}_{len(calls)}", "type": "function",
-                          "function": {"name": c["name"], "arguments": arguments}})
+            calls.append(
+                {
+                    "id": f"{call_id}_{len(calls)}",
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": arguments},
+                }
+            )
     content = ("".join(kept) + text[end:]).strip() if calls else text
     return (content or None), calls
 
@@ -92,7 +97,8 @@ def hermes_tools_block(tools: list) -> str:
     return (
         "You may call one or more functions to assist with the user query. The functions are:\n<tools>\n"
         f"{listed}\n</tools>\nTo call a function, reply with a JSON object inside tags:\n"
-        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 class OpenAIServerAgentExecutor(AgentExecutorBase):
@@ -115,7 +121,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
     async def run_agent(self, base_url: str, prompt: str, label: Any) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} must implement async run_agent(base_url, prompt, label) (subclass "
-            f"rlhf_agents.OpenAIServerAgentExecutor in the --train.agent_func_path file)")
+            f"rlhf_agents.OpenAIServerAgentExecutor in the --train.agent_func_path file)"
+        )
 
     # --- the server ----------------------------------------------------------------------------------
 
@@ -170,14 +177,22 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             value = body.get(key)
             if value is not None and value != getattr(session.params, key) and key not in self._warned:
                 self._warned.add(key)
-                logger.warning("the agent asked for %s=%s; the run's %s=%s is used (the trainer recomputes "
-                               "log-probs with it)", key, value, key, getattr(session.params, key))
+                logger.warning(
+                    "the agent asked for %s=%s; the run's %s=%s is used (the trainer recomputes "
+                    "log-probs with it)",
+                    key,
+                    value,
+                    key,
+                    getattr(session.params, key),
+                )
         return session, body
 
     async def _handle_models(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]}
+        )
 
     async def _handle_chat(self, request: Any) -> Any:
         session, body = await self._read(request)
@@ -197,8 +212,14 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 session.replies[tool_calls[0]["id"]] = content
                 message = {"role": "assistant", "content": parsed, "tool_calls": tool_calls}
                 finish = "tool_calls" if finish == "stop" else finish
-        return self._answer("chatcmpl", "chat.completion", body, ids, out_ids,
-                            {"message": message, "finish_reason": finish, "token_ids": out_ids})
+        return self._answer(
+            "chatcmpl",
+            "chat.completion",
+            body,
+            ids,
+            out_ids,
+            {"message": message, "finish_reason": finish, "token_ids": out_ids},
+        )
 
     @staticmethod
     def _tools(body: dict) -> tuple[list | None, bool]:
@@ -212,7 +233,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if choice not in ("auto", "none"):
             raise _BadRequest(
                 f"tool_choice={json.dumps(choice)} is not supported: forcing a call would sample the policy off its "
-                "own distribution; use 'auto' (the model decides) or 'none'")
+                "own distribution; use 'auto' (the model decides) or 'none'"
+            )
         return tools, bool(tools) and choice == "auto"
 
     @staticmethod
@@ -224,7 +246,11 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         rendered = []
         for m in messages:
             calls = m.get("tool_calls") if m.get("role") == "assistant" else None
-            first_id = calls[0].get("id") if isinstance(calls, list) and calls and isinstance(calls[0], dict) else None
+            first_id = (
+                calls[0].get("id")
+                if isinstance(calls, list) and calls and isinstance(calls[0], dict)
+                else None
+            )
             if first_id in session.replies:
                 m = {"role": "assistant", "content": session.replies[first_id]}
             else:
@@ -233,10 +259,13 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
 
         def template(msgs: list[dict], with_tools: list | None) -> str:
             try:
-                return session.tokenizer.apply_chat_template(msgs, tools=with_tools, tokenize=False,
-                                                             add_generation_prompt=True)
+                return session.tokenizer.apply_chat_template(
+                    msgs, tools=with_tools, tokenize=False, add_generation_prompt=True
+                )
             except Exception as exc:
-                raise _BadRequest(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
+                raise _BadRequest(
+                    f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+                ) from None
 
         text = template(rendered, tools)
         if tools and text == template(rendered, None):  # the template ignores tools: describe them itself
@@ -261,19 +290,36 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             raise _BadRequest("'prompt' must be a string or a list of token ids")
         ids, out_ids, finish = await self._generate(session, ids, body)
         text = self._reply_text(session, out_ids, finish, body)
-        return self._answer("cmpl", "text_completion", body, ids, out_ids,
-                            {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids})
+        return self._answer(
+            "cmpl",
+            "text_completion",
+            body,
+            ids,
+            out_ids,
+            {"text": text, "finish_reason": finish, "logprobs": None, "token_ids": out_ids},
+        )
 
     @staticmethod
-    def _answer(id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict) -> Any:
+    def _answer(
+        id_prefix: str, kind: str, body: dict, ids: list[int], out_ids: list[int], choice: dict
+    ) -> Any:
         """An OpenAI response object of ``kind`` with one choice."""
         from aiohttp import web
 
-        return web.json_response({
-            "id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": body.get("model", "policy"), "choices": [{"index": 0, **choice}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
-                      "total_tokens": len(ids) + len(out_ids)}})
+        return web.json_response(
+            {
+                "id": f"{id_prefix}-{uuid.uuid4().hex}",
+                "object": kind,
+                "created": int(time.time()),
+                "model": body.get("model", "policy"),
+                "choices": [{"index": 0, **choice}],
+                "usage": {
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": len(out_ids),
+                    "total_tokens": len(ids) + len(out_ids),
+                },
+            }
+        )
 
     @staticmethod
     def _reply_text(session: _Session, out_ids: list[int], finish: str, body: dict) -> str:
@@ -282,7 +328,9 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         ids = out_ids[:-1] if finish == "stop" and out_ids else out_ids
         return session.tokenizer.decode(ids, skip_special_tokens=bool(body.get("skip_special_tokens", False)))
 
-    async def _generate(self, session: _Session, ids: list[int], body: dict) -> tuple[list[int], list[int], str]:
+    async def _generate(
+        self, session: _Session, ids: list[int], body: dict
+    ) -> tuple[list[int], list[int], str]:
         """Generate for one call and record it in the session's token traces."""
         async with session.lock:
             room = session.max_length - len(ids)
@@ -292,7 +340,9 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                     session.segments.append(TokenTrace(prompt_ids=list(ids)))
                 return ids, [], "length"
             self._record_input(session, ids)
-            asked = body.get("max_completion_tokens") or body.get("max_tokens") or session.params.max_new_tokens
+            asked = (
+                body.get("max_completion_tokens") or body.get("max_tokens") or session.params.max_new_tokens
+            )
             if not isinstance(asked, int) or asked < 1:
                 raise _BadRequest("max_tokens must be a positive integer")
             seed, most = session.params.seed, min(asked, session.params.max_new_tokens, room)
@@ -328,7 +378,10 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
                 "%s: model call %d of an episode does not extend the conversation so far (a chat template that "
                 "drops earlier turns' content, or edited history), so such episodes are trained as one sample per "
                 "call, all sharing the episode's reward (--train.per_call_samples auto; 'never' makes them "
-                "unscorable). This is logged once.", type(self).__name__, session.calls + 1)
+                "unscorable). This is logged once.",
+                type(self).__name__,
+                session.calls + 1,
+            )
         session.segments.append(TokenTrace(prompt_ids=list(ids)))
 
     def _violation(self, session: _Session, so_far: list[int], ids: list[int]) -> str:
@@ -339,7 +392,8 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
             f"{len(so_far)} tokens of the conversation so far; they differ at token {pos} (expected "
             f"{decode(so_far[pos : pos + 8])!r}, got {decode(ids[pos : pos + 8])!r}). Re-rendering earlier "
             f"turns changed their tokens (chat template or re-tokenized replies): send the assistant replies "
-            f"back unchanged, or call /v1/completions with token ids")
+            f"back unchanged, or call /v1/completions with token ids"
+        )
         log_failure_once(logger, type(self).__name__, message)
         return message
 
@@ -354,12 +408,23 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         try:
             return await asyncio.wait_for(self.run_agent(base_url, prompt, label), self.env_step_timeout)
         except asyncio.TimeoutError:
-            raise EpisodeFailure("env_timeout", f"{self.agent_name()} took longer than "
-                                 f"--train.env_step_timeout {self.env_step_timeout:g} s") from None
+            raise EpisodeFailure(
+                "env_timeout",
+                f"{self.agent_name()} took longer than --train.env_step_timeout {self.env_step_timeout:g} s",
+            ) from None
 
-    async def execute(self, prompt: str, label: Any, sampling_params: SamplingParams, max_length: int,
-                      hf_tokenizer: Any, llm_engine: Any, images: Any = None, *,
-                      prompt_ids: list[int] | None = None) -> Trajectory:
+    async def execute(
+        self,
+        prompt: str,
+        label: Any,
+        sampling_params: SamplingParams,
+        max_length: int,
+        hf_tokenizer: Any,
+        llm_engine: Any,
+        images: Any = None,
+        *,
+        prompt_ids: list[int] | None = None,
+    ) -> Trajectory:
         await self._start()
         sid = uuid.uuid4().hex
         session = _Session(hf_tokenizer, llm_engine, sampling_params, max_length, self.per_call_samples)
@@ -368,7 +433,9 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         reward = score = error = kind = None
         extra: dict[str, float] = {}
         try:
-            result = await self.run_bounded(f"http://{self.host}:{self.port}/sessions/{sid}/v1", prompt, label)
+            result = await self.run_bounded(
+                f"http://{self.host}:{self.port}/sessions/{sid}/v1", prompt, label
+            )
             reward, score, extra, error = self._read_result(result, where)
             kind = "agent_invalid" if error else None
         except EpisodeFailure as failure:
@@ -392,9 +459,16 @@ class OpenAIServerAgentExecutor(AgentExecutorBase):
         if segments:
             extra["per_call/samples"] = float(len(segments))
         return session.segments[-1].to_trajectory(
-            reward=reward, score=score, finish_reason=session.finish, truncated=session.truncated,
-            prompt_text=prompt, label=label, error=error,
-            extra_logs={**extra, "num_turns": float(session.calls)}, segments=segments)
+            reward=reward,
+            score=score,
+            finish_reason=session.finish,
+            truncated=session.truncated,
+            prompt_text=prompt,
+            label=label,
+            error=error,
+            extra_logs={**extra, "num_turns": float(session.calls)},
+            segments=segments,
+        )
 
     @staticmethod
     def _read_result(result: Any, where: str) -> tuple[float | None, float | None, dict, str | None]:

@@ -20,8 +20,12 @@ def _exports() -> dict[str, dict[str, object]]:
     return {
         "openrlhf": {},
         "openrlhf.utils": {"extract_boxed_answer": extract_boxed_answer, "grade_answer": grade_answer},
-        "openrlhf.utils.agent": {"AgentInstanceBase": AgentInstanceBase, "AgentExecutorBase": AgentExecutorBase,
-                                 "MultiTurnAgentExecutor": MultiTurnAgentExecutor}}
+        "openrlhf.utils.agent": {
+            "AgentInstanceBase": AgentInstanceBase,
+            "AgentExecutorBase": AgentExecutorBase,
+            "MultiTurnAgentExecutor": MultiTurnAgentExecutor,
+        },
+    }
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -32,7 +36,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         names = _exports()[module.__name__]
-        module.__doc__ = f"rlhf's stand-in for {module.__name__} (OpenRLHF is not installed): {', '.join(names)}"
+        module.__doc__ = (
+            f"rlhf's stand-in for {module.__name__} (OpenRLHF is not installed): {', '.join(names)}"
+        )
         module.__dict__.update(names)
 
         def __getattr__(attr: str):
@@ -41,7 +47,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             # ImportError, not AttributeError: `from m import x` would replace an AttributeError's message
             raise ImportError(
                 f"{module.__name__}.{attr} is OpenRLHF's, which is not installed; rlhf provides only "
-                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names")
+                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names"
+            )
 
         module.__getattr__ = __getattr__
 

@@ -46,8 +46,15 @@ def mark_steps(response: str, separator: str, placeholder: str) -> str:
 class ProcessRewardModel:
     """A PRM in this process: ``step_scores(prompts, responses)`` gives each response's step scores."""
 
-    def __init__(self, path: str, step_separator: str = "\n", max_len: int = 2048, batch_size: int = 8,
-                 dtype: str = "fp32", device: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        step_separator: str = "\n",
+        max_len: int = 2048,
+        batch_size: int = 8,
+        dtype: str = "fp32",
+        device: str | None = None,
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from rlhf_core.rollout.hf_engine import parse_dtype
@@ -55,13 +62,20 @@ class ProcessRewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
         config = self.model.config
-        placeholder, reward_tokens = getattr(config, PLACEHOLDER_KEY, None), getattr(config, REWARD_TOKENS_KEY, None)
+        placeholder, reward_tokens = (
+            getattr(config, PLACEHOLDER_KEY, None),
+            getattr(config, REWARD_TOKENS_KEY, None),
+        )
         if not placeholder:
-            raise SetupError(f"--reward.model_name_or_path {path}: not a PRM trained by rlhf train prm (its config "
-                             f"has no {PLACEHOLDER_KEY})")
+            raise SetupError(
+                f"--reward.model_name_or_path {path}: not a PRM trained by rlhf train prm (its config "
+                f"has no {PLACEHOLDER_KEY})"
+            )
         if not reward_tokens:
-            raise SetupError(f"--reward.model_name_or_path {path}: this PRM was trained without --prm.reward_tokens, "
-                             "so it has no positive token whose probability would score a step")
+            raise SetupError(
+                f"--reward.model_name_or_path {path}: this PRM was trained without --prm.reward_tokens, "
+                "so it has no positive token whose probability would score a step"
+            )
         self.tokens = prm_tokens(self.tokenizer, placeholder, reward_tokens)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
@@ -102,20 +116,30 @@ class PRMRewardSource(RewardSource):
 
     def __init__(self, prm: ProcessRewardModel, aggregation: str = "min", description: str = "PRM"):
         if aggregation not in PRM_AGGREGATIONS:
-            raise ValueError(f"--reward.prm_aggregation {aggregation!r}: choose one of {', '.join(PRM_AGGREGATIONS)}")
+            raise ValueError(
+                f"--reward.prm_aggregation {aggregation!r}: choose one of {', '.join(PRM_AGGREGATIONS)}"
+            )
         self.prm, self.aggregation, self.description = prm, aggregation, description
 
     async def score(self, request: RewardRequest) -> RewardResult:
         n = len(request.queries)
         result = empty_result(n)
-        responses = request.responses if len(request.responses) == n else [
-            q[len(p):] if q.startswith(p) else q for q, p in zip(request.queries, request.prompts)]
+        responses = (
+            request.responses
+            if len(request.responses) == n
+            else [q[len(p) :] if q.startswith(p) else q for q, p in zip(request.queries, request.prompts)]
+        )
         try:
             # in a thread: the forward must not block the rollout's event loop
             steps = await asyncio.to_thread(self.prm.step_scores, list(request.prompts), list(responses))
         except Exception as exc:
-            return fail_samples(result, range(n), self.description,
-                                f"{self.description} failed: {type(exc).__name__}: {exc}", exc)
+            return fail_samples(
+                result,
+                range(n),
+                self.description,
+                f"{self.description} failed: {type(exc).__name__}: {exc}",
+                exc,
+            )
         result.step_scores = steps
         logs = {k: [None] * n for k in ("prm/steps", "prm/min_step", "prm/mean_step", "prm/last_step")}
         for i, s in enumerate(steps):
@@ -124,7 +148,11 @@ class PRMRewardSource(RewardSource):
                 result.errors[i] = f"{self.description}: the response has no step to score"
                 continue
             result.rewards[i] = result.scores[i] = aggregate_steps(s, self.aggregation)
-            logs["prm/min_step"][i], logs["prm/mean_step"][i], logs["prm/last_step"][i] = min(s), sum(s) / len(s), s[-1]
+            logs["prm/min_step"][i], logs["prm/mean_step"][i], logs["prm/last_step"][i] = (
+                min(s),
+                sum(s) / len(s),
+                s[-1],
+            )
         result.extra_logs = logs
         return result
 
@@ -138,7 +166,11 @@ class PRMRewardFactory:
     def create(self, cfg: Any) -> RewardSource:
         r = cfg.reward
         separator = r.prm_step_separator.encode("latin-1", "backslashreplace").decode("unicode_escape")
-        prm = ProcessRewardModel(r.model_name_or_path, step_separator=separator, max_len=cfg.data.max_len,
-                                 batch_size=cfg.rollout.micro_batch_size,
-                                 dtype=resolve_param_dtype(cfg.ds.param_dtype))
+        prm = ProcessRewardModel(
+            r.model_name_or_path,
+            step_separator=separator,
+            max_len=cfg.data.max_len,
+            batch_size=cfg.rollout.micro_batch_size,
+            dtype=resolve_param_dtype(cfg.ds.param_dtype),
+        )
         return PRMRewardSource(prm, r.prm_aggregation, description=f"PRM {r.model_name_or_path}")

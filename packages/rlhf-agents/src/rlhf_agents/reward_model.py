@@ -31,10 +31,19 @@ class RewardModelScorer:
     rewards become ``(r - mean) / std`` using ``config.mean`` and ``config.std`` as stored at RM training
     time."""
 
-    def __init__(self, model_name_or_path: str, value_head_prefix: str = "score", normalize: bool = False,
-                 max_len: int = 2048, batch_size: int = 16, dtype: str = "fp32",
-                 attn_implementation: str = "sdpa", use_fast_tokenizer: bool = True,
-                 device: str | None = None, model_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        model_name_or_path: str,
+        value_head_prefix: str = "score",
+        normalize: bool = False,
+        max_len: int = 2048,
+        batch_size: int = 16,
+        dtype: str = "fp32",
+        attn_implementation: str = "sdpa",
+        use_fast_tokenizer: bool = True,
+        device: str | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         from rlhf_core.rollout.hf_engine import DTYPES
@@ -44,14 +53,20 @@ class RewardModelScorer:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, use_fast=use_fast_tokenizer)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            model_name_or_path, num_labels=1, dtype=DTYPES[dtype],
-            attn_implementation=attn_implementation, **(model_kwargs or {})).to(self.device)
+            model_name_or_path,
+            num_labels=1,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            **(model_kwargs or {}),
+        ).to(self.device)
         self.model.eval()
         self.head = getattr(self.model, value_head_prefix, None)
         if not isinstance(self.head, torch.nn.Module):
             children = ", ".join(name for name, _ in self.model.named_children())
-            raise ValueError(f"--ds.value_head_prefix {value_head_prefix}: the model at {model_name_or_path} "
-                             f"has no such module (it has: {children})")
+            raise ValueError(
+                f"--ds.value_head_prefix {value_head_prefix}: the model at {model_name_or_path} "
+                f"has no such module (it has: {children})"
+            )
         pad = self.tokenizer.pad_token_id
         self.pad_id = (self.tokenizer.eos_token_id or 0) if pad is None else pad
         self.max_len, self.batch_size = max_len, batch_size
@@ -59,8 +74,11 @@ class RewardModelScorer:
         if normalize:
             mean, std = getattr(self.model.config, "mean", None), getattr(self.model.config, "std", None)
             if mean is None or std is None:
-                logger.warning("--reward.normalize_enable: %s stores no mean/std in its config.json; rewards "
-                               "are not normalised", model_name_or_path)
+                logger.warning(
+                    "--reward.normalize_enable: %s stores no mean/std in its config.json; rewards "
+                    "are not normalised",
+                    model_name_or_path,
+                )
             else:
                 self.mean, self.std = float(mean), max(float(std), 1e-8)
 
@@ -85,7 +103,12 @@ class RewardModelScorer:
     @classmethod
     def from_config(cls, cfg: Any) -> RewardModelScorer:
         """The reward model of ``cfg.reward.model_name_or_path``, in this process."""
-        return cls(cfg.reward.model_name_or_path, value_head_prefix=cfg.ds.value_head_prefix,
-                   normalize=cfg.reward.normalize_enable, max_len=cfg.data.max_len,
-                   batch_size=cfg.rollout.micro_batch_size, dtype=resolve_param_dtype(cfg.ds.param_dtype),
-                   attn_implementation=cfg.ds.attn_implementation)
+        return cls(
+            cfg.reward.model_name_or_path,
+            value_head_prefix=cfg.ds.value_head_prefix,
+            normalize=cfg.reward.normalize_enable,
+            max_len=cfg.data.max_len,
+            batch_size=cfg.rollout.micro_batch_size,
+            dtype=resolve_param_dtype(cfg.ds.param_dtype),
+            attn_implementation=cfg.ds.attn_implementation,
+        )

@@ -49,13 +49,18 @@ def _as_list(value: Any, n: int, where: str, key: str) -> list[Any]:
         value = list(value)
     else:
         raise RewardContractError(
-            f"{where}: {key!r} is a {describe(value)}; expected a list or 1-d tensor of {n} numbers")
+            f"{where}: {key!r} is a {describe(value)}; expected a list or 1-d tensor of {n} numbers"
+        )
     if len(value) != n:
-        raise RewardContractError(f"{where} returned {len(value)} {key} for a batch of {n} samples (expected {n})")
+        raise RewardContractError(
+            f"{where} returned {len(value)} {key} for a batch of {n} samples (expected {n})"
+        )
     return value
 
 
-def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[Any] | None, dict[str, list[Any]]]:
+def parse_reward_output(
+    raw: Any, n: int, where: str
+) -> tuple[list[Any], list[Any] | None, dict[str, list[Any]]]:
     """Split a reward call's output into per-sample ``rewards``, ``scores`` (or None) and ``extra_logs``.
     Accepts OpenRLHF's ``{"rewards": [n], "scores": [n], "extra_logs": {key: [n]}}`` (lists, tensors or
     arrays) or a bare list/tensor of rewards. Raises RewardContractError on a wrong length or type; per-sample
@@ -64,7 +69,8 @@ def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[A
         if "rewards" not in raw:
             raise RewardContractError(
                 f"{where} returned a dict without 'rewards' (keys: {sorted(raw)}); expected "
-                f"{{'rewards': [{n} numbers], 'scores': [...], 'extra_logs': {{...}}}}")
+                f"{{'rewards': [{n} numbers], 'scores': [...], 'extra_logs': {{...}}}}"
+            )
         rewards = _as_list(raw["rewards"], n, where, "rewards")
         scores = None if raw.get("scores") is None else _as_list(raw["scores"], n, where, "scores")
         extra_raw = raw.get("extra_logs") or {}
@@ -73,10 +79,13 @@ def parse_reward_output(raw: Any, n: int, where: str) -> tuple[list[Any], list[A
     else:
         raise RewardContractError(
             f"{where} returned a {describe(raw)}; expected a dict with 'rewards' (a list or tensor of {n} "
-            "numbers)")
+            "numbers)"
+        )
     extra: dict[str, list[Any]] = {}
     if not isinstance(extra_raw, dict):
-        log_failure_once(logger, where, f"'extra_logs' is a {describe(extra_raw)}, not a dict; it is not logged")
+        log_failure_once(
+            logger, where, f"'extra_logs' is a {describe(extra_raw)}, not a dict; it is not logged"
+        )
         extra_raw = {}
     for key, values in extra_raw.items():
         try:
@@ -90,8 +99,9 @@ def empty_result(n: int) -> RewardResult:
     return RewardResult(rewards=[None] * n, scores=[None] * n, extra_logs={}, errors=[None] * n)
 
 
-def fail_samples(result: RewardResult, indices: Iterable[int], where: str, message: str,
-                 exc: BaseException | None = None) -> RewardResult:
+def fail_samples(
+    result: RewardResult, indices: Iterable[int], where: str, message: str, exc: BaseException | None = None
+) -> RewardResult:
     """Make the samples ``indices`` of ``result`` unscorable with ``message``, logged once per ``where``."""
     log_failure_once(logger, where, message, exc)
     for i in indices:
@@ -99,8 +109,12 @@ def fail_samples(result: RewardResult, indices: Iterable[int], where: str, messa
     return result
 
 
-def fill_result(result: RewardResult, indices: Sequence[int],
-                parsed: tuple[list[Any], list[Any] | None, dict[str, list[Any]]], where: str) -> None:
+def fill_result(
+    result: RewardResult,
+    indices: Sequence[int],
+    parsed: tuple[list[Any], list[Any] | None, dict[str, list[Any]]],
+    where: str,
+) -> None:
     """Write parsed outputs for the samples ``indices`` of ``result``; None/NaN/Inf/non-numbers become errors."""
     rewards, scores, extra = parsed
     n_total = len(result.rewards)
@@ -121,8 +135,12 @@ def fill_result(result: RewardResult, indices: Sequence[int],
 def subset(request: RewardRequest, indices: Sequence[int]) -> RewardRequest:
     """The samples ``indices`` of ``request`` (list fields that are empty stay empty)."""
     n = len(request.queries)
-    return RewardRequest(**{k: [v[i] for i in indices] if isinstance(v, list) and len(v) == n else v
-                            for k, v in vars(request).items()})
+    return RewardRequest(
+        **{
+            k: [v[i] for i in indices] if isinstance(v, list) and len(v) == n else v
+            for k, v in vars(request).items()
+        }
+    )
 
 
 # --- a Python reward file -------------------------------------------------------------------------------------
@@ -135,15 +153,22 @@ class PythonFileRewardSource(RewardSource):
 
     KWARGS = ("prompt_ids", "response_ids", "finish_reasons", "responses")
 
-    def __init__(self, path: str | None, timeout: float | None = None, flag: str = "--reward.remote_url",
-                 func: Any = None):
+    def __init__(
+        self,
+        path: str | None,
+        timeout: float | None = None,
+        flag: str = "--reward.remote_url",
+        func: Any = None,
+    ):
         self.path = path
         self.timeout = timeout
         if func is None:
             func = load_symbol(path, "reward_func", flag)
             where, self.description = f"{flag} {path}: reward_func", f"reward_func in {path}"
         elif callable(func):
-            where = self.description = f"reward_func= {getattr(func, '__qualname__', type(func).__qualname__)}"
+            where = self.description = (
+                f"reward_func= {getattr(func, '__qualname__', type(func).__qualname__)}"
+            )
         else:
             where = "reward_func="
         if not callable(func):
@@ -159,7 +184,8 @@ class PythonFileRewardSource(RewardSource):
         except TypeError as exc:
             raise UserCodeError(
                 f"{where}{sig} cannot be called as reward_func(queries, prompts, labels, **kwargs) with kwargs "
-                f"from {list(self.KWARGS)}: {exc}") from None
+                f"from {list(self.KWARGS)}: {exc}"
+            ) from None
 
     async def score(self, request: RewardRequest) -> RewardResult:
         result = empty_result(len(request.queries))
@@ -170,14 +196,17 @@ class PythonFileRewardSource(RewardSource):
     async def _score_part(self, request: RewardRequest, indices: list[int], result: RewardResult) -> None:
         part, where = subset(request, indices), self.description
         split = False  # whether the batch raised and is scored again in halves
-        call = call_user(self.func, part.queries, part.prompts, part.labels,
-                         **{k: getattr(part, k) for k in self.kwargs})
+        call = call_user(
+            self.func, part.queries, part.prompts, part.labels, **{k: getattr(part, k) for k in self.kwargs}
+        )
         try:
             parsed = parse_reward_output(await asyncio.wait_for(call, self.timeout), len(indices), where)
         except RewardContractError as exc:
             fail_samples(result, indices, where, str(exc))
         except asyncio.TimeoutError:
-            fail_samples(result, indices, where, f"{where} took longer than --reward.timeout {self.timeout:g} s")
+            fail_samples(
+                result, indices, where, f"{where} took longer than --reward.timeout {self.timeout:g} s"
+            )
         except Exception as exc:
             split = len(indices) > 1
             if not split:
@@ -202,9 +231,16 @@ class HttpRewardSource(RewardSource):
     "extra_logs"}``, in requests of at most ``request_batch_size`` samples, each to the URL with the fewest in
     flight, retried on another URL when there is one (batching and retries: package README, "Other sources")."""
 
-    def __init__(self, urls: Sequence[str], timeout: float = 180.0, max_attempts: int = 5,
-                 max_concurrency: int = 32, request_batch_size: int = 64, backoff_base: float = 0.5,
-                 backoff_max: float = 30.0):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        timeout: float = 180.0,
+        max_attempts: int = 5,
+        max_concurrency: int = 32,
+        request_batch_size: int = 64,
+        backoff_base: float = 0.5,
+        backoff_max: float = 30.0,
+    ):
         if not urls:
             raise ValueError("HttpRewardSource needs at least one URL")
         for url in urls:
@@ -229,8 +265,10 @@ class HttpRewardSource(RewardSource):
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
             self._session_loop = loop  # a session belongs to the loop it was made on
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                                  connector=aiohttp.TCPConnector(limit=self.max_concurrency))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                connector=aiohttp.TCPConnector(limit=self.max_concurrency),
+            )
             self._slots = asyncio.Semaphore(self.max_concurrency)
         return self._session
 
@@ -281,7 +319,9 @@ class HttpRewardSource(RewardSource):
             status = None
             try:
                 async with self._slots:
-                    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    async with session.post(
+                        url, data=body, headers={"Content-Type": "application/json"}
+                    ) as resp:
                         status, text = resp.status, await resp.text()
             except asyncio.TimeoutError:
                 last = f"{shown}: no answer within --reward.timeout {self.timeout:g} s"
@@ -294,16 +334,21 @@ class HttpRewardSource(RewardSource):
                     try:
                         return json.loads(text), url
                     except ValueError:
-                        raise RewardRequestError(f"reward server {shown} answered {status} with a body that "
-                                                 f"is not JSON: {text[:200]!r}") from None
+                        raise RewardRequestError(
+                            f"reward server {shown} answered {status} with a body that "
+                            f"is not JSON: {text[:200]!r}"
+                        ) from None
                 last = f"{shown}: status {status}: {text[:200]!r}"
                 if status < 500 and status not in RETRIED_4XX:
-                    raise RewardRequestError(f"reward server {shown} refused the request (not retried): "
-                                             f"status {status}: {text[:200]!r}")
+                    raise RewardRequestError(
+                        f"reward server {shown} refused the request (not retried): "
+                        f"status {status}: {text[:200]!r}"
+                    )
             if attempt + 1 < self.max_attempts:
                 await asyncio.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt)))
-        raise RewardRequestError(f"reward server request failed after {self.max_attempts} attempts; last "
-                                 f"attempt: {last}")
+        raise RewardRequestError(
+            f"reward server request failed after {self.max_attempts} attempts; last attempt: {last}"
+        )
 
 
 # --- a reward model -----------------------------------------------------------------------------------------
@@ -323,14 +368,21 @@ class RewardModelSource(RewardSource):
         n = len(request.queries)
         result = empty_result(n)
         if len(request.prompt_ids) != n or len(request.response_ids) != n:
-            raise ValueError(f"{self.description} scores token ids: the request must carry prompt_ids and response_ids")
+            raise ValueError(
+                f"{self.description} scores token ids: the request must carry prompt_ids and response_ids"
+            )
         sequences = [list(p) + list(r) for p, r in zip(request.prompt_ids, request.response_ids)]
         try:
             raw = await call_user(self.handle.compute_rewards, sequences)
             parsed = parse_reward_output(raw, n, self.description)
         except Exception as exc:
-            return fail_samples(result, range(n), self.description,
-                                f"{self.description} failed: {type(exc).__name__}: {exc}", exc)
+            return fail_samples(
+                result,
+                range(n),
+                self.description,
+                f"{self.description} failed: {type(exc).__name__}: {exc}",
+                exc,
+            )
         fill_result(result, range(n), parsed, self.description)
         return result
 
@@ -345,7 +397,8 @@ class WeightedRewardSource(RewardSource):
     def __init__(self, parts: Sequence[tuple[str, float, RewardSource]]):
         self.parts = list(parts)
         self.description = " + ".join(
-            f"{w:g} * {getattr(src, 'description', name)}" for name, w, src in self.parts)
+            f"{w:g} * {getattr(src, 'description', name)}" for name, w, src in self.parts
+        )
 
     async def score(self, request: RewardRequest) -> RewardResult:
         results = await asyncio.gather(*(src.score(request) for _, _, src in self.parts))
@@ -407,8 +460,13 @@ class HttpRewardFactory:
 
     def create(self, cfg: Any) -> RewardSource:
         r = cfg.reward
-        return HttpRewardSource(remote_entries(r), timeout=r.timeout, max_attempts=r.max_retries,
-                                max_concurrency=r.max_concurrency, request_batch_size=r.request_batch_size)
+        return HttpRewardSource(
+            remote_entries(r),
+            timeout=r.timeout,
+            max_attempts=r.max_retries,
+            max_concurrency=r.max_concurrency,
+            request_batch_size=r.request_batch_size,
+        )
 
     def check(self, cfg: Any) -> None:
         self.create(cfg)  # checks the URLs; no connection is made before the first request
@@ -419,7 +477,9 @@ class RewardModelFactory:
 
     def accepts(self, cfg: Any) -> bool:
         path = cfg.reward.model_name_or_path
-        return bool(path) and not remote_entries(cfg.reward) and not is_prm_model(path)  # a PRM has its own source
+        return (
+            bool(path) and not remote_entries(cfg.reward) and not is_prm_model(path)
+        )  # a PRM has its own source
 
     def create(self, cfg: Any, reward_model_handle: Any = None) -> RewardSource:
         handle = RewardModelScorer.from_config(cfg) if reward_model_handle is None else reward_model_handle
@@ -427,20 +487,28 @@ class RewardModelFactory:
 
 
 def _create(factory: Any, cfg: Any, reward_model_handle: Any) -> RewardSource:
-    if reward_model_handle is not None and "reward_model_handle" in inspect.signature(factory.create).parameters:
+    if (
+        reward_model_handle is not None
+        and "reward_model_handle" in inspect.signature(factory.create).parameters
+    ):
         return factory.create(cfg, reward_model_handle=reward_model_handle)
     return factory.create(cfg)
 
 
 def _pick(factories: dict[str, Any], cfg: Any) -> Any:
     accepted = [name for name, reg in factories.items() if reg.obj.accepts(cfg)]
-    what = redact_text(cfg.reward.remote_url or f"--reward.model_name_or_path {cfg.reward.model_name_or_path}")
+    what = redact_text(
+        cfg.reward.remote_url or f"--reward.model_name_or_path {cfg.reward.model_name_or_path}"
+    )
     if not accepted:
         raise PluginError(
             f"no reward source accepts {what!r} (registered: {', '.join(sorted(factories)) or 'none'}); a "
-            f"reward file must end in .py and a reward server URL start with http:// or https://")
+            f"reward file must end in .py and a reward server URL start with http:// or https://"
+        )
     if len(accepted) > 1:
-        raise PluginError(f"reward sources {accepted} all accept {what!r}; pick one with --reward.source NAME")
+        raise PluginError(
+            f"reward sources {accepted} all accept {what!r}; pick one with --reward.source NAME"
+        )
     return factories[accepted[0]].obj
 
 
@@ -471,18 +539,24 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
     pm = pm if pm is not None else get_plugin_manager()
     reward = cfg.reward
     if reward.func is not None:
-        other = [f"--reward.{k}" for k in ("remote_url", "model_name_or_path", "source") if getattr(reward, k)]
+        other = [
+            f"--reward.{k}" for k in ("remote_url", "model_name_or_path", "source") if getattr(reward, k)
+        ]
         if other:
-            raise ConfigError(f"reward_func= and {other[0]} both give the reward: give one (a reward function may "
-                              "call another source itself)")
+            raise ConfigError(
+                f"reward_func= and {other[0]} both give the reward: give one (a reward function may "
+                "call another source itself)"
+            )
         return [(None, None, _pick(collect(pm, "reward_sources"), cfg), cfg)]
     if reward.source:
         return [(None, None, resolve(pm, "reward_sources", reward.source, flag="--reward.source"), cfg)]
     entries: list[str | None] = list(remote_entries(reward))
     if reward.model_name_or_path:
         if entries and reward.weights is None:
-            logger.warning("--reward.remote_url is the reward source; --reward.model_name_or_path is not "
-                           "scored (give --reward.weights to combine them)")
+            logger.warning(
+                "--reward.remote_url is the reward source; --reward.model_name_or_path is not "
+                "scored (give --reward.weights to combine them)"
+            )
         else:
             entries.append(None)  # the reward model
     if not entries:
@@ -493,11 +567,14 @@ def reward_plan(cfg: Any, pm: Any = None) -> list[tuple[str | None, float | None
             raise ConfigError(
                 f"--reward.remote_url {redact_text(reward.remote_url)} lists {len(entries)} reward sources: give "
                 f"--reward.weights with one weight each to combine them (several http URLs of one reward "
-                f"server are load-balanced and need no weights)")
+                f"server are load-balanced and need no weights)"
+            )
         return [(None, None, _pick(factories, cfg), cfg)]
     if len(reward.weights) != len(entries):
-        raise ConfigError(f"--reward.weights has {len(reward.weights)} weights for {len(entries)} reward sources "
-                          f"({', '.join(e or '--reward.model_name_or_path' for e in entries)})")
+        raise ConfigError(
+            f"--reward.weights has {len(reward.weights)} weights for {len(entries)} reward sources "
+            f"({', '.join(e or '--reward.model_name_or_path' for e in entries)})"
+        )
     plan, taken = [], set()
     for entry, weight in zip(entries, reward.weights):
         sub = copy.copy(cfg)
@@ -519,8 +596,10 @@ def check_reward_config(cfg: Any, pm: Any = None) -> None:
 def build_reward_source(cfg: Any, pm: Any = None, reward_model_handle: Any = None) -> RewardSource | None:
     """The reward source of :func:`reward_plan`, or None when the config names none; a reward model uses
     ``reward_model_handle`` (the trainer's reward-model workers) when given, else loads in this process."""
-    sources = [(name, weight, _create(factory, sub, reward_model_handle))
-               for name, weight, factory, sub in reward_plan(cfg, pm)]
+    sources = [
+        (name, weight, _create(factory, sub, reward_model_handle))
+        for name, weight, factory, sub in reward_plan(cfg, pm)
+    ]
     if len(sources) == 1 and sources[0][1] is None:  # one source, unweighted
         return sources[0][2]
     return WeightedRewardSource(sources) if sources else None

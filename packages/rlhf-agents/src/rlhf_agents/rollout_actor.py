@@ -37,8 +37,15 @@ class RolloutActor:
     controller makes it a Ray actor; everything it is given is plain data (config, names), never a plugin
     manager or a model."""
 
-    def __init__(self, cfg, engine_name: str, index: int, reward_model: Any = None, num_threads: int | None = None,
-                 hosted: bool = False):
+    def __init__(
+        self,
+        cfg,
+        engine_name: str,
+        index: int,
+        reward_model: Any = None,
+        num_threads: int | None = None,
+        hosted: bool = False,
+    ):
         """``hosted``: built inside a training rank's process (``TrainWorker.host``), whose thread runs every
         call in turn; the engine then decodes on that thread with the rank's torch threads."""
         from rlhf_agents.worker import RolloutWorker
@@ -68,8 +75,9 @@ class RolloutActor:
         self.init_error: UserError | None = None
         images = ImageProcessing.for_model(cfg.actor.model_name_or_path)  # an environment's images, if a VLM
         try:
-            self.worker = RolloutWorker.from_config(cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model,
-                                                    image_processing=images)
+            self.worker = RolloutWorker.from_config(
+                cfg, engine, self.tokenizer, pm, reward_model_handle=reward_model, image_processing=images
+            )
         except UserError as exc:
             self.init_error = exc
         # With partial rollout the actor runs calls concurrently, so the first receive_weights can start
@@ -82,8 +90,12 @@ class RolloutActor:
             return fn(*args, **kwargs)
         return self.engine_thread.submit(fn, *args, **kwargs).result()
 
-    def rollout(self, prompts: list[dict], sampling: SamplingParams, step: int) -> tuple[list[Trajectory], dict]:
-        return self.worker.rollout(prompts, sampling, step), dict(self.worker.last_metrics)  # this rollout's metrics
+    def rollout(
+        self, prompts: list[dict], sampling: SamplingParams, step: int
+    ) -> tuple[list[Trajectory], dict]:
+        return self.worker.rollout(prompts, sampling, step), dict(
+            self.worker.last_metrics
+        )  # this rollout's metrics
 
     def update_weights(self, state_dict: dict) -> int:
         """Load HF-named weights (from the object store, or from the rank hosting this actor)."""
@@ -105,7 +117,9 @@ class RolloutActor:
     def weight_sync_ranks(self) -> int:
         """Ranks the engine takes in the weight-broadcast group (one per tensor-parallel worker), or 0 for an
         engine without ``init_weight_sync``, whose weights then come through the object store."""
-        return getattr(self.engine, "tensor_parallel_size", 1) if hasattr(self.engine, "init_weight_sync") else 0
+        return (
+            getattr(self.engine, "tensor_parallel_size", 1) if hasattr(self.engine, "init_weight_sync") else 0
+        )
 
     def init_weight_sync(self, **kwargs) -> None:
         """The engine joins the broadcast group (``master_addr``, ``master_port``, ``first_rank``,
@@ -116,7 +130,9 @@ class RolloutActor:
     def receive_weights(self) -> None:
         """Load the weights the policy's rank 0 is broadcasting through the sync group."""
         if not self.sync_ready.wait(self.sync_timeout):
-            raise TimeoutError(f"no weight-sync group joined within --vllm.sync_timeout {self.sync_timeout:g} s")
+            raise TimeoutError(
+                f"no weight-sync group joined within --vllm.sync_timeout {self.sync_timeout:g} s"
+            )
         self._on_engine_thread(self.engine.receive_weights)
         self.engine.reset_prefix_cache()
 
@@ -150,7 +166,7 @@ class RewardModelWorkers:
         from rlhf_core.batches import make_sequence_batch
 
         # the reward is read at the last token, so where the prompt ends does not matter
-        chunks = [sequences[i:i + self.micro] for i in range(0, len(sequences), self.micro)]
+        chunks = [sequences[i : i + self.micro] for i in range(0, len(sequences), self.micro)]
         batches = [make_sequence_batch([s[:1] for s in c], [s[1:] for s in c], self.pad) for c in chunks]
         return [float(r) for rewards in self.group.compute_rewards(batches) for r in rewards]
 

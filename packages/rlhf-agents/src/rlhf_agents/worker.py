@@ -58,7 +58,9 @@ class EngineClock:
     def __init__(self, engine: Any):
         self.engine = engine
         self.waited, self.since = 0.0, 0.0
-        self.in_flight = 0  # generate calls of the episode not yet answered (an agent may make several at once)
+        self.in_flight = (
+            0  # generate calls of the episode not yet answered (an agent may make several at once)
+        )
 
     async def generate(self, request: Any) -> Any:
         if self.in_flight == 0:
@@ -93,8 +95,15 @@ class RolloutWorker:
     ``images`` (the prompt's ``ImageInput`` s, shared by all its samples). ``last_metrics`` holds the metrics
     of the latest call."""
 
-    def __init__(self, engine: Any, tokenizer: Any, executor: AgentExecutorBase,
-                 reward_source: RewardSource | None, cfg: Any, image_processing: Any = None):
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        executor: AgentExecutorBase,
+        reward_source: RewardSource | None,
+        cfg: Any,
+        image_processing: Any = None,
+    ):
         if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
             from rlhf_core.rollout.async_engine import AsyncEngine
 
@@ -119,8 +128,15 @@ class RolloutWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, engine: Any, tokenizer: Any, pm: Any = None,
-                    reward_model_handle: Any = None, image_processing: Any = None) -> RolloutWorker:
+    def from_config(
+        cls,
+        cfg: Any,
+        engine: Any,
+        tokenizer: Any,
+        pm: Any = None,
+        reward_model_handle: Any = None,
+        image_processing: Any = None,
+    ) -> RolloutWorker:
         """Executor and reward source resolved by name through the plugins of this process;
         ``image_processing``: a vision-language model's ``rlhf_core.vision.ImageProcessing``."""
         pm = pm if pm is not None else get_plugin_manager()
@@ -135,13 +151,26 @@ class RolloutWorker:
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(self.arollout(prompts, sampling, step))
 
-    async def arollout(self, prompts: Sequence[dict], sampling: SamplingParams, step: int) -> list[Trajectory]:
+    async def arollout(
+        self, prompts: Sequence[dict], sampling: SamplingParams, step: int
+    ) -> list[Trajectory]:
         start = time.perf_counter()
         rows = [self._read_row(row, row_index) for row_index, row in enumerate(prompts)]
-        trajectories = await _gather_all([
-            self._episode(text, ids, label, uid, i, dataclasses.replace(
-                sampling, n=1, seed=derive_seed(self.seed, step, uid, i)), images)
-            for text, ids, label, uid, images in rows for i in range(sampling.n)])
+        trajectories = await _gather_all(
+            [
+                self._episode(
+                    text,
+                    ids,
+                    label,
+                    uid,
+                    i,
+                    dataclasses.replace(sampling, n=1, seed=derive_seed(self.seed, step, uid, i)),
+                    images,
+                )
+                for text, ids, label, uid, images in rows
+                for i in range(sampling.n)
+            ]
+        )
         generated = time.perf_counter()
         await self._score(trajectories)
         scored = time.perf_counter()
@@ -165,36 +194,60 @@ class RolloutWorker:
 
     def _read_row(self, row: Any, row_index: int) -> tuple[str, list[int], Any, Any, list]:
         if not isinstance(row, dict):
-            raise TypeError(f"prompt row {row_index} is a {describe(row)}; expected a dict with "
-                            "'prompt_text' or 'prompt_ids'")
+            raise TypeError(
+                f"prompt row {row_index} is a {describe(row)}; expected a dict with "
+                "'prompt_text' or 'prompt_ids'"
+            )
         text, ids = row.get("prompt_text"), row.get("prompt_ids")
         if text is None and ids is None:
-            raise ValueError(f"prompt row {row_index} has neither 'prompt_text' nor 'prompt_ids' (keys: {sorted(row)})")
+            raise ValueError(
+                f"prompt row {row_index} has neither 'prompt_text' nor 'prompt_ids' (keys: {sorted(row)})"
+            )
         if ids is None:
             ids = encode(self.tokenizer, text)
         elif text is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        return text, list(ids), row.get("label"), row.get("prompt_uid", row_index), list(row.get("images") or [])
+        return (
+            text,
+            list(ids),
+            row.get("label"),
+            row.get("prompt_uid", row_index),
+            list(row.get("images") or []),
+        )
 
-    async def _episode(self, text: str, ids: list[int], label: Any, uid: Any, index: int,
-                       params: SamplingParams, images: list) -> Trajectory:
-        with_images = {"images": images} if images else {}  # executors written for text models need not take them
+    async def _episode(
+        self,
+        text: str,
+        ids: list[int],
+        label: Any,
+        uid: Any,
+        index: int,
+        params: SamplingParams,
+        images: list,
+    ) -> Trajectory:
+        with_images = (
+            {"images": images} if images else {}
+        )  # executors written for text models need not take them
         engine = EngineClock(self.engine) if self.episode_timeout else self.engine
-        episode = self.executor.execute(text, label, params, self.max_len, self.tokenizer, engine,
-                                        prompt_ids=list(ids), **with_images)
+        episode = self.executor.execute(
+            text, label, params, self.max_len, self.tokenizer, engine, prompt_ids=list(ids), **with_images
+        )
         if self.episode_timeout:
             episode = self._bounded_episode(episode, engine, text, ids, label, images)
         traj = await episode
         if not isinstance(traj, Trajectory):
-            raise TypeError(f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected "
-                            "an rlhf_core.types.Trajectory")
+            raise TypeError(
+                f"{type(self.executor).__name__}.execute returned a {describe(traj)}; expected "
+                "an rlhf_core.types.Trajectory"
+            )
         traj.prompt_uid, traj.sample_index = uid, index
         traj.prompt_text = traj.prompt_text or text
         traj.label = label if traj.label is None else traj.label
         return traj
 
-    async def _bounded_episode(self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int],
-                               label: Any, images: list) -> Any:
+    async def _bounded_episode(
+        self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int], label: Any, images: list
+    ) -> Any:
         """The executor's ``episode`` (on ``clock``), ended once its own time (not counting its waits for the
         engine) passes ``--train.episode_timeout``: then unscorable, counted in ``error/episode_timeout``."""
         start = time.monotonic()
@@ -205,12 +258,23 @@ class RolloutWorker:
                 return task.result()
         task.cancel()
         where = f"agent file {self.agent_file}" if self.agent_file else type(self.executor).__name__
-        message = (f"{where}: an episode ran longer than --train.episode_timeout {self.episode_timeout:g} s "
-                   f"outside the rollout engine; it was ended")
+        message = (
+            f"{where}: an episode ran longer than --train.episode_timeout {self.episode_timeout:g} s "
+            f"outside the rollout engine; it was ended"
+        )
         log_failure_once(logger, where, message)
-        return Trajectory(prompt_ids=list(ids), response_ids=[], action_mask=[], rollout_logprobs=[],
-                          finish_reason="abort", prompt_text=text, label=label, error=message,
-                          extra_logs={"error/episode_timeout": 1.0}, images=list(images))
+        return Trajectory(
+            prompt_ids=list(ids),
+            response_ids=[],
+            action_mask=[],
+            rollout_logprobs=[],
+            finish_reason="abort",
+            prompt_text=text,
+            label=label,
+            error=message,
+            extra_logs={"error/episode_timeout": 1.0},
+            images=list(images),
+        )
 
     async def _score(self, trajectories: list[Trajectory]) -> None:
         """Score, in one batched call, every sample that has neither a reward nor an error yet."""
@@ -224,7 +288,8 @@ class RolloutWorker:
         if self.reward_source is None:
             raise ValueError(
                 f"{len(pending)} samples need a reward but no reward source is configured: set "
-                f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path")
+                f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path"
+            )
         decode = self.tokenizer.decode
         images = self.executor.image_processing
 
@@ -235,16 +300,21 @@ class RolloutWorker:
             return decode(ids, skip_special_tokens=False)
 
         request = RewardRequest(
-            queries=[query(t) for t in pending], prompts=[t.prompt_text for t in pending],
-            labels=[t.label for t in pending], prompt_ids=[list(t.prompt_ids) for t in pending],
+            queries=[query(t) for t in pending],
+            prompts=[t.prompt_text for t in pending],
+            labels=[t.label for t in pending],
+            prompt_ids=[list(t.prompt_ids) for t in pending],
             response_ids=[list(t.response_ids) for t in pending],
             finish_reasons=[t.finish_reason for t in pending],
-            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending])
+            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending],
+        )
         result = await self.reward_source.score(request)
         where = self._reward_source_name()
         if len(result.rewards) != len(pending) or len(result.scores) != len(pending):
-            raise ValueError(f"reward source {where} returned {len(result.rewards)} rewards and "
-                             f"{len(result.scores)} scores for {len(pending)} samples")
+            raise ValueError(
+                f"reward source {where} returned {len(result.rewards)} rewards and "
+                f"{len(result.scores)} scores for {len(pending)} samples"
+            )
         for k, traj in enumerate(pending):
             traj.reward = result.rewards[k]
             if traj.reward is None:
@@ -273,23 +343,34 @@ class RolloutWorker:
                 "ids %s became %s, i.e. %r became %r. Training uses the rollout's token ids, so this only "
                 "matters for code that works on text (reward functions, chat templates). Further drift is "
                 "counted in tokenize/drift_samples, not logged.",
-                traj.prompt_uid, traj.sample_index, pos, len(traj.prompt_ids), shown, redone,
-                self.tokenizer.decode(shown), self.tokenizer.decode(redone))
+                traj.prompt_uid,
+                traj.sample_index,
+                pos,
+                len(traj.prompt_ids),
+                shown,
+                redone,
+                self.tokenizer.decode(shown),
+                self.tokenizer.decode(redone),
+            )
         return True
 
-    def _metrics(self, trajectories: list[Trajectory], drifted: int | None, generate_s: float,
-                 reward_s: float) -> dict[str, float]:
+    def _metrics(
+        self, trajectories: list[Trajectory], drifted: int | None, generate_s: float, reward_s: float
+    ) -> dict[str, float]:
         n = len(trajectories)
         rewards = [t.reward for t in trajectories if t.reward is not None]
-        metrics = {"rollout/samples": float(n),
-                   "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
-                   "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
-                   "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
-                   "reward/mean": _mean(rewards),
-                   "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
-                   "reward/unscorable": float(n - len(rewards)),
-                   "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
-                   "timing/generate_s": generate_s, "timing/reward_s": reward_s}
+        metrics = {
+            "rollout/samples": float(n),
+            "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
+            "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
+            "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
+            "reward/mean": _mean(rewards),
+            "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
+            "reward/unscorable": float(n - len(rewards)),
+            "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
+            "timing/generate_s": generate_s,
+            "timing/reward_s": reward_s,
+        }
         if drifted is not None:
             metrics["tokenize/drift_samples"] = float(drifted)
         logged: dict[str, list[float]] = {}
@@ -305,7 +386,9 @@ class RolloutWorker:
         failed = [t for t in trajectories if t.reward is None]
         if not trajectories or len(failed) / len(trajectories) <= self.max_failure_fraction:
             return
-        causes = Counter(k.removeprefix("error/") for t in failed for k in t.extra_logs if k.startswith("error/"))
+        causes = Counter(
+            k.removeprefix("error/") for t in failed for k in t.extra_logs if k.startswith("error/")
+        )
         first_errors = list(dict.fromkeys(t.error for t in failed if t.error))[:3]
         sources = [f"reward source: {self._reward_source_name()}"] if self.reward_source is not None else []
         agent = (("file", self.agent_file), ("command", self.agent_command))
@@ -315,5 +398,5 @@ class RolloutWorker:
             f"--reward.max_failure_fraction {self.max_failure_fraction:g}"
             + (f" ({'; '.join(sources)})" if sources else "")
             + f". Causes: {dict(causes) or 'unknown'}. First errors:\n  "
-            + "\n  ".join(first_errors))
-
+            + "\n  ".join(first_errors)
+        )

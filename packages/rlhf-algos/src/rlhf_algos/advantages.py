@@ -22,14 +22,17 @@ def check_n_samples_per_prompt(name: str, min_samples_per_prompt: int, n_samples
     """Refuse (ValueError) a group estimator fewer samples per prompt than its ``min_samples_per_prompt``; the
     trainer calls it at start-up."""
     if n_samples_per_prompt < min_samples_per_prompt:
-        raise ValueError(f"advantage estimator {name!r} compares the samples of each prompt and needs "
-                         f"--rollout.n_samples_per_prompt >= {min_samples_per_prompt} (got "
-                         f"{n_samples_per_prompt}); raise it, or pick an estimator without a group baseline "
-                         f"(gae, reinforce)")
+        raise ValueError(
+            f"advantage estimator {name!r} compares the samples of each prompt and needs "
+            f"--rollout.n_samples_per_prompt >= {min_samples_per_prompt} (got "
+            f"{n_samples_per_prompt}); raise it, or pick an estimator without a group baseline "
+            f"(gae, reinforce)"
+        )
 
 
-def group_shaped_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, estimator: str,
-                         valid: torch.Tensor | None = None) -> torch.Tensor:
+def group_shaped_rewards(
+    rewards: torch.Tensor, n_samples_per_prompt: int, estimator: str, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Subtract each prompt group's baseline from the sequence rewards ``[B]``; returns ``[B]`` float32.
 
     With ``r`` one group's valid rewards (``k`` of them)::
@@ -47,8 +50,9 @@ def group_shaped_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, estim
     1e-8 there, which ``group_norm``'s ``1e-9`` epsilon would blow up to values near 1.
     """
     if estimator not in ESTIMATOR_NAMES:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; built-ins: "
-                         f"{', '.join(ESTIMATOR_NAMES)}")
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; built-ins: {', '.join(ESTIMATOR_NAMES)}"
+        )
     finite = torch.isfinite(rewards)
     valid = finite if valid is None else finite & valid.bool()
     r = torch.where(valid, rewards.float(), 0.0)
@@ -74,8 +78,13 @@ def group_shaped_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, estim
     return torch.where(v & informative, shaped, 0.0).flatten()
 
 
-def token_level_rewards(rewards: torch.Tensor, action_mask: torch.Tensor, kl: torch.Tensor | None = None,
-                        kl_coef: float = 0.0, reward_clip: tuple[float, float] | None = None) -> torch.Tensor:
+def token_level_rewards(
+    rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    reward_clip: tuple[float, float] | None = None,
+) -> torch.Tensor:
     """Per-token rewards ``[B, T]`` from sequence rewards ``[B]``::
 
         R_t = -kl_coef * kl_t + (t == last action token ? clamp(r, lo, hi) : 0)     on action tokens
@@ -97,8 +106,13 @@ def token_level_rewards(rewards: torch.Tensor, action_mask: torch.Tensor, kl: to
     return out
 
 
-def gae_advantages(token_rewards: torch.Tensor, action_mask: torch.Tensor, values: torch.Tensor | None = None,
-                   gamma: float = 1.0, lambd: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    action_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2015, https://arxiv.org/abs/1506.02438).
 
     Over the action tokens of each row, ``t'`` being the next action token after ``t``::
@@ -131,8 +145,9 @@ def gae_advantages(token_rewards: torch.Tensor, action_mask: torch.Tensor, value
     return adv, torch.where(mask, adv + v, 0.0)
 
 
-def normalize_advantages(advantages: torch.Tensor, mask: torch.Tensor,
-                         no_std_norm: bool = False) -> torch.Tensor:
+def normalize_advantages(
+    advantages: torch.Tensor, mask: torch.Tensor, no_std_norm: bool = False
+) -> torch.Tensor:
     """Whiten over all positions where ``mask`` ``[B, T]`` is true::
 
         A = (A - mean) * rsqrt(clamp(var, 1e-8))       or, with no_std_norm,  A = A - mean
@@ -150,10 +165,16 @@ def normalize_advantages(advantages: torch.Tensor, mask: torch.Tensor,
     return torch.where(mask, out, 0.0)
 
 
-def opd_advantages(kl: torch.Tensor, kl_coef: float, action_mask: torch.Tensor,
-                   rewards: torch.Tensor | None = None, n_samples_per_prompt: int = 1,
-                   task_reward_coef: float = 0.0, valid: torch.Tensor | None = None,
-                   reward_clip: tuple[float, float] | None = None) -> torch.Tensor:
+def opd_advantages(
+    kl: torch.Tensor,
+    kl_coef: float,
+    action_mask: torch.Tensor,
+    rewards: torch.Tensor | None = None,
+    n_samples_per_prompt: int = 1,
+    task_reward_coef: float = 0.0,
+    valid: torch.Tensor | None = None,
+    reward_clip: tuple[float, float] | None = None,
+) -> torch.Tensor:
     """On-policy distillation: per-token advantages ``[B, T]`` from the student's reverse KL to a teacher::
 
         A_t = -kl_coef * kl_t + task_reward_coef * clamp(group_norm(r)_i, lo, hi)     on action tokens of valid rows
@@ -200,16 +221,25 @@ def compute_advantages(batch: AdvantageInput, estimator: str) -> AdvantageOutput
     live = mask & valid[:, None]
     if estimator == "opd":
         kl = torch.zeros(mask.shape) if batch.kl is None else batch.kl  # no teacher: the task reward alone
-        advantages = opd_advantages(kl, batch.kl_coef, mask, batch.rewards, batch.n_samples_per_prompt,
-                                    batch.task_reward_coef, valid, batch.reward_clip)
+        advantages = opd_advantages(
+            kl,
+            batch.kl_coef,
+            mask,
+            batch.rewards,
+            batch.n_samples_per_prompt,
+            batch.task_reward_coef,
+            valid,
+            batch.reward_clip,
+        )
         return AdvantageOutput(advantages=advantages, returns=advantages.clone())
 
     shaped = group_shaped_rewards(batch.rewards, batch.n_samples_per_prompt, estimator, valid)
     token_rewards = token_level_rewards(shaped, live, batch.kl, batch.kl_coef, batch.reward_clip)
     gamma = batch.gamma if estimator in ("gae", "reinforce") else 1.0
     critic = estimator == "gae"  # else V = 0 and lambd = 1: discounted returns
-    advantages, returns = gae_advantages(token_rewards, live, batch.values if critic else None, gamma,
-                                         batch.lambd if critic else 1.0)
+    advantages, returns = gae_advantages(
+        token_rewards, live, batch.values if critic else None, gamma, batch.lambd if critic else 1.0
+    )
     if estimator in BATCH_NORMALIZED:
         advantages = normalize_advantages(advantages, live, batch.no_std_norm)
     return AdvantageOutput(advantages=advantages, returns=returns)
@@ -228,6 +258,8 @@ class AdvantageEstimator:
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    name: AdvantageEstimator(name, needs_critic=name == "gae",
-                             min_samples_per_prompt=2 if name in GROUP_ESTIMATORS else 1)
-    for name in ESTIMATOR_NAMES}
+    name: AdvantageEstimator(
+        name, needs_critic=name == "gae", min_samples_per_prompt=2 if name in GROUP_ESTIMATORS else 1
+    )
+    for name in ESTIMATOR_NAMES
+}

@@ -38,6 +38,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAggregation | N
     elif agg.mode == "seq_mean_token_sum_norm":
         out = v.sum() / (n_seq * (agg.max_len if agg.max_len is not None else mask.shape[-1]))
     else:
-        raise ValueError(f"unknown loss aggregation mode {agg.mode!r} (--actor.loss_agg_mode); "
-                         f"choose one of {', '.join(AGGREGATION_MODES)}")
+        raise ValueError(
+            f"unknown loss aggregation mode {agg.mode!r} (--actor.loss_agg_mode); "
+            f"choose one of {', '.join(AGGREGATION_MODES)}"
+        )
     return out * agg.dp_size

@@ -22,9 +22,14 @@ def distill_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Te
     return -torch.where(torch.isinf(s), torch.zeros_like(terms), terms).sum(-1)
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-            mask: torch.Tensor, kd_coef: float = 0.4,
-            aggregation: LossAggregation | None = None) -> LossOutput:
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    kd_coef: float = 0.4,
+    aggregation: LossAggregation | None = None,
+) -> LossOutput:
     """OpenRLHF's distillation loss (MiniLLM's): ``(1 - kd_coef) * NLL + kd_coef * distil``.
 
     ``student_logits``, ``teacher_logits`` ``[B, T, V]`` at the positions that predict the ``[B, T]``
@@ -43,7 +48,9 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: 
     teacher_logits = torch.where(keep, teacher_logits.detach(), teacher_logits.new_zeros(()))
     nll_tok = -logprobs_from_logits(student_logits, labels)
     distil_tok = distill_cross_entropy(student_logits, teacher_logits)
-    loss = (1 - kd_coef) * aggregate(nll_tok, mask, aggregation) + kd_coef * aggregate(distil_tok, mask, aggregation)
+    loss = (1 - kd_coef) * aggregate(nll_tok, mask, aggregation) + kd_coef * aggregate(
+        distil_tok, mask, aggregation
+    )
     with torch.no_grad():
         t = teacher_logits.float()
         teacher_entropy = torch.logsumexp(t, -1) - (torch.softmax(t, -1) * t).sum(-1)

@@ -41,8 +41,13 @@ KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: dict[str, KLFn] = {"k1": k1, "k2": k2, "k3": k3}
 
 
-def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor,
-            estimator: str | KLFn = "k3", aggregation: LossAggregation | None = None) -> torch.Tensor:
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    estimator: str | KLFn = "k3",
+    aggregation: LossAggregation | None = None,
+) -> torch.Tensor:
     """KL as a loss term (``--algo.kl.use_loss``): ``aggregate(k(logp, ref_logp), mask)``, a scalar.
 
     The trainer adds ``kl_coef * kl_loss(...)`` to the policy loss, with the same ``aggregation`` as the
@@ -96,7 +101,8 @@ class AdaptiveKLController(FixedKLController):
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
 
-def make_kl_controller(init_coef: float, target: float | None = None,
-                       horizon: float = 10000) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(
+    init_coef: float, target: float | None = None, horizon: float = 10000
+) -> FixedKLController | AdaptiveKLController:
     """Adaptive when ``target`` is set (``--algo.kl.target``), else fixed, as OpenRLHF chooses."""
     return AdaptiveKLController(init_coef, target, horizon) if target else FixedKLController(init_coef)

@@ -84,9 +84,15 @@ rows keep each ``[rows, H] @ [H, V]`` product at full matmul speed. Above glibc'
 (``rlhf_core.memory.keep_freed_memory``), so that a freed chunk goes back to the OS instead of staying resident."""
 
 
-def head_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-                  with_entropy: bool = False,
-                  reentrant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(
+    head,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    reentrant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and entropies) under ``softmax(head(hidden) / temperature)``, never holding
     the logits of more than :data:`CHUNK_BYTES` at once: ``[N, H]`` hidden states and ``[N]`` labels ->
     ``[N]`` float32 (and ``[N]`` or None), differentiable in ``hidden`` and ``head``'s parameters.
@@ -117,7 +123,11 @@ def head_logprobs(head, hidden: torch.Tensor, labels: torch.Tensor, vocab_size: 
     rows = max(1, CHUNK_BYTES // (4 * vocab_size))
     chunks = list(zip(hidden.split(rows), labels.split(rows), strict=True))
     recompute = torch.is_grad_enabled()
-    out = [torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=reentrant) if recompute and i < len(chunks) - 1
-           else chunk(h, y) for i, (h, y) in enumerate(chunks)]
+    out = [
+        torch.utils.checkpoint.checkpoint(chunk, h, y, use_reentrant=reentrant)
+        if recompute and i < len(chunks) - 1
+        else chunk(h, y)
+        for i, (h, y) in enumerate(chunks)
+    ]
     lp = torch.cat([o[0] for o in out])  # split gives at least one (maybe empty) chunk
     return lp, torch.cat([o[1] for o in out]) if with_entropy else None

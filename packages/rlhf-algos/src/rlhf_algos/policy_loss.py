@@ -34,8 +34,10 @@ def rollout_correction_weights(
     zeroed by icepop or the sequence mask) and ``is_truncated_ratio`` (tokens whose ``rho`` was clamped).
     """
     if kind not in IS_CORRECTION_TYPES:
-        raise ValueError(f"unknown IS correction {kind!r} (--algo.advantage.is_correction_type); "
-                         f"choose one of {', '.join(IS_CORRECTION_TYPES)}")
+        raise ValueError(
+            f"unknown IS correction {kind!r} (--algo.advantage.is_correction_type); "
+            f"choose one of {', '.join(IS_CORRECTION_TYPES)}"
+        )
     lo, hi = threshold
     mask = action_mask.bool()
     with torch.no_grad():
@@ -62,8 +64,9 @@ def rollout_correction_weights(
     return w, metrics
 
 
-def _clipped_surrogate(batch: PolicyLossInput, ratio: torch.Tensor, weights: torch.Tensor | None,
-                       metrics: dict[str, float]) -> LossOutput:
+def _clipped_surrogate(
+    batch: PolicyLossInput, ratio: torch.Tensor, weights: torch.Tensor | None, metrics: dict[str, float]
+) -> LossOutput:
     """The clipped surrogate ``-min(r A, clip(r) A)``, dual clip, weights, aggregation (both losses)."""
     mask = batch.action_mask.bool()
     adv = torch.where(mask, batch.advantages.float(), 0.0)
@@ -110,8 +113,9 @@ def ppo_loss(batch: PolicyLossInput) -> LossOutput:
     if batch.is_correction is not None:
         if batch.rollout_logprobs is None:
             raise ValueError("IS correction (--algo.advantage.is_correction_enable) needs rollout_logprobs")
-        weights, metrics = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs, mask,
-                                                      batch.is_correction, batch.is_threshold)
+        weights, metrics = rollout_correction_weights(
+            batch.old_logprobs, batch.rollout_logprobs, mask, batch.is_correction, batch.is_threshold
+        )
     return _clipped_surrogate(batch, ratio, weights, metrics)
 
 
@@ -143,8 +147,12 @@ gspo_loss.default_loss_agg_mode = "seq_mean_token_mean"  # type: ignore[attr-def
 POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss}
 
 
-def entropy_loss(entropy: torch.Tensor, action_mask: torch.Tensor, entropy_coef: float,
-                 aggregation: LossAggregation | None = None) -> torch.Tensor:
+def entropy_loss(
+    entropy: torch.Tensor,
+    action_mask: torch.Tensor,
+    entropy_coef: float,
+    aggregation: LossAggregation | None = None,
+) -> torch.Tensor:
     """The entropy bonus as a term to *add* to the loss: ``-entropy_coef * aggregate(H, mask)``.
 
     ``entropy`` ``[B, T]`` comes from :func:`rlhf_algos.logits.entropy_from_logits` (with gradients);

@@ -11,9 +11,15 @@ import torch.nn.functional as F
 from rlhf_core.types import LossOutput
 
 
-def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
-             ref_chosen_logps: torch.Tensor, ref_rejected_logps: torch.Tensor, beta: float = 0.1,
-             label_smoothing: float = 0.0, ipo: bool = False) -> LossOutput:
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    ipo: bool = False,
+) -> LossOutput:
     """DPO (https://arxiv.org/abs/2305.18290), cDPO and IPO (https://arxiv.org/abs/2310.12036)::
 
         x    = (pi_c - pi_r) - (ref_c - ref_r)
@@ -26,8 +32,9 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     ``beta (pi - ref)`` averaged (``chosen_reward``, ``rejected_reward``), ``reward_margin``,
     ``reward_accuracy`` (fraction of pairs whose chosen reward is the larger).
     """
-    x = ((policy_chosen_logps.float() - policy_rejected_logps.float())
-         - (ref_chosen_logps.float() - ref_rejected_logps.float()))
+    x = (policy_chosen_logps.float() - policy_rejected_logps.float()) - (
+        ref_chosen_logps.float() - ref_rejected_logps.float()
+    )
     if ipo:
         losses = (x - 1 / (2 * beta)).square()
     else:
@@ -54,9 +61,15 @@ def nll_loss(chosen_logps: torch.Tensor, chosen_num_tokens: torch.Tensor) -> tor
     return -(chosen_logps.float() / chosen_num_tokens.float().clamp(min=1)).mean()
 
 
-def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
-             kl: torch.Tensor | float, beta: float = 0.1, desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0) -> LossOutput:
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> LossOutput:
     """KTO (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306)::
 
         z      = clamp(kl, min=0)            (detached)
@@ -74,8 +87,11 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
     z = torch.as_tensor(kl, dtype=torch.float32, device=policy_logps.device).detach().clamp(min=0)
     logr = policy_logps.float() - ref_logps.float()
     desirable = desirable.bool()
-    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (logr - z))),
-                         undesirable_weight * (1 - torch.sigmoid(beta * (z - logr))))
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (logr - z))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (z - logr))),
+    )
     with torch.no_grad():
         rewards = beta * logr
         metrics = {
@@ -86,8 +102,12 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
     return LossOutput(loss=losses.mean(), metrics=metrics)
 
 
-def rm_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None,
-            loss_type: str = "sigmoid") -> LossOutput:
+def rm_loss(
+    chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    loss_type: str = "sigmoid",
+) -> LossOutput:
     """Pairwise (Bradley-Terry) reward-model loss on scalar rewards ``[B]``::
 
         d       = r_c - r_r - margin                 (margin [B], 0 when None)

@@ -8,8 +8,12 @@ from rlhf_algos.aggregation import aggregate
 from rlhf_core.types import LossAggregation, LossOutput
 
 
-def prm_loss(step_logits: torch.Tensor, classes: torch.Tensor, soft_labels: torch.Tensor,
-             aggregation: LossAggregation | None = None) -> LossOutput:
+def prm_loss(
+    step_logits: torch.Tensor,
+    classes: torch.Tensor,
+    soft_labels: torch.Tensor,
+    aggregation: LossAggregation | None = None,
+) -> LossOutput:
     """Cross-entropy at the ``N`` step markers of a micro-batch, over ``K`` candidate next tokens.
 
     ``step_logits`` ``[N, K]``: the LM's logits *at* each placeholder position (the prediction of the token
@@ -32,7 +36,9 @@ def prm_loss(step_logits: torch.Tensor, classes: torch.Tensor, soft_labels: torc
     per_step = hard
     if bool(soft.any()):
         if q.shape[1] != 2:
-            raise ValueError(f"soft PRM labels need exactly 2 reward tokens (positive, negative); got {q.shape[1]}")
+            raise ValueError(
+                f"soft PRM labels need exactly 2 reward tokens (positive, negative); got {q.shape[1]}"
+            )
         p = torch.where(soft, soft_labels, torch.zeros_like(soft_labels)).float()
         per_step = torch.where(soft, -(p * q[:, 0] + (1 - p) * q[:, 1]), hard)
     loss = aggregate(per_step[None, :], torch.ones_like(per_step, dtype=torch.bool)[None, :], aggregation)

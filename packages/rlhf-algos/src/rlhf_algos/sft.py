@@ -8,8 +8,9 @@ from rlhf_algos.aggregation import aggregate
 from rlhf_core.types import LossAggregation
 
 
-def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor,
-             aggregation: LossAggregation | None = None) -> torch.Tensor:
+def sft_loss(
+    logprobs: torch.Tensor, loss_mask: torch.Tensor, aggregation: LossAggregation | None = None
+) -> torch.Tensor:
     """Negative log-likelihood of the target tokens: ``aggregate(-logp, loss_mask, aggregation)``, a scalar.
 
     ``logprobs`` ``[B, T]`` per-token log-probs of the labels (from

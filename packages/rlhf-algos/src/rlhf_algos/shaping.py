@@ -10,8 +10,13 @@ from typing import Any
 import torch
 
 
-def overlong_penalty(rewards: torch.Tensor, response_lengths: torch.Tensor, max_new_tokens: int,
-                     buffer_len: int, penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    max_new_tokens: int,
+    buffer_len: int,
+    penalty_factor: float = 1.0,
+) -> torch.Tensor:
     """DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476), ``[B] -> [B]``::
 
         exceed = min(len - (max_new_tokens - buffer_len), buffer_len)
@@ -21,8 +26,10 @@ def overlong_penalty(rewards: torch.Tensor, response_lengths: torch.Tensor, max_
     ``--reward.overlong_penalty_factor``, ``--rollout.max_new_tokens``.
     """
     if not 0 < buffer_len <= max_new_tokens:
-        raise ValueError(f"--reward.overlong_buffer_len must be in (0, max_new_tokens = {max_new_tokens}], "
-                         f"got {buffer_len}")
+        raise ValueError(
+            f"--reward.overlong_buffer_len must be in (0, max_new_tokens = {max_new_tokens}], "
+            f"got {buffer_len}"
+        )
     exceed = (response_lengths.float() - (max_new_tokens - buffer_len)).clamp(max=buffer_len)
     return rewards.float() - exceed.clamp(min=0) / buffer_len * penalty_factor
 
@@ -42,9 +49,12 @@ def stop_properly_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coef: 
     return torch.where(truncated.bool(), penalised, r)
 
 
-def dynamic_filter(scores: torch.Tensor, n_samples_per_prompt: int,
-                   score_range: tuple[float, float] = (0.0, 1.0),
-                   valid: torch.Tensor | None = None) -> torch.Tensor:
+def dynamic_filter(
+    scores: torch.Tensor,
+    n_samples_per_prompt: int,
+    score_range: tuple[float, float] = (0.0, 1.0),
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """DAPO dynamic sampling: indices ``[G']`` (int64, ascending) of the prompt groups to keep.
 
     ``scores`` ``[B]``, rows ``[g*n, (g+1)*n)`` forming group ``g``. A group is kept when the mean score of

@@ -8,9 +8,14 @@ from rlhf_algos.aggregation import aggregate
 from rlhf_core.types import LossAggregation, LossOutput
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               action_mask: torch.Tensor, value_clip: float | None = 0.5,
-               aggregation: LossAggregation | None = None) -> LossOutput:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    action_mask: torch.Tensor,
+    value_clip: float | None = 0.5,
+    aggregation: LossAggregation | None = None,
+) -> LossOutput:
     """Clipped value loss, all inputs ``[B, T]`` (``values`` carries gradients)::
 
         V_clip = V_old + clamp(V - V_old, -eps, eps)

@@ -38,9 +38,17 @@ class RunResult:
     """Plugins, precision, ZeRO stage and placement, as ``--dry-run`` prints them."""
 
 
-def train(mode: str, config: Any = None, *, reward_func: Any = None, dataset: Iterable[dict] | None = None,
-          eval_dataset: Iterable[dict] | None = None, dry_run: bool = False, debug: bool = False,
-          **overrides: Any) -> RunResult:
+def train(
+    mode: str,
+    config: Any = None,
+    *,
+    reward_func: Any = None,
+    dataset: Iterable[dict] | None = None,
+    eval_dataset: Iterable[dict] | None = None,
+    dry_run: bool = False,
+    debug: bool = False,
+    **overrides: Any,
+) -> RunResult:
     """Run ``rlhf train <mode>`` from Python; returns when the run has ended (the README's "Python API").
 
     ``config``: a config object of the mode (``rlhf_core.config.MODES[mode]``), a dict of sections, a YAML
@@ -53,8 +61,11 @@ def train(mode: str, config: Any = None, *, reward_func: Any = None, dataset: It
     """
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
-    cfg, notes = parse_config(mode, _config_flags(mode, config) + dict_tokens(overrides, none_is_default=False),
-                              config if type(config) is MODES[mode] else None)
+    cfg, notes = parse_config(
+        mode,
+        _config_flags(mode, config) + dict_tokens(overrides, none_is_default=False),
+        config if type(config) is MODES[mode] else None,
+    )
     if reward_func is not None:
         if mode not in RL_MODES:
             raise ConfigError(f"reward_func= is the reward of 'rlhf train ppo'; rlhf train {mode} takes none")
@@ -78,8 +89,10 @@ def _config_flags(mode: str, config: Any) -> list[str]:
         return ["--config", str(config)]
     if isinstance(config, dict):
         return dict_tokens(config)
-    raise ConfigError(f"config= is a {type(config).__name__}: rlhf train {mode} takes a {MODES[mode].__name__}, "
-                      "a dict of sections or a YAML file path")
+    raise ConfigError(
+        f"config= is a {type(config).__name__}: rlhf train {mode} takes a {MODES[mode].__name__}, "
+        "a dict of sections or a YAML file path"
+    )
 
 
 def _data_files(mode: str, cfg: Any, dataset: Any, eval_dataset: Any) -> dict[Path, str]:
@@ -87,8 +100,10 @@ def _data_files(mode: str, cfg: Any, dataset: Any, eval_dataset: Any) -> dict[Pa
     run, its resume and a later ``rlhf train --config <run>/config.yaml`` read the same rows."""
     data_dir = Path(cfg.ckpt.output_dir).resolve() / "data"
     files = {}
-    for arg, rows, section, key in (("dataset", dataset, "data", "prompt_dataset" if mode in RL_MODES else "dataset"),
-                                    ("eval_dataset", eval_dataset, "eval", "dataset")):
+    for arg, rows, section, key in (
+        ("dataset", dataset, "data", "prompt_dataset" if mode in RL_MODES else "dataset"),
+        ("eval_dataset", eval_dataset, "eval", "dataset"),
+    ):
         if rows is None:
             continue
         if getattr(getattr(cfg, section), key):
@@ -96,16 +111,20 @@ def _data_files(mode: str, cfg: Any, dataset: Any, eval_dataset: Any) -> dict[Pa
         path = data_dir / f"{arg}.jsonl"
         files[path] = "".join(_json_line(row, arg, i) for i, row in enumerate(rows))
         if cfg.ckpt.load_enable and path.is_file() and path.read_text() != files[path]:
-            raise ConfigError(f"{arg}=: the rows differ from {path}, which the run being resumed read: resuming "
-                              "on other data would not continue it")
+            raise ConfigError(
+                f"{arg}=: the rows differ from {path}, which the run being resumed read: resuming "
+                "on other data would not continue it"
+            )
         setattr(getattr(cfg, section), key, [str(path)])
     return files
 
 
 def _json_line(row: Any, arg: str, i: int) -> str:
     if not isinstance(row, dict):
-        raise ConfigError(f"{arg}= row {i} is a {type(row).__name__}; expected a dict (give a list of dicts or a "
-                          "datasets.Dataset)")
+        raise ConfigError(
+            f"{arg}= row {i} is a {type(row).__name__}; expected a dict (give a list of dicts or a "
+            "datasets.Dataset)"
+        )
     try:
         return json.dumps(row) + "\n"
     except (TypeError, ValueError) as exc:
@@ -132,10 +151,13 @@ def run(asm: Assembly, files: dict[Path, str] | None = None, debug: bool = False
 
                 run_rl(asm)
             else:
-                plugins.resolve(plugins.get_plugin_manager(), "train_backends", asm.cfg.train.backend).run_trainer(
-                    asm.mode, asm.cfg)
+                plugins.resolve(
+                    plugins.get_plugin_manager(), "train_backends", asm.cfg.train.backend
+                ).run_trainer(asm.mode, asm.cfg)
         except Exception as exc:
-            user_error = find_user_error(exc)  # a bug, not a user mistake: the whole traceback is what a report needs
+            user_error = find_user_error(
+                exc
+            )  # a bug, not a user mistake: the whole traceback is what a report needs
             title = f"stopped: {user_error}" if user_error is not None else "crashed"
             with log.open("a") as f:  # the log file only (logging would reach the terminal too)
                 f.write(f"rlhf train {asm.mode} {title}\n{''.join(traceback.format_exception(exc))}")

@@ -62,8 +62,10 @@ class Assembly:
         lines += [f"  {seam:<22} {name:<20} ({self.provenance[seam]})" for seam, name in self.chosen.items()]
         lines += [f"{k}: {v}" for k, v in (("precision", self.precision), ("ZeRO stage", self.zero)) if v]
         if self.default_placement:
-            lines.append("placement: colocate_all by default (no placement flag; on CPU, colocating every role fits "
-                         "this run in one process; --train.placement separate keeps them apart)")
+            lines.append(
+                "placement: colocate_all by default (no placement flag; on CPU, colocating every role fits "
+                "this run in one process; --train.placement separate keeps them apart)"
+            )
         if self.plan is not None:
             lines.append("placement plan:")
             lines += ["  " + line for line in self.plan.describe().splitlines()]
@@ -72,8 +74,10 @@ class Assembly:
             if "rollout" in self.in_actor:
                 lines.append("  rollout engine i runs inside the process of actor rank i (none of its own)")
         if self.single_process:
-            lines.append("single process: the one training rank runs in this process; no Ray cluster starts "
-                         "(--ray.single_process)")
+            lines.append(
+                "single process: the one training rank runs in this process; no Ray cluster starts "
+                "(--ray.single_process)"
+            )
         if self.vision:
             lines.append("vision-language model:")
             lines += ["  " + line for line in self.vision]
@@ -148,8 +152,10 @@ def model_path_problem(flag: str, value: str) -> str | None:
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(value, "config.json"), str):
-            return (f"{flag} {value}: no such directory, and as a Hugging Face Hub id it is not in the local cache "
-                    f"({offline[0]} is set, so the hub is not asked)")
+            return (
+                f"{flag} {value}: no such directory, and as a Hugging Face Hub id it is not in the local cache "
+                f"({offline[0]} is set, so the hub is not asked)"
+            )
     return None
 
 
@@ -185,76 +191,133 @@ def _refuse(problems: list[str], head: str = "this run cannot start") -> None:
 def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
     """Refuse up front the combinations that cannot work, with ``problems`` found before, saying why."""
     c, t, n = cfg, cfg.train, cfg.rollout.n_samples_per_prompt
-    embedding_targets = [m for m in c.ds.lora.target_modules
-                         if m.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")]
+    embedding_targets = [
+        m for m in c.ds.lora.target_modules if m.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")
+    ]
     generate, restarts = c.rollout.vllm_generate_batch_size, c.rollout.max_engine_restarts
     staleness = t.max_staleness
     ranks, samples = c.actor.num_nodes * c.actor.num_gpus_per_node, c.rollout.batch_size * n
     checks = [
-        (n < estimator.min_samples_per_prompt,
-         f"--algo.advantage.estimator {c.algo.advantage.estimator} compares samples of the same prompt, so "
-         f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})"),
-        (not (c.reward.remote_url or c.reward.model_name_or_path or t.agent_func_path or t.agent_command
-              or t.env or c.reward.source or c.reward.func is not None or distills_only(c)),
-         "no reward: give --reward.remote_url (a reward .py file or HTTP URL), --reward.model_name_or_path, "
-         "--train.agent_func_path, --train.agent_command or --train.env (Python API: reward_func=)"),
-        (c.ds.lora.rank > 0 and embedding_targets,
-         f"--ds.lora.target_modules {','.join(embedding_targets)}: a LoRA policy's weight sync sends "
-         "adapters of linear decoder layers only (the HF engine merges them, vLLM serves them); LoRA on the "
-         "embeddings or the LM head (tied to them in many models) is refused"),
-        (c.algo.dynamic_filtering_enable and n < 2,
-         "--algo.dynamic_filtering_enable filters prompt groups, so it needs "
-         "--rollout.n_samples_per_prompt >= 2"),
-        (t.async_enable and c.vllm.enable_sleep,
-         "--train.async_enable keeps the engines generating while the trainers work, so they cannot sleep: "
-         "drop --vllm.enable_sleep (--ds.enable_sleep may stay)"),
-        (generate is not None and generate < c.rollout.batch_size,
-         f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
-         f"({c.rollout.batch_size}): every step would train on fewer prompts than a batch"),
-        (generate is not None and generate > c.rollout.batch_size and not t.async_enable,
-         "--rollout.vllm_generate_batch_size above --rollout.batch_size generates ahead for later steps, "
-         "which only the async pipeline does: add --train.async_enable"),
-        ((c.vllm.enable_sleep or c.ds.enable_sleep) and not t.colocate_all,
-         "--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
-         "--train.colocate_all"),
-        (t.async_enable and t.async_queue_size < 1,
-         f"--train.async_queue_size {t.async_queue_size}: the async pipeline generates at least one batch "
-         "ahead of training; use 1 or more (or drop --train.async_enable)"),
-        (staleness is not None and not t.async_enable,
-         "--train.max_staleness limits how old the async pipeline's samples may be; a sync run trains each "
-         "batch on the policy that generated it: add --train.async_enable"),
-        (staleness is not None and t.async_enable and staleness < t.async_queue_size,
-         f"--train.max_staleness {staleness} is below --train.async_queue_size ({t.async_queue_size}): "
-         "every batch is generated that many policy versions before it is trained, so every group would be "
-         "dropped as stale"),
-        (t.partial_rollout_enable and not t.async_enable,
-         "--train.partial_rollout_enable only applies to the async pipeline (--train.async_enable)"),
-        (restarts is not None and restarts < 0,
-         f"--rollout.max_engine_restarts {restarts}: a number of engine restarts must be 0 or more"),
-        (restarts and t.async_enable,
-         f"--rollout.max_engine_restarts {restarts} with --train.async_enable: a replacement engine needs "
-         "the current weights before it serves, which the async pipeline's generation thread cannot fetch "
-         "while the trainers train; engine restarts are for the sync pipeline"),
-        (t.episode_timeout < 0,
-         f"--train.episode_timeout {t.episode_timeout:g}: seconds must be 0 (no limit) or more"),
-        (c.ds.ring_attn_size > 1 and not c.ds.packing_samples,
-         "--ds.ring_attn_size > 1 splits packed sequences across ranks: add --ds.packing_samples"),
-        *[(budget is not None and budget < 1, f"{flag} {budget}: a token budget per micro-batch must be "
-           "positive")
-          for flag, budget in (("--train.max_tokens_per_gpu", t.max_tokens_per_gpu),
-                               ("--rollout.max_tokens_per_gpu", c.rollout.max_tokens_per_gpu))],
-        (t.enable_ema and not 0.0 <= t.ema_beta < 1.0,
-         f"--train.ema_beta {t.ema_beta}: the EMA decay must be in [0, 1)"),
-        (c.ds.param_dtype not in ("bf16", "fp32"),
-         f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not supported)"),
-        (samples % t.batch_size,
-         f"--rollout.batch_size x --rollout.n_samples_per_prompt ({samples}) must be a multiple of "
-         f"--train.batch_size ({t.batch_size}) so every sample is trained on"),
-        (t.batch_size % (t.micro_batch_size * ranks),
-         f"--train.batch_size ({t.batch_size}) must be a multiple of --train.micro_batch_size x the actor's "
-         f"ranks ({t.micro_batch_size} x {ranks})"),
-        (c.logger.wandb.key and not _importable("wandb"),
-         "--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')"),
+        (
+            n < estimator.min_samples_per_prompt,
+            f"--algo.advantage.estimator {c.algo.advantage.estimator} compares samples of the same prompt, so "
+            f"it needs --rollout.n_samples_per_prompt >= {estimator.min_samples_per_prompt} (got {n})",
+        ),
+        (
+            not (
+                c.reward.remote_url
+                or c.reward.model_name_or_path
+                or t.agent_func_path
+                or t.agent_command
+                or t.env
+                or c.reward.source
+                or c.reward.func is not None
+                or distills_only(c)
+            ),
+            "no reward: give --reward.remote_url (a reward .py file or HTTP URL), --reward.model_name_or_path, "
+            "--train.agent_func_path, --train.agent_command or --train.env (Python API: reward_func=)",
+        ),
+        (
+            c.ds.lora.rank > 0 and embedding_targets,
+            f"--ds.lora.target_modules {','.join(embedding_targets)}: a LoRA policy's weight sync sends "
+            "adapters of linear decoder layers only (the HF engine merges them, vLLM serves them); LoRA on the "
+            "embeddings or the LM head (tied to them in many models) is refused",
+        ),
+        (
+            c.algo.dynamic_filtering_enable and n < 2,
+            "--algo.dynamic_filtering_enable filters prompt groups, so it needs "
+            "--rollout.n_samples_per_prompt >= 2",
+        ),
+        (
+            t.async_enable and c.vllm.enable_sleep,
+            "--train.async_enable keeps the engines generating while the trainers work, so they cannot sleep: "
+            "drop --vllm.enable_sleep (--ds.enable_sleep may stay)",
+        ),
+        (
+            generate is not None and generate < c.rollout.batch_size,
+            f"--rollout.vllm_generate_batch_size {generate} is below --rollout.batch_size "
+            f"({c.rollout.batch_size}): every step would train on fewer prompts than a batch",
+        ),
+        (
+            generate is not None and generate > c.rollout.batch_size and not t.async_enable,
+            "--rollout.vllm_generate_batch_size above --rollout.batch_size generates ahead for later steps, "
+            "which only the async pipeline does: add --train.async_enable",
+        ),
+        (
+            (c.vllm.enable_sleep or c.ds.enable_sleep) and not t.colocate_all,
+            "--vllm.enable_sleep / --ds.enable_sleep free memory for a colocated partner; they need "
+            "--train.colocate_all",
+        ),
+        (
+            t.async_enable and t.async_queue_size < 1,
+            f"--train.async_queue_size {t.async_queue_size}: the async pipeline generates at least one batch "
+            "ahead of training; use 1 or more (or drop --train.async_enable)",
+        ),
+        (
+            staleness is not None and not t.async_enable,
+            "--train.max_staleness limits how old the async pipeline's samples may be; a sync run trains each "
+            "batch on the policy that generated it: add --train.async_enable",
+        ),
+        (
+            staleness is not None and t.async_enable and staleness < t.async_queue_size,
+            f"--train.max_staleness {staleness} is below --train.async_queue_size ({t.async_queue_size}): "
+            "every batch is generated that many policy versions before it is trained, so every group would be "
+            "dropped as stale",
+        ),
+        (
+            t.partial_rollout_enable and not t.async_enable,
+            "--train.partial_rollout_enable only applies to the async pipeline (--train.async_enable)",
+        ),
+        (
+            restarts is not None and restarts < 0,
+            f"--rollout.max_engine_restarts {restarts}: a number of engine restarts must be 0 or more",
+        ),
+        (
+            restarts and t.async_enable,
+            f"--rollout.max_engine_restarts {restarts} with --train.async_enable: a replacement engine needs "
+            "the current weights before it serves, which the async pipeline's generation thread cannot fetch "
+            "while the trainers train; engine restarts are for the sync pipeline",
+        ),
+        (
+            t.episode_timeout < 0,
+            f"--train.episode_timeout {t.episode_timeout:g}: seconds must be 0 (no limit) or more",
+        ),
+        (
+            c.ds.ring_attn_size > 1 and not c.ds.packing_samples,
+            "--ds.ring_attn_size > 1 splits packed sequences across ranks: add --ds.packing_samples",
+        ),
+        *[
+            (
+                budget is not None and budget < 1,
+                f"{flag} {budget}: a token budget per micro-batch must be positive",
+            )
+            for flag, budget in (
+                ("--train.max_tokens_per_gpu", t.max_tokens_per_gpu),
+                ("--rollout.max_tokens_per_gpu", c.rollout.max_tokens_per_gpu),
+            )
+        ],
+        (
+            t.enable_ema and not 0.0 <= t.ema_beta < 1.0,
+            f"--train.ema_beta {t.ema_beta}: the EMA decay must be in [0, 1)",
+        ),
+        (
+            c.ds.param_dtype not in ("bf16", "fp32"),
+            f"--ds.param_dtype {c.ds.param_dtype}: use bf16 or fp32 (fp16 loss scaling is not supported)",
+        ),
+        (
+            samples % t.batch_size,
+            f"--rollout.batch_size x --rollout.n_samples_per_prompt ({samples}) must be a multiple of "
+            f"--train.batch_size ({t.batch_size}) so every sample is trained on",
+        ),
+        (
+            t.batch_size % (t.micro_batch_size * ranks),
+            f"--train.batch_size ({t.batch_size}) must be a multiple of --train.micro_batch_size x the actor's "
+            f"ranks ({t.micro_batch_size} x {ranks})",
+        ),
+        (
+            c.logger.wandb.key and not _importable("wandb"),
+            "--logger.wandb.key: wandb is not installed (pip install 'rlhf-cli[wandb]')",
+        ),
     ]
     _refuse(problems + [message for failed, message in checks if failed])
 
@@ -263,8 +326,11 @@ def _check_opd(c, problems: list[str], asm: Assembly) -> None:
     """``--algo.advantage.estimator opd``: the reference group is the teacher, scoring every sampled token; the
     per-token k1 KL folded into the reward is the signal (``rlhf_algos.advantages.opd_advantages``)."""
     if c.algo.advantage.estimator != "opd":
-        for flag, value in (("task_reward_coef", c.algo.opd.task_reward_coef), ("teachers", c.algo.opd.teachers),
-                            ("teacher_key", c.algo.opd.teacher_key)):
+        for flag, value in (
+            ("task_reward_coef", c.algo.opd.task_reward_coef),
+            ("teachers", c.algo.opd.teachers),
+            ("teacher_key", c.algo.opd.teacher_key),
+        ):
             if value:
                 problems.append(f"--algo.opd.{flag} applies to --algo.advantage.estimator opd only")
         return
@@ -275,48 +341,82 @@ def _check_opd(c, problems: list[str], asm: Assembly) -> None:
         return
     if teachers:
         if c.ref.model_name_or_path:
-            problems.append("--ref.model_name_or_path: with --algo.opd.teachers every teacher is given there (the "
-                            "reference group loads them all); drop one of the two")
+            problems.append(
+                "--ref.model_name_or_path: with --algo.opd.teachers every teacher is given there (the "
+                "reference group loads them all); drop one of the two"
+            )
         if len(teachers) < 2:
             problems.append("--algo.opd.teachers: one teacher is --ref.model_name_or_path; give two or more")
         if not c.algo.opd.teacher_key:
-            problems.append("--algo.opd.teachers needs --algo.opd.teacher_key: the prompt column naming each "
-                            "prompt's teacher")
+            problems.append(
+                "--algo.opd.teachers needs --algo.opd.teacher_key: the prompt column naming each "
+                "prompt's teacher"
+            )
         problems += check_models(list(teachers.items()), "--actor.model_name_or_path", asm)
     elif c.algo.opd.teacher_key:
-        problems.append("--algo.opd.teacher_key names a teacher of --algo.opd.teachers per prompt: give the teachers")
+        problems.append(
+            "--algo.opd.teacher_key names a teacher of --algo.opd.teachers per prompt: give the teachers"
+        )
     elif c.ref.model_name_or_path:
         teachers = {"--ref.model_name_or_path": c.ref.model_name_or_path}
     else:
-        problems.append("--algo.advantage.estimator opd distils from a teacher: give it as --ref.model_name_or_path "
-                        "(the reference group loads it and scores every sampled token), or several as "
-                        "--algo.opd.teachers")
+        problems.append(
+            "--algo.advantage.estimator opd distils from a teacher: give it as --ref.model_name_or_path "
+            "(the reference group loads it and scores every sampled token), or several as "
+            "--algo.opd.teachers"
+        )
     for flag, teacher in teachers.items():
         if problems:  # the model paths must be sound (check_models found nothing) to read their tokenizers
             break
         try:
-            check_same_tokenizer(flag, teacher, c.actor.model_name_or_path,
-                                 "on-policy distillation scores the student's sampled token ids with the teacher",
-                                 same_logits_width=False)
+            check_same_tokenizer(
+                flag,
+                teacher,
+                c.actor.model_name_or_path,
+                "on-policy distillation scores the student's sampled token ids with the teacher",
+                same_logits_width=False,
+            )
         except SetupError as exc:
             problems.append(str(exc))
     opd, kl = c.algo.opd, c.algo.kl
-    problems += [message for failed, message in [
-        (kl.init_coef <= 0, f"--algo.kl.init_coef {kl.init_coef}: with opd it weights the teacher's "
-         "per-token signal and must be > 0 (0 loads no teacher)"),
-        (kl.use_loss, "--algo.kl.use_loss: opd's signal is the KL to the teacher as a per-token reward; "
-         "drop the flag"),
-        (kl.estimator != "k1", f"--algo.kl.estimator {kl.estimator}: opd's per-token signal is the reverse "
-         "KL's k1 estimate log pi_student - log pi_teacher of the sampled token; use k1"),
-        (c.algo.advantage.gamma != 1.0, f"--algo.advantage.gamma {c.algo.advantage.gamma}: opd gives each "
-         "token its own KL, with no return over later tokens, so there is nothing to discount"),
-        (opd.task_reward_coef < 0, f"--algo.opd.task_reward_coef {opd.task_reward_coef}: must be >= 0"),
-        (opd.task_reward_coef and c.rollout.n_samples_per_prompt < 2, "--algo.opd.task_reward_coef > 0 "
-         "group-normalises the task reward over the samples of a prompt, so it needs "
-         "--rollout.n_samples_per_prompt >= 2"),
-        (distills_only(c) and c.algo.dynamic_filtering_enable, "--algo.dynamic_filtering_enable filters on "
-         "the task score, which opd with --algo.opd.task_reward_coef 0 does not compute"),
-    ] if failed]
+    problems += [
+        message
+        for failed, message in [
+            (
+                kl.init_coef <= 0,
+                f"--algo.kl.init_coef {kl.init_coef}: with opd it weights the teacher's "
+                "per-token signal and must be > 0 (0 loads no teacher)",
+            ),
+            (
+                kl.use_loss,
+                "--algo.kl.use_loss: opd's signal is the KL to the teacher as a per-token reward; "
+                "drop the flag",
+            ),
+            (
+                kl.estimator != "k1",
+                f"--algo.kl.estimator {kl.estimator}: opd's per-token signal is the reverse "
+                "KL's k1 estimate log pi_student - log pi_teacher of the sampled token; use k1",
+            ),
+            (
+                c.algo.advantage.gamma != 1.0,
+                f"--algo.advantage.gamma {c.algo.advantage.gamma}: opd gives each "
+                "token its own KL, with no return over later tokens, so there is nothing to discount",
+            ),
+            (opd.task_reward_coef < 0, f"--algo.opd.task_reward_coef {opd.task_reward_coef}: must be >= 0"),
+            (
+                opd.task_reward_coef and c.rollout.n_samples_per_prompt < 2,
+                "--algo.opd.task_reward_coef > 0 "
+                "group-normalises the task reward over the samples of a prompt, so it needs "
+                "--rollout.n_samples_per_prompt >= 2",
+            ),
+            (
+                distills_only(c) and c.algo.dynamic_filtering_enable,
+                "--algo.dynamic_filtering_enable filters on "
+                "the task score, which opd with --algo.opd.task_reward_coef 0 does not compute",
+            ),
+        ]
+        if failed
+    ]
 
 
 def _check_vision(c, estimator, engine: str) -> list[str]:
@@ -333,37 +433,74 @@ def _check_vision(c, estimator, engine: str) -> list[str]:
         config = AutoConfig.from_pretrained(path)
     is_vlm = config is not None and vision.is_vision_language(config)
     model_type = config.model_type if config is not None else None
-    vlm_flags = [f for f, on in (("--data.image_key", c.data.image_key), ("--actor.freeze_visual_encoder",
-                 c.actor.freeze_visual_encoder), ("--data.max_images_per_prompt", c.data.max_images_per_prompt)) if on]
+    vlm_flags = [
+        f
+        for f, on in (
+            ("--data.image_key", c.data.image_key),
+            ("--actor.freeze_visual_encoder", c.actor.freeze_visual_encoder),
+            ("--data.max_images_per_prompt", c.data.max_images_per_prompt),
+        )
+        if on
+    ]
     if not (is_vlm or vlm_flags):
         return []
-    _refuse([message for failed, message in [
-        (config is not None and not is_vlm, f"{', '.join(vlm_flags)}: {path} is not a vision-language model "
-         "(its config.json has no vision_config)"),
-        (is_vlm and model_type not in vision.SUPPORTED_MODEL_TYPES, f"{path} is a vision-language model of "
-         f"type {model_type!r}; rlhf trains images with {', '.join(vision.SUPPORTED_MODEL_TYPES)} models "
-         "only"),
-        (estimator.needs_critic, f"--algo.advantage.estimator {c.algo.advantage.estimator} needs a critic, "
-         "and a critic for a vision-language model is not supported (as in OpenRLHF): use group_norm, rloo, "
-         "reinforce_baseline, reinforce or dr_grpo"),
-        (c.ds.packing_samples, "--ds.packing_samples: images go with each sequence, so a vision-language "
-         "run is not packed"),
-        (c.ds.lora.rank > 0, "--ds.lora.rank: LoRA on a vision-language model is not supported yet"),
-        (c.reward.model_name_or_path, "--reward.model_name_or_path: a reward model would score the text "
-         "without the images; use a reward function (--reward.remote_url file.py) or an agent"),
-        (c.train.agent_executor == "openai_server", "--train.agent_executor openai_server sends text "
-         "messages and cannot carry images"),
-    ] if failed], "this vision-language run cannot start")
+    _refuse(
+        [
+            message
+            for failed, message in [
+                (
+                    config is not None and not is_vlm,
+                    f"{', '.join(vlm_flags)}: {path} is not a vision-language model "
+                    "(its config.json has no vision_config)",
+                ),
+                (
+                    is_vlm and model_type not in vision.SUPPORTED_MODEL_TYPES,
+                    f"{path} is a vision-language model of "
+                    f"type {model_type!r}; rlhf trains images with {', '.join(vision.SUPPORTED_MODEL_TYPES)} models "
+                    "only",
+                ),
+                (
+                    estimator.needs_critic,
+                    f"--algo.advantage.estimator {c.algo.advantage.estimator} needs a critic, "
+                    "and a critic for a vision-language model is not supported (as in OpenRLHF): use group_norm, rloo, "
+                    "reinforce_baseline, reinforce or dr_grpo",
+                ),
+                (
+                    c.ds.packing_samples,
+                    "--ds.packing_samples: images go with each sequence, so a vision-language "
+                    "run is not packed",
+                ),
+                (c.ds.lora.rank > 0, "--ds.lora.rank: LoRA on a vision-language model is not supported yet"),
+                (
+                    c.reward.model_name_or_path,
+                    "--reward.model_name_or_path: a reward model would score the text "
+                    "without the images; use a reward function (--reward.remote_url file.py) or an agent",
+                ),
+                (
+                    c.train.agent_executor == "openai_server",
+                    "--train.agent_executor openai_server sends text messages and cannot carry images",
+                ),
+            ]
+            if failed
+        ],
+        "this vision-language run cannot start",
+    )
     limit = c.data.max_images_per_prompt or "any number of"
-    trained = "the language model (the vision encoder is frozen)" if c.actor.freeze_visual_encoder else \
-        "the vision encoder and the language model"
+    trained = (
+        "the language model (the vision encoder is frozen)"
+        if c.actor.freeze_visual_encoder
+        else "the vision encoder and the language model"
+    )
     return [
-        f"model: {path}" + (f" ({model_type})" if config is not None
-                            else " (not a local directory: not read)"),
-        (f"images: from --data.image_key {c.data.image_key}, {limit} per prompt" if c.data.image_key
-         else "images: none in the prompts (an agent's environment may return some)"),
-        f"trained: {trained}; synced to the {engine} engines: " + (
-            "the language model" if c.actor.freeze_visual_encoder else "every weight"),
+        f"model: {path}"
+        + (f" ({model_type})" if config is not None else " (not a local directory: not read)"),
+        (
+            f"images: from --data.image_key {c.data.image_key}, {limit} per prompt"
+            if c.data.image_key
+            else "images: none in the prompts (an agent's environment may return some)"
+        ),
+        f"trained: {trained}; synced to the {engine} engines: "
+        + ("the language model" if c.actor.freeze_visual_encoder else "every weight"),
         "no critic, no packing; log-probs over the text response only",
     ]
 
@@ -376,20 +513,43 @@ def _check_prm_reward(cfg) -> bool:
     defaults = RewardConfig()
     if not prm:
         if r.source == "prm":
-            raise RunConfigError(f"--reward.source prm: --reward.model_name_or_path {r.model_name_or_path} is not a "
-                                 "PRM trained by rlhf train prm (its config.json has no prm_placeholder_token)")
-        if (r.prm_aggregation, r.prm_step_separator) != (defaults.prm_aggregation, defaults.prm_step_separator):
-            raise RunConfigError("--reward.prm_aggregation and --reward.prm_step_separator apply to a process reward "
-                                 "model (--reward.model_name_or_path trained by rlhf train prm) only")
+            raise RunConfigError(
+                f"--reward.source prm: --reward.model_name_or_path {r.model_name_or_path} is not a "
+                "PRM trained by rlhf train prm (its config.json has no prm_placeholder_token)"
+            )
+        if (r.prm_aggregation, r.prm_step_separator) != (
+            defaults.prm_aggregation,
+            defaults.prm_step_separator,
+        ):
+            raise RunConfigError(
+                "--reward.prm_aggregation and --reward.prm_step_separator apply to a process reward "
+                "model (--reward.model_name_or_path trained by rlhf train prm) only"
+            )
         return False
-    _refuse([message for failed, message in [
-        (r.prm_aggregation not in PRM_AGGREGATIONS, f"--reward.prm_aggregation {r.prm_aggregation!r}: "
-         f"choose one of {', '.join(PRM_AGGREGATIONS)}"),
-        (r.normalize_enable, "--reward.normalize_enable: a PRM's step scores are probabilities, with no "
-         "stored mean/std to normalise by"),
-        (r.offload, "--reward.offload: a PRM scores in the rollout actors, which hold no ZeRO-3 weights to "
-         "offload"),
-    ] if failed], f"--reward.model_name_or_path {r.model_name_or_path} is a PRM")
+    _refuse(
+        [
+            message
+            for failed, message in [
+                (
+                    r.prm_aggregation not in PRM_AGGREGATIONS,
+                    f"--reward.prm_aggregation {r.prm_aggregation!r}: "
+                    f"choose one of {', '.join(PRM_AGGREGATIONS)}",
+                ),
+                (
+                    r.normalize_enable,
+                    "--reward.normalize_enable: a PRM's step scores are probabilities, with no "
+                    "stored mean/std to normalise by",
+                ),
+                (
+                    r.offload,
+                    "--reward.offload: a PRM scores in the rollout actors, which hold no ZeRO-3 weights to "
+                    "offload",
+                ),
+            ]
+            if failed
+        ],
+        f"--reward.model_name_or_path {r.model_name_or_path} is a PRM",
+    )
     return True
 
 
@@ -417,8 +577,9 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         _resolve_zero_stage(asm, [ranks])
         return asm
 
-    estimator = _use(asm, pm, "advantage_estimators", cfg.algo.advantage.estimator,
-                     "--algo.advantage.estimator")
+    estimator = _use(
+        asm, pm, "advantage_estimators", cfg.algo.advantage.estimator, "--algo.advantage.estimator"
+    )
     _use(asm, pm, "policy_losses", cfg.actor.policy_loss_type, "--actor.policy_loss_type")
     _use(asm, pm, "kl_estimators", cfg.algo.kl.estimator, "--algo.kl.estimator")
     engine = choose_engine(cfg, pm)
@@ -430,8 +591,10 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         _use(asm, pm, "agent_executors", cfg.train.agent_executor, "--train.agent_executor")
     if cfg.train.env:
         _use(asm, pm, "environments", cfg.train.env, "--train.env")
-    models = [(f"--{role}.model_name_or_path", getattr(cfg, role).model_name_or_path)
-              for role in ("actor", "critic", "ref", "reward")]
+    models = [
+        (f"--{role}.model_name_or_path", getattr(cfg, role).model_name_or_path)
+        for role in ("actor", "critic", "ref", "reward")
+    ]
     problems = check_models(models, "--actor.model_name_or_path", asm)
     _check_opd(cfg, problems, asm)
     from rlhf_agents.executors import executor_class
@@ -446,8 +609,10 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     asm.vision = _check_vision(cfg, estimator, engine)
     prm_reward = _check_prm_reward(cfg)
     if cfg.algo.kl.use_loss and cfg.algo.kl.init_coef <= 0:
-        asm.notes.append("--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero (no reference "
-                         "model is loaded); set --algo.kl.init_coef > 0 to regularise towards the reference")
+        asm.notes.append(
+            "--algo.kl.use_loss with --algo.kl.init_coef 0: the KL loss term is zero (no reference "
+            "model is loaded); set --algo.kl.init_coef > 0 to regularise towards the reference"
+        )
 
     roles = {"actor": RoleDemand(cfg.actor.num_nodes * cfg.actor.num_gpus_per_node)}
     if cfg.algo.kl.init_coef > 0:
@@ -456,12 +621,23 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
         roles["critic"] = RoleDemand(cfg.critic.num_nodes * cfg.critic.num_gpus_per_node)
     if cfg.reward.model_name_or_path and not prm_reward:  # a PRM scores in the rollout actors
         roles["reward"] = RoleDemand(cfg.reward.num_nodes * cfg.reward.num_gpus_per_node)
-    roles["rollout"] = RoleDemand(cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1)
+    roles["rollout"] = RoleDemand(
+        cfg.vllm.num_engines, cfg.vllm.tensor_parallel_size if engine == "vllm" else 1
+    )
     asm.roles = roles
-    hosts_roles = getattr(backend, "hosts_roles", False)  # the optional part of the training contract (TrainGroup)
+    hosts_roles = getattr(
+        backend, "hosts_roles", False
+    )  # the optional part of the training contract (TrainGroup)
     can_single = inline.single_process(cfg, 1, getattr(backend, "single_process", False))
-    if (not gpus and strategy_name(cfg) == "separate" and not cfg.train.placement and hosts_roles and can_single
-            and not cfg.rollout.node_resource and _fits_one_process(roles, engine, cfg, gpus)):
+    if (
+        not gpus
+        and strategy_name(cfg) == "separate"
+        and not cfg.train.placement
+        and hosts_roles
+        and can_single
+        and not cfg.rollout.node_resource
+        and _fits_one_process(roles, engine, cfg, gpus)
+    ):
         cfg.train.colocate_all = True  # on CPU every pool is the same cores: colocating costs nothing
         asm.default_placement = True
     strategy = _use(asm, pm, "placement_strategies", strategy_name(cfg), "--train.placement")
@@ -476,10 +652,17 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     processes = sum(g.num_workers for g in asm.plan.groups if g.role not in asm.in_actor)
     asm.single_process = _single_process(cfg, processes, backend)
     _resolve_zero_stage(asm, [r.num_workers for role, r in roles.items() if role != "rollout"])
-    if (processes > 1 and strategy_name(cfg) != "colocate_all" and hosts_roles and can_single
-            and _fits_one_process(roles, engine, cfg, gpus)):
-        asm.notes.append(f"this run starts Ray and {processes} worker processes; with --train.colocate_all it "
-                         "would fit one process and start no Ray (seconds sooner, hundreds of MB less)")
+    if (
+        processes > 1
+        and strategy_name(cfg) != "colocate_all"
+        and hosts_roles
+        and can_single
+        and _fits_one_process(roles, engine, cfg, gpus)
+    ):
+        asm.notes.append(
+            f"this run starts Ray and {processes} worker processes; with --train.colocate_all it "
+            "would fit one process and start no Ray (seconds sooner, hundreds of MB less)"
+        )
     return asm
 
 
@@ -508,8 +691,11 @@ def _resolve_precision(asm: Assembly, gpus: bool) -> None:
     asked = ds.param_dtype
     ds.param_dtype = resolve_param_dtype(asked, gpus)
     where = "GPUs" if gpus else "CPU"
-    asm.precision = ds.param_dtype + (f" (--ds.param_dtype auto on {where}: bf16 on GPUs, fp32 on CPU)"
-                                      if asked == "auto" else " (--ds.param_dtype)")
+    asm.precision = ds.param_dtype + (
+        f" (--ds.param_dtype auto on {where}: bf16 on GPUs, fp32 on CPU)"
+        if asked == "auto"
+        else " (--ds.param_dtype)"
+    )
     if asm.mode == "ppo" and ds.param_dtype == "bf16":
         asm.notes.append(BF16_GAP_NOTE)
 
@@ -519,8 +705,11 @@ def _resolve_zero_stage(asm: Assembly, group_ranks: list[int]) -> None:
     ds = asm.cfg.ds
     asked = ds.zero_stage
     ds.zero_stage = resolve_zero_stage(asked, max(group_ranks, default=1))
-    asm.zero = f"{ds.zero_stage}" + (" (--ds.zero_stage)" if asked is not None else
-                                     " (default: 0 with one rank per training group, else 2)")
+    asm.zero = f"{ds.zero_stage}" + (
+        " (--ds.zero_stage)"
+        if asked is not None
+        else " (default: 0 with one rank per training group, else 2)"
+    )
 
 
 def _single_process(cfg, processes: int, backend) -> bool:
@@ -549,12 +738,19 @@ def write_run_dir(asm: Assembly, files: dict[Path, str] | None = None) -> Path:
     """Create the run directory with the resolved config, the plugin versions used and ``files`` (path: text)."""
     out = Path(asm.cfg.ckpt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg, asm.mode))
-    meta = {"mode": asm.mode, "plugins": {s: {"name": n, "from": asm.provenance[s]} for s, n in asm.chosen.items()},
-            "pid": os.getpid()}
+    (out / "config.yaml").write_text(
+        f"# rlhf train {asm.mode}: resolved configuration\n" + config_to_yaml(asm.cfg, asm.mode)
+    )
+    meta = {
+        "mode": asm.mode,
+        "plugins": {s: {"name": n, "from": asm.provenance[s]} for s, n in asm.chosen.items()},
+        "pid": os.getpid(),
+    }
     func = getattr(getattr(asm.cfg, "reward", None), "func", None)
     if func is not None:  # not in config.yaml: a Python object has no flag
-        meta["reward_func"] = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+        meta["reward_func"] = (
+            f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+        )
     (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n")
     for path, text in (files or {}).items():
         path.parent.mkdir(parents=True, exist_ok=True)

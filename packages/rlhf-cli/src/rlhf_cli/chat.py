@@ -53,18 +53,31 @@ class Conversation:
 
 def check(cfg: ChatConfig) -> None:
     c, path, template = cfg.chat, cfg.model.model_name_or_path, cfg.data.input_template
-    problems = [message for failed, message in [
-        (not path, "--model.model_name_or_path (--pretrain) is required: the checkpoint to talk to"),
-        (path and not (Path(path) / "config.json").is_file(),
-         f"--model.model_name_or_path {path}: no model there (no config.json)"),
-        (c.ta_prompt and not Path(c.ta_prompt).is_file(), f"--chat.ta_prompt {c.ta_prompt}: no such file"),
-        (c.stream not in ("auto", "true", "false"), f"--chat.stream {c.stream}: use auto, true or false"),
-        (not cfg.data.apply_chat_template and template and "{}" not in template,
-         f"--data.input_template {template!r} must contain '{{}}' for the user turn"),
-        (c.max_new_tokens < 1 or c.max_len < 2,
-         "--chat.max_new_tokens must be at least 1 and --chat.max_len at least 2"),
-        (c.temperature < 0, f"--chat.temperature {c.temperature}: must be 0 (greedy) or more"),
-    ] if failed]
+    problems = [
+        message
+        for failed, message in [
+            (not path, "--model.model_name_or_path (--pretrain) is required: the checkpoint to talk to"),
+            (
+                path and not (Path(path) / "config.json").is_file(),
+                f"--model.model_name_or_path {path}: no model there (no config.json)",
+            ),
+            (
+                c.ta_prompt and not Path(c.ta_prompt).is_file(),
+                f"--chat.ta_prompt {c.ta_prompt}: no such file",
+            ),
+            (c.stream not in ("auto", "true", "false"), f"--chat.stream {c.stream}: use auto, true or false"),
+            (
+                not cfg.data.apply_chat_template and template and "{}" not in template,
+                f"--data.input_template {template!r} must contain '{{}}' for the user turn",
+            ),
+            (
+                c.max_new_tokens < 1 or c.max_len < 2,
+                "--chat.max_new_tokens must be at least 1 and --chat.max_len at least 2",
+            ),
+            (c.temperature < 0, f"--chat.temperature {c.temperature}: must be 0 (greedy) or more"),
+        ]
+        if failed
+    ]
     if problems:
         raise ChatError("cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -80,10 +93,15 @@ def load(cfg: ChatConfig) -> tuple[Any, Any]:
     if cfg.data.tokenizer_chat_template:
         tokenizer.chat_template = cfg.data.tokenizer_chat_template
     if cfg.data.apply_chat_template and not tokenizer.chat_template:
-        raise ChatError(f"--data.apply_chat_template: the tokenizer of {cfg.model.model_name_or_path} has no chat "
-                        "template (give --data.tokenizer_chat_template)")
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.model_name_or_path, dtype=parse_dtype(resolve_param_dtype(cfg.ds.param_dtype)),
-                                                 attn_implementation=cfg.ds.attn_implementation)
+        raise ChatError(
+            f"--data.apply_chat_template: the tokenizer of {cfg.model.model_name_or_path} has no chat "
+            "template (give --data.tokenizer_chat_template)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.model_name_or_path,
+        dtype=parse_dtype(resolve_param_dtype(cfg.ds.param_dtype)),
+        attn_implementation=cfg.ds.attn_implementation,
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return tokenizer, model.to(device).eval()
 
@@ -99,33 +117,54 @@ def reply(conv: Conversation, model: Any, user: str, out: TextIO, stream: bool, 
         if ids.shape[1] < c.max_len:
             break
     if skip:
-        print(f"(the {skip} oldest turn(s) no longer fit --chat.max_len {c.max_len} and are left out)", file=err)
+        print(
+            f"(the {skip} oldest turn(s) no longer fit --chat.max_len {c.max_len} and are left out)", file=err
+        )
     room = min(c.max_new_tokens, c.max_len - ids.shape[1])
     if room < 1:
-        print(f"(this message alone has {ids.shape[1]} tokens, the limit is --chat.max_len {c.max_len})", file=err)
+        print(
+            f"(this message alone has {ids.shape[1]} tokens, the limit is --chat.max_len {c.max_len})",
+            file=err,
+        )
         return ""
 
     class Printer(TextStreamer):
         def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
             print(text, end="\n" if stream_end else "", file=out, flush=True)
 
-    sampling = {"do_sample": True, "temperature": c.temperature, "top_p": c.top_p} if c.temperature > 0 else {
-        "do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": c.temperature, "top_p": c.top_p}
+        if c.temperature > 0
+        else {"do_sample": False}
+    )
     ids = ids.to(model.device)
     with torch.no_grad():
         generated = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=room, repetition_penalty=c.repetition_penalty,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=room,
+            repetition_penalty=c.repetition_penalty,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-            streamer=Printer(tok, skip_prompt=True, skip_special_tokens=True) if stream else None, **sampling)
-    text = tok.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
+            streamer=Printer(tok, skip_prompt=True, skip_special_tokens=True) if stream else None,
+            **sampling,
+        )
+    text = tok.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
     if not stream:
         print(text.replace("\n", " ").strip(), file=out, flush=True)  # a line per reply: transcripts align
     conv.turns.append((user, text))
     return text
 
 
-def chat_loop(cfg: ChatConfig, tokenizer: Any, model: Any, lines: TextIO, out: TextIO, err: TextIO,
-              stream: bool, interactive: bool) -> int:
+def chat_loop(
+    cfg: ChatConfig,
+    tokenizer: Any,
+    model: Any,
+    lines: TextIO,
+    out: TextIO,
+    err: TextIO,
+    stream: bool,
+    interactive: bool,
+) -> int:
     opening = Path(cfg.chat.ta_prompt).read_text() if cfg.chat.ta_prompt else ""
     conv = Conversation(cfg, tokenizer, opening)
     while True:

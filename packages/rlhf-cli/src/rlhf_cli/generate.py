@@ -60,28 +60,47 @@ class Plan:
     def fingerprint(self) -> dict:
         """What a resumed run must share with the run that wrote the samples."""
         c = self.cfg
-        return {"task": c.generate.task, "model": c.model.model_name_or_path, "dataset": c.data.dataset,
-                "iter": c.generate.iter, "seed": c.generate.seed, "prompts": len(self.prompts), "n": self.n,
-                "sampling": dataclasses.asdict(c.rollout) | {"micro_batch_size": None, "engine": None},
-                "reward": {k: getattr(c.reward, k) for k in ("model_name_or_path", "source", "normalize_enable",
-                                                             "weights")}
-                | {"remote_url": c.reward.remote_url and redact_text(c.reward.remote_url)},  # saved: no credentials
-                "enable_csft": c.generate.enable_csft,
-                "csft_prompt": c.generate.csft_prompt if c.generate.enable_csft else None}
+        return {
+            "task": c.generate.task,
+            "model": c.model.model_name_or_path,
+            "dataset": c.data.dataset,
+            "iter": c.generate.iter,
+            "seed": c.generate.seed,
+            "prompts": len(self.prompts),
+            "n": self.n,
+            "sampling": dataclasses.asdict(c.rollout) | {"micro_batch_size": None, "engine": None},
+            "reward": {
+                k: getattr(c.reward, k)
+                for k in ("model_name_or_path", "source", "normalize_enable", "weights")
+            }
+            | {
+                "remote_url": c.reward.remote_url and redact_text(c.reward.remote_url)
+            },  # saved: no credentials
+            "enable_csft": c.generate.enable_csft,
+            "csft_prompt": c.generate.csft_prompt if c.generate.enable_csft else None,
+        }
 
     def describe(self) -> str:
         c = self.cfg
-        return "\n".join([
-            f"prompts: {len(self.prompts)} from {', '.join(c.data.dataset or [])}"
-            + (f" (iteration {c.generate.iter}: rows {c.generate.iter * c.rollout.batch_size}.."
-               f"{(c.generate.iter + 1) * c.rollout.batch_size - 1})" if c.generate.iter is not None else ""),
-            f"task: score the rows' own responses (--data.output_key {c.data.output_key}); no policy"
-            if self.engine is None else f"generation: {self.n} sample(s) per prompt with the {self.engine} "
-            f"engine on {c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call",
-            f"reward: {self.reward or 'none (samples are not scored)'}",
-            f"precision: {c.ds.param_dtype} (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)",
-            f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}",
-            f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}"])
+        return "\n".join(
+            [
+                f"prompts: {len(self.prompts)} from {', '.join(c.data.dataset or [])}"
+                + (
+                    f" (iteration {c.generate.iter}: rows {c.generate.iter * c.rollout.batch_size}.."
+                    f"{(c.generate.iter + 1) * c.rollout.batch_size - 1})"
+                    if c.generate.iter is not None
+                    else ""
+                ),
+                f"task: score the rows' own responses (--data.output_key {c.data.output_key}); no policy"
+                if self.engine is None
+                else f"generation: {self.n} sample(s) per prompt with the {self.engine} "
+                f"engine on {c.vllm.num_engines} Ray worker(s), {c.rollout.micro_batch_size} prompts per call",
+                f"reward: {self.reward or 'none (samples are not scored)'}",
+                f"precision: {c.ds.param_dtype} (--ds.param_dtype; auto is bf16 on GPUs, fp32 on CPU)",
+                f"post-processor: {c.generate.post_processor or 'none (every sample is written)'}",
+                f"samples: {self.samples_path} (resume state)\noutput: {self.output_path}",
+            ]
+        )
 
 
 # --- planning (the driver, before any worker) ----------------------------------------------------------
@@ -97,15 +116,22 @@ def select_rows(cfg: GenerateConfig) -> list[data.Row]:
     """The rows of this run: ``[iter * R, (iter + 1) * R)`` with ``--generate.iter``, else the first
     ``--data.max_samples``."""
     d, it = cfg.data, cfg.generate.iter
-    rows = data.load_rows(d.dataset or [], d.dataset_probs, d.dataset_split, cfg.generate.seed,
-                          None if it is not None else d.max_samples)
+    rows = data.load_rows(
+        d.dataset or [],
+        d.dataset_probs,
+        d.dataset_split,
+        cfg.generate.seed,
+        None if it is not None else d.max_samples,
+    )
     if it is None:
         return rows
     size = cfg.rollout.batch_size
-    picked = rows[it * size:(it + 1) * size]
+    picked = rows[it * size : (it + 1) * size]
     if not picked:
-        raise GenerateError(f"--generate.iter {it} with --rollout.batch_size {size} starts at row {it * size}, but "
-                            f"the data has only {len(rows)} rows")
+        raise GenerateError(
+            f"--generate.iter {it} with --rollout.batch_size {size} starts at row {it * size}, but "
+            f"the data has only {len(rows)} rows"
+        )
     return picked
 
 
@@ -118,8 +144,10 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) ->
             if isinstance(raw, list):
                 data.check_messages(raw, row, d.input_key)
             if (d.apply_chat_template or isinstance(raw, list)) and tokenizer is None:
-                raise GenerateError("--data.apply_chat_template needs a tokenizer: give --model.model_name_or_path "
-                                    "or --reward.model_name_or_path")
+                raise GenerateError(
+                    "--data.apply_chat_template needs a tokenizer: give --model.model_name_or_path "
+                    "or --reward.model_name_or_path"
+                )
             text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
             output = data.get_field(row, d.output_key, str, "--data.output_key") if rm_task else None
             label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None
@@ -130,8 +158,13 @@ def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) ->
             continue
         if cfg.generate.enable_csft:
             text += cfg.generate.csft_prompt.strip() + " "
-        ids = [] if tokenizer is None else data.fit_prompt(data.encode(tokenizer, text), d.prompt_max_len,
-                                                           d.overlong_prompt_policy, row.where(), stats)
+        ids = (
+            []
+            if tokenizer is None
+            else data.fit_prompt(
+                data.encode(tokenizer, text), d.prompt_max_len, d.overlong_prompt_policy, row.where(), stats
+            )
+        )
         if ids is None:
             continue
         prompt = {"index": len(prompts), "text": text, "ids": ids, "label": label}
@@ -182,21 +215,35 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
     pm = pm or plugins.get_plugin_manager()
     g, r = cfg.generate, cfg.rollout
     cfg.ds.param_dtype = resolve_param_dtype(cfg.ds.param_dtype, gpus_available())  # as rlhf train does
-    problems = [message for failed, message in [
-        (g.task not in TASKS, f"--generate.task {g.task}: choose one of {', '.join(TASKS)}"),
-        (not g.output_path, "--generate.output_path is required (the JSON-lines file to write)"),
-        (not cfg.data.dataset, "--data.dataset is required (the prompts)"),
-        (g.task != "rm" and not cfg.model.model_name_or_path,
-         "--model.model_name_or_path (--pretrain) is required: the policy that generates"),
-        (r.repetition_penalty != 1.0, f"--rollout.repetition_penalty {r.repetition_penalty}: the rollout "
-         "engines sample without a repetition penalty; leave it at 1.0"),
-        *[(value < 1, f"{flag} {value}: must be at least 1") for flag, value in (
-            ("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
-            ("--rollout.micro_batch_size", r.micro_batch_size), ("--rollout.batch_size", r.batch_size),
-            ("--vllm.num_engines", cfg.vllm.num_engines))],
-        (g.iter is not None and g.iter < 0, f"--generate.iter {g.iter}: must be 0 or more"),
-        (r.temperature < 0, f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more"),
-    ] if failed]
+    problems = [
+        message
+        for failed, message in [
+            (g.task not in TASKS, f"--generate.task {g.task}: choose one of {', '.join(TASKS)}"),
+            (not g.output_path, "--generate.output_path is required (the JSON-lines file to write)"),
+            (not cfg.data.dataset, "--data.dataset is required (the prompts)"),
+            (
+                g.task != "rm" and not cfg.model.model_name_or_path,
+                "--model.model_name_or_path (--pretrain) is required: the policy that generates",
+            ),
+            (
+                r.repetition_penalty != 1.0,
+                f"--rollout.repetition_penalty {r.repetition_penalty}: the rollout "
+                "engines sample without a repetition penalty; leave it at 1.0",
+            ),
+            *[
+                (value < 1, f"{flag} {value}: must be at least 1")
+                for flag, value in (
+                    ("--rollout.n_samples_per_prompt", r.n_samples_per_prompt),
+                    ("--rollout.micro_batch_size", r.micro_batch_size),
+                    ("--rollout.batch_size", r.batch_size),
+                    ("--vllm.num_engines", cfg.vllm.num_engines),
+                )
+            ],
+            (g.iter is not None and g.iter < 0, f"--generate.iter {g.iter}: must be 0 or more"),
+            (r.temperature < 0, f"--rollout.temperature {r.temperature}: must be 0 (greedy) or more"),
+        ]
+        if failed
+    ]
     if problems:
         raise GenerateError("this run cannot start:\n  - " + "\n  - ".join(problems))
 
@@ -205,8 +252,10 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
         rl = as_rl_config(cfg)
         if g.task == "generate_vllm":
             if r.engine not in ("auto", "vllm"):
-                raise GenerateError(f"--generate.task generate_vllm asks for the vllm engine, but --rollout.engine "
-                                    f"is {r.engine}")
+                raise GenerateError(
+                    f"--generate.task generate_vllm asks for the vllm engine, but --rollout.engine "
+                    f"is {r.engine}"
+                )
             rl.rollout.engine = "vllm"
         engine = choose_engine(rl, pm)
         try:
@@ -217,12 +266,15 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
         if reason:
             raise GenerateError(f"--rollout.engine {engine} cannot run here: {reason}")
         if not (Path(cfg.model.model_name_or_path) / "config.json").is_file():
-            raise GenerateError(f"--model.model_name_or_path {cfg.model.model_name_or_path}: no model there "
-                                "(no config.json)")
+            raise GenerateError(
+                f"--model.model_name_or_path {cfg.model.model_name_or_path}: no model there (no config.json)"
+            )
     reward = check_reward(cfg, pm)
     if g.task == "rm" and reward is None:
-        raise GenerateError("--generate.task rm scores the dataset's responses: give a reward source "
-                            "(--reward.model_name_or_path, --reward.remote_url or --reward.source)")
+        raise GenerateError(
+            "--generate.task rm scores the dataset's responses: give a reward source "
+            "(--reward.model_name_or_path, --reward.remote_url or --reward.source)"
+        )
     if g.post_processor:
         try:
             processor = plugins.resolve(pm, "post_processors", g.post_processor, "--generate.post_processor")
@@ -230,8 +282,10 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
         except (plugins.PluginError, ValueError) as exc:
             raise GenerateError(str(exc)) from None
         if reward is None:
-            raise GenerateError(f"--generate.post_processor {g.post_processor} works on rewards: give a reward "
-                                "source (--reward.model_name_or_path, --reward.remote_url or --reward.source)")
+            raise GenerateError(
+                f"--generate.post_processor {g.post_processor} works on rewards: give a reward "
+                "source (--reward.model_name_or_path, --reward.remote_url or --reward.source)"
+            )
     stats = data.DataStats()
     prompts = build_prompts(cfg, load_tokenizer(cfg), stats)
     notes = [f"{k}: {int(v)}" for k, v in stats.counts.items()]
@@ -258,7 +312,8 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
             raise GenerateError(
                 f"{path} was written by a run with other settings ({', '.join(changed)} differ: "
                 f"{ {k: saved.get(k) for k in changed} } there, { {k: fingerprint[k] for k in changed} } now); "
-                "delete it or choose another --generate.output_path")
+                "delete it or choose another --generate.output_path"
+            )
     else:
         write_atomic(meta_path, json.dumps(fingerprint, indent=1) + "\n")
     if not path.exists():
@@ -278,7 +333,8 @@ def recover_samples(plan: Plan) -> tuple[set[int], str | None]:
     if repaired:
         write_atomic(path, "".join(line + "\n" for i, line in records if i in done))
     note = f"resuming {path}: {len(done)} of {len(plan.prompts)} prompts done" + (
-        f"; dropped {' and '.join(repaired)}" if repaired else "")
+        f"; dropped {' and '.join(repaired)}" if repaired else ""
+    )
     return done, note
 
 
@@ -314,8 +370,11 @@ class GenerationWorker:
         pm = plugins.get_plugin_manager()
         rl = as_rl_config(cfg)
         self.cfg = cfg
-        self.engine = (plugins.resolve(pm, "rollout_engines", engine_name).create(rl, index=index)
-                       if engine_name is not None else None)
+        self.engine = (
+            plugins.resolve(pm, "rollout_engines", engine_name).create(rl, index=index)
+            if engine_name is not None
+            else None
+        )
         self.tokenizer = load_tokenizer(cfg)
         self.reward = build_reward_source(rl, pm)
         self.loop = asyncio.new_event_loop()  # kept: HTTP sessions live on it
@@ -326,35 +385,64 @@ class GenerationWorker:
         if self.engine is None:
             samples = [(p, 0, p["output_ids"], p["output"], "stop") for p in prompts]
         else:
-            params = [SamplingParams(n=c.rollout.n_samples_per_prompt, temperature=c.rollout.temperature,
-                                     top_p=c.rollout.top_p, top_k=c.rollout.top_k,
-                                     max_new_tokens=c.rollout.max_new_tokens,
-                                     seed=derive_seed(c.generate.seed, c.generate.iter or 0, p["index"]))
-                      for p in prompts]
+            params = [
+                SamplingParams(
+                    n=c.rollout.n_samples_per_prompt,
+                    temperature=c.rollout.temperature,
+                    top_p=c.rollout.top_p,
+                    top_k=c.rollout.top_k,
+                    max_new_tokens=c.rollout.max_new_tokens,
+                    seed=derive_seed(c.generate.seed, c.generate.iter or 0, p["index"]),
+                )
+                for p in prompts
+            ]
             outs = self.engine.generate([GenerationRequest(p["ids"], sp) for p, sp in zip(prompts, params)])
-            samples = [(p, j, o.token_ids, self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
-                        o.finish_reason) for p, group in zip(prompts, outs) for j, o in enumerate(group)]
+            samples = [
+                (
+                    p,
+                    j,
+                    o.token_ids,
+                    self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+                    o.finish_reason,
+                )
+                for p, group in zip(prompts, outs)
+                for j, o in enumerate(group)
+            ]
         rewards: list[float | None] = [None] * len(samples)
         errors: list[str | None] = [None] * len(samples)
         if self.reward is not None:
             result = self.loop.run_until_complete(self.reward.score(self._request(samples)))
             rewards = list(result.rewards)
             errors = list(result.errors) or [None] * len(samples)
-        return [{"prompt_index": p["index"], "sample_index": j, "input": p["text"], "output": text,
-                 "reward": reward, "finish_reason": finish,
-                 **({"label": p["label"]} if p["label"] is not None else {}),
-                 **({"error": error or "unscorable"} if self.reward is not None and reward is None else {})}
-                for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors)]
+        return [
+            {
+                "prompt_index": p["index"],
+                "sample_index": j,
+                "input": p["text"],
+                "output": text,
+                "reward": reward,
+                "finish_reason": finish,
+                **({"label": p["label"]} if p["label"] is not None else {}),
+                **({"error": error or "unscorable"} if self.reward is not None and reward is None else {}),
+            }
+            for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors)
+        ]
 
     def _request(self, samples: list[tuple]) -> RewardRequest:
         tok = self.tokenizer
         return RewardRequest(
-            queries=[tok.decode(p["ids"] + list(ids), skip_special_tokens=False) if tok is not None
-                     else p["text"] + text for p, _, ids, text, _ in samples],
-            prompts=[p["text"] for p, *_ in samples], labels=[p["label"] for p, *_ in samples],
+            queries=[
+                tok.decode(p["ids"] + list(ids), skip_special_tokens=False)
+                if tok is not None
+                else p["text"] + text
+                for p, _, ids, text, _ in samples
+            ],
+            prompts=[p["text"] for p, *_ in samples],
+            labels=[p["label"] for p, *_ in samples],
             prompt_ids=[list(p["ids"]) for p, *_ in samples],
             response_ids=[list(ids) for _, _, ids, *_ in samples],
-            finish_reasons=[finish for *_, finish in samples], responses=[text for *_, text, _ in samples],
+            finish_reasons=[finish for *_, finish in samples],
+            responses=[text for *_, text, _ in samples],
         )
 
 
@@ -380,8 +468,11 @@ class Progress:
             self.last = now
             rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
             reward = f", mean reward {self.reward_sum / self.scored:.4f}" if self.scored else ""
-            print(f"generate: {self.done}/{self.total} prompts ({self.done / self.total:.0%}), {self.samples} "
-                  f"samples this run, {rate:.2f} prompts/s{reward}", flush=True)
+            print(
+                f"generate: {self.done}/{self.total} prompts ({self.done / self.total:.0%}), {self.samples} "
+                f"samples this run, {rate:.2f} prompts/s{reward}",
+                flush=True,
+            )
 
 
 def generate_samples(plan: Plan, todo: list[dict]) -> None:
@@ -400,7 +491,7 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     actor = ray.remote(GenerationWorker).options(num_cpus=1, num_gpus=gpus)
     workers = [actor.remote(cfg, plan.engine, k, cpu_threads(workers_n)) for k in range(workers_n)]
     size = cfg.rollout.micro_batch_size
-    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+    chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
     progress = Progress(len(plan.prompts), len(plan.prompts) - len(todo))
     pending: dict[Any, tuple[int, list[dict]]] = {}  # object ref -> (worker, its micro-batch)
     next_chunk, written = 0, 0
@@ -415,9 +506,11 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
             _, chunk = pending.pop(ref)
             records = ray.get(ref)
             if plan.reward is not None and all(rec["reward"] is None for rec in records):
-                raise GenerateError(f"the reward source ({plan.reward}) could not score any sample of a micro-batch; "
-                                    f"first error: {records[0].get('error')}. The samples made so far are kept: fix "
-                                    "the reward source and run the same command again to resume")
+                raise GenerateError(
+                    f"the reward source ({plan.reward}) could not score any sample of a micro-batch; "
+                    f"first error: {records[0].get('error')}. The samples made so far are kept: fix "
+                    "the reward source and run the same command again to resume"
+                )
             written += 1
             append_records(plan.samples_path, records, written)
             progress.update(records, len(chunk))
@@ -442,16 +535,32 @@ def finish(plan: Plan, pm=None) -> dict:
         groups: dict[int, list[ScoredSample]] = {}
         for r in scored:
             groups.setdefault(r["prompt_index"], []).append(
-                ScoredSample(r["input"], r["output"], float(r["reward"]), r["prompt_index"], r["sample_index"],
-                             r.get("label")))
+                ScoredSample(
+                    r["input"],
+                    r["output"],
+                    float(r["reward"]),
+                    r["prompt_index"],
+                    r["sample_index"],
+                    r.get("label"),
+                )
+            )
         options = PostProcessOptions(cfg.generate.reward_template, cfg.generate.normalize_reward)
         rows = processor(PostProcessInput([groups[k] for k in sorted(groups)], options))
     else:
-        keys = ("input", "output", "reward", "label") if plan.reward is not None else ("input", "output", "label")
+        keys = (
+            ("input", "output", "reward", "label")
+            if plan.reward is not None
+            else ("input", "output", "label")
+        )
         rows = [{k: r[k] for k in keys if k in r} for r in records]
     write_atomic(plan.output_path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    summary = {"prompts": len(plan.prompts), "samples": len(records), "unscorable": unscorable,
-               "rows": len(rows), "output": str(plan.output_path)}
+    summary = {
+        "prompts": len(plan.prompts),
+        "samples": len(records),
+        "unscorable": unscorable,
+        "rows": len(rows),
+        "output": str(plan.output_path),
+    }
     if scored:
         rewards = [float(r["reward"]) for r in scored]
         mean = sum(rewards) / len(rewards)
@@ -469,11 +578,17 @@ def run_generate(plan: Plan) -> dict:
     if todo:
         generate_samples(plan, todo)
     summary = finish(plan)
-    reward = (f"; reward mean {summary['reward_mean']:.4f}, std {summary['reward_std']:.4f}"
-              if "reward_mean" in summary else "")
+    reward = (
+        f"; reward mean {summary['reward_mean']:.4f}, std {summary['reward_std']:.4f}"
+        if "reward_mean" in summary
+        else ""
+    )
     unscorable = f", {summary['unscorable']} unscorable" if summary["unscorable"] else ""
-    print(f"generate: {summary['samples']} samples of {summary['prompts']} prompts{unscorable}{reward}; "
-          f"wrote {summary['rows']} rows to {summary['output']}", flush=True)
+    print(
+        f"generate: {summary['samples']} samples of {summary['prompts']} prompts{unscorable}{reward}; "
+        f"wrote {summary['rows']} rows to {summary['output']}",
+        flush=True,
+    )
     return summary
 
 
@@ -482,8 +597,10 @@ def main(argv: list[str]) -> int:
 
     if "-h" in argv or "--help" in argv:
         build_argparser("generate").print_help()
-        print("\n  --config FILE        YAML file with any of the options above (repeatable)"
-              "\n  --dry-run            check everything, print the resolved config and plan, start nothing")
+        print(
+            "\n  --config FILE        YAML file with any of the options above (repeatable)"
+            "\n  --dry-run            check everything, print the resolved config and plan, start nothing"
+        )
         return 0
     dry_run = "--dry-run" in argv
     try:

@@ -1,6 +1,6 @@
 """``rlhf lora-merge``: fold a LoRA adapter into its base model and write a plain HF model.
 
-    python -m rlhf_cli.lora_merge --base BASE_DIR --adapter ADAPTER_DIR --out OUT_DIR
+python -m rlhf_cli.lora_merge --base BASE_DIR --adapter ADAPTER_DIR --out OUT_DIR
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="the base HF model directory")
     parser.add_argument("--adapter", required=True, help="the LoRA adapter directory (PEFT format)")
     parser.add_argument("--out", required=True, help="where to write the merged model")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the merged weights")
+    parser.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the merged weights"
+    )
     args = parser.parse_args(argv)
     print(merge_lora(args.base, args.adapter, args.out, args.dtype))
     return 0

@@ -1,13 +1,13 @@
 """The ``rlhf`` command.
 
-    rlhf train {ppo,sft,rm,dpo,kto,prm,kd} [--config run.yaml] [flags] [--dry-run] [--debug]
-    rlhf generate [flags] [--dry-run]
-    rlhf chat [flags]
-    rlhf plugins [--json]
-    rlhf serve-rm [flags]
-    rlhf lora-merge [flags]
-    rlhf doctor
-    rlhf demo [--quick]
+rlhf train {ppo,sft,rm,dpo,kto,prm,kd} [--config run.yaml] [flags] [--dry-run] [--debug]
+rlhf generate [flags] [--dry-run]
+rlhf chat [flags]
+rlhf plugins [--json]
+rlhf serve-rm [flags]
+rlhf lora-merge [flags]
+rlhf doctor
+rlhf demo [--quick]
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ def cmd_train(argv: list[str]) -> int:
     mode, rest = argv[0], argv[1:]
     if "-h" in rest or "--help" in rest:
         build_argparser(mode).print_help()
-        print("\n  --config FILE        YAML file with any of the options above (repeatable)"
-              "\n  --dry-run            print the resolved config and placement plan, start nothing"
-              "\n  --debug              print the traceback of an error, not only its message")
+        print(
+            "\n  --config FILE        YAML file with any of the options above (repeatable)"
+            "\n  --dry-run            print the resolved config and placement plan, start nothing"
+            "\n  --debug              print the traceback of an error, not only its message"
+        )
         return 0
     dry_run, debug = "--dry-run" in rest, "--debug" in rest
     rest = [a for a in rest if a not in ("--dry-run", "--debug")]
@@ -66,7 +68,9 @@ def cmd_train(argv: list[str]) -> int:
     except Exception as exc:
         if find_user_error(exc) is None:
             raise
-        return fail(mode, exc, debug, 1, Path(cfg.ckpt.output_dir) / api.RUN_LOG)  # also when a Ray worker raised it
+        return fail(
+            mode, exc, debug, 1, Path(cfg.ckpt.output_dir) / api.RUN_LOG
+        )  # also when a Ray worker raised it
     return 0
 
 
@@ -80,8 +84,11 @@ def dry_run_resume(mode: str, cfg) -> int:
     except CheckpointError as exc:
         print(f"rlhf train {mode}: {exc}", file=sys.stderr)
         return 1
-    print(f"# --ckpt.load_enable: resumes from {resume}" if resume else
-          f"# --ckpt.load_enable: no checkpoint under {root}; starts from scratch")
+    print(
+        f"# --ckpt.load_enable: resumes from {resume}"
+        if resume
+        else f"# --ckpt.load_enable: no checkpoint under {root}; starts from scratch"
+    )
     return 0
 
 
@@ -104,9 +111,14 @@ def cmd_plugins(argv: list[str]) -> int:
 
 
 # Imported when run: each pulls in packages (torch, transformers, fastapi) the other commands do not need.
-MODULE_COMMANDS = {"generate": "rlhf_cli.generate", "chat": "rlhf_cli.chat",
-                   "serve-rm": "rlhf_agents.serve_rm", "lora-merge": "rlhf_cli.lora_merge",
-                   "doctor": "rlhf_cli.doctor", "demo": "rlhf_cli.demo"}
+MODULE_COMMANDS = {
+    "generate": "rlhf_cli.generate",
+    "chat": "rlhf_cli.chat",
+    "serve-rm": "rlhf_agents.serve_rm",
+    "lora-merge": "rlhf_cli.lora_merge",
+    "doctor": "rlhf_cli.doctor",
+    "demo": "rlhf_cli.demo",
+}
 COMMANDS = {"train": cmd_train, "plugins": cmd_plugins}
 
 

@@ -31,8 +31,12 @@ def plan_pools(roles: dict[str, RoleDemand], shared: list[set[str]], gpus_availa
         width = max(roles[r].num_workers * (gpus[r] if gpus_available else 1) for r in names)
         bundle = {"GPU": 1.0, "CPU": 1.0} if gpus_available else {"CPU": 1.0}
         pools.append(BundlePool(pool, [dict(bundle) for _ in range(width)]))
-        groups += [WorkerGroupSpec(r, roles[r].num_workers, pool, num_gpus_per_worker=gpus[r] * share,
-                                   num_cpus_per_worker=share) for r in names]
+        groups += [
+            WorkerGroupSpec(
+                r, roles[r].num_workers, pool, num_gpus_per_worker=gpus[r] * share, num_cpus_per_worker=share
+            )
+            for r in names
+        ]
     return PlacementPlan(pools, groups)
 
 
@@ -44,10 +48,11 @@ class Colocation:
 
     def shared(self, cfg) -> list[set[str]]:
         t, actor_ref, critic_reward = cfg.train, {"actor", "ref"}, {"critic", "reward"}
-        return {"colocate_all": [set(ROLE_ORDER)],
-                "colocate_actor_ref": [actor_ref] + ([critic_reward] if t.colocate_critic_reward else []),
-                "colocate_critic_reward": [critic_reward] + ([actor_ref] if t.colocate_actor_ref else []),
-                }.get(self.name, [])
+        return {
+            "colocate_all": [set(ROLE_ORDER)],
+            "colocate_actor_ref": [actor_ref] + ([critic_reward] if t.colocate_critic_reward else []),
+            "colocate_critic_reward": [critic_reward] + ([actor_ref] if t.colocate_actor_ref else []),
+        }.get(self.name, [])
 
     def plan(self, roles: dict[str, RoleDemand], cfg, gpus_available: bool) -> PlacementPlan:
         if self.name == "colocate_all" and gpus_available and "rollout" in roles:
@@ -62,7 +67,9 @@ class Colocation:
         return plan_pools(roles, self.shared(cfg), gpus_available)
 
 
-BUILTIN = [Colocation(n) for n in ("colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate")]
+BUILTIN = [
+    Colocation(n) for n in ("colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate")
+]
 
 
 def roles_in_actor(plan: PlacementPlan, engine: str, cfg) -> set[str]:
@@ -71,8 +78,12 @@ def roles_in_actor(plan: PlacementPlan, engine: str, cfg) -> set[str]:
     pipeline since the rank's one thread runs its calls in turn; vLLM engines keep processes of their own."""
     groups = {g.role: g for g in plan.groups}
     shared = {r for r, g in groups.items() if r in ("ref", "rollout") and g.pool == groups["actor"].pool}
-    if "rollout" in shared and (engine != "hf" or cfg.train.async_enable or cfg.vllm.sync_with_ray
-                                or groups["rollout"].num_workers > groups["actor"].num_workers):
+    if "rollout" in shared and (
+        engine != "hf"
+        or cfg.train.async_enable
+        or cfg.vllm.sync_with_ray
+        or groups["rollout"].num_workers > groups["actor"].num_workers
+    ):
         shared.remove("rollout")
     return shared
 

@@ -17,9 +17,12 @@ from rlhf_core import console
 from rlhf_core.types import PlacementPlan, WorkerGroupSpec
 
 # Environment every actor gets: CPU DeepSpeed when there is no GPU, no tokenizer thread pools.
-WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0",
-              # torch.distributed deprecation notices from DeepSpeed internals, once per call: noise to users
-              "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}
+WORKER_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # torch.distributed deprecation notices from DeepSpeed internals, once per call: noise to users
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+}
 
 
 def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
@@ -42,11 +45,17 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
         return
     needed = 0.0 if plan is None else sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
     # "local": without it ray.init joins whatever cluster another program started on this machine
-    ray.init(address="local", num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1, min_cpus),
-             include_dashboard=cfg.ray.dashboard, dashboard_host="127.0.0.1", runtime_env=runtime_env,
-             log_to_driver=True, _system_config={"prestart_worker_first_driver": False},
-             # "Started a local Ray instance." and the like: on the terminal with --debug only
-             logging_level=logging.INFO if os.environ.get(console.DEBUG_ENV, "1") == "1" else logging.WARNING)
+    ray.init(
+        address="local",
+        num_cpus=max(math.ceil(needed) + 1, os.cpu_count() or 1, min_cpus),
+        include_dashboard=cfg.ray.dashboard,
+        dashboard_host="127.0.0.1",
+        runtime_env=runtime_env,
+        log_to_driver=True,
+        _system_config={"prestart_worker_first_driver": False},
+        # "Started a local Ray instance." and the like: on the terminal with --debug only
+        logging_level=logging.INFO if os.environ.get(console.DEBUG_ENV, "1") == "1" else logging.WARNING,
+    )
     reaper.start()  # the cluster is this driver's: it goes when the driver goes, even by SIGKILL
 
 
@@ -80,10 +89,16 @@ def remove_pools(pools: dict[str, Pool]) -> None:
         remove_placement_group(pool.group)
 
 
-def worker_options(spec: WorkerGroupSpec, pool: Pool, rank: int, gpus_per_worker_bundles: int = 1) -> dict[str, Any]:
+def worker_options(
+    spec: WorkerGroupSpec, pool: Pool, rank: int, gpus_per_worker_bundles: int = 1
+) -> dict[str, Any]:
     """Ray actor options that pin worker ``rank`` of ``spec`` to its bundle of ``pool``: in rank order, so
     roles sharing a pool land on the same bundles (colocation)."""
     bundle = (rank * gpus_per_worker_bundles) % pool.num_bundles
-    return {"num_cpus": spec.num_cpus_per_worker, "num_gpus": spec.num_gpus_per_worker,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=pool.group, placement_group_bundle_index=bundle)}
+    return {
+        "num_cpus": spec.num_cpus_per_worker,
+        "num_gpus": spec.num_gpus_per_worker,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pool.group, placement_group_bundle_index=bundle
+        ),
+    }

@@ -51,7 +51,10 @@ def start() -> None:
     if _reaper is None and Path("/proc/self/stat").exists():
         _reaper = subprocess.Popen(
             [sys.executable, "-m", "rlhf_cli.reaper", str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
 

@@ -1,6 +1,6 @@
 """The run report: PNG plots of a run's metrics.jsonl and an HTML page that shows them.
 
-    python -m rlhf_cli.report RUN_DIR        # writes RUN_DIR/report/{*.png,index.html}
+python -m rlhf_cli.report RUN_DIR        # writes RUN_DIR/report/{*.png,index.html}
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ def make_report(run_dir: str | Path) -> Path:
     last = rows[-1] if rows else {}
     cells = {k: f"{v:.4g}" if isinstance(v, float) else html.escape(str(v)) for k, v in sorted(last.items())}
     summary = "".join(f"<tr><td>{html.escape(k)}</td><td>{v}</td></tr>" for k, v in cells.items())
-    images = "".join(f'<figure><img src="{f}" alt="{html.escape(t)}"><figcaption>{html.escape(t)}</figcaption>'
-                     f"</figure>" for f, t in made)
+    images = "".join(
+        f'<figure><img src="{f}" alt="{html.escape(t)}"><figcaption>{html.escape(t)}</figcaption></figure>'
+        for f, t in made
+    )
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>rlhf run report</title>"
         "<style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:0 1em 1em 0}"

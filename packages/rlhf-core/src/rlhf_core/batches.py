@@ -53,9 +53,13 @@ class SequenceBatch:
         return self.input_ids.shape[0]
 
 
-def make_sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
-                        action_masks: list[list[int]] | None = None,
-                        images: list[list[ImageInput]] | None = None) -> SequenceBatch:
+def make_sequence_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_token_id: int,
+    action_masks: list[list[int]] | None = None,
+    images: list[list[ImageInput]] | None = None,
+) -> SequenceBatch:
     """Build a :class:`SequenceBatch` from token-id lists (e.g. ``Trajectory.prompt_ids`` / ``response_ids``
     / ``action_mask``) and, for a vision-language model, each row's images (``Trajectory.images``)."""
     if len(prompts) != len(responses):
@@ -74,7 +78,9 @@ def make_sequence_batch(prompts: list[list[int]], responses: list[list[int]], pa
         amask = torch.zeros((len(prompts), t), dtype=torch.long)
         for i, m in enumerate(action_masks):
             if len(m) != len(responses[i]):
-                raise ValueError(f"sequence {i}: action mask has {len(m)} entries for {len(responses[i])} tokens")
+                raise ValueError(
+                    f"sequence {i}: action mask has {len(m)} entries for {len(responses[i])} tokens"
+                )
             amask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
     if images is not None and len(images) != len(prompts):
         raise ValueError(f"{len(images)} image lists for {len(prompts)} sequences")
@@ -107,8 +113,13 @@ def to_device(obj, device: torch.device):
     return obj
 
 
-def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: int, packed: bool,
-                               prompts: Sequence[Hashable] | None = None) -> list[list[int]]:
+def token_budget_micro_batches(
+    lengths: list[int],
+    num_ranks: int,
+    max_tokens: int,
+    packed: bool,
+    prompts: Sequence[Hashable] | None = None,
+) -> list[list[int]]:
     """Row indices grouped into micro-batches that each fit a token budget (dynamic batching), rank-major,
     with the same number of micro-batches on every rank.
 
@@ -159,7 +170,9 @@ def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: i
     for unit in ordered:
         whole = [r for r in range(num_ranks) if room[r] - len(shares[r]) >= len(unit)]
         for i in unit:
-            r = min(whole or [r for r in range(num_ranks) if len(shares[r]) < room[r]], key=lambda r: tokens[r])
+            r = min(
+                whole or [r for r in range(num_ranks) if len(shares[r]) < room[r]], key=lambda r: tokens[r]
+            )
             whole = [r] if whole else []  # the rest of the unit follows its first row
             shares[r].append(i)
             tokens[r] += lengths[i]
@@ -169,8 +182,14 @@ def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: i
         stats: list[tuple[int, int]] = []  # tokens and longest row of each micro-batch: a try costs O(1)
         for i in share:
             n = lengths[i]
-            k = next((k for k, (tok, wide) in enumerate(stats)
-                      if (tok + n if packed else (len(mbs[k]) + 1) * max(wide, n)) <= max_tokens), len(mbs))
+            k = next(
+                (
+                    k
+                    for k, (tok, wide) in enumerate(stats)
+                    if (tok + n if packed else (len(mbs[k]) + 1) * max(wide, n)) <= max_tokens
+                ),
+                len(mbs),
+            )
             if k == len(mbs):
                 mbs.append([])
                 stats.append((0, 0))
@@ -182,7 +201,9 @@ def token_budget_micro_batches(lengths: list[int], num_ranks: int, max_tokens: i
         while len(mbs) < target and any(len(mb) > 1 for mb in mbs):
             big = max((mb for mb in mbs if len(mb) > 1), key=cost)
             half = len(big) // 2
-            mbs.append(big[half:])  # rows in placement order: the later half is the shorter one, or another prompt
+            mbs.append(
+                big[half:]
+            )  # rows in placement order: the later half is the shorter one, or another prompt
             del big[half:]
     return [sorted(mb) for mbs in per_rank for mb in mbs]
 

@@ -25,9 +25,11 @@ class HFEngineFactory:
             raise ValueError("the hf rollout engine needs --actor.model_name_or_path")
         from rlhf_core.config import resolve_param_dtype
 
-        return {"model_name_or_path": cfg.actor.model_name_or_path,
-                "dtype": resolve_param_dtype(cfg.ds.param_dtype),
-                "attn_implementation": cfg.ds.attn_implementation}
+        return {
+            "model_name_or_path": cfg.actor.model_name_or_path,
+            "dtype": resolve_param_dtype(cfg.ds.param_dtype),
+            "attn_implementation": cfg.ds.attn_implementation,
+        }
 
     def create(self, cfg: Any, index: int = 0, **overrides: Any) -> Any:
         """``index`` numbers the engines of a run; the HF engine needs no per-engine setting."""

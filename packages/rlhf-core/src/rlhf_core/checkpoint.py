@@ -97,7 +97,9 @@ def damage(path: Path) -> str | None:
             if not f.is_file():
                 return f"{f} is missing"
             if f.stat().st_size != size:
-                return f"{f} has {f.stat().st_size} bytes where the save wrote {size} (truncated or overwritten)"
+                return (
+                    f"{f} has {f.stat().st_size} bytes where the save wrote {size} (truncated or overwritten)"
+                )
     for f in sorted(path.rglob("*.pt")):
         # torch.save writes a zip archive holding <name>/data.pkl; its directory is at the end of the file
         try:
@@ -142,13 +144,18 @@ def resume_point(root: Path) -> Path | None:
     for path in candidates:
         if (reason := damage(path)) is None:
             if skipped:
-                _warn(f"resuming from {path.name}, the newest intact checkpoint; skipped "
-                      + "; ".join(skipped) + ". A later save of the same step replaces a damaged one.")
+                _warn(
+                    f"resuming from {path.name}, the newest intact checkpoint; skipped "
+                    + "; ".join(skipped)
+                    + ". A later save of the same step replaces a damaged one."
+                )
             return path
         skipped.append(f"{path.name} ({reason})")
-    raise CheckpointError(f"no intact checkpoint under {root}: {'; '.join(skipped)}. Restore the damaged "
-                          "files, or start from scratch without --ckpt.load_enable (or with another "
-                          "--ckpt.path).")
+    raise CheckpointError(
+        f"no intact checkpoint under {root}: {'; '.join(skipped)}. Restore the damaged "
+        "files, or start from scratch without --ckpt.load_enable (or with another "
+        "--ckpt.path)."
+    )
 
 
 class CheckpointManager:
@@ -186,8 +193,11 @@ class CheckpointManager:
         _fsync_path(self.root)
         write_atomic(self.root / POINTER, name + "\n")
         older = [p for p in self.checkpoints() if p != final]  # pruned only once the new one is committed
-        while older and (len(older) >= self.max_num or self.max_mem_gb is not None
-                         and sum(map(_dir_bytes, [final, *older])) > self.max_mem_gb * (1 << 30)):
+        while older and (
+            len(older) >= self.max_num
+            or self.max_mem_gb is not None
+            and sum(map(_dir_bytes, [final, *older])) > self.max_mem_gb * (1 << 30)
+        ):
             shutil.rmtree(older.pop(0))
         return final
 
@@ -195,4 +205,6 @@ class CheckpointManager:
         try:
             return torch.load(path / CLIENT_STATE, weights_only=False)
         except Exception as exc:  # unpickling garbage raises anything
-            raise CheckpointError(f"{path / CLIENT_STATE} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+            raise CheckpointError(
+                f"{path / CLIENT_STATE} cannot be loaded: {type(exc).__name__}: {exc}"
+            ) from exc

@@ -16,8 +16,16 @@ RL_MODES = ("ppo",)
 SUPERVISED_MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
 
 
-def option(default=MISSING, *, default_factory=MISSING, modes: tuple[str, ...] | None = None,
-           refused: str | None = None, noted: str | None = None, secret: bool = False, requires: str | None = None):
+def option(
+    default=MISSING,
+    *,
+    default_factory=MISSING,
+    modes: tuple[str, ...] | None = None,
+    refused: str | None = None,
+    noted: str | None = None,
+    secret: bool = False,
+    requires: str | None = None,
+):
     """A field with rules that :func:`rlhf_core.config_parser.parse_config` enforces before anything starts.
 
     ``modes``: the only modes whose parser accepts it (the code of the others does not read it); ``refused``:
@@ -484,8 +492,12 @@ class DSConfig:
     """Gradient accumulation dtype (default: the parameter dtype)."""
     deepcompile: bool = option(False, refused="DeepSpeed deepcompile is not wired into rlhf-train-deepspeed")
     """DeepSpeed deepcompile (OpenRLHF's; refused here)."""
-    tensor_parallel_size: int = option(1, refused=(
-        "DeepSpeed AutoTP is not wired into rlhf-train-deepspeed; shard with ZeRO-3 (--ds.zero_stage 3)"))
+    tensor_parallel_size: int = option(
+        1,
+        refused=(
+            "DeepSpeed AutoTP is not wired into rlhf-train-deepspeed; shard with ZeRO-3 (--ds.zero_stage 3)"
+        ),
+    )
     """DeepSpeed AutoTP degree (OpenRLHF's; any value but 1 is refused here)."""
     ring_attn_size: int = 1
     """Ranks per ring-attention group: each packed micro-batch is split over them (needs packing; on CUDA
@@ -513,9 +525,13 @@ class DSConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     value_head_prefix: str = option("score", modes=("ppo", "rm"))
     """Name of the value head of critic and reward models."""
-    use_universal_ckpt: bool = option(False, refused=(
-        "DeepSpeed universal checkpoints are not written by rlhf-train-deepspeed; its checkpoints resume at "
-        "the world size that saved them"))
+    use_universal_ckpt: bool = option(
+        False,
+        refused=(
+            "DeepSpeed universal checkpoints are not written by rlhf-train-deepspeed; its checkpoints resume at "
+            "the world size that saved them"
+        ),
+    )
     """Save DeepSpeed universal checkpoints (OpenRLHF's; refused here)."""
 
 
@@ -575,12 +591,20 @@ class DataConfig:
     max_images_per_prompt: int = option(0, modes=RL_MODES)
     """Vision-language models: most images in a prompt, and in a multi-turn episode with the images its
     environment returns (those past it are dropped); 0: no limit. A row over it is a data error."""
-    disable_fast_tokenizer: bool = option(False, noted=(
-        "transformers 5 has one tokenizer implementation and ignores use_fast (OpenRLHF passes it on unread too)"))
+    disable_fast_tokenizer: bool = option(
+        False,
+        noted=(
+            "transformers 5 has one tokenizer implementation and ignores use_fast (OpenRLHF passes it on unread too)"
+        ),
+    )
     """OpenRLHF's switch to the slow tokenizer; changes nothing with transformers 5."""
-    dataloader_num_workers: int = option(0, refused=(
-        "rlhf has no DataLoader worker processes: the driver reads and tokenizes the whole dataset once, "
-        "before training starts"))
+    dataloader_num_workers: int = option(
+        0,
+        refused=(
+            "rlhf has no DataLoader worker processes: the driver reads and tokenizes the whole dataset once, "
+            "before training starts"
+        ),
+    )
     """OpenRLHF's DataLoader worker processes (refused unless 0: rlhf tokenizes the data once, in the driver)."""
 
 
@@ -678,8 +702,9 @@ class ModelConfig(OptimizerFields):
     """Weight of the MoE router auxiliary loss (not implemented: refused unless 0)."""
     pretrain_mode_enable: bool = option(False, modes=("sft", "kd"))
     """SFT: train on the whole text, not just the response."""
-    compute_fp32_loss_enable: bool = option(False, modes=("rm",), noted=(
-        "rlhf always computes the reward-model loss in fp32"))
+    compute_fp32_loss_enable: bool = option(
+        False, modes=("rm",), noted=("rlhf always computes the reward-model loss in fp32")
+    )
     """RM: compute the loss in fp32 (always the case here)."""
     margin_loss_enable: bool = option(False, modes=("rm",))
     """RM: subtract the dataset's ``margin`` column inside the sigmoid loss."""
@@ -881,8 +906,12 @@ class GenerateDataConfig:
     """Skip and count rows with a missing or mistyped key instead of failing on the first."""
     max_samples: int = 100_000_000
     """Use at most this many rows (without ``--generate.iter``)."""
-    disable_fast_tokenizer: bool = option(False, noted=(
-        "transformers 5 has one tokenizer implementation and ignores use_fast (OpenRLHF passes it on unread too)"))
+    disable_fast_tokenizer: bool = option(
+        False,
+        noted=(
+            "transformers 5 has one tokenizer implementation and ignores use_fast (OpenRLHF passes it on unread too)"
+        ),
+    )
     """OpenRLHF's switch to the slow tokenizer; changes nothing with transformers 5."""
 
 
@@ -987,7 +1016,9 @@ def as_rl_config(cfg: GenerateConfig) -> RLConfig:
         if dataclasses.is_dataclass(target := getattr(rl, f.name, None)):
             section = getattr(cfg, f.name)
             names = {g.name for g in dataclasses.fields(target)}
-            values = {g.name: getattr(section, g.name) for g in dataclasses.fields(section) if g.name in names}
+            values = {
+                g.name: getattr(section, g.name) for g in dataclasses.fields(section) if g.name in names
+            }
             setattr(rl, f.name, dataclasses.replace(target, **values))
     rl.actor.model_name_or_path = cfg.model.model_name_or_path
     rl.train.seed = cfg.generate.seed

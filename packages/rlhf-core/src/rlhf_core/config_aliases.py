@@ -13,14 +13,20 @@ def _same(section: str, names: str, prefix: str = "") -> dict[str, str]:
 
 # flat name -> dotted name(s) it sets, in every mode
 COMMON: dict[str, str | tuple[str, ...]] = {
-    **_same("data", "prompt_split input_key label_key input_template apply_chat_template max_len prompt_max_len "
-                    "max_samples image_key max_images_per_prompt disable_fast_tokenizer dataloader_num_workers "
-                    "dataset dataset_probs dataset_split output_key tokenizer_chat_template chosen_key "
-                    "rejected_key prompt_key multiturn"),
+    **_same(
+        "data",
+        "prompt_split input_key label_key input_template apply_chat_template max_len prompt_max_len "
+        "max_samples image_key max_images_per_prompt disable_fast_tokenizer dataloader_num_workers "
+        "dataset dataset_probs dataset_split output_key tokenizer_chat_template chosen_key "
+        "rejected_key prompt_key multiturn",
+    ),
     "prompt_data": "data.prompt_dataset",
     "prompt_data_probs": "data.prompt_probs",
-    **_same("ds", "zero_stage param_dtype zpg adam_offload overlap_comm grad_accum_dtype deepcompile "
-                  "attn_implementation use_liger_kernel load_in_4bit packing_samples ring_attn_size value_head_prefix"),
+    **_same(
+        "ds",
+        "zero_stage param_dtype zpg adam_offload overlap_comm grad_accum_dtype deepcompile "
+        "attn_implementation use_liger_kernel load_in_4bit packing_samples ring_attn_size value_head_prefix",
+    ),
     "ds_tensor_parallel_size": "ds.tensor_parallel_size",
     "ring_head_stride": "ds.ring_attn_head_stride",
     **_same("ds.lora", "rank alpha dropout", "lora_"),
@@ -50,8 +56,13 @@ COMMON: dict[str, str | tuple[str, ...]] = {
 
 _TRAINED = ("actor", "critic")
 # flat optimizer flags -> their field in a trained model's section (RL: actor and critic, else model)
-_OPTIMIZER = {"adam_betas": "adam.betas", "l2": "adam.weight_decay", "max_norm": "max_norm",
-              "lr_scheduler": "lr_scheduler", "lr_warmup_ratio": "lr_warmup_ratio"}
+_OPTIMIZER = {
+    "adam_betas": "adam.betas",
+    "l2": "adam.weight_decay",
+    "max_norm": "max_norm",
+    "lr_scheduler": "lr_scheduler",
+    "lr_warmup_ratio": "lr_warmup_ratio",
+}
 _MODELS = ("actor", "critic", "ref", "reward")
 
 RL: dict[str, str | tuple[str, ...]] = {
@@ -70,8 +81,11 @@ RL: dict[str, str | tuple[str, ...]] = {
     "colocate_all_models": "train.colocate_all",
     **_same("train", "colocate_actor_ref colocate_critic_reward"),
     # vllm
-    **_same("vllm", "num_engines tensor_parallel_size sync_backend sync_with_ray gpu_memory_utilization "
-                    "enable_sleep", "vllm_"),
+    **_same(
+        "vllm",
+        "num_engines tensor_parallel_size sync_backend sync_with_ray gpu_memory_utilization enable_sleep",
+        "vllm_",
+    ),
     **_same("vllm", "enable_prefix_caching enforce_eager"),
     "deepspeed_enable_sleep": "ds.enable_sleep",
     # algorithm
@@ -156,15 +170,20 @@ CLIP_PARTS = {"clip_eps_low": 0, "clip_eps_high": 1}
 # ``rlhf generate``: OpenRLHF's batch_inference flags (its ``--pretrain`` is the policy; the reward model
 # comes with ``--reward_pretrain`` or ``--remote_rm_url``, as in train_ppo).
 GENERATE: dict[str, str | tuple[str, ...]] = {
-    **_same("data", "dataset dataset_probs dataset_split input_key output_key label_key input_template "
-                    "apply_chat_template tokenizer_chat_template max_len prompt_max_len max_samples "
-                    "disable_fast_tokenizer"),
+    **_same(
+        "data",
+        "dataset dataset_probs dataset_split input_key output_key label_key input_template "
+        "apply_chat_template tokenizer_chat_template max_len prompt_max_len max_samples "
+        "disable_fast_tokenizer",
+    ),
     "pretrain": "model.model_name_or_path",
     "reward_pretrain": "reward.model_name_or_path",
     "remote_rm_url": "reward.remote_url",
     "eval_task": "generate.task",
-    **_same("generate", "output_path post_processor reward_template normalize_reward enable_csft csft_prompt iter "
-                        "seed"),
+    **_same(
+        "generate",
+        "output_path post_processor reward_template normalize_reward enable_csft csft_prompt iter seed",
+    ),
     "best_of_n": "rollout.n_samples_per_prompt",
     **_same("rollout", "max_new_tokens temperature top_p repetition_penalty"),
     "rollout_batch_size": "rollout.batch_size",
@@ -177,7 +196,10 @@ GENERATE: dict[str, str | tuple[str, ...]] = {
 # ``rlhf chat``: OpenRLHF's interactive_chat flags.
 CHAT: dict[str, str | tuple[str, ...]] = {
     "pretrain": "model.model_name_or_path",
-    **_same("chat", "max_len max_new_tokens temperature top_p repetition_penalty ta_prompt enable_csft csft_prompt"),
+    **_same(
+        "chat",
+        "max_len max_new_tokens temperature top_p repetition_penalty ta_prompt enable_csft csft_prompt",
+    ),
     **_same("data", "input_template apply_chat_template tokenizer_chat_template"),
     **_same("ds", "param_dtype attn_implementation"),
 }

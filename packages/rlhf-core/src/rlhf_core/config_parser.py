@@ -101,8 +101,14 @@ def all_leaves(root: type) -> dict[str, Leaf]:
                 continue
             kind, item = _leaf_kind(tp)
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            out[prefix + f.name] = Leaf(prefix + f.name, kind, item, docs.get(f.name, ""), default,
-                                        **{k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata})
+            out[prefix + f.name] = Leaf(
+                prefix + f.name,
+                kind,
+                item,
+                docs.get(f.name, ""),
+                default,
+                **{k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata},
+            )
 
     walk(root, "")
     return out
@@ -111,7 +117,9 @@ def all_leaves(root: type) -> dict[str, Leaf]:
 @functools.cache
 def leaves(mode: str) -> dict[str, Leaf]:
     """The fields ``rlhf train <mode>`` (or ``rlhf generate`` / ``rlhf chat``) accepts, keyed by dotted path."""
-    return {p: leaf for p, leaf in all_leaves(COMMANDS[mode]).items() if leaf.modes is None or mode in leaf.modes}
+    return {
+        p: leaf for p, leaf in all_leaves(COMMANDS[mode]).items() if leaf.modes is None or mode in leaf.modes
+    }
 
 
 def _parse_bool(text: str) -> bool:
@@ -136,8 +144,9 @@ def command_name(mode: str) -> str:
 def build_argparser(mode: str, prog: str | None = None) -> argparse.ArgumentParser:
     """An argparse parser with one dotted flag per config field, grouped by section (for ``--help``)."""
     root = COMMANDS[mode]
-    parser = _Parser(prog=prog or command_name(mode), allow_abbrev=False, add_help=False,
-                     description=inspect.getdoc(root))
+    parser = _Parser(
+        prog=prog or command_name(mode), allow_abbrev=False, add_help=False, description=inspect.getdoc(root)
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for leaf in leaves(mode).values():
         section = leaf.path.split(".")[0]
@@ -212,8 +221,10 @@ def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
         flag = "--" + _split_flag(tok)[0]
         other = [m for m in MODES if flag[2:] in leaves(m) or flag[2:] in aliases.table(m)]
         if other:
-            lines.append(f"{flag}{where} is an option of 'rlhf train {'|'.join(other)}' only: "
-                         f"the code of '{command_name(mode)}' does not use it")
+            lines.append(
+                f"{flag}{where} is an option of 'rlhf train {'|'.join(other)}' only: "
+                f"the code of '{command_name(mode)}' does not use it"
+            )
             continue
         close = difflib.get_close_matches(flag, known, n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
@@ -242,8 +253,9 @@ def yaml_tokens(path: str | Path) -> list[str]:
         # PyYAML's message quotes the offending line, which may hold a secret: give its position only
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"--config {path}: not valid YAML{where}: {getattr(exc, 'problem', None) or 'parse error'}"
-                          ) from None
+        raise ConfigError(
+            f"--config {path}: not valid YAML{where}: {getattr(exc, 'problem', None) or 'parse error'}"
+        ) from None
     if data is None:
         return []
     if not isinstance(data, dict):
@@ -258,8 +270,10 @@ def dict_tokens(data: dict, none_is_default: bool = True) -> list[str]:
     tokens: list[str] = []
     for key, value in _flatten_yaml(data).items():
         if value is None and not none_is_default:
-            raise ConfigError(f"--{key} None: an override cannot set a field to None; leave it out for the value "
-                              "below it, or set it on the config object")
+            raise ConfigError(
+                f"--{key} None: an override cannot set a field to None; leave it out for the value "
+                "below it, or set it on the config object"
+            )
         if value is None:
             continue
         if isinstance(value, bool):
@@ -308,19 +322,27 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
     for path, leaf in all_leaves(COMMANDS[mode]).items():
         value = _get(cfg, path)
         if path not in leaves(mode):
-            if value != leaf.default:  # only a config object (``base``) can hold it: flags of other modes are refused
-                refused.append(f"--{path} is an option of 'rlhf train {'|'.join(leaf.modes)}' only: the code of "
-                               f"'{command_name(mode)}' does not use it")
+            if (
+                value != leaf.default
+            ):  # only a config object (``base``) can hold it: flags of other modes are refused
+                refused.append(
+                    f"--{path} is an option of 'rlhf train {'|'.join(leaf.modes)}' only: the code of "
+                    f"'{command_name(mode)}' does not use it"
+                )
         elif leaf.secret and value == REDACTED:
-            refused.append(f"--{path} is {REDACTED!r}, the placeholder of a saved config that hides it: give the "
-                           "real value on the command line")
+            refused.append(
+                f"--{path} is {REDACTED!r}, the placeholder of a saved config that hides it: give the "
+                "real value on the command line"
+            )
         elif value != leaf.default and leaf.refused:
             refused.append(f"--{path}: {leaf.refused}")
         elif value != leaf.default and leaf.noted:
             notes.append(f"--{path} changes nothing: {leaf.noted}")
         elif value != leaf.default and leaf.requires and not _importable(leaf.requires):
-            refused.append(f"--{path} needs the {leaf.requires} package, which is not installed: "
-                           f"pip install {leaf.requires}")
+            refused.append(
+                f"--{path} needs the {leaf.requires} package, which is not installed: "
+                f"pip install {leaf.requires}"
+            )
     if refused:
         raise ConfigError("\n".join(refused))
     return cfg, notes
@@ -353,14 +375,18 @@ def build_config(mode: str, values: dict[str, Any], base: Any = None) -> Any:
     return cfg
 
 
-_URL_SECRET = re.compile(r"(?i)(://[^/@:\s]*:)[^/@\s]*@|([?&](?:[a-z_]*(?:token|key|secret|password|passwd|sig|auth)"
-                         r"[a-z_]*)=)[^&#\s]*")
+_URL_SECRET = re.compile(
+    r"(?i)(://[^/@:\s]*:)[^/@\s]*@|([?&](?:[a-z_]*(?:token|key|secret|password|passwd|sig|auth)"
+    r"[a-z_]*)=)[^&#\s]*"
+)
 
 
 def redact_text(text: str) -> str:
     """``text`` with the password of any ``scheme://user:password@host`` and the values of URL query parameters
     that name a token, key, secret, password, signature or auth replaced by ``***``."""
-    return _URL_SECRET.sub(lambda m: f"{m.group(1)}{REDACTED}@" if m.group(1) else f"{m.group(2)}{REDACTED}", text)
+    return _URL_SECRET.sub(
+        lambda m: f"{m.group(1)}{REDACTED}@" if m.group(1) else f"{m.group(2)}{REDACTED}", text
+    )
 
 
 def shown_config(cfg: Any, mode: str) -> dict:

@@ -61,7 +61,9 @@ def setup_ray_worker() -> None:
         stream.flush()
         os.dup2(log_fd, fd)
     os.close(log_fd)
-    root.addHandler(logging.StreamHandler(sys.stderr))  # now the log file: vLLM's records, which reach the root
+    root.addHandler(
+        logging.StreamHandler(sys.stderr)
+    )  # now the log file: vLLM's records, which reach the root
     handler = logging.StreamHandler(terminal)
     handler.setLevel(logging.WARNING)
     handler.addFilter(OwnRecords())

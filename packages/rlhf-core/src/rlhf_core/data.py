@@ -128,8 +128,10 @@ def _read_dir(path: Path, split: str) -> list[Row]:
     if split == "train" and not any(p.name.startswith(SPLIT_NAMES) for p in data_files):
         files = data_files  # the rule of datasets.load_dataset: no split in the names means all is train
     if not files:
-        raise DataError(f"{path}: no data files for split {split!r} (looked for "
-                        f"{split}*{{{','.join(FILE_FORMATS)}}}, or a dataset saved with save_to_disk)")
+        raise DataError(
+            f"{path}: no data files for split {split!r} (looked for "
+            f"{split}*{{{','.join(FILE_FORMATS)}}}, or a dataset saved with save_to_disk)"
+        )
     return [row for f in files for row in _read_file(f, split)]
 
 
@@ -140,12 +142,17 @@ def _read_hub(name: str, data_dir: str | None, split: str) -> list[Row]:
     try:
         ds = datasets.load_dataset(name, data_dir=data_dir)
     except Exception as exc:  # the hub, the network or the cache: the reason is in the message
-        offline = " (offline mode: only datasets already in the cache load)" if (
-            datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE) else ""
+        offline = (
+            " (offline mode: only datasets already in the cache load)"
+            if (datasets.config.HF_HUB_OFFLINE or datasets.config.HF_DATASETS_OFFLINE)
+            else ""
+        )
         first_line = str(exc).splitlines()[0] if str(exc) else ""
-        raise DataError(f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset "
-                        f"could not load it from the Hugging Face hub{offline}: {type(exc).__name__}: "
-                        f"{first_line} (cache: {datasets.config.HF_DATASETS_CACHE})") from None
+        raise DataError(
+            f"dataset {shown!r} is not a local file or directory, and datasets.load_dataset "
+            f"could not load it from the Hugging Face hub{offline}: {type(exc).__name__}: "
+            f"{first_line} (cache: {datasets.config.HF_DATASETS_CACHE})"
+        ) from None
     if split not in ds:
         raise DataError(f"dataset {shown!r}: no split {split!r}; it has {', '.join(ds)}")
     return [Row(r, f"{shown}[{split}]", i) for i, r in enumerate(ds[split])]
@@ -167,8 +174,12 @@ def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
     return _read_hub(name, data_dir or None, split)
 
 
-def mix_rows(sources: Sequence[Sequence[Row]], probs: Sequence[float] | None = None, seed: int = 0,
-             max_samples: int | None = None) -> list[Row]:
+def mix_rows(
+    sources: Sequence[Sequence[Row]],
+    probs: Sequence[float] | None = None,
+    seed: int = 0,
+    max_samples: int | None = None,
+) -> list[Row]:
     """Mix several datasets into ``min(sum of sizes, max_samples)`` rows: each picks its source with
     probability ``probs[k]`` (normalised); a source is read in a seeded random order and starts over when
     exhausted (so a small, highly weighted set is repeated). One source, or no ``probs``: concatenation.
@@ -191,8 +202,13 @@ def mix_rows(sources: Sequence[Sequence[Row]], probs: Sequence[float] | None = N
     return [sources[k][next(orders[k])] for k in picks]
 
 
-def load_rows(paths: Sequence[str], probs: Sequence[float] | None = None, split: str = "train", seed: int = 0,
-              max_samples: int | None = None) -> list[Row]:
+def load_rows(
+    paths: Sequence[str],
+    probs: Sequence[float] | None = None,
+    split: str = "train",
+    seed: int = 0,
+    max_samples: int | None = None,
+) -> list[Row]:
     """Read and mix ``paths`` (see :func:`read_rows` and :func:`mix_rows`)."""
     if not paths:
         raise DataError("no dataset given (--data.dataset)")
@@ -222,21 +238,36 @@ def check_messages(messages: Any, row: Row, key: str, parts: bool = False) -> li
     and ``{"type": "image"}`` items, as vision-language chat templates take them."""
 
     def content_ok(c: Any) -> bool:
-        return isinstance(c, str) or parts and isinstance(c, list) and all(
-            isinstance(x, dict) and (x.get("type") == "image" or (x.get("type") == "text" and isinstance(x.get("text"), str)))
-            for x in c)
+        return (
+            isinstance(c, str)
+            or parts
+            and isinstance(c, list)
+            and all(
+                isinstance(x, dict)
+                and (x.get("type") == "image" or (x.get("type") == "text" and isinstance(x.get("text"), str)))
+                for x in c
+            )
+        )
 
-    ok = isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                            and content_ok(m.get("content")) for m in messages)
+    ok = isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and content_ok(m.get("content"))
+        for m in messages
+    )
     if not ok or not messages:
         kind = "a str or a list of {'type': 'text'|'image'} items" if parts else "a str"
-        raise DataError(f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages, each "
-                        f"content {kind}")
+        raise DataError(
+            f"{row.where()}: key {key!r} should be a list of {{'role', 'content'}} messages, each "
+            f"content {kind}"
+        )
     return messages
 
 
-def render_prompt(tokenizer: Any, prompt: str | list[dict], input_template: str | None = None,
-                  apply_chat_template: bool = False) -> str:
+def render_prompt(
+    tokenizer: Any,
+    prompt: str | list[dict],
+    input_template: str | None = None,
+    apply_chat_template: bool = False,
+) -> str:
     """The prompt text a model sees: with ``apply_chat_template`` the tokenizer's chat template with the
     generation prompt (a string becomes one user message), else ``input_template`` (``{}`` marks the prompt)
     around the string, else the string.
@@ -248,7 +279,9 @@ def render_prompt(tokenizer: Any, prompt: str | list[dict], input_template: str 
         raise DataError("a conversation (list of messages) needs --data.apply_chat_template")
     if input_template:
         if "{}" not in input_template:
-            raise DataError(f"--data.input_template must contain '{{}}' for the prompt, got {input_template!r}")
+            raise DataError(
+                f"--data.input_template must contain '{{}}' for the prompt, got {input_template!r}"
+            )
         return input_template.format(prompt)
     return prompt
 
@@ -293,8 +326,9 @@ def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], l
     return full, mask
 
 
-def fit_prompt(ids: list[int], budget: int, policy: str, where: str,
-               stats: DataStats | None = None) -> list[int] | None:
+def fit_prompt(
+    ids: list[int], budget: int, policy: str, where: str, stats: DataStats | None = None
+) -> list[int] | None:
     """The prompt ``ids`` as ``--data.overlong_prompt_policy`` leaves it with ``budget`` tokens allowed:
     ``error`` raises a DataError naming ``where`` (file and row), ``skip`` returns None, ``truncate_left``
     keeps the last ``budget`` tokens (both counted in ``stats``). A prompt within budget comes back unchanged.
@@ -304,9 +338,11 @@ def fit_prompt(ids: list[int], budget: int, policy: str, where: str,
     if len(ids) <= budget:
         return ids
     if policy == "error":
-        raise DataError(f"{where}: prompt has {len(ids)} tokens, more than the {budget} allowed "
-                        "(--data.max_len / --data.prompt_max_len); set --data.overlong_prompt_policy skip or "
-                        "truncate_left to go on")
+        raise DataError(
+            f"{where}: prompt has {len(ids)} tokens, more than the {budget} allowed "
+            "(--data.max_len / --data.prompt_max_len); set --data.overlong_prompt_policy skip or "
+            "truncate_left to go on"
+        )
     if stats is not None:
         stats.add("overlong_prompts_skipped" if policy == "skip" else "overlong_prompts_truncated")
     return None if policy == "skip" else ids[len(ids) - budget :]

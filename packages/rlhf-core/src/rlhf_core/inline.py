@@ -104,13 +104,24 @@ def single_process(cfg: Any, processes: int, backend_can: bool = True) -> bool:
         return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     named = "--ray.address" if cfg.ray.address else "$RAY_ADDRESS"
-    reasons = [why for applies, why in (
-        (processes != 1, f"the run needs {processes} worker processes (one per training rank, reference "
-                         "model, critic, reward model and rollout engine that cannot share the actor rank's "
-                         "process)"),
-        (not backend_can, f"--train.backend {cfg.train.backend} cannot run its rank in the driver's process"),
-        (address, f"a Ray cluster is named ({named} {address})"),
-        (cfg.ray.dashboard, "--ray.dashboard asks for a Ray cluster")) if applies]
+    reasons = [
+        why
+        for applies, why in (
+            (
+                processes != 1,
+                f"the run needs {processes} worker processes (one per training rank, reference "
+                "model, critic, reward model and rollout engine that cannot share the actor rank's "
+                "process)",
+            ),
+            (
+                not backend_can,
+                f"--train.backend {cfg.train.backend} cannot run its rank in the driver's process",
+            ),
+            (address, f"a Ray cluster is named ({named} {address})"),
+            (cfg.ray.dashboard, "--ray.dashboard asks for a Ray cluster"),
+        )
+        if applies
+    ]
     if setting == "true" and reasons:
         raise ValueError("--ray.single_process true cannot be honoured: " + "; ".join(reasons))
     ray = sys.modules.get("ray")  # auto: a Ray session this process started (a test's, a notebook's) is used

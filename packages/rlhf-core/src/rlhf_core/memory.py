@@ -86,7 +86,9 @@ def release_file_pages(tensors: Iterable[torch.Tensor]) -> int:
     released, holds = 0, False
     for line in smaps:
         fields = line.split()
-        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping's header: range perms offset dev inode
+        if re.fullmatch(
+            r"[0-9a-f]+-[0-9a-f]+", fields[0]
+        ):  # a mapping's header: range perms offset dev inode
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             holds = fields[4] != "0" and any(lo <= p < hi for p in starts)
         elif holds and fields[0] == "Anonymous:" and fields[1] == "0":

@@ -32,16 +32,18 @@ SEAMS: dict[str, str] = {seam: f"rlhf_register_{seam}" for seam in SINGULAR}
 
 # Names the first-party packages register, so that asking for one that is missing says what to install.
 KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
-    "advantage_estimators": dict.fromkeys(["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm",
-                                           "dr_grpo", "opd"], "rlhf-algos"),
+    "advantage_estimators": dict.fromkeys(
+        ["gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo", "opd"], "rlhf-algos"
+    ),
     "policy_losses": dict.fromkeys(["ppo", "gspo"], "rlhf-algos"),
     "kl_estimators": dict.fromkeys(["k1", "k2", "k3"], "rlhf-algos"),
     "agent_executors": dict.fromkeys(["single_turn", "multi_turn", "openai_server"], "rlhf-agents"),
     "environments": {},
     "reward_sources": dict.fromkeys(["python_file", "http", "reward_model", "prm"], "rlhf-agents"),
     "post_processors": dict.fromkeys(["rs", "iter_dpo", "csft"], "rlhf-core"),
-    "placement_strategies": dict.fromkeys(["colocate_all", "colocate_actor_ref", "colocate_critic_reward",
-                                           "separate"], "rlhf-cli"),
+    "placement_strategies": dict.fromkeys(
+        ["colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate"], "rlhf-cli"
+    ),
     "rollout_engines": {"hf": "rlhf-core", "vllm": "rlhf-rollout-vllm[vllm]"},
     "train_backends": {"deepspeed": "rlhf-train-deepspeed"},
 }
@@ -114,8 +116,10 @@ def get_plugin_manager(load_entrypoints: bool = True) -> pluggy.PluginManager:
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must say who it is
-                raise PluginError(f"could not load rlhf plugin {ep.name!r} ({ep.value}) from distribution "
-                                  f"{dist!r}: {type(exc).__name__}: {exc}. {_skip_hint(dist)}") from exc
+                raise PluginError(
+                    f"could not load rlhf plugin {ep.name!r} ({ep.value}) from distribution "
+                    f"{dist!r}: {type(exc).__name__}: {exc}. {_skip_hint(dist)}"
+                ) from exc
             pm.register(plugin, name=ep.name)
             pm.rlhf_distributions[ep.name] = (dist, ep.dist.version if ep.dist is not None else "")
     for name, plugin in _TEST_PLUGINS:
@@ -146,12 +150,20 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
         members = CLASS_MEMBERS[seam]
     else:
         proto = PROTOCOLS[seam]
-        members = sorted(set(getattr(proto, "__annotations__", {})) | {
-            n for n, v in vars(proto).items() if callable(v) and (n == "__call__" or not n.startswith("_"))})
+        members = sorted(
+            set(getattr(proto, "__annotations__", {}))
+            | {
+                n
+                for n, v in vars(proto).items()
+                if callable(v) and (n == "__call__" or not n.startswith("_"))
+            }
+        )
     if not (missing := [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]):
         return None
     attrs = [m for m in missing if m != "__call__"]
-    faults = (["is not callable"] if "__call__" in missing else []) + ([f"has no {', '.join(attrs)}"] if attrs else [])
+    faults = (["is not callable"] if "__call__" in missing else []) + (
+        [f"has no {', '.join(attrs)}"] if attrs else []
+    )
     label = getattr(obj, "__qualname__", None)
     got = f"{type(obj).__name__} {label}" if label else type(obj).__name__
     return f"it {' and '.join(faults)} (got {got})"
@@ -169,16 +181,21 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
         dist, version = pm.rlhf_distributions.get(plugin_name, (f"<{plugin_name}>", ""))
         where = f"{dist} (entry point {pm.get_name(impl.plugin)!r}, hook {hook})"
 
-        def register(name: str, obj: Any, _dist: str = dist, _version: str = version, _where: str = where) -> None:
+        def register(
+            name: str, obj: Any, _dist: str = dist, _version: str = version, _where: str = where
+        ) -> None:
             if not isinstance(name, str) or not name:
                 raise PluginError(f"{_where} registered a {seam} entry with an invalid name {name!r}")
             if name in out:
-                raise PluginError(f"{seam} name {name!r} is registered twice: by {out[name].distribution} "
-                                  f"and by {_dist}")
+                raise PluginError(
+                    f"{seam} name {name!r} is registered twice: by {out[name].distribution} and by {_dist}"
+                )
             if problem := protocol_problem(seam, obj):
                 what = _a(SINGULAR[seam])
-                raise PluginError(f"{_where} registered {name!r} as {what}, but {problem}; "
-                                  f"docs/plugin-hooks.md says what {what} provides. {_skip_hint(_dist)}")
+                raise PluginError(
+                    f"{_where} registered {name!r} as {what}, but {problem}; "
+                    f"docs/plugin-hooks.md says what {what} provides. {_skip_hint(_dist)}"
+                )
             out[name] = Registered(seam, name, obj, _dist, _version)
 
         try:
@@ -209,7 +226,10 @@ def describe(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
     """One entry per loaded distribution: its version and the names it registered in each seam."""
     regs = [reg for seam in SEAMS for reg in collect(pm, seam).values()]
     dists: dict[str, dict[str, Any]] = {}
-    for dist, version in [*pm.rlhf_distributions.values(), *((reg.distribution, reg.version) for reg in regs)]:
+    for dist, version in [
+        *pm.rlhf_distributions.values(),
+        *((reg.distribution, reg.version) for reg in regs),
+    ]:
         dists.setdefault(dist, {"distribution": dist, "version": version, "seams": {}})
     for reg in regs:
         dists[reg.distribution]["seams"].setdefault(reg.seam, []).append(reg.name)

@@ -11,8 +11,10 @@ DEFAULT_CSFT_TEMPLATE = "{input} <rm_score>: {reward} "
 
 def best_and_worst(group: list[ScoredSample]) -> tuple[ScoredSample, ScoredSample]:
     """The samples of highest and lowest reward; among equals the first in sample order."""
-    return (max(group, key=lambda s: (s.reward, -s.sample_index)),
-            min(group, key=lambda s: (s.reward, s.sample_index)))
+    return (
+        max(group, key=lambda s: (s.reward, -s.sample_index)),
+        min(group, key=lambda s: (s.reward, s.sample_index)),
+    )
 
 
 def z_scores(rewards: list[float]) -> list[float]:
@@ -37,9 +39,17 @@ class IterativeDPO(PostProcessor):  # the protocol's check: no option to check
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
         pairs = [best_and_worst(group) for group in batch.groups]
-        return [{"prompt": best.input, "chosen": best.output, "chosen_reward": best.reward,
-                 "rejected": worst.output, "rejected_reward": worst.reward}
-                for best, worst in pairs if best.reward != worst.reward]
+        return [
+            {
+                "prompt": best.input,
+                "chosen": best.output,
+                "chosen_reward": best.reward,
+                "rejected": worst.output,
+                "rejected_reward": worst.reward,
+            }
+            for best, worst in pairs
+            if best.reward != worst.reward
+        ]
 
 
 class ConditionalSFT:
@@ -53,8 +63,10 @@ class ConditionalSFT:
         try:
             template.format(input="", reward="")
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"--generate.reward_template {template!r}: only {{input}} and {{reward}} may be "
-                             f"filled in ({type(exc).__name__}: {exc}); write a literal brace as {{{{ or }}}}") from None
+            raise ValueError(
+                f"--generate.reward_template {template!r}: only {{input}} and {{reward}} may be "
+                f"filled in ({type(exc).__name__}: {exc}); write a literal brace as {{{{ or }}}}"
+            ) from None
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
         template = batch.options.reward_template or DEFAULT_CSFT_TEMPLATE
@@ -62,8 +74,14 @@ class ConditionalSFT:
         rewards = [s.reward for s in samples]
         if batch.options.normalize_reward:
             rewards = z_scores(rewards)
-        return [{"input": template.format(input=s.input, reward=f"{r:.2f}"), "output": s.output, "reward": round(r, 2)}
-                for s, r in zip(samples, rewards)]
+        return [
+            {
+                "input": template.format(input=s.input, reward=f"{r:.2f}"),
+                "output": s.output,
+                "reward": round(r, 2),
+            }
+            for s, r in zip(samples, rewards)
+        ]
 
 
 BUILTIN = {"rs": RejectionSampling(), "iter_dpo": IterativeDPO(), "csft": ConditionalSFT()}

@@ -46,8 +46,15 @@ class MetricsWriter:
     hidden), recorded as the W&B run config. ``bare_prefix`` goes before TensorBoard tags without a ``/``.
     """
 
-    def __init__(self, run_dir: str | Path, logger, total_steps: int, start_step: int = 0,
-                 config: dict | None = None, bare_prefix: str = ""):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        logger,
+        total_steps: int,
+        start_step: int = 0,
+        config: dict | None = None,
+        bare_prefix: str = "",
+    ):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         prepare_metrics_file(self.dir / "metrics.jsonl", start_step)
@@ -64,8 +71,15 @@ class MetricsWriter:
             import wandb  # only when asked for
 
             wandb.login(key=w.key)
-            self.wandb = wandb.init(project=w.project, entity=w.org, group=w.group, name=w.run_name,
-                                    dir=str(self.dir), config=config, resume="allow")
+            self.wandb = wandb.init(
+                project=w.project,
+                entity=w.org,
+                group=w.group,
+                name=w.run_name,
+                dir=str(self.dir),
+                config=config,
+                resume="allow",
+            )
 
     def log(self, step: int, metrics: dict) -> bool:
         """Record ``metrics`` of ``step`` if it is due; returns whether it was."""

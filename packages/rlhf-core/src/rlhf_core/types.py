@@ -510,7 +510,9 @@ class TrainBackend(Protocol):
     ``rlhf_core.testing.TrainBackendConformance`` checks a backend against this contract.
     """
 
-    def create_group(self, role: str, cfg: Any, pool: Any, num_workers: int, **options: Any) -> TrainGroup: ...
+    def create_group(
+        self, role: str, cfg: Any, pool: Any, num_workers: int, **options: Any
+    ) -> TrainGroup: ...
 
     def run_trainer(self, mode: str, cfg: Any) -> Any: ...
 
@@ -568,7 +570,12 @@ class TrainGroup(Protocol):
         and released can be taken by another process before the group forms."""
 
     def broadcast_weights_to_engines_async(
-        self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo", timeout_s: float = 600.0
+        self,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
     ) -> list:
         """Start sending the weights as rank 0 of an ``rlhf_core.weight_sync`` group whose other ranks are
         the engines; returns Ray refs to wait on. The first call joins the group; the engines stay in it, so

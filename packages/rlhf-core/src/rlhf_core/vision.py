@@ -31,8 +31,10 @@ def is_vision_language(config: Any) -> bool:
 def check_supported(config: Any, path: str) -> None:
     """ValueError unless the VLM at ``path`` is of a family whose image inputs this module builds."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains "
-                         f"images with {', '.join(SUPPORTED_MODEL_TYPES)} models only")
+        raise ValueError(
+            f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains "
+            f"images with {', '.join(SUPPORTED_MODEL_TYPES)} models only"
+        )
 
 
 def load_model(path: str, **kwargs: Any) -> torch.nn.Module:
@@ -80,7 +82,9 @@ def read_image(value: Any, base_dir: Path, where: str) -> Any:
     if isinstance(value, (bytes, bytearray)):
         return _decode(bytes(value), f"{where}: the embedded bytes")
     if not isinstance(value, str):
-        raise DataError(f"{where}: expected a path, file:// URL, data URI or bytes, got {type(value).__name__}")
+        raise DataError(
+            f"{where}: expected a path, file:// URL, data URI or bytes, got {type(value).__name__}"
+        )
     if value.startswith("data:"):
         try:
             data = base64.b64decode(value.split(",", 1)[1], validate=True)
@@ -88,13 +92,17 @@ def read_image(value: Any, base_dir: Path, where: str) -> Any:
             raise DataError(f"{where}: the data URI is not base64 (data:image/...;base64,...)") from None
         return _decode(data, f"{where}: the data URI")
     if value.startswith(("http://", "https://")):
-        raise DataError(f"{where}: {value} is a web URL; rlhf reads local files only (download the images first "
-                        "and give their paths or file:// URLs)")
+        raise DataError(
+            f"{where}: {value} is a web URL; rlhf reads local files only (download the images first "
+            "and give their paths or file:// URLs)"
+        )
     path = Path(value.removeprefix("file://")).expanduser()
     if not path.is_absolute() and not path.exists():
         path = base_dir / path
     if not path.is_file():
-        raise DataError(f"{where}: image file {value} does not exist (looked in the working directory and in {base_dir})")
+        raise DataError(
+            f"{where}: image file {value} does not exist (looked in the working directory and in {base_dir})"
+        )
     return _decode(path.read_bytes(), f"{where}: {path}")
 
 
@@ -118,12 +126,16 @@ def row_images(row: Row, key: str, max_images: int) -> list[ImageRef]:
     ``max_images`` of them (0: any number); DataError naming the file, row and key otherwise."""
     if key not in row.data:
         have = ", ".join(map(str, row.data)) or "none"
-        raise DataError(f"{row.where()}: missing key {key!r} (set by --data.image_key); the row has keys: {have}")
+        raise DataError(
+            f"{row.where()}: missing key {key!r} (set by --data.image_key); the row has keys: {have}"
+        )
     value = row.data[key]
     values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
     if max_images and len(values) > max_images:
-        raise DataError(f"{row.where()}: {len(values)} images in key {key!r}, more than "
-                        f"--data.max_images_per_prompt {max_images}")
+        raise DataError(
+            f"{row.where()}: {len(values)} images in key {key!r}, more than "
+            f"--data.max_images_per_prompt {max_images}"
+        )
     base_dir = Path(row.file.split("[")[0]).parent
     return [ImageRef(v, base_dir, f"{row.where()}: image {i} of key {key!r}") for i, v in enumerate(values)]
 
@@ -155,14 +167,18 @@ class ImageProcessing:
 
         config = AutoConfig.from_pretrained(path)
         if not is_vision_language(config):
-            raise ValueError(f"{path} is not a vision-language model (its config.json has no vision_config), so it "
-                             "cannot read images (--data.image_key)")
+            raise ValueError(
+                f"{path} is not a vision-language model (its config.json has no vision_config), so it "
+                "cannot read images (--data.image_key)"
+            )
         check_supported(config, path)
         try:
             image_processor = AutoImageProcessor.from_pretrained(path)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: no image processor could be loaded ({exc}); a VLM directory needs its "
-                             "preprocessor_config.json") from None
+            raise ValueError(
+                f"{path}: no image processor could be loaded ({exc}); a VLM directory needs its "
+                "preprocessor_config.json"
+            ) from None
         return cls(image_processor, config.image_token_id, config.vision_config.spatial_merge_size)
 
     def process(self, images: Sequence[Any]) -> list[ImageInput]:
@@ -203,8 +219,12 @@ def count_image_tokens(ids: Sequence[int], images: Sequence[ImageInput], image_t
 # --- forward passes ---------------------------------------------------------------------------------------
 
 
-def image_forward_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         images: Sequence[Sequence[ImageInput]]) -> tuple[dict, torch.Tensor]:
+def image_forward_inputs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    images: Sequence[Sequence[ImageInput]],
+) -> tuple[dict, torch.Tensor]:
     """Keyword arguments that make ``model(input_ids=..., attention_mask=..., **kwargs)`` see each row's
     images, and the ``[B, 1]`` M-RoPE offset of each row.
 
@@ -238,6 +258,9 @@ def image_forward_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attent
         kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=per_row)}
         grids = torch.stack([im.grid_thw for row in images for im in row]).to(input_ids.device)
     kwargs["position_ids"], offsets = hf.model.get_rope_index(
-        input_ids, mm_token_type_ids=(input_ids == image_token_id).int(), image_grid_thw=grids,
-        attention_mask=attention_mask)
+        input_ids,
+        mm_token_type_ids=(input_ids == image_token_id).int(),
+        image_grid_thw=grids,
+        attention_mask=attention_mask,
+    )
     return kwargs, offsets

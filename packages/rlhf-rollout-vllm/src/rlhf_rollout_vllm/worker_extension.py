@@ -31,8 +31,16 @@ def save_peft_adapter(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str) -
         rank = lora_a.shape[0]
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(Path(out_dir) / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": sorted(targets),
-              "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": rank,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+    }
     (Path(out_dir) / "adapter_config.json").write_text(json.dumps(config))
     return len(tensors)
 
@@ -49,15 +57,22 @@ def reprocess_tied_layers(model: torch.nn.Module) -> int:
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
         if weight is not None:
             owners.setdefault(id(weight), []).append(module)
-    shared = [m for modules in owners.values() if len(modules) > 1 for m in modules
-              if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")]
+    shared = [
+        m
+        for modules in owners.values()
+        if len(modules) > 1
+        for m in modules
+        if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")
+    ]
     for module in shared:
         module.quant_method.process_weights_after_loading(module)
     return len(shared)
 
 
 class WeightSyncWorkerExtension:
-    def rlhf_load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter_dir: str | None = None) -> bool:
+    def rlhf_load(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter_dir: str | None = None
+    ) -> bool:
         """Load ``(HF name, tensor)`` pairs, consumed as they come (one sync bucket in memory). LoRA adapter
         pairs are written to ``adapter_dir`` instead (by the worker of rank 0; all workers load it when the
         engine adds the adapter). Returns whether they were adapters."""
@@ -81,14 +96,22 @@ class WeightSyncWorkerExtension:
         reprocess_tied_layers(runner.model)
         return False
 
-    def rlhf_init_weight_sync(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
-                              backend: str, timeout_s: float) -> None:
+    def rlhf_init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        first_rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         """Join the weight-sync group as rank ``first_rank + self.rank`` (gloo groups go through CPU), leaving the
         one joined before (a new group replaces one that held a dead engine)."""
         self.rlhf_close_weight_sync()
         device = self.device if backend == "nccl" else torch.device("cpu")
-        self.rlhf_sync_group = init_sync_group(master_addr, master_port, first_rank + self.rank, world_size,
-                                               backend, timeout_s, device=device)
+        self.rlhf_sync_group = init_sync_group(
+            master_addr, master_port, first_rank + self.rank, world_size, backend, timeout_s, device=device
+        )
 
     def rlhf_receive_weights(self, adapter_dir: str | None = None) -> bool:
         """Receive one broadcast from rank 0, loading tensors as they arrive (see :meth:`rlhf_load`)."""
@@ -97,8 +120,9 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("receive_weights before init_weight_sync")
         return self.rlhf_load(group.receive(), adapter_dir)
 
-    def rlhf_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]] | bytes,
-                          adapter_dir: str | None = None) -> bool:
+    def rlhf_load_weights(
+        self, named_tensors: list[tuple[str, torch.Tensor]] | bytes, adapter_dir: str | None = None
+    ) -> bool:
         """``(name, tensor)`` pairs, or their ``torch.save`` bytes when they crossed a process boundary."""
         if isinstance(named_tensors, bytes):
             named_tensors = torch.load(io.BytesIO(named_tensors), weights_only=True)

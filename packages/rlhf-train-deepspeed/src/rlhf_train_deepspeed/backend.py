@@ -28,20 +28,44 @@ def spec_for_role(role: str, cfg, num_workers: int, total_steps: int | None = No
         ema_beta = cfg.train.ema_beta if cfg.train.enable_ema else None
         if ema_beta is not None and not 0.0 <= ema_beta < 1.0:
             raise ValueError(f"--train.ema_beta must be in [0, 1), got {ema_beta}")
-        return ModelSpec(actor_path, "causal", True, cfg.actor, micro, grad_accum, steps,
-                         cfg.actor.gradient_checkpointing_enable, cfg.actor.gradient_checkpointing_reentrant,
-                         ema_beta=ema_beta, freeze_vision=cfg.actor.freeze_visual_encoder)
+        return ModelSpec(
+            actor_path,
+            "causal",
+            True,
+            cfg.actor,
+            micro,
+            grad_accum,
+            steps,
+            cfg.actor.gradient_checkpointing_enable,
+            cfg.actor.gradient_checkpointing_reentrant,
+            ema_beta=ema_beta,
+            freeze_vision=cfg.actor.freeze_visual_encoder,
+        )
     if role == "critic":
         path = cfg.critic.model_name_or_path or cfg.reward.model_name_or_path or actor_path
-        return ModelSpec(path, "value", True, cfg.critic, micro, grad_accum, steps, cfg.critic.gradient_checkpointing_enable)
+        return ModelSpec(
+            path,
+            "value",
+            True,
+            cfg.critic,
+            micro,
+            grad_accum,
+            steps,
+            cfg.critic.gradient_checkpointing_enable,
+        )
     if role == "ref":
         first, *more = reference_paths(cfg)
         return ModelSpec(first, "causal", False, offload=cfg.ref.offload, teacher_paths=more)
     if role == "reward":
         if not cfg.reward.model_name_or_path:
             raise ValueError("a reward-model group needs --reward.model_name_or_path")
-        return ModelSpec(cfg.reward.model_name_or_path, "value", False, offload=cfg.reward.offload,
-                         normalize_reward=cfg.reward.normalize_enable)
+        return ModelSpec(
+            cfg.reward.model_name_or_path,
+            "value",
+            False,
+            offload=cfg.reward.offload,
+            normalize_reward=cfg.reward.normalize_enable,
+        )
     raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
 
 
@@ -63,8 +87,16 @@ class DeepSpeedBackend:
         if kwargs.pop("with_ref", False):
             spec.ref_path, *spec.teacher_paths = reference_paths(cfg)
             spec.ref_offload = cfg.ref.offload
-        return create_worker_group(role, spec, cfg.ds, num_workers, seed=cfg.train.seed,
-                                   full_determinism=cfg.train.full_determinism_enable, pool=pool, **kwargs)
+        return create_worker_group(
+            role,
+            spec,
+            cfg.ds,
+            num_workers,
+            seed=cfg.train.seed,
+            full_determinism=cfg.train.full_determinism_enable,
+            pool=pool,
+            **kwargs,
+        )
 
     def run_trainer(self, mode: str, cfg) -> dict:
         from rlhf_train_deepspeed.trainers import run_supervised

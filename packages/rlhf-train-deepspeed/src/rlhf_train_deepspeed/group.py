@@ -78,10 +78,13 @@ class WorkerGroup:
 
     # --- forward-only ---
 
-    def compute_logprobs(self, batches: list[SequenceBatch], temperature: float = 1.0,
-                         with_entropy: bool = False) -> list:
+    def compute_logprobs(
+        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False
+    ) -> list:
         """``[B, T]`` response log-probs per micro-batch (with entropies: ``(logprobs, entropy)`` pairs)."""
-        return self.gather_sharded(*self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy))
+        return self.gather_sharded(
+            *self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy)
+        )
 
     def compute_values(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
         return self.gather_sharded(*self.call_sharded_async("compute_values", batches))
@@ -94,8 +97,10 @@ class WorkerGroup:
 
     def _step(self, method: str, micro_batches: list, *args, counts: dict[str, float]) -> dict[str, float]:
         if len(micro_batches) % self.dp_size:
-            raise ValueError(f"{method}: {len(micro_batches)} micro-batches cannot be split evenly over "
-                             f"{self.dp_size} data-parallel ranks")
+            raise ValueError(
+                f"{method}: {len(micro_batches)} micro-batches cannot be split evenly over "
+                f"{self.dp_size} data-parallel ranks"
+            )
         refs, _ = self.call_sharded_async(method, micro_batches, *args, counts)  # even shares: no padding
         metrics = merge_steps(inline.get(refs)[:: self.ring_size])  # one rank per ring group
         if metrics["skipped"]:
@@ -103,22 +108,31 @@ class WorkerGroup:
         metrics["nonfinite_steps"] = float(self.nonfinite_steps)
         return metrics
 
-    def train_policy_step(self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig) -> dict[str, float]:
+    def train_policy_step(
+        self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig
+    ) -> dict[str, float]:
         masks = [mb.seq.response_mask() for mb in micro_batches]
         counts = {  # sequences without any action token take no part in the normalisation
             "num_tokens": float(sum(m.sum() for m in masks)),
-            "num_sequences": float(sum(m.any(-1).sum() for m in masks))}
+            "num_sequences": float(sum(m.any(-1).sum() for m in masks)),
+        }
         return self._step("train_policy", micro_batches, cfg, counts=counts)
 
-    def train_critic_step(self, micro_batches: list[CriticMicroBatch], value_clip: float | None = 0.5) -> dict[str, float]:
+    def train_critic_step(
+        self, micro_batches: list[CriticMicroBatch], value_clip: float | None = 0.5
+    ) -> dict[str, float]:
         counts = {"num_tokens": float(sum(mb.seq.response_mask().sum() for mb in micro_batches))}
         return self._step("train_critic", micro_batches, value_clip, counts=counts)
 
-    def train_supervised_step(self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]) -> dict[str, float]:
+    def train_supervised_step(
+        self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]
+    ) -> dict[str, float]:
         """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss (used by the trainers in this package)."""
         return self._step("train_supervised", micro_batches, cfg, counts=counts)
 
-    def eval_supervised(self, micro_batches: list, cfg: SupervisedConfigLite) -> tuple[dict[str, float], list[float]]:
+    def eval_supervised(
+        self, micro_batches: list, cfg: SupervisedConfigLite
+    ) -> tuple[dict[str, float], list[float]]:
         """Weighted-mean metrics over evaluation micro-batches, and (RM) the rewards seen."""
         per_batch = self.gather_sharded(*self.call_sharded_async("eval_supervised", micro_batches, cfg))
         totals: dict[str, list[float]] = {}
@@ -147,10 +161,18 @@ class WorkerGroup:
     def weight_sync_address(self) -> tuple[str, int]:
         return inline.get(self.actors[0].master_address.remote())
 
-    def broadcast_weights_to_engines_async(self, master_addr: str, master_port: int, world_size: int,
-                                           backend: str = "gloo", timeout_s: float = 600.0) -> list:
+    def broadcast_weights_to_engines_async(
+        self,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> list:
         """``ray.get`` on the refs gives the tensor count on rank 0's entry."""
-        return self.call_async("broadcast_weights_to_engines", master_addr, master_port, world_size, backend, timeout_s)
+        return self.call_async(
+            "broadcast_weights_to_engines", master_addr, master_port, world_size, backend, timeout_s
+        )
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> None:
         """(Re)load a model on every rank, replacing the current one (the process group is kept)."""
@@ -174,7 +196,9 @@ class WorkerGroup:
 
     def host(self, name: str, cls: type, args: list[tuple]) -> list[HostedHandle]:
         if len(args) > self.world_size:
-            raise ValueError(f"{self.role}: cannot host {len(args)} {name!r} objects on {self.world_size} ranks")
+            raise ValueError(
+                f"{self.role}: cannot host {len(args)} {name!r} objects on {self.world_size} ranks"
+            )
         inline.get([a.host.remote(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
         return [HostedHandle(a, name) for a in self.actors[: len(args)]]
 
@@ -236,10 +260,21 @@ class HostedHandle(inline.ActorLike):
 
 
 def create_worker_group(
-    role: str, spec: ModelSpec, ds, num_workers: int, *, seed: int = 42, full_determinism: bool = False,
-    pool: Any = None, bundle_indices: list[int] | None = None, num_gpus_per_worker: float | None = None,
-    num_cpus_per_worker: float = 1, num_threads: int | None = None, wait: bool = True,
-    inline_rank: bool = False) -> WorkerGroup:
+    role: str,
+    spec: ModelSpec,
+    ds,
+    num_workers: int,
+    *,
+    seed: int = 42,
+    full_determinism: bool = False,
+    pool: Any = None,
+    bundle_indices: list[int] | None = None,
+    num_gpus_per_worker: float | None = None,
+    num_cpus_per_worker: float = 1,
+    num_threads: int | None = None,
+    wait: bool = True,
+    inline_rank: bool = False,
+) -> WorkerGroup:
     """Start ``num_workers`` ranks for ``role``, join them into one process group, and load the model. The
     options are ``create_group``'s (this package's README); with ``wait=False``, calls made before
     :meth:`WorkerGroup.wait_ready` queue behind the set-up, and ``num_threads`` defaults to
@@ -248,13 +283,19 @@ def create_worker_group(
         raise ValueError(f"{role}: num_workers must be at least 1, got {num_workers}")
     if inline_rank:
         if num_workers != 1 or pool is not None:
-            raise ValueError(f"{role}: an inline group has one rank and no placement group, got {num_workers} ranks")
-        if not torch.cuda.is_available():  # as a Ray rank's environment says (DeepSpeed reads it once, on import)
+            raise ValueError(
+                f"{role}: an inline group has one rank and no placement group, got {num_workers} ranks"
+            )
+        if (
+            not torch.cuda.is_available()
+        ):  # as a Ray rank's environment says (DeepSpeed reads it once, on import)
             os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         actors = [inline.InlineActor(TrainWorker(0, 1, num_threads or os.cpu_count() or 1))]
     else:
-        actors = _ray_ranks(num_workers, pool, bundle_indices, num_gpus_per_worker, num_cpus_per_worker, num_threads)
+        actors = _ray_ranks(
+            num_workers, pool, bundle_indices, num_gpus_per_worker, num_cpus_per_worker, num_threads
+        )
     address = actors[0].master_address.remote()  # Ray hands each rank the value once rank 0 gave it
     group = WorkerGroup(actors, role, spec)
     group._starting = [a.init_distributed.remote(address) for a in actors]
@@ -264,8 +305,14 @@ def create_worker_group(
     return group
 
 
-def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, num_gpus_per_worker: float | None,
-               num_cpus_per_worker: float, num_threads: int | None) -> list:
+def _ray_ranks(
+    num_workers: int,
+    pool: Any,
+    bundle_indices: list[int] | None,
+    num_gpus_per_worker: float | None,
+    num_cpus_per_worker: float,
+    num_threads: int | None,
+) -> list:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -281,15 +328,21 @@ def _ray_ranks(num_workers: int, pool: Any, bundle_indices: list[int] | None, nu
     passed = ("RLHF_LOAD_PLUGINS", "RLHF_DISABLE_PLUGINS", "DS_ACCELERATOR", "HF_HUB_OFFLINE")
     env = {var: os.environ[var] for var in passed if var in os.environ} | env  # env's own values win
     # CPU ranks split the cores between them (Ray would give each actor one thread); GPU ranks need few.
-    threads = num_threads or (max(1, int(num_cpus_per_worker)) if gpus else max(1, (os.cpu_count() or 1) // num_workers))
+    threads = num_threads or (
+        max(1, int(num_cpus_per_worker)) if gpus else max(1, (os.cpu_count() or 1) // num_workers)
+    )
     env["OMP_NUM_THREADS"] = str(threads)
     actor_cls = ray.remote(TrainWorker)
     actors = []
     for r in range(num_workers):
-        options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "num_gpus": gpus,
-                                   "runtime_env": {"env_vars": env}}
+        options: dict[str, Any] = {
+            "num_cpus": num_cpus_per_worker,
+            "num_gpus": gpus,
+            "runtime_env": {"env_vars": env},
+        }
         if pool is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pool, placement_group_bundle_index=bundle_indices[r] if bundle_indices else r)
+                placement_group=pool, placement_group_bundle_index=bundle_indices[r] if bundle_indices else r
+            )
         actors.append(actor_cls.options(**options).remote(r, num_workers, threads))
     return actors

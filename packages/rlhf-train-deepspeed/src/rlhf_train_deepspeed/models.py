@@ -43,8 +43,13 @@ def response_positions(batch: SequenceBatch, offsets: torch.Tensor) -> tuple[tor
 
 
 def response_logprobs(
-    model: nn.Module, batch: SequenceBatch, temperature: float = 1.0, packing: bool = False,
-    with_entropy: bool = False, entropy_grad: bool = True, ring: ring_attn.RingGroup | None = None,
+    model: nn.Module,
+    batch: SequenceBatch,
+    temperature: float = 1.0,
+    packing: bool = False,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    ring: ring_attn.RingGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probs (and entropies) of the response tokens under ``softmax(logits / temperature)``, ``[B, T]``
     each and zero where masked, and the ``[B, T]`` mask. A temperature of 0 (greedy) is treated as 1.
@@ -57,7 +62,9 @@ def response_logprobs(
     pos, mask = response_positions(batch, offsets)
     if batch.images is not None:
         if packing or ring is not None:
-            raise ValueError("a batch with images is not packed (images are per row): drop --ds.packing_samples")
+            raise ValueError(
+                "a batch with images is not packed (images are per row): drop --ds.packing_samples"
+            )
         kwargs.update(image_forward_inputs(model, batch.input_ids, batch.attention_mask, batch.images)[0])
     if ring is not None:
         lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring)
@@ -65,7 +72,9 @@ def response_logprobs(
         targets = kwargs["input_ids"].reshape(-1)[pos + 1][mask]
         layout = None
         if not packing and shared_prefix.enabled(model):
-            layout = shared_prefix.plan(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu())
+            layout = shared_prefix.plan(
+                batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu()
+            )
         if layout is not None:  # rows with the same prompt run it once
             layout = to_device(layout, targets.device)
             hidden = head_inputs(model, shared_prefix.forward_inputs(layout), layout.columns)  # [G, K, H]
@@ -93,7 +102,9 @@ def head_inputs(model: nn.Module, kwargs: dict, logits_to_keep) -> torch.Tensor:
     slice of it instead (a forward pre-hook), so the forward builds no logits. Going through the model's
     own forward keeps what wraps it working: DeepSpeed (ZeRO-3 gathers the head's weight in its hooks), PEFT,
     vision-language inputs, the shared-prompt attention."""
-    head = getattr(model, "module", model).get_output_embeddings()  # a DeepSpeed engine's model; PEFT forwards
+    head = getattr(
+        model, "module", model
+    ).get_output_embeddings()  # a DeepSpeed engine's model; PEFT forwards
     captured = []
 
     def take(module, args):
@@ -120,8 +131,13 @@ def _head_logprobs(model, hidden, labels, temperature, with_entropy):
         multiplier = 1.0 / config.logits_scaling
     cap = getattr(config, "final_logit_softcapping", None)
     # a trained head tied to the input embedding, whole (not a ZeRO-3 partition, gathered only in its forward)
-    tied = (isinstance(head, nn.Linear) and head.bias is None and head.weight is getattr(embedding, "weight", None)
-            and head.weight.requires_grad and not hasattr(head.weight, "ds_id"))
+    tied = (
+        isinstance(head, nn.Linear)
+        and head.bias is None
+        and head.weight is getattr(embedding, "weight", None)
+        and head.weight.requires_grad
+        and not hasattr(head.weight, "ds_id")
+    )
 
     into_grad = tied and getattr(embedding, "accumulates_into_grad", False)
 
@@ -206,10 +222,19 @@ def accumulate_tied_gradient_in_place(model: nn.Module) -> bool:
     ``scale_grad_by_freq`` or ``sparse``, is left as it is. Returns whether the model was changed."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     weight = getattr(embedding, "weight", None)
-    if not (isinstance(head, nn.Linear) and head.bias is None and type(embedding) is nn.Embedding
-            and head.weight is weight and weight.requires_grad and not hasattr(weight, "ds_id")
-            and embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
-            and not weight._backward_hooks and weight._post_accumulate_grad_hooks is None):
+    if not (
+        isinstance(head, nn.Linear)
+        and head.bias is None
+        and type(embedding) is nn.Embedding
+        and head.weight is weight
+        and weight.requires_grad
+        and not hasattr(weight, "ds_id")
+        and embedding.max_norm is None
+        and not embedding.scale_grad_by_freq
+        and not embedding.sparse
+        and not weight._backward_hooks
+        and weight._post_accumulate_grad_hooks is None
+    ):
         return False
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
@@ -257,7 +282,9 @@ def _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, r
     return whole_row(lp), None if ent is None else whole_row(ent)
 
 
-def token_values(model: nn.Module, batch: SequenceBatch, packing: bool, ring=None) -> tuple[torch.Tensor, ...]:
+def token_values(
+    model: nn.Module, batch: SequenceBatch, packing: bool, ring=None
+) -> tuple[torch.Tensor, ...]:
     """Value-head output for every token of the flattened model input (``[B * L]`` padded, ``[N]`` packed),
     and the ``[B]`` row offsets in it (:func:`model_inputs`); with ``ring`` this rank runs its slice and the
     values are all-gathered (``[N']``, padding at the end)."""
@@ -268,16 +295,18 @@ def token_values(model: nn.Module, batch: SequenceBatch, packing: bool, ring=Non
     return ring_attn.all_gather_cat(model(**sl.inputs).reshape(-1).float(), ring.group, 0), offsets
 
 
-def response_values(model: nn.Module, batch: SequenceBatch, packing: bool = False,
-                    ring: ring_attn.RingGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def response_values(
+    model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic values of the state before each response token, ``[B, T]`` (zero where masked), and the mask."""
     values, offsets = token_values(model, batch, packing, ring)
     pos, mask = response_positions(batch, offsets)
     return values[pos] * mask, mask
 
 
-def sequence_rewards(model: nn.Module, batch: SequenceBatch, packing: bool = False,
-                     ring: ring_attn.RingGroup | None = None) -> torch.Tensor:
+def sequence_rewards(
+    model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
+) -> torch.Tensor:
     """``[B]`` value-head output at the last non-pad token of each sequence."""
     values, offsets = token_values(model, batch, packing, ring)
     return values[offsets + batch.attention_mask.sum(-1).to(offsets.device) - 1]
@@ -308,7 +337,9 @@ def value_model_class(config, head_prefix: str = "score") -> type:
 
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
             base = getattr(self, self.base_model_prefix)
-            hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            hidden = base(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
             return getattr(self, head_prefix)(hidden.last_hidden_state).squeeze(-1)
 
     ValueModel.__name__ = ValueModel.__qualname__ = f"{base_cls.__name__}WithValueHead"
@@ -342,7 +373,9 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
     return load_model(path, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
 
 
-def load_value_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", head_prefix: str = "score", **kwargs):
+def load_value_model(
+    path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", head_prefix: str = "score", **kwargs
+):
     """A value model (:func:`value_model_class`) from a causal LM, a base model or a saved RM / critic. A
     checkpoint without the head (a causal LM) gets a freshly initialised head; one with it (an RM trained
     here, or any ``*ForSequenceClassification`` with one label and the same head name) keeps it."""

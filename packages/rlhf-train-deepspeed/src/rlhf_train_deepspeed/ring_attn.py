@@ -163,7 +163,9 @@ def _active(kwargs: dict) -> RingSlice:
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("ring attention does not support sliding-window attention")
     if _ACTIVE is None:
-        raise RuntimeError("ring attention was called outside a sliced forward (shard_packed sets its context)")
+        raise RuntimeError(
+            "ring attention was called outside a sliced forward (shard_packed sets its context)"
+        )
     return _ACTIVE
 
 
@@ -179,8 +181,9 @@ def gather_attention(module, query, key, value, attention_mask, scaling=None, dr
     rep = query.shape[1] // key.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=sl.allowed[None, None], dropout_p=dropout,
-                                         scale=scaling)
+    out = F.scaled_dot_product_attention(
+        query, k, v, attn_mask=sl.allowed[None, None], dropout_p=dropout, scale=scaling
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -194,11 +197,23 @@ def llama3_attention(module, query, key, value, attention_mask, scaling=None, dr
 
     sl = _active(kwargs)
     if key.shape[1] % sl.ring.head_stride:
-        raise ValueError(f"--ds.ring_attn_head_stride {sl.ring.head_stride} must divide the {key.shape[1]} "
-                         "key/value heads")
+        raise ValueError(
+            f"--ds.ring_attn_head_stride {sl.ring.head_stride} must divide the {key.shape[1]} key/value heads"
+        )
     cu_q, cu_k, max_q, max_k, k_slice = sl.llama3
     out = llama3_flash_attn_varlen_func(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
-        heads_k_stride=sl.ring.head_stride, local_k_slice=k_slice, dropout_p=dropout, softmax_scale=scaling,
-        causal=True, group=sl.ring.group)
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        heads_k_stride=sl.ring.head_stride,
+        local_k_slice=k_slice,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+        group=sl.ring.group,
+    )
     return out[None], None

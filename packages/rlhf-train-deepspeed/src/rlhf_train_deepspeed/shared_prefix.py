@@ -50,8 +50,13 @@ def attn_implementation(config, ds) -> str:
     """The attention implementation to load a causal LM with: ``rlhf_shared_prefix`` where
     ``--ds.shared_prefix`` is on and it applies (SDPA, no packing, no ring attention, a supported model),
     else ``--ds.attn_implementation``."""
-    if not (ds.shared_prefix and ds.attn_implementation == "sdpa" and not ds.packing_samples
-            and ds.ring_attn_size == 1 and supported(config)):
+    if not (
+        ds.shared_prefix
+        and ds.attn_implementation == "sdpa"
+        and not ds.packing_samples
+        and ds.ring_attn_size == 1
+        and supported(config)
+    ):
         return ds.attn_implementation
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -63,7 +68,9 @@ def attn_implementation(config, ds) -> str:
 
 def enabled(model) -> bool:
     """True when ``model`` (possibly wrapped by DeepSpeed or PEFT) was loaded with the shared-prompt attention."""
-    model = getattr(model, "module", model)  # a DeepSpeed engine's model (the engine's own `config` is DeepSpeed's)
+    model = getattr(
+        model, "module", model
+    )  # a DeepSpeed engine's model (the engine's own `config` is DeepSpeed's)
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTN
@@ -135,8 +142,17 @@ def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: tor
     response_mask = torch.cat([key_ok[:, None, None, :].expand(g, S, W, P), causal.expand(g, S, W, W)], -1)
     slot_starts = P + torch.arange(S) * W
     columns = torch.cat([torch.tensor([P - 1]), (slot_starts[:, None] + torch.arange(R - 1)).reshape(-1)])
-    return Layout(ids, pos, P, S, W, prompt_mask[:, None], response_mask.reshape(g * S, 1, W, P + W),
-                  columns, logit_rows)
+    return Layout(
+        ids,
+        pos,
+        P,
+        S,
+        W,
+        prompt_mask[:, None],
+        response_mask.reshape(g * S, 1, W, P + W),
+        columns,
+        logit_rows,
+    )
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -146,10 +162,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     for name in ("sliding_window", "softcap", "s_aux"):
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"shared-prompt attention does not support {name}; use --ds.shared_prefix false")
+            raise NotImplementedError(
+                f"shared-prompt attention does not support {name}; use --ds.shared_prefix false"
+            )
     (g, heads, _, d), kv = query.shape, key.shape[1]
     P, S, W = layout.prompt_len, layout.slots, layout.slot_len
 
@@ -161,12 +181,24 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         return torch.cat([prompt, slots(x[:, :, P:])], 2)
 
     gqa = heads != kv
-    out_prompt = F.scaled_dot_product_attention(query[:, :, :P], key[:, :, :P], value[:, :, :P],
-                                                attn_mask=layout.prompt_mask, dropout_p=dropout, scale=scaling,
-                                                enable_gqa=gqa)
+    out_prompt = F.scaled_dot_product_attention(
+        query[:, :, :P],
+        key[:, :, :P],
+        value[:, :, :P],
+        attn_mask=layout.prompt_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=gqa,
+    )
     out_slots = F.scaled_dot_product_attention(  # [G*S, H, W, D]
-        slots(query[:, :, P:]), with_prompt(key), with_prompt(value), attn_mask=layout.response_mask,
-        dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        slots(query[:, :, P:]),
+        with_prompt(key),
+        with_prompt(value),
+        attn_mask=layout.response_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=gqa,
+    )
     out_slots = out_slots.reshape(g, S, heads, W, d).permute(0, 1, 3, 2, 4).reshape(g, S * W, heads, d)
     return torch.cat([out_prompt.transpose(1, 2), out_slots], 1).contiguous(), None
 
@@ -175,5 +207,9 @@ def forward_inputs(layout: Layout) -> dict:
     """The causal LM's keyword arguments that run a layout; keep the columns :attr:`Layout.columns`."""
     # a 4-D mask is passed through untouched; the attention ignores it (the layout holds the real masks)
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=layout.input_ids.device)
-    return {"input_ids": layout.input_ids, "position_ids": layout.position_ids, "attention_mask": placeholder,
-            "shared_prefix": layout}
+    return {
+        "input_ids": layout.input_ids,
+        "position_ids": layout.position_ids,
+        "attention_mask": placeholder,
+        "shared_prefix": layout,
+    }

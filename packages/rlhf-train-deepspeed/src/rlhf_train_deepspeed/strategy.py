@@ -32,9 +32,11 @@ def param_dtype(name: str) -> torch.dtype:
     """The training dtype of ``--ds.param_dtype`` (``auto``: bf16 on a GPU, fp32 on CPU); fp16 is refused (no
     loss scaling here)."""
     if name == "fp16":
-        raise ConfigError("--ds.param_dtype fp16 is not supported: fp16 needs loss scaling, which this "
-                          "backend does not do. Use bf16 (also works on CPU), fp32 or auto (the default: "
-                          "bf16 on a GPU, fp32 on CPU).")
+        raise ConfigError(
+            "--ds.param_dtype fp16 is not supported: fp16 needs loss scaling, which this "
+            "backend does not do. Use bf16 (also works on CPU), fp32 or auto (the default: "
+            "bf16 on a GPU, fp32 on CPU)."
+        )
     name = resolve_param_dtype(name)
     if name not in PRECISIONS:
         raise ConfigError(f"--ds.param_dtype must be one of {sorted(PRECISIONS)}, got {name!r}")
@@ -44,23 +46,32 @@ def param_dtype(name: str) -> torch.dtype:
 def check_features(ds) -> None:
     """Fail early, naming the flag (and the package to install), when a requested feature cannot run."""
     if ds.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError("--ds.attn_implementation flash_attention_2 needs the flash-attn package, which "
-                          "is not installed (pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine), "
-                          "or use sdpa")
+        raise ConfigError(
+            "--ds.attn_implementation flash_attention_2 needs the flash-attn package, which "
+            "is not installed (pip install 'rlhf-train-deepspeed[flash]' on a CUDA machine), "
+            "or use sdpa"
+        )
     if ds.ring_attn_size > 1:
         # On CUDA ring attention runs ring-flash-attn; without CUDA an exact all-gather-K/V attention
         # (rlhf_train_deepspeed.ring_attn) serves, so only a CUDA machine needs the packages.
         if torch.cuda.is_available():
-            missing = [p for p, m in (("ring-flash-attn", "ring_flash_attn"), ("flash-attn", "flash_attn"))
-                       if importlib.util.find_spec(m) is None]
+            missing = [
+                p
+                for p, m in (("ring-flash-attn", "ring_flash_attn"), ("flash-attn", "flash_attn"))
+                if importlib.util.find_spec(m) is None
+            ]
             if missing:
-                raise ConfigError(f"--ds.ring_attn_size {ds.ring_attn_size} needs the {' and '.join(missing)} "
-                                  "package(s) on a CUDA machine, which are not installed (pip install "
-                                  "'rlhf-train-deepspeed[flash]')")
+                raise ConfigError(
+                    f"--ds.ring_attn_size {ds.ring_attn_size} needs the {' and '.join(missing)} "
+                    "package(s) on a CUDA machine, which are not installed (pip install "
+                    "'rlhf-train-deepspeed[flash]')"
+                )
         if not ds.packing_samples:
             raise ConfigError("--ds.ring_attn_size > 1 needs --ds.packing_samples")
         if ds.ring_attn_head_stride < 1:
-            raise ConfigError(f"--ds.ring_attn_head_stride must be at least 1, got {ds.ring_attn_head_stride}")
+            raise ConfigError(
+                f"--ds.ring_attn_head_stride must be at least 1, got {ds.ring_attn_head_stride}"
+            )
     if ds.load_in_4bit:
         if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError("--ds.load_in_4bit (QLoRA) needs a CUDA device and the bitsandbytes package")
@@ -91,8 +102,9 @@ def make_scheduler(optimizer, optim, total_steps: int) -> torch.optim.lr_schedul
     warmup = math.ceil(total_steps * optim.lr_warmup_ratio)
     name, ratio = optim.lr_scheduler, optim.min_lr_ratio
     lr_multiplier(0, name, total_steps, warmup, ratio)  # validates the name before training starts
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, name, total_steps, warmup,
-                                                                               ratio))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, name, total_steps, warmup, ratio)
+    )
 
 
 def make_optimizer(model: torch.nn.Module, optim, offload: bool):
@@ -102,8 +114,10 @@ def make_optimizer(model: torch.nn.Module, optim, offload: bool):
     params = [p for p in model.parameters() if p.requires_grad]
     # ZeRO-3 parameters are empty placeholders; ds_shape is the real shape
     matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
-    groups = [{"params": [p for p, m in zip(params, matrix) if m == decay], "weight_decay": wd}
-              for decay, wd in ((True, optim.adam.weight_decay), (False, 0.0))]
+    groups = [
+        {"params": [p for p, m in zip(params, matrix) if m == decay], "weight_decay": wd}
+        for decay, wd in ((True, optim.adam.weight_decay), (False, 0.0))
+    ]
     groups = [g for g in groups if g["params"]]
     kwargs = dict(lr=optim.adam.lr, betas=tuple(optim.adam.betas), eps=optim.adam.eps)
     if offload:
@@ -121,11 +135,19 @@ def quantization_kwargs(ds, dtype: torch.dtype) -> dict:
         return {}
     from transformers import BitsAndBytesConfig
 
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)}
+    return {
+        "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    }
 
 
-def apply_lora(model: torch.nn.Module, lora, task_type: str, trained_heads: list[str] | None = None) -> torch.nn.Module:
+def apply_lora(
+    model: torch.nn.Module, lora, task_type: str, trained_heads: list[str] | None = None
+) -> torch.nn.Module:
     """Wrap ``model`` with LoRA adapters (peft) when ``--ds.lora.rank`` > 0; otherwise return it.
     ``trained_heads`` stay fully trainable (a value head)."""
     if lora.rank <= 0:
@@ -135,22 +157,41 @@ def apply_lora(model: torch.nn.Module, lora, task_type: str, trained_heads: list
     if getattr(model, "is_loaded_in_4bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     targets = lora.target_modules
-    return get_peft_model(model, LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=getattr(TaskType, task_type),
-        target_modules=targets[0] if targets == ["all-linear"] else targets, modules_to_save=trained_heads))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            task_type=getattr(TaskType, task_type),
+            target_modules=targets[0] if targets == ["all-linear"] else targets,
+            modules_to_save=trained_heads,
+        ),
+    )
 
 
-def ds_config(ds, *, train: bool, micro_batch_size: int = 1, grad_accum: int = 1, world_size: int = 1,
-              max_norm: float = 0.0, offload_params: bool = False) -> dict[str, Any]:
+def ds_config(
+    ds,
+    *,
+    train: bool,
+    micro_batch_size: int = 1,
+    grad_accum: int = 1,
+    world_size: int = 1,
+    max_norm: float = 0.0,
+    offload_params: bool = False,
+) -> dict[str, Any]:
     """The DeepSpeed config dict for a trained (``train=True``) or frozen model. Frozen models (reference,
     reward) use ZeRO-3 when training does, so that their weights are partitioned too, else stage 0;
     ``offload_params`` keeps a ZeRO-3 frozen model's weights in CPU memory."""
     dtype = param_dtype(ds.param_dtype)
     pin = torch.cuda.is_available()
     if train:
-        zero: dict[str, Any] = {"stage": ds.zero_stage, "overlap_comm": ds.overlap_comm,
-                                "contiguous_gradients": True,
-                                "stage3_gather_16bit_weights_on_model_save": True}
+        zero: dict[str, Any] = {
+            "stage": ds.zero_stage,
+            "overlap_comm": ds.overlap_comm,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        }
         if ds.adam_offload:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
         if ds.zpg > 1:
@@ -160,11 +201,16 @@ def ds_config(ds, *, train: bool, micro_batch_size: int = 1, grad_accum: int = 1
         if offload_params and ds.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": micro_batch_size * grad_accum * world_size, "zero_optimization": zero,
-        "steps_per_print": 1 << 30, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "zero_optimization": zero,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
         "gradient_clipping": max_norm if train else 0.0,
-        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True}}
+        "bf16": {"enabled": dtype == torch.bfloat16, "check_grad_overflow": True},
+    }
     if train and ds.grad_accum_dtype:
         cfg["data_types"] = {"grad_accum_dtype": ds.grad_accum_dtype}
     return cfg
@@ -203,14 +249,18 @@ class Strategy:
         """This rank's :class:`~rlhf_train_deepspeed.ring_attn.RingGroup` with ``--ds.ring_attn_size`` > 1."""
         if ds.ring_attn_size > 1:
             if self.world_size() % ds.ring_attn_size:
-                raise ConfigError(f"--ds.ring_attn_size {ds.ring_attn_size} must divide the number of ranks "
-                                  f"({self.world_size()})")
+                raise ConfigError(
+                    f"--ds.ring_attn_size {ds.ring_attn_size} must divide the number of ranks "
+                    f"({self.world_size()})"
+                )
             self.ring = ring_attn.setup_ring(ds.ring_attn_size, ds.ring_attn_head_stride)
 
     # --- distributed ---
 
     @staticmethod
-    def init_distributed(address: tuple[str, int], store: dist.TCPStore | None, timeout_s: float = 1800.0) -> None:
+    def init_distributed(
+        address: tuple[str, int], store: dist.TCPStore | None, timeout_s: float = 1800.0
+    ) -> None:
         """Join the process group of RANK and WORLD_SIZE (set by the Ray worker group, not a launcher) whose
         rank 0 listens at ``address``; rank 0 passes the store it listens with (``weight_sync.listening_store``).
         NCCL with a GPU, gloo on CPU. A process already in a group (a single-process run's later ranks) keeps it."""
@@ -231,9 +281,16 @@ class Strategy:
             if store is None:
                 store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
             store.set_timeout(timeout)
-            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-            deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # adopts torch's group
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
+            )
+            deepspeed.init_distributed(
+                dist_backend=backend, timeout=timeout, verbose=False
+            )  # adopts torch's group
             # NCCL warns of a leak at exit when the group was never destroyed (a single-process run keeps it
             # for later ranks in the process, so its end is the process's end)
             atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
@@ -284,9 +341,17 @@ class Strategy:
                 model.enable_input_require_grads()  # needed with reentrant checkpointing and LoRA
         optimizer = make_optimizer(model, spec.optim, self.ds.adam_offload)
         scheduler = make_scheduler(optimizer, spec.optim, spec.total_steps)
-        cfg = ds_config(self.ds, train=True, micro_batch_size=spec.micro_batch_size,
-                        grad_accum=spec.grad_accum, world_size=self.world_size(), max_norm=spec.optim.max_norm)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+        cfg = ds_config(
+            self.ds,
+            train=True,
+            micro_batch_size=spec.micro_batch_size,
+            grad_accum=spec.grad_accum,
+            world_size=self.world_size(),
+            max_norm=spec.optim.max_norm,
+        )
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg
+        )
         if self.world_size() == 1 and self.ds.zero_stage == 0:
             # A lone rank's all-reduce is the identity, but DeepSpeed's ZeRO-0 path first copies every gradient
             # into one flat buffer (a second copy of the model, SmolLM2-135M fp32: 0.54 GB) and back.
@@ -305,8 +370,12 @@ class Strategy:
 
     # --- the training step ---
 
-    def optimizer_step(self, engine, micro_batches: Sequence[Any],
-                       loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float], float]]) -> StepResult:
+    def optimizer_step(
+        self,
+        engine,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float], float]],
+    ) -> StepResult:
         """One optimizer step over ``micro_batches`` (every rank must pass the same number).
 
         ``loss_fn(micro_batch) -> (loss, metrics, weight)``: ``loss`` is already normalised by the global
@@ -338,7 +407,9 @@ class Strategy:
             engine.set_gradient_accumulation_boundary(i == n - 1)
             engine.backward(loss, scale_wrt_gas=False)
             if i == n - 1:
-                if no_overflow_path:  # DeepSpeed keeps no norm for a plain torch optimizer: the all-reduced one
+                if (
+                    no_overflow_path
+                ):  # DeepSpeed keeps no norm for a plain torch optimizer: the all-reduced one
                     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
                     grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
                 engine.step()

@@ -39,8 +39,12 @@ def init_ray(cfg) -> None:
     else:
         # "local": without it ray.init joins whatever cluster another program started on this machine;
         # no idle workers ahead: the ranks ask for their own environment, so they would never be used
-        ray.init(address="local", include_dashboard=bool(cfg.ray.dashboard), dashboard_host="127.0.0.1",
-                 _system_config={"prestart_worker_first_driver": False})
+        ray.init(
+            address="local",
+            include_dashboard=bool(cfg.ray.dashboard),
+            dashboard_host="127.0.0.1",
+            _system_config={"prestart_worker_first_driver": False},
+        )
 
 
 @dataclass
@@ -55,8 +59,9 @@ class BatchPlan:
         world = cfg.model.num_nodes * cfg.model.num_gpus_per_node
         mb, gb = cfg.train.micro_batch_size, cfg.train.batch_size
         if gb % (mb * world):
-            raise ConfigError(f"--train.batch_size {gb} must be a multiple of --train.micro_batch_size {mb} x "
-                              f"{world} ranks")
+            raise ConfigError(
+                f"--train.batch_size {gb} must be a multiple of --train.micro_batch_size {mb} x {world} ranks"
+            )
         return cls(world, mb, gb // (mb * world), gb)
 
 
@@ -89,44 +94,69 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         return [collate(mode, items[i : i + size], pad_id) for i in range(0, len(items), size)]
 
     stats = DataStats()
-    rows = load_rows(cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split, cfg.train.seed,
-                     cfg.data.max_samples)
+    rows = load_rows(
+        cfg.data.dataset, cfg.data.dataset_probs, cfg.data.dataset_split, cfg.train.seed, cfg.data.max_samples
+    )
     examples = build_examples(mode, rows, tokenizer, cfg, stats, prm)
     eval_examples = []
     if cfg.eval.dataset:
         eval_rows = load_rows(cfg.eval.dataset, None, cfg.eval.split, cfg.train.seed, cfg.eval.max_samples)
         eval_examples = build_examples(mode, eval_rows, tokenizer, cfg, DataStats(), prm)
-    print(f"{mode}: {len(rows)} rows -> {len(examples)} examples ({', '.join(f'{k}={int(v)}' for k, v in stats.counts.items()) or 'none skipped'}); "
-          f"{len(eval_examples)} eval examples", flush=True)
+    print(
+        f"{mode}: {len(rows)} rows -> {len(examples)} examples ({', '.join(f'{k}={int(v)}' for k, v in stats.counts.items()) or 'none skipped'}); "
+        f"{len(eval_examples)} eval examples",
+        flush=True,
+    )
     steps_per_epoch = len(examples) // plan.global_batch
     if steps_per_epoch == 0:
-        raise DataError(f"{len(examples)} usable examples are fewer than one batch (--train.batch_size "
-                        f"{plan.global_batch})")
+        raise DataError(
+            f"{len(examples)} usable examples are fewer than one batch (--train.batch_size "
+            f"{plan.global_batch})"
+        )
     total_steps = steps_per_epoch * cfg.train.max_epochs
     total_steps = min(total_steps, cfg.train.max_steps) if cfg.train.max_steps > 0 else total_steps
 
     spec = ModelSpec(
-        path=cfg.model.model_name_or_path, kind="value" if mode == "rm" else "causal", trainable=True,
-        optim=cfg.model, micro_batch_size=plan.micro_batch_size, grad_accum=plan.grad_accum,
-        total_steps=total_steps, grad_ckpt=cfg.model.gradient_checkpointing_enable,
+        path=cfg.model.model_name_or_path,
+        kind="value" if mode == "rm" else "causal",
+        trainable=True,
+        optim=cfg.model,
+        micro_batch_size=plan.micro_batch_size,
+        grad_accum=plan.grad_accum,
+        total_steps=total_steps,
+        grad_ckpt=cfg.model.gradient_checkpointing_enable,
         grad_ckpt_reentrant=cfg.model.gradient_checkpointing_reentrant,
-        ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path) if mode in ("dpo", "kto")
-        else cfg.teacher.model_name_or_path if mode == "kd" else None,
-        ref_offload=cfg.ref.offload if mode in ("dpo", "kto") else cfg.teacher.offload if mode == "kd" else False,
+        ref_path=(cfg.ref.model_name_or_path or cfg.model.model_name_or_path)
+        if mode in ("dpo", "kto")
+        else cfg.teacher.model_name_or_path
+        if mode == "kd"
+        else None,
+        ref_offload=cfg.ref.offload
+        if mode in ("dpo", "kto")
+        else cfg.teacher.offload
+        if mode == "kd"
+        else False,
     )
     # checkpoint checks (damage, a run of other settings) before any worker starts
     ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     start_step = 0
     # What must not change between a run and its resume (the data position is a step number).
-    fingerprint = {"mode": mode, "datasets": list(cfg.data.dataset), "num_examples": len(examples),
-                   "global_batch": plan.global_batch, "world_size": plan.world_size}
+    fingerprint = {
+        "mode": mode,
+        "datasets": list(cfg.data.dataset),
+        "num_examples": len(examples),
+        "global_batch": plan.global_batch,
+        "world_size": plan.world_size,
+    }
     latest = ckpt.latest() if cfg.ckpt.load_enable else None
     if latest is not None:
         state = ckpt.load_client_state(latest)
         for key, value in fingerprint.items():
             if state["fingerprint"].get(key) != value:
-                raise ConfigError(f"cannot resume from {latest}: it was saved with "
-                                  f"{key}={state['fingerprint'].get(key)}, this run has {key}={value}")
+                raise ConfigError(
+                    f"cannot resume from {latest}: it was saved with "
+                    f"{key}={state['fingerprint'].get(key)}, this run has {key}={value}"
+                )
         if not state.get("has_ds_state", True):
             raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
 
@@ -140,16 +170,30 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             raise ConfigError(str(exc)) from None
         if not in_driver:
             init_ray(cfg)
-        group = create_worker_group("model", spec, cfg.ds, plan.world_size, seed=cfg.train.seed,
-                                    full_determinism=cfg.train.full_determinism_enable, inline_rank=in_driver)
+        group = create_worker_group(
+            "model",
+            spec,
+            cfg.ds,
+            plan.world_size,
+            seed=cfg.train.seed,
+            full_determinism=cfg.train.full_determinism_enable,
+            inline_rank=in_driver,
+        )
     else:
         group = group_factory("model", spec, cfg.ds, plan.world_size, cfg.train.seed)
     model = cfg.model
     losses = SupervisedConfigLite(
-        mode=mode, beta=model.beta, ipo=model.ipo_enable, label_smoothing=model.label_smoothing,
-        nll_loss_coef=model.nll_loss_coef, loss_type=model.loss_type, margin_loss=model.margin_loss_enable,
-        desirable_weight=model.desirable_weight, undesirable_weight=model.undesirable_weight,
-        reward_token_ids=prm.reward_ids if prm else None, kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
+        mode=mode,
+        beta=model.beta,
+        ipo=model.ipo_enable,
+        label_smoothing=model.label_smoothing,
+        nll_loss_coef=model.nll_loss_coef,
+        loss_type=model.loss_type,
+        margin_loss=model.margin_loss_enable,
+        desirable_weight=model.desirable_weight,
+        undesirable_weight=model.undesirable_weight,
+        reward_token_ids=prm.reward_ids if prm else None,
+        kd_coef=cfg.teacher.kd_coef if mode == "kd" else 0.0,
     )
 
     if latest is not None:
@@ -160,8 +204,9 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         torch.set_rng_state(state["rng"]["torch"])
         print(f"resumed from {latest} at step {start_step}", flush=True)
 
-    log = MetricsWriter(output_dir, cfg.logger, total_steps, start_step, config=shown_config(cfg, mode),
-                        bare_prefix="train/")
+    log = MetricsWriter(
+        output_dir, cfg.logger, total_steps, start_step, config=shown_config(cfg, mode), bare_prefix="train/"
+    )
 
     def save(step: int) -> None:
         def write(tmp: Path) -> None:
@@ -171,8 +216,11 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
                 group.export_hf(str(tmp / "hf"))
 
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        ckpt.save(step, write, {"step": step, "fingerprint": fingerprint, "rng": rng,
-                                "has_ds_state": not cfg.ckpt.disable_ds})
+        ckpt.save(
+            step,
+            write,
+            {"step": step, "fingerprint": fingerprint, "rng": rng, "has_ds_state": not cfg.ckpt.disable_ds},
+        )
 
     def evaluate() -> tuple[dict[str, float], list[float]]:
         metrics, rewards = group.eval_supervised(micro_batches(eval_examples), losses)
@@ -184,20 +232,26 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     for step in range(start_step, total_steps):
         epoch, within = divmod(step, steps_per_epoch)
         if epoch != order_epoch:
-            order = np.random.default_rng(derive_seed(cfg.train.seed, "epoch", epoch)).permutation(len(examples))
+            order = np.random.default_rng(derive_seed(cfg.train.seed, "epoch", epoch)).permutation(
+                len(examples)
+            )
             order_epoch = epoch
         idx = order[within * plan.global_batch : (within + 1) * plan.global_batch]
         mbs = micro_batches([examples[i] for i in idx])
         t0 = time.perf_counter()
         metrics = group.train_supervised_step(mbs, losses, step_counts(mode, mbs))
         elapsed = time.perf_counter() - t0
-        metrics.update({"epoch": epoch, "timing/step": elapsed, "tokens_per_s": batch_tokens(mode, mbs) / elapsed})
+        metrics.update(
+            {"epoch": epoch, "timing/step": elapsed, "tokens_per_s": batch_tokens(mode, mbs) / elapsed}
+        )
         metrics.update(stats.as_metrics())
         consecutive_skips = consecutive_skips + 1 if metrics["skipped"] else 0
         if cfg.train.max_nonfinite_steps and consecutive_skips >= cfg.train.max_nonfinite_steps:
-            raise FloatingPointError(f"{consecutive_skips} consecutive steps had a non-finite loss and were "
-                                     "skipped (--train.max_nonfinite_steps "
-                                     f"{cfg.train.max_nonfinite_steps}); the last checkpoint is intact")
+            raise FloatingPointError(
+                f"{consecutive_skips} consecutive steps had a non-finite loss and were "
+                "skipped (--train.max_nonfinite_steps "
+                f"{cfg.train.max_nonfinite_steps}); the last checkpoint is intact"
+            )
         done = step + 1
         if eval_examples and (done == total_steps or (cfg.eval.steps > 0 and done % cfg.eval.steps == 0)):
             final_eval, rewards = evaluate()
@@ -225,4 +279,10 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     log.close()
     if own_group:
         group.shutdown()
-    return {"last": last, "eval": final_eval, "output_dir": str(output_dir), "steps": total_steps, "data": stats.as_metrics()}
+    return {
+        "last": last,
+        "eval": final_eval,
+        "output_dir": str(output_dir),
+        "steps": total_steps,
+        "data": stats.as_metrics(),
+    }

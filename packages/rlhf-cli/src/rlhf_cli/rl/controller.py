@@ -22,8 +22,17 @@ __all__ = ["Batch", "Groups", "RLController", "RLRunError", "WaitingGroup"]
 
 
 class RLController:
-    def __init__(self, cfg, groups: Groups, stream: PromptStream, pad_token_id: int, checkpoints=None,
-                 logger=None, eval_prompts: list[Prompt] | None = None, image_processing=None):
+    def __init__(
+        self,
+        cfg,
+        groups: Groups,
+        stream: PromptStream,
+        pad_token_id: int,
+        checkpoints=None,
+        logger=None,
+        eval_prompts: list[Prompt] | None = None,
+        image_processing=None,
+    ):
         self.cfg = cfg
         self.groups = groups
         self.stream = stream
@@ -77,16 +86,23 @@ class RLController:
         generation = batch.rollout_metrics.get("timing/generation")
         total = time.perf_counter() - t0 + (generation or 0.0)
         rows = [p for t in batch.trajectories for p in (t.segments or [t])]
-        metrics = {**exp.info, **batch.rollout_metrics, **train_metrics,
-                   "timing/make_experience": t1 - t0, "timing/ppo_train": t2 - t1,
-                   "timing/broadcast": t3 - t2 - waited, "timing/sync_wait": waited,
-                   "timing/generation": math.nan if generation is None else generation, "timing/step_total": total,
-                   "perf/tokens_per_s_train": sum(len(s) for s in exp.sequences) / max(t2 - t0, 1e-9),
-                   # verl-style throughput: prompt + response tokens of the step over its wall time
-                   "perf/tokens_per_s": sum(len(p.prompt_ids) + len(p.response_ids) for p in rows) / total,
-                   "rollout/prompts_used": batch.prompts_used,
-                   "rollout/engine_restarts": float(self.rollout.engine_restarts),
-                   "async/max_queue_size": float(self.schedule.max_queue_size_seen)}
+        metrics = {
+            **exp.info,
+            **batch.rollout_metrics,
+            **train_metrics,
+            "timing/make_experience": t1 - t0,
+            "timing/ppo_train": t2 - t1,
+            "timing/broadcast": t3 - t2 - waited,
+            "timing/sync_wait": waited,
+            "timing/generation": math.nan if generation is None else generation,
+            "timing/step_total": total,
+            "perf/tokens_per_s_train": sum(len(s) for s in exp.sequences) / max(t2 - t0, 1e-9),
+            # verl-style throughput: prompt + response tokens of the step over its wall time
+            "perf/tokens_per_s": sum(len(p.prompt_ids) + len(p.response_ids) for p in rows) / total,
+            "rollout/prompts_used": batch.prompts_used,
+            "rollout/engine_restarts": float(self.rollout.engine_restarts),
+            "async/max_queue_size": float(self.schedule.max_queue_size_seen),
+        }
         if generation:
             metrics["perf/gen_tokens_per_s"] = sum(sum(p.action_mask) for p in rows) / generation
         return metrics
@@ -96,11 +112,17 @@ class RLController:
     def client_state(self) -> dict:
         """What the run needs to go on exactly, beyond the model state (docs/async.md, "Exact resume"); taken
         between steps, when the async thread is idle (``maybe_checkpoint``)."""
-        return {"step": self.step, "stream": self.stream.state_dict(),
-                "kl_ctl": self.kl_ctl.state_dict(), "best_metric": self.evaluation.best_metric,
-                "policy_version": self.sync.policy_version, "consecutive_nonfinite": self.policy.consecutive_nonfinite,
-                "waiting": list(self.rollout.waiting), "ready": list(self.schedule.ready),
-                "requeued": list(self.rollout.requeued)}
+        return {
+            "step": self.step,
+            "stream": self.stream.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "best_metric": self.evaluation.best_metric,
+            "policy_version": self.sync.policy_version,
+            "consecutive_nonfinite": self.policy.consecutive_nonfinite,
+            "waiting": list(self.rollout.waiting),
+            "ready": list(self.schedule.ready),
+            "requeued": list(self.rollout.requeued),
+        }
 
     def load_client_state(self, state: dict) -> None:
         self.step = state["step"]

@@ -25,8 +25,11 @@ class Evaluation:
         trajs, _ = self.rollout.generate(self.prompts, step, eval_mode=True)
         k = self.cfg.eval.n_samples_per_prompt
         scores = torch.tensor([score(t) for t in trajs]).nan_to_num(0.0).view(-1, k)
-        metrics = {"eval/pass1": float(scores.mean()), f"eval/pass{k}": float(scores.max(-1).values.mean()),
-                   "eval/response_length": sum(sum(t.action_mask) for t in trajs) / len(trajs)}
+        metrics = {
+            "eval/pass1": float(scores.mean()),
+            f"eval/pass{k}": float(scores.max(-1).values.mean()),
+            "eval/response_length": sum(sum(t.action_mask) for t in trajs) / len(trajs),
+        }
         value = metrics.get(self.cfg.ckpt.best_metric_key or "eval/pass1")
         if value is not None and (self.best_metric is None or value > self.best_metric):
             self.best_metric = value

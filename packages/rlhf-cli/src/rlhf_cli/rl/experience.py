@@ -98,16 +98,24 @@ def build_experience(trajs: list[Trajectory], cfg) -> Experience:
     lengths = torch.zeros(len(trajs), dtype=torch.long).index_add_(0, episode_of, action_mask.sum(-1))
     shaping = cfg.reward
     if shaping.overlong_buffer_len:
-        rewards = overlong_penalty(rewards, lengths, cfg.rollout.max_new_tokens, shaping.overlong_buffer_len,
-                                   shaping.overlong_penalty_factor)
+        rewards = overlong_penalty(
+            rewards,
+            lengths,
+            cfg.rollout.max_new_tokens,
+            shaping.overlong_buffer_len,
+            shaping.overlong_penalty_factor,
+        )
     if shaping.stop_properly_penalty_coef is not None:
         truncated = torch.tensor([t.finish_reason == "length" or t.truncated for t in trajs])
         rewards = stop_properly_penalty(rewards, truncated, shaping.stop_properly_penalty_coef)
     return Experience(
         sequences=[part.prompt_ids + part.response_ids for _, part in rows],
-        prompt_lens=[len(part.prompt_ids) for _, part in rows], action_mask=action_mask,
+        prompt_lens=[len(part.prompt_ids) for _, part in rows],
+        action_mask=action_mask,
         rollout_logprobs=pad_right([part.rollout_logprobs for _, part in rows]),
-        rewards=rewards[episode_of], valid=valid[episode_of], scores=scores[episode_of],
+        rewards=rewards[episode_of],
+        valid=valid[episode_of],
+        scores=scores[episode_of],
         images=[trajs[e].images for e, _ in rows] if any(t.images for t in trajs) else None,
         episode_of=episode_of if len(rows) > len(trajs) else None,  # per-call samples
     )
@@ -134,7 +142,9 @@ def episode_positions(action_mask: torch.Tensor, episode_of: torch.Tensor) -> tu
     return rows, cols, mask
 
 
-def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: float) -> AdvantageOutput:
+def estimate_advantages(
+    estimator, exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: float
+) -> AdvantageOutput:
     """``estimator``'s advantages and returns ``[B, T]`` for ``exp``. With per-call samples the estimator sees
     each episode as one row holding the action tokens of all its calls in order (:func:`episode_positions`),
     and the results are put back on the rows (why: docs/algorithms.md, "Per-call samples")."""
@@ -147,8 +157,16 @@ def estimate_advantages(estimator, exp: Experience, cfg, kl: torch.Tensor | None
     def gather(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else torch.where(mask, x[rows, cols], 0.0)
 
-    out = estimator(dataclasses.replace(batch, rewards=batch.rewards[first], valid=batch.valid[first],
-                                        action_mask=mask, kl=gather(batch.kl), values=gather(batch.values)))
+    out = estimator(
+        dataclasses.replace(
+            batch,
+            rewards=batch.rewards[first],
+            valid=batch.valid[first],
+            action_mask=mask,
+            kl=gather(batch.kl),
+            values=gather(batch.values),
+        )
+    )
 
     def scatter(y: torch.Tensor) -> torch.Tensor:
         back = torch.zeros(exp.action_mask.shape, dtype=y.dtype)
@@ -162,11 +180,18 @@ def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: floa
     """The estimator's input for ``exp``; ``kl`` ``[B, T]`` is folded into the reward unless KL is a loss."""
     advantage, as_loss = cfg.algo.advantage, cfg.algo.kl.use_loss
     return AdvantageInput(
-        rewards=exp.rewards, action_mask=exp.action_mask, valid=exp.valid, values=exp.values,
-        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt, kl=None if as_loss else kl,
+        rewards=exp.rewards,
+        action_mask=exp.action_mask,
+        valid=exp.valid,
+        values=exp.values,
+        n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+        kl=None if as_loss else kl,
         kl_coef=0.0 if as_loss else kl_coef,
-        gamma=advantage.gamma, lambd=advantage.lambd, reward_clip=tuple(cfg.reward.clip_range),
-        no_std_norm=advantage.no_std_norm, task_reward_coef=cfg.algo.opd.task_reward_coef,
+        gamma=advantage.gamma,
+        lambd=advantage.lambd,
+        reward_clip=tuple(cfg.reward.clip_range),
+        no_std_norm=advantage.no_std_norm,
+        task_reward_coef=cfg.algo.opd.task_reward_coef,
     )
 
 
@@ -180,8 +205,13 @@ def micro_batch_cuts(exp: Experience, group, rows: int, max_tokens: int | None, 
     keys = None
     if cfg.ds.shared_prefix and not cfg.ds.packing_samples:
         keys = [tuple(seq[:pl]) for seq, pl in zip(exp.sequences, exp.prompt_lens)]
-    return token_budget_micro_batches([len(q) for q in exp.sequences], group.dp_size, max_tokens * group.ring_size,
-                                      cfg.ds.packing_samples, keys)
+    return token_budget_micro_batches(
+        [len(q) for q in exp.sequences],
+        group.dp_size,
+        max_tokens * group.ring_size,
+        cfg.ds.packing_samples,
+        keys,
+    )
 
 
 def sequence_batches(exp: Experience, cuts: list, pad_token_id: int) -> list[SequenceBatch]:
@@ -190,9 +220,15 @@ def sequence_batches(exp: Experience, cuts: list, pad_token_id: int) -> list[Seq
     out = []
     for part in map(exp.rows, cuts):
         rows = list(zip(part.sequences, part.prompt_lens, (part.action_mask & part.valid[:, None]).long()))
-        out.append(make_sequence_batch([seq[:pl] for seq, pl, _ in rows], [seq[pl:] for seq, pl, _ in rows],
-                                       pad_token_id, [m[: len(seq) - pl].tolist() for seq, pl, m in rows],
-                                       part.images))
+        out.append(
+            make_sequence_batch(
+                [seq[:pl] for seq, pl, _ in rows],
+                [seq[pl:] for seq, pl, _ in rows],
+                pad_token_id,
+                [m[: len(seq) - pl].tolist() for seq, pl, m in rows],
+                part.images,
+            )
+        )
     return out
 
 
@@ -220,21 +256,25 @@ class ExperienceMaker:
         exp = build_experience(trajs, cfg)
         b = len(exp.sequences)
         budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
-        cuts = micro_batch_cuts(exp, actor, cfg.rollout.micro_batch_size,
-                                budget if cfg.train.dynamic_batch_enable else None, cfg)
+        cuts = micro_batch_cuts(
+            exp, actor, cfg.rollout.micro_batch_size, budget if cfg.train.dynamic_batch_enable else None, cfg
+        )
         mbs = sequence_batches(exp, cuts, self.pad)
         width = exp.action_mask.shape[1]
 
         def stack(parts: list[torch.Tensor], order=cuts) -> torch.Tensor:
             """The results of micro-batches cut as ``order``, as ``[B, T]`` rows in ``exp``'s order."""
             restore = torch.cat([torch.arange(b)[c] for c in order]).argsort()
-            return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])[restore]
+            return torch.cat([torch.nn.functional.pad(p.float(), (0, width - p.shape[1])) for p in parts])[
+                restore
+            ]
 
         # On-policy step (one epoch, one optimizer step over the whole batch, no KL folded into the reward):
         # the old log-probs are the current policy's, so the policy step uses its own, detached, and this
         # forward pass is skipped (TRL does the same with one iteration).
-        on_policy = (cfg.train.max_epochs == 1 and b <= cfg.train.batch_size
-                     and (ref is None or cfg.algo.kl.use_loss))
+        on_policy = (
+            cfg.train.max_epochs == 1 and b <= cfg.train.batch_size and (ref is None or cfg.algo.kl.use_loss)
+        )
         calls = {}  # Experience field: (group, its role's name, call refs, order of the rows)
 
         def logprobs(g, parts: list[SequenceBatch], **teacher):
@@ -278,13 +318,17 @@ class ExperienceMaker:
         exp.info = {
             "reward/mean": _nanmean(rewards),
             "reward/std": float(rewards[valid].std()) if int(valid.sum()) > 1 else 0.0,
-            "score/mean": _nanmean(exp.scores[episodes]), "reward/unscorable": float((~valid).sum()),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "score/mean": _nanmean(exp.scores[episodes]),
+            "reward/unscorable": float((~valid).sum()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
             "truncated/frac": sum(t.finish_reason == "length" or t.truncated for t in trajs) / len(trajs),
             "kl/mean": float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean()) if kl is not None else 0.0,
-            "kl/coef": kl_coef, "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
+            "kl/coef": kl_coef,
+            "advantages/mean": float(exp.advantages[mask].mean()) if mask.any() else 0.0,
         }
         if exp.old_logprobs is not None:  # on-policy steps get it from the policy step instead
             exp.info["policy/rollout_train_logprob_gap"] = float(
-                ((exp.old_logprobs - exp.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
+                ((exp.old_logprobs - exp.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
+            )
         return exp

@@ -39,13 +39,23 @@ def prompt_budget(cfg) -> int:
         return cfg.data.prompt_max_len
     budget = cfg.data.max_len - cfg.rollout.max_new_tokens
     if budget < 1:
-        raise data.DataError(f"--data.max_len ({cfg.data.max_len}) leaves no room for a prompt after "
-                             f"--rollout.max_new_tokens ({cfg.rollout.max_new_tokens}); set --data.prompt_max_len")
+        raise data.DataError(
+            f"--data.max_len ({cfg.data.max_len}) leaves no room for a prompt after "
+            f"--rollout.max_new_tokens ({cfg.rollout.max_new_tokens}); set --data.prompt_max_len"
+        )
     return budget
 
 
-def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples=None,
-                 stats: data.DataStats | None = None, images: vision.ImageProcessing | None = None) -> list[Prompt]:
+def load_prompts(
+    cfg,
+    tokenizer,
+    paths=None,
+    probs=None,
+    split=None,
+    max_samples=None,
+    stats: data.DataStats | None = None,
+    images: vision.ImageProcessing | None = None,
+) -> list[Prompt]:
     """Read the prompt datasets of ``cfg`` (or ``paths``), render, tokenize and fit each prompt.
 
     Rows with a missing or mistyped key fail naming file, row and key, unless ``--data.skip_bad_rows``
@@ -57,8 +67,13 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
     docs/vision-language.md).
     """
     d = cfg.data
-    rows = data.load_rows(paths or d.prompt_dataset or [], probs if paths else d.prompt_probs,
-                          split or d.prompt_split, seed=cfg.train.seed, max_samples=max_samples or d.max_samples)
+    rows = data.load_rows(
+        paths or d.prompt_dataset or [],
+        probs if paths else d.prompt_probs,
+        split or d.prompt_split,
+        seed=cfg.train.seed,
+        max_samples=max_samples or d.max_samples,
+    )
     budget = prompt_budget(cfg)
     teachers = list(opd_teachers(cfg))
     stats = stats if stats is not None else data.DataStats()
@@ -72,14 +87,21 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
             if isinstance(raw, list):
                 data.check_messages(raw, row, d.input_key, parts=bool(d.image_key))
             elif refs and d.apply_chat_template:
-                raw = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": raw}]}]
+                raw = [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": raw}],
+                    }
+                ]
             label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None
             teacher = 0
             if teachers and paths is None:  # training prompts; evaluation computes no teacher log-probs
                 name = data.get_field(row, cfg.algo.opd.teacher_key, str, "--algo.opd.teacher_key")
                 if name not in teachers:
-                    raise data.DataError(f"{row.where()}: teacher {name!r} (key {cfg.algo.opd.teacher_key!r}) is not "
-                                         f"one of --algo.opd.teachers: {', '.join(teachers)}")
+                    raise data.DataError(
+                        f"{row.where()}: teacher {name!r} (key {cfg.algo.opd.teacher_key!r}) is not "
+                        f"one of --algo.opd.teachers: {', '.join(teachers)}"
+                    )
                 teacher = teachers.index(name)
             text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
             ids = data.encode(tokenizer, text)
@@ -90,7 +112,8 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
                 except ValueError as exc:
                     raise data.DataError(
                         f"{row.where()}: {exc} (key {d.input_key!r}; a chat template writes one placeholder per "
-                        "{'type': 'image'} item, a prompt used as it is must contain them itself)") from None
+                        "{'type': 'image'} item, a prompt used as it is must contain them itself)"
+                    ) from None
         except data.DataError:
             if not d.skip_bad_rows:
                 raise
@@ -100,7 +123,8 @@ def load_prompts(cfg, tokenizer, paths=None, probs=None, split=None, max_samples
             raise data.DataError(
                 f"{row.where()}: the prompt has {len(ids)} tokens with its images, more than the {budget} allowed, "
                 "and a prompt with images cannot be cut (its image tokens would be); use "
-                "--data.overlong_prompt_policy skip or a larger --data.prompt_max_len")
+                "--data.overlong_prompt_policy skip or a larger --data.prompt_max_len"
+            )
         ids = data.fit_prompt(ids, budget, d.overlong_prompt_policy, row.where(), stats)
         if ids is None:
             continue
@@ -126,7 +150,9 @@ class PromptStream:
         self._order = self._order_of(0)
 
     def _order_of(self, episode: int) -> np.ndarray:
-        return np.random.default_rng(derive_seed(self.seed, "episode", episode)).permutation(len(self.prompts))
+        return np.random.default_rng(derive_seed(self.seed, "episode", episode)).permutation(
+            len(self.prompts)
+        )
 
     @property
     def exhausted(self) -> bool:
@@ -137,7 +163,7 @@ class PromptStream:
         out: list[Prompt] = []
         while len(out) < k and not self.exhausted:
             n = min(k - len(out), len(self.prompts) - self.position)
-            out += [self.prompts[i] for i in self._order[self.position:self.position + n]]
+            out += [self.prompts[i] for i in self._order[self.position : self.position + n]]
             self.position += n
             if self.position == len(self.prompts):
                 self.episode, self.position = self.episode + 1, 0

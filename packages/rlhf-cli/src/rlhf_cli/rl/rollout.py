@@ -64,19 +64,31 @@ class Rollout:
         return SamplingParams(
             n=evaluation.n_samples_per_prompt if eval_mode else rollout.n_samples_per_prompt,
             temperature=evaluation.temperature if eval_mode else rollout.temperature,
-            top_p=rollout.top_p, top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            max_new_tokens=rollout.max_new_tokens,
             min_new_tokens=rollout.min_new_tokens,
         )
 
     def generate(self, prompts: list[Prompt], step, eval_mode: bool = False) -> tuple[list[Trajectory], dict]:
         """Spread ``prompts`` over the rollout actors (whole prompts, so groups stay together)."""
         actors = self.groups.rollout
-        rows = [{"prompt_ids": p.ids, "prompt_text": p.text, "label": p.label, "prompt_uid": p.uid,
-                 "images": p.image_inputs(self.image_processing)} for p in prompts]
+        rows = [
+            {
+                "prompt_ids": p.ids,
+                "prompt_text": p.text,
+                "label": p.label,
+                "prompt_uid": p.uid,
+                "images": p.image_inputs(self.image_processing),
+            }
+            for p in prompts
+        ]
         per = math.ceil(len(rows) / len(actors))
         sampling = self.sampling(eval_mode)
         seed_step = f"eval{step}" if eval_mode else step
-        chunks = {i: rows[i * per:(i + 1) * per] for i in range(len(actors)) if rows[i * per:(i + 1) * per]}
+        chunks = {
+            i: rows[i * per : (i + 1) * per] for i in range(len(actors)) if rows[i * per : (i + 1) * per]
+        }
         refs = {i: actors[i].rollout.remote(chunk, sampling, seed_step) for i, chunk in chunks.items()}
         results = []
         for i, chunk in chunks.items():
@@ -90,7 +102,8 @@ class Rollout:
                     refs[i] = self._replace_engine(i, exc).rollout.remote(chunk, sampling, seed_step)
         keys = dict.fromkeys(k for _, m in results for k in m)  # the engines' metrics, averaged over them
         return [t for ts, _ in results for t in ts], {
-            k: sum(m.get(k, 0.0) / len(results) for _, m in results) for k in keys}
+            k: sum(m.get(k, 0.0) / len(results) for _, m in results) for k in keys
+        }
 
     def _replace_engine(self, i: int, exc: BaseException):
         """A new engine ``i`` in place of the dead one, holding the current policy weights. Raises
@@ -99,14 +112,21 @@ class Rollout:
         if self.groups.new_engine is None:
             raise RLRunError(f"rollout engine {i} died: {cause}") from exc
         if self.max_engine_restarts == 0:
-            raise RLRunError(f"rollout engine {i} died: {cause} (--rollout.max_engine_restarts 0: a dead engine "
-                             "stops the run)") from exc
+            raise RLRunError(
+                f"rollout engine {i} died: {cause} (--rollout.max_engine_restarts 0: a dead engine "
+                "stops the run)"
+            ) from exc
         if self.engine_restarts >= self.max_engine_restarts:
-            raise RLRunError(f"rollout engine {i} died after {self.engine_restarts} engine restart(s), the most "
-                             f"--rollout.max_engine_restarts allows ({self.max_engine_restarts}): {cause}") from exc
+            raise RLRunError(
+                f"rollout engine {i} died after {self.engine_restarts} engine restart(s), the most "
+                f"--rollout.max_engine_restarts allows ({self.max_engine_restarts}): {cause}"
+            ) from exc
         self.engine_restarts += 1
-        print(f"rlhf: rollout engine {i} died ({cause}); starting a new one (restart {self.engine_restarts} of "
-              f"--rollout.max_engine_restarts {self.max_engine_restarts})", file=sys.stderr)
+        print(
+            f"rlhf: rollout engine {i} died ({cause}); starting a new one (restart {self.engine_restarts} of "
+            f"--rollout.max_engine_restarts {self.max_engine_restarts})",
+            file=sys.stderr,
+        )
         inline.kill(self.groups.rollout[i])  # whatever is left of it
         engine = self.groups.new_engine(i)
         get(engine.ping.remote(), "new rollout")
@@ -131,8 +151,9 @@ class Rollout:
         used = attempt = 0
         # more than one round only when the data ran out and prompts that filtering dropped are due again
         while len(self.waiting) < want and (self.requeued or not self.stream.exhausted):
-            taken, attempt, metrics = self._generate_round(step, self.cfg.rollout.vllm_generate_batch_size or want,
-                                                           attempt, counts)
+            taken, attempt, metrics = self._generate_round(
+                step, self.cfg.rollout.vllm_generate_batch_size or want, attempt, counts
+            )
             used += taken
         if not self.waiting:
             return None
@@ -142,7 +163,10 @@ class Rollout:
             metrics["async/stale_groups_requeued"] = counts["stale"]
         if self.cfg.algo.dynamic_filtering_enable and "seen" in counts:  # a round ran
             metrics["dynamic_filtering_pass_rate"] = counts["kept"] / max(counts["seen"], 1)
-            metrics["rollout/filtered_requeued"], metrics["rollout/filtered_lost"] = counts["requeued"], counts["lost"]
+            metrics["rollout/filtered_requeued"], metrics["rollout/filtered_lost"] = (
+                counts["requeued"],
+                counts["lost"],
+            )
         lags = [trained_at - g.policy_version for g in served]
         metrics["policy_version_lag"] = float(max(lags))
         metrics["policy_version_lag_mean"] = sum(lags) / len(lags)
@@ -150,8 +174,9 @@ class Rollout:
         metrics["rollout/prompt_digest"] = float(derive_seed(*sorted({t.prompt_uid for t in kept})) % 2**52)
         return Batch(kept, used, metrics)
 
-    def _generate_round(self, step: int, size: int, attempt: int, counts: dict[str, float]
-                        ) -> tuple[int, int, dict[str, float]]:
+    def _generate_round(
+        self, step: int, size: int, attempt: int, counts: dict[str, float]
+    ) -> tuple[int, int, dict[str, float]]:
         """Generate until ``size`` prompt groups pass the filter (or the prompts run out) and queue them in
         ``self.waiting``, re-queued prompts first (a dropped group comes back once: docs/async.md). Adds the
         round's group counts to ``counts``; returns the prompts used, the next attempt number (each generate
@@ -165,7 +190,7 @@ class Rollout:
         for key in ("seen", "kept", "requeued", "lost"):
             counts.setdefault(key, 0.0)
         while len(kept) < size:
-            entries, backlog = backlog[:size - len(kept)], backlog[size - len(kept):]
+            entries, backlog = backlog[: size - len(kept)], backlog[size - len(kept) :]
             entries += [(p.uid, False) for p in self.stream.take(size - len(kept) - len(entries))]
             if not entries:
                 break
@@ -176,11 +201,17 @@ class Rollout:
             keep = set(range(len(entries)))
             if filtering:
                 scores = torch.tensor([score(t) for t in trajs])
-                keep = set(dynamic_filter(torch.nan_to_num(scores), n, tuple(self.cfg.algo.dynamic_filtering_range),
-                                          torch.isfinite(scores)).tolist())
+                keep = set(
+                    dynamic_filter(
+                        torch.nan_to_num(scores),
+                        n,
+                        tuple(self.cfg.algo.dynamic_filtering_range),
+                        torch.isfinite(scores),
+                    ).tolist()
+                )
             for i, (uid, came_back) in enumerate(entries):
                 if i in keep:
-                    kept.append(WaitingGroup(trajs[i * n:(i + 1) * n], self.sync.policy_version, came_back))
+                    kept.append(WaitingGroup(trajs[i * n : (i + 1) * n], self.sync.policy_version, came_back))
                 elif came_back:
                     counts["lost"] += 1
                 else:

@@ -48,8 +48,10 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     backend = resolve(get_plugin_manager(), "train_backends", cfg.train.backend)
     made: dict = {}
     # the training groups' forward passes run side by side in make_experience (a hosted ref's in its rank, in turn)
-    trainer_threads = cpu_threads(sum(g.num_workers for g in asm.plan.groups if g.role != "rollout"
-                                      and g.role not in asm.in_actor), cfg.train.async_enable)
+    trainer_threads = cpu_threads(
+        sum(g.num_workers for g in asm.plan.groups if g.role != "rollout" and g.role not in asm.in_actor),
+        cfg.train.async_enable,
+    )
     for spec in asm.plan.groups:
         if spec.role == "rollout" or spec.role in asm.in_actor:
             continue
@@ -60,30 +62,46 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         else:
             options["bundle_indices"] = [r % pool.num_bundles for r in range(spec.num_workers)]
         made[spec.role] = backend.create_group(
-            spec.role, cfg, pool and pool.group, spec.num_workers, total_steps=total_steps, wait=False,
-            num_gpus_per_worker=spec.num_gpus_per_worker, num_cpus_per_worker=spec.num_cpus_per_worker,
-            num_threads=trainer_threads, **options)
+            spec.role,
+            cfg,
+            pool and pool.group,
+            spec.num_workers,
+            total_steps=total_steps,
+            wait=False,
+            num_gpus_per_worker=spec.num_gpus_per_worker,
+            num_cpus_per_worker=spec.num_cpus_per_worker,
+            num_threads=trainer_threads,
+            **options,
+        )
     if "ref" in asm.in_actor:
         made["ref"] = made["actor"].hosted_ref()
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
     from rlhf_agents.rollout_actor import RemoteRewardModel, RewardModelWorkers, RolloutActor
 
     reward_model = None
-    if "reward" in made:  # on the driver's node, which has the train backend installed (inference nodes need not)
+    if (
+        "reward" in made
+    ):  # on the driver's node, which has the train backend installed (inference nodes need not)
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         made["reward"].wait_ready()
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        server = ray.remote(RewardModelWorkers).options(num_cpus=0, scheduling_strategy=here).remote(
-            made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
+        server = (
+            ray.remote(RewardModelWorkers)
+            .options(num_cpus=0, scheduling_strategy=here)
+            .remote(made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
+        )
         reward_model = RemoteRewardModel(server)
 
     engine = choose_engine(cfg, get_plugin_manager())
     new_engine = None
     if "rollout" in asm.in_actor:
-        rollout = made["actor"].host("rollout", RolloutActor, [(cfg, engine, i, reward_model, None, True)
-                                                               for i in range(rollout_spec.num_workers)])
+        rollout = made["actor"].host(
+            "rollout",
+            RolloutActor,
+            [(cfg, engine, i, reward_model, None, True) for i in range(rollout_spec.num_workers)],
+        )
     else:
         import ray
 
@@ -94,12 +112,17 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
         concurrency = 2 if cfg.train.partial_rollout_enable else 1
         width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
         # on CPU every engine (HF, or vLLM's CPU build) gets its share of the cores; vLLM on GPU threads itself
-        threads = cpu_threads(rollout_spec.num_workers, cfg.train.async_enable) if engine == "hf" \
-            or not torch.cuda.is_available() else None
+        threads = (
+            cpu_threads(rollout_spec.num_workers, cfg.train.async_enable)
+            if engine == "hf" or not torch.cuda.is_available()
+            else None
+        )
 
         def new_engine(i: int):  # engine i on its own bundles: at start, and to replace a dead one
-            return actor_cls.options(**worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
-                                     max_concurrency=concurrency).remote(cfg, engine, i, reward_model, threads)
+            return actor_cls.options(
+                **worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
+                max_concurrency=concurrency,
+            ).remote(cfg, engine, i, reward_model, threads)
 
         rollout = [new_engine(i) for i in range(rollout_spec.num_workers)]
     for role, group in made.items():
@@ -109,14 +132,23 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     places = inline.get([a.where.remote() for a in rollout])
     for place in sorted(set(places)):
         print(f"rlhf: {places.count(place)} rollout engine(s) on {place}", file=sys.stderr)
-    return Groups(actor=made["actor"], rollout=rollout, ref=made.get("ref"), critic=made.get("critic"),
-                  reward=made.get("reward"), rollout_in_actor="rollout" in asm.in_actor, new_engine=new_engine)
+    return Groups(
+        actor=made["actor"],
+        rollout=rollout,
+        ref=made.get("ref"),
+        critic=made.get("critic"),
+        reward=made.get("reward"),
+        rollout_in_actor="rollout" in asm.in_actor,
+        new_engine=new_engine,
+    )
 
 
 def worker_processes(groups: Groups) -> int:
     """Ray worker processes of the run: one per training rank (a reference model hosted in the policy's ranks
     has none of its own), and one per engine not hosted in a rank."""
-    ranks = {a for g in (groups.actor, groups.ref, groups.critic, groups.reward) if g is not None for a in g.actors}
+    ranks = {
+        a for g in (groups.actor, groups.ref, groups.critic, groups.reward) if g is not None for a in g.actors
+    }
     return len(ranks) + (0 if groups.rollout_in_actor else len(groups.rollout))
 
 
@@ -133,18 +165,32 @@ def run_rl(asm: Assembly) -> None:
         raise RunConfigError(f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: {exc}") from exc
     images = ImageProcessing.for_model(cfg.actor.model_name_or_path)
     prompts = load_prompts(cfg, tokenizer, images=images)
-    eval_prompts = load_prompts(cfg, tokenizer, paths=cfg.eval.dataset, split=cfg.eval.split,
-                                max_samples=cfg.eval.max_samples, images=images) if cfg.eval.dataset else []
+    eval_prompts = (
+        load_prompts(
+            cfg,
+            tokenizer,
+            paths=cfg.eval.dataset,
+            split=cfg.eval.split,
+            max_samples=cfg.eval.max_samples,
+            images=images,
+        )
+        if cfg.eval.dataset
+        else []
+    )
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
     checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
     resume = checkpoints.latest() if cfg.ckpt.load_enable else None  # damaged ones fail here, before workers
     resume_state = checkpoints.load_client_state(resume) if resume is not None else None
     if cfg.ckpt.load_enable and resume is None:
-        print(f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
-              file=sys.stderr)
+        print(
+            f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
+            file=sys.stderr,
+        )
     elif resume is not None and not resume_state.get("has_ds_state", True):
-        raise CheckpointError(f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
-                              "only, no optimizer state)")
+        raise CheckpointError(
+            f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
+            "only, no optimizer state)"
+        )
 
     started = time.perf_counter()
     pools = {}
@@ -160,8 +206,15 @@ def run_rl(asm: Assembly) -> None:
     groups = logger = None
     try:
         groups = build_groups(asm, pools, _optimizer_steps(cfg, len(prompts)), tokenizer.pad_token_id or 0)
-        controller = RLController(cfg, groups, stream, tokenizer.pad_token_id or 0, checkpoints,
-                                  eval_prompts=eval_prompts, image_processing=images)
+        controller = RLController(
+            cfg,
+            groups,
+            stream,
+            tokenizer.pad_token_id or 0,
+            checkpoints,
+            eval_prompts=eval_prompts,
+            image_processing=images,
+        )
         if resume is not None:
             groups.actor.load_checkpoint(str(resume / "actor"))
             if groups.critic is not None:
@@ -169,10 +222,16 @@ def run_rl(asm: Assembly) -> None:
             controller.sync.to_engines()  # the checkpoint's weights, which its policy version (loaded next) names
             controller.load_client_state(resume_state)
             print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
-        where = ("the worker in this process (no Ray)" if asm.single_process
-                 else f"{worker_processes(groups)} worker processes")
-        print(f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; {where} up in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)
+        where = (
+            "the worker in this process (no Ray)"
+            if asm.single_process
+            else f"{worker_processes(groups)} worker processes"
+        )
+        print(
+            f"rlhf: {len(prompts)} prompts, {controller.total_steps()} steps; {where} up in "
+            f"{time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
         logger = MetricsLogger(cfg, controller.total_steps(), controller.step)  # its bar after the line above
         controller.logger = logger
         controller.fit()

@@ -96,7 +96,9 @@ class BatchSchedule:
                 with cv:
                     cv.notify_all()  # a step finished: the thread may start the batch it allows
                     self.max_queue_size_seen = max(self.max_queue_size_seen, len(self.ready))
-                    asleep = hybrid_sleep and not self.ready  # a waiting batch is trained on at once: no sleep
+                    asleep = (
+                        hybrid_sleep and not self.ready
+                    )  # a waiting batch is trained on at once: no sleep
                 with self._trainers_asleep(asleep), cv:
                     cv.wait_for(lambda: self.ready or not self._producing)
                     batch = self.ready.pop(0) if self.ready else None

@@ -44,12 +44,18 @@ class PolicyStep:
         low, high = actor.eps_clip_low_high or (actor.eps_clip, actor.eps_clip)
         adv = cfg.algo.advantage
         return PolicyStepConfig(
-            loss=actor.policy_loss_type, temperature=cfg.rollout.temperature, eps_clip_low=low, eps_clip_high=high,
-            dual_clip=actor.dual_clip, is_correction=adv.is_correction_type if adv.is_correction_enable else None,
+            loss=actor.policy_loss_type,
+            temperature=cfg.rollout.temperature,
+            eps_clip_low=low,
+            eps_clip_high=high,
+            dual_clip=actor.dual_clip,
+            is_correction=adv.is_correction_type if adv.is_correction_enable else None,
             is_threshold=tuple(adv.is_correction_threshold),
             agg_mode=actor.loss_agg_mode or getattr(self.policy_loss, "default_loss_agg_mode", "token_mean"),
-            max_len=cfg.rollout.max_new_tokens, entropy_coef=actor.entropy_coef,
-            kl_coef=kl_coef if cfg.algo.kl.use_loss else 0.0, kl_estimator=cfg.algo.kl.estimator,
+            max_len=cfg.rollout.max_new_tokens,
+            entropy_coef=actor.entropy_coef,
+            kl_coef=kl_coef if cfg.algo.kl.use_loss else 0.0,
+            kl_estimator=cfg.algo.kl.estimator,
         )
 
     def train(self, exp: Experience, step: int, kl_coef: float) -> dict[str, float]:
@@ -78,21 +84,32 @@ class PolicyStep:
             groups = torch.randperm(b // group, generator=torch.Generator().manual_seed(seed))
             order = (groups[:, None] * group + torch.arange(group)).reshape(-1)
             for s in range(0, b - per_step + 1, per_step):
-                part = exp.rows(order[s:s + per_step].tolist())
+                part = exp.rows(order[s : s + per_step].tolist())
                 cuts = micro_batch_cuts(part, actor, micro, max_tokens, cfg)
                 seqs = sequence_batches(part, cuts, self.pad)
                 if train_actor:
-                    mbs = [PolicyMicroBatch(sq, _crop(part.old_logprobs, c, sq), _crop(part.advantages, c, sq),
-                                            _crop(part.rollout_logprobs, c, sq), _crop(part.ref_logprobs, c, sq))
-                           for sq, c in zip(seqs, cuts)]
+                    mbs = [
+                        PolicyMicroBatch(
+                            sq,
+                            _crop(part.old_logprobs, c, sq),
+                            _crop(part.advantages, c, sq),
+                            _crop(part.rollout_logprobs, c, sq),
+                            _crop(part.ref_logprobs, c, sq),
+                        )
+                        for sq, c in zip(seqs, cuts)
+                    ]
                     m = self.call(actor, "train_policy_step", mbs, policy_cfg, what="policy")
                     steps.append({f"policy/{k}": v for k, v in m.items()})
                 if critic is not None:
                     critic_cuts = micro_batch_cuts(part, critic, micro, max_tokens, cfg)
                     # dynamic batching cuts for each group's number of ranks
-                    critic_seqs = seqs if critic_cuts == cuts else sequence_batches(part, critic_cuts, self.pad)
-                    mbs = [CriticMicroBatch(sq, _crop(part.values, c, sq), _crop(part.returns, c, sq))
-                           for sq, c in zip(critic_seqs, critic_cuts)]
+                    critic_seqs = (
+                        seqs if critic_cuts == cuts else sequence_batches(part, critic_cuts, self.pad)
+                    )
+                    mbs = [
+                        CriticMicroBatch(sq, _crop(part.values, c, sq), _crop(part.returns, c, sq))
+                        for sq, c in zip(critic_seqs, critic_cuts)
+                    ]
                     m = self.call(critic, "train_critic_step", mbs, cfg.critic.value_clip, what="critic")
                     steps.append({f"critic/{k}": v for k, v in m.items()})
         out = _mean_finite(steps)

@@ -37,8 +37,11 @@ class WeightSync:
             # NCCL cannot join two processes on one GPU: an engine colocated with the ranks on GPUs (vLLM) takes
             # the object store (CUDA IPC would avoid the copy through host memory; untested, see docs/gpu.md)
             same_gpu = self.cfg.train.colocate_all and torch.cuda.is_available()
-            self._ranks = [0] * len(engines) if self.cfg.vllm.sync_with_ray or same_gpu else get(
-                [a.weight_sync_ranks.remote() for a in engines], "rollout")
+            self._ranks = (
+                [0] * len(engines)
+                if self.cfg.vllm.sync_with_ray or same_gpu
+                else get([a.weight_sync_ranks.remote() for a in engines], "rollout")
+            )
         if not all(self._ranks):
             ref = ray.put(self.groups.actor.get_state_dict_for_engines())
             get([a.update_weights.remote(ref) for a in engines], "rollout")
@@ -48,9 +51,17 @@ class WeightSync:
             joins = []
             if self.address is None:  # engine i's ranks follow those of engines 0..i-1
                 addr, port = self.address = self.groups.actor.weight_sync_address()
-                joins = [a.init_weight_sync.remote(master_addr=addr, master_port=port, world_size=world,
-                                                   first_rank=1 + sum(self._ranks[:i]), backend=backend,
-                                                   timeout_s=timeout) for i, a in enumerate(engines)]
+                joins = [
+                    a.init_weight_sync.remote(
+                        master_addr=addr,
+                        master_port=port,
+                        world_size=world,
+                        first_rank=1 + sum(self._ranks[:i]),
+                        backend=backend,
+                        timeout_s=timeout,
+                    )
+                    for i, a in enumerate(engines)
+                ]
             addr, port = self.address
             receives = [a.receive_weights.remote() for a in engines]
             sends = self.groups.actor.broadcast_weights_to_engines_async(addr, port, world, backend, timeout)

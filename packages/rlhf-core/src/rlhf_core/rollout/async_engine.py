@@ -50,7 +50,9 @@ class AsyncEngine:
             try:
                 outputs = await self._call([req for req, _ in batch])
                 if len(outputs) != len(batch):
-                    raise RuntimeError(f"the engine returned {len(outputs)} results for {len(batch)} requests")
+                    raise RuntimeError(
+                        f"the engine returned {len(outputs)} results for {len(batch)} requests"
+                    )
             except Exception as exc:  # every waiter of the batch sees the engine's error
                 for _, fut in batch:
                     if not fut.done():

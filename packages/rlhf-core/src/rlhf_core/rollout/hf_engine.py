@@ -34,9 +34,11 @@ ATTENTION_NAME = "rlhf_rollout"
 # masks and attention are exact for them. Anything else takes the generic path.
 FAST_PATH_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
-DTYPES = {**dict.fromkeys(("float32", "fp32", "float"), torch.float32),
-          **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
-          **dict.fromkeys(("float16", "fp16", "half"), torch.float16)}
+DTYPES = {
+    **dict.fromkeys(("float32", "fp32", "float"), torch.float32),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+    **dict.fromkeys(("float16", "fp16", "half"), torch.float16),
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -70,8 +72,9 @@ def rollout_attention(module, query, key, value, attention_mask, scaling=None, d
     if kv_heads != h:
         key = key.repeat_interleave(h // kv_heads, dim=1)
         value = value.repeat_interleave(h // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         is_causal=attention_mask is None)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=attention_mask is None
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -93,8 +96,9 @@ class GrowingKVLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buffer, self.value_buffer = (x.new_empty(*x.shape[:2], self.capacity, x.shape[-1])
-                                              for x in (key_states, value_states))
+        self.key_buffer, self.value_buffer = (
+            x.new_empty(*x.shape[:2], self.capacity, x.shape[-1]) for x in (key_states, value_states)
+        )
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -128,9 +132,12 @@ def decode_plan(model) -> dict | None:
     projections that are not plain ``nn.Linear`` (adapters, quantized layers), forward hooks (ZeRO-3
     gathering), or RoPE scaling that changes with the sequence length."""
     inner = getattr(model, "model", None)
-    if (not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb")
-            or getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES
-            or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
+    if (
+        not hasattr(inner, "layers")
+        or not hasattr(inner, "rotary_emb")
+        or getattr(inner.rotary_emb, "rope_type", None) not in STATIC_ROPE_TYPES
+        or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    ):
         return None
     linears = [model.lm_head]
     for layer in inner.layers:
@@ -139,13 +146,22 @@ def decode_plan(model) -> dict | None:
     if any(type(m) is not torch.nn.Linear for m in linears):
         return None
     act = model.config.hidden_act
-    return {"inner": inner, "lm_head": model.lm_head, "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn}
+    return {
+        "inner": inner,
+        "lm_head": model.lm_head,
+        "act": F.silu if act == "silu" else inner.layers[0].mlp.act_fn,
+    }
 
 
 def _stack(linears: list[torch.nn.Linear], in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = torch.cat([m.weight.detach() for m in linears])
-    bias = None if all(m.bias is None for m in linears) else torch.cat(
-        [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
+    bias = (
+        None
+        if all(m.bias is None for m in linears)
+        else torch.cat(
+            [m.weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears]
+        )
+    )
     if in_place:
         sizes = [m.out_features for m in linears]
         biases = [None] * len(linears) if bias is None else bias.split(sizes)
@@ -162,8 +178,13 @@ def fuse_projections(plan: dict, in_place: bool = True) -> list[tuple]:
     added; valid while the weights change only in place, as :class:`HFEngine` does); else copies.
     Returns per layer ``(qkv weight, qkv bias, gate_up weight, gate_up bias)``; a bias is None when no
     projection of the group has one."""
-    return [(*_stack([at.q_proj, at.k_proj, at.v_proj], in_place), *_stack([mlp.gate_proj, mlp.up_proj], in_place))
-            for at, mlp in ((layer.self_attn, layer.mlp) for layer in plan["inner"].layers)]
+    return [
+        (
+            *_stack([at.q_proj, at.k_proj, at.v_proj], in_place),
+            *_stack([mlp.gate_proj, mlp.up_proj], in_place),
+        )
+        for at, mlp in ((layer.self_attn, layer.mlp) for layer in plan["inner"].layers)
+    ]
 
 
 def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) -> dict:
@@ -193,8 +214,10 @@ def decode_weights(plan: dict, fused: list[tuple] | None, pack_rows: int = 0) ->
 
 
 def _project(x: torch.Tensor, group: list, packed: bool) -> torch.Tensor:
-    outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") if packed else F.linear(x, w, b)
-            for w, b in group]
+    outs = [
+        torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") if packed else F.linear(x, w, b)
+        for w, b in group
+    ]
     return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
 
@@ -211,8 +234,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def decode_token(plan: dict, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                 cache: Cache, weights: dict) -> torch.Tensor:
+def decode_token(
+    plan: dict,
+    tokens: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    cache: Cache,
+    weights: dict,
+) -> torch.Tensor:
     """One new token per row through a Llama-family decoder; the same math as the model's forward.
 
     tokens ``[B]``; cos/sin ``[B, d]`` of each row's position; mask ``[B, 1, 1, L]`` additive over the L
@@ -225,7 +255,9 @@ def decode_token(plan: dict, tokens: torch.Tensor, cos: torch.Tensor, sin: torch
     b = tokens.shape[0]
     cos, sin = cos[:, None], sin[:, None]
     h = F.embedding(tokens, inner.embed_tokens.weight)
-    for layer, kv, (qkv_w, o_w, gate_up_w, down_w) in zip(inner.layers, cache.layers, weights["layers"], strict=True):
+    for layer, kv, (qkv_w, o_w, gate_up_w, down_w) in zip(
+        inner.layers, cache.layers, weights["layers"], strict=True
+    ):
         at = layer.self_attn
         d = at.head_dim
         heads, kv_heads = at.q_proj.out_features // d, at.k_proj.out_features // d
@@ -262,21 +294,35 @@ class HFEngine(RolloutEngine):
             in float32 for models of hidden size :data:`PACK_MIN_HIDDEN` or more.
     """
 
-    def __init__(self, model_name_or_path: str, dtype: str = "float32", device: str | None = None,
-                 attn_implementation: str = "sdpa", max_batch_size: int = 256,
-                 eos_token_id: int | Sequence[int] | None = None, num_threads: int | None = None,
-                 pack_weights: bool | None = None):
+    def __init__(
+        self,
+        model_name_or_path: str,
+        dtype: str = "float32",
+        device: str | None = None,
+        attn_implementation: str = "sdpa",
+        max_batch_size: int = 256,
+        eos_token_id: int | Sequence[int] | None = None,
+        num_threads: int | None = None,
+        pack_weights: bool | None = None,
+    ):
         if num_threads:
             torch.set_num_threads(num_threads)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_model(model_name_or_path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
+        model = load_model(
+            model_name_or_path, dtype=parse_dtype(dtype), attn_implementation=attn_implementation
+        )
         model.requires_grad_(False)
         self._setup(model.to(device).eval(), eos_token_id, max_batch_size, True, pack_weights)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, eos_token_id: int | Sequence[int] | None = None,
-                   max_batch_size: int = 256, own_weights: bool = False,
-                   pack_weights: bool | None = None) -> HFEngine:
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        eos_token_id: int | Sequence[int] | None = None,
+        max_batch_size: int = 256,
+        own_weights: bool = False,
+        pack_weights: bool | None = None,
+    ) -> HFEngine:
         """Wrap a model that is already loaded (tests, or a trainer sharing its module); no copy is made.
         ``own_weights``: the module's weights change only through this engine (``update_weights``), never
         behind its back, so the engine may lay them out fused (its parameters become views) and keep
@@ -285,7 +331,9 @@ class HFEngine(RolloutEngine):
         engine._setup(model.eval(), eos_token_id, max_batch_size, own_weights, pack_weights)
         return engine
 
-    def _setup(self, model, eos_token_id, max_batch_size: int, own_weights: bool, pack_weights: bool | None) -> None:
+    def _setup(
+        self, model, eos_token_id, max_batch_size: int, own_weights: bool, pack_weights: bool | None
+    ) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
         self.image_token_id = model.config.image_token_id if is_vision_language(model.config) else None
@@ -298,14 +346,20 @@ class HFEngine(RolloutEngine):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.fast_path = config.model_type in FAST_PATH_MODEL_TYPES and all(
-            t == "full_attention" for t in get_layer_types_and_kwargs(config)[0])
+            t == "full_attention" for t in get_layer_types_and_kwargs(config)[0]
+        )
         self.num_layers = config.num_hidden_layers
         self.plan = decode_plan(model) if self.fast_path else None
         pack_weights = config.hidden_size >= PACK_MIN_HIDDEN if pack_weights is None else pack_weights
         self.own_weights = own_weights and self.plan is not None
         self._fused = fuse_projections(self.plan) if self.own_weights else None
-        self.pack_weights = (pack_weights and self.own_weights and self.device.type == "cpu"
-                             and model.lm_head.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
+        self.pack_weights = (
+            pack_weights
+            and self.own_weights
+            and self.device.type == "cpu"
+            and model.lm_head.weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+        )
         self._weights: dict | None = None  # decode_weights of an owned model; dropped whenever they change
         self.borrowed = False  # the parameters are a trainer's tensors (share_weights), changing behind us
         # Every name a trainer may send (tied weights appear under both names) -> the tensor to fill.
@@ -315,7 +369,9 @@ class HFEngine(RolloutEngine):
         self._shapes = {name: p.shape for name, p in self._params.items()}
         self._canonical = {id(p): name for name, p in self._params.items()}  # a tied alias -> its unique name
         self._missing: set[str] = set()  # parameters not received since a level-2 sleep
-        self._lora_base: dict[str, torch.Tensor] = {}  # weight name -> the base W0 its LoRA adapter is merged into
+        self._lora_base: dict[
+            str, torch.Tensor
+        ] = {}  # weight name -> the base W0 its LoRA adapter is merged into
         self._asleep = 0
         self._sync: SyncGroup | None = None
 
@@ -325,25 +381,37 @@ class HFEngine(RolloutEngine):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
         requests = list(requests)
         if self._asleep:
-            raise RuntimeError(f"HFEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()")
+            raise RuntimeError(
+                f"HFEngine.generate: the engine is asleep (level {self._asleep}); call wake_up()"
+            )
         if self._missing:
-            raise RuntimeError(f"HFEngine.generate: {len(self._missing)} weights (e.g. {min(self._missing)})"
-                               " were discarded by sleep(level=2) and not sent again; call update_weights"
-                               " first")
+            raise RuntimeError(
+                f"HFEngine.generate: {len(self._missing)} weights (e.g. {min(self._missing)})"
+                " were discarded by sleep(level=2) and not sent again; call update_weights"
+                " first"
+            )
         check_requests(requests, self.vocab_size)
         for i, req in enumerate(requests):
             if self.max_positions is not None and len(req.prompt_ids) >= self.max_positions:
-                raise ValueError(f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, "
-                                 "leaving no room to generate in the model's max_position_embeddings="
-                                 f"{self.max_positions}")
+                raise ValueError(
+                    f"generation request {i}: the prompt has {len(req.prompt_ids)} tokens, "
+                    "leaving no room to generate in the model's max_position_embeddings="
+                    f"{self.max_positions}"
+                )
             if req.images and self.image_token_id is None:
-                raise ValueError(f"generation request {i} has images but the model is not a vision-language model")
+                raise ValueError(
+                    f"generation request {i} has images but the model is not a vision-language model"
+                )
             if self.image_token_id is not None and (
-                    mismatch := count_image_tokens(req.prompt_ids, req.images, self.image_token_id)):
+                mismatch := count_image_tokens(req.prompt_ids, req.images, self.image_token_id)
+            ):
                 raise ValueError(f"generation request {i}: the prompt has {mismatch}")
         # one row per sample: (request index, sample index, prompt ids, params, seed, images)
-        rows = [(i, j, req.prompt_ids, req.params, seed, tuple(req.images))
-                for i, req in enumerate(requests) for j, seed in enumerate(sample_seeds(req.params))]
+        rows = [
+            (i, j, req.prompt_ids, req.params, seed, tuple(req.images))
+            for i, req in enumerate(requests)
+            for j, seed in enumerate(sample_seeds(req.params))
+        ]
         # Similar prompt lengths decode together (less padding); sampling is per row, so order is free.
         rows.sort(key=lambda row: -len(row[2]))
         results: list[list[Any]] = [[None] * req.params.n for req in requests]
@@ -352,8 +420,11 @@ class HFEngine(RolloutEngine):
             pack_rows = min(len(rows), self.max_batch_size) if self.pack_weights else 0
             # borrowed weights: the fused groups (and packed copies) of this call only, freed when it returns;
             # the same values and layout as an owned engine's, so the same numbers
-            weights = decode_weights(self.plan, fuse_projections(self.plan, in_place=False) if self.borrowed
-                                     else self._fused, pack_rows)
+            weights = decode_weights(
+                self.plan,
+                fuse_projections(self.plan, in_place=False) if self.borrowed else self._fused,
+                pack_rows,
+            )
             if self.own_weights:  # else rebuilt per call: a module we do not own may change between calls
                 self._weights = weights
         saved_attention = self.model.config._attn_implementation
@@ -368,8 +439,14 @@ class HFEngine(RolloutEngine):
                 for (i, j, *_), out in zip(chunk, outs, strict=True):
                     results[i][j] = out
                 if n_chunks > 1:
-                    logger.info("HFEngine: batch %d/%d, %d samples, %d tokens in %.1fs", k + 1, n_chunks,
-                                len(chunk), sum(len(o.token_ids) for o in outs), time.perf_counter() - began)
+                    logger.info(
+                        "HFEngine: batch %d/%d, %d samples, %d tokens in %.1fs",
+                        k + 1,
+                        n_chunks,
+                        len(chunk),
+                        sum(len(o.token_ids) for o in outs),
+                        time.perf_counter() - began,
+                    )
         finally:
             self.model.config._attn_implementation = saved_attention
         return results
@@ -419,7 +496,9 @@ class HFEngine(RolloutEngine):
             # their rows finite); without padding, plain causal attention. Decode: an additive row mask.
             prefill_mask = None
             if not bool(key_valid.all()):
-                prefill_mask = torch.tril(torch.ones(width, width, dtype=torch.bool))[None] & key_valid[:, None, :]
+                prefill_mask = (
+                    torch.tril(torch.ones(width, width, dtype=torch.bool))[None] & key_valid[:, None, :]
+                )
                 prefill_mask = (prefill_mask | torch.eye(width, dtype=torch.bool)[None])[:, None]
             slots["mask"] = torch.zeros(n_rows, 1, 1, width + steps, dtype=dtype)
             slots["mask"][:, 0, 0, :width].masked_fill_(~key_valid, -math.inf)
@@ -451,8 +530,12 @@ class HFEngine(RolloutEngine):
         images = {}
         if self.image_token_id is not None:
             # M-RoPE positions over the images' grids; a row's text continues at prompt_len + offset
-            images, offsets = image_forward_inputs(self.model, ids[first].to(dev), key_valid[first].long().to(dev),
-                                                   [rows[k][3] for k in first.tolist()])
+            images, offsets = image_forward_inputs(
+                self.model,
+                ids[first].to(dev),
+                key_valid[first].long().to(dev),
+                [rows[k][3] for k in first.tolist()],
+            )
             prefill_positions = images.pop("position_ids")
             s["rope_offset"] = offsets[:, 0][source]
         logits = self._forward(ids[first].to(dev), prefill_positions, prefill_mask, cache, **images)
@@ -461,10 +544,16 @@ class HFEngine(RolloutEngine):
             logits = logits[source]
         for t in range(steps):
             tok, lp = sample_next(
-                logits, s["temperature"], s["keys"], t, top_k=s["top_k"] if filtering else None,
-                top_p=s["top_p"] if filtering else None, stop_ids=s["stop_ids"],
+                logits,
+                s["temperature"],
+                s["keys"],
+                t,
+                top_k=s["top_k"] if filtering else None,
+                top_p=s["top_p"] if filtering else None,
+                stop_ids=s["stop_ids"],
                 suppress=(t < s["min_new"]) & s["has_stops"] if t < max_min_new else None,
-                never=self.image_token_id)
+                never=self.image_token_id,
+            )
             live = s["live"]
             tokens[s["row"], t] = tok
             logprobs[s["row"], t] = lp
@@ -488,20 +577,33 @@ class HFEngine(RolloutEngine):
             else:
                 logits = self._forward(tok[:, None], position[..., None], mask, cache)
 
-        return [GenerationOutput(toks[:n], lps[:n], "stop" if is_stop else "length") for toks, lps, n, is_stop
-                in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist(), strict=True)]
+        return [
+            GenerationOutput(toks[:n], lps[:n], "stop" if is_stop else "length")
+            for toks, lps, n, is_stop in zip(
+                tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist(), strict=True
+            )
+        ]
 
     def _forward(self, input_ids, position_ids, attention_mask, cache, **images) -> torch.Tensor:
         """Logits ``[R, V]`` (float32) of the last position; ``images``: :func:`image_forward_inputs` of a VLM
         prefill, without its positions (which come as ``position_ids``)."""
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1, **images)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **images,
+        )
         return out.logits[:, -1].float()
 
     # --- weights --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> None:
         """Copy tensors into the parameters or buffers of the same HF names (cast to the engine's dtype). A LoRA
         policy's adapters (``<layer>.lora_A``/``.lora_B`` pairs, :mod:`rlhf_core.weight_sync`) are merged instead:
         the layer's weight becomes ``W0 + B @ A``, ``W0`` the base weight the engine held before its first
@@ -516,11 +618,15 @@ class HFEngine(RolloutEngine):
             for layer, lora_a, lora_b in lora_pairs(named_tensors):
                 name = layer + ".weight"
                 if (target := self._params.get(name)) is None:
-                    raise KeyError(f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this "
-                                   f"model (names look like {some}, ...)")
+                    raise KeyError(
+                        f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this "
+                        f"model (names look like {some}, ...)"
+                    )
                 if name in self._missing:
-                    raise RuntimeError(f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA "
-                                       "adapter needs the base weight under it; send the full weights first")
+                    raise RuntimeError(
+                        f"update_weights: {name!r} was discarded by sleep(level=2), and a LoRA "
+                        "adapter needs the base weight under it; send the full weights first"
+                    )
                 if name not in self._lora_base:  # the first adapter on this weight: it holds the base now
                     self._lora_base[name] = target.detach().clone()
                 merge_lora_pair(self._lora_base[name], lora_a, lora_b, out=target)
@@ -528,12 +634,16 @@ class HFEngine(RolloutEngine):
         for name, tensor in named_tensors:
             self._lora_base.pop(name, None)  # a full weight replaces the base an adapter was merged into
             if (target := self._targets.get(name)) is None:
-                raise KeyError(f"update_weights: {name!r} is not a weight of this model (names look like {some}, ...)")
+                raise KeyError(
+                    f"update_weights: {name!r} is not a weight of this model (names look like {some}, ...)"
+                )
             canonical = self._canonical.get(id(target))
             expected = self._shapes[canonical] if canonical is not None else target.shape
             if tuple(tensor.shape) != tuple(expected):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
-                                 f"expects {tuple(expected)}")
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model "
+                    f"expects {tuple(expected)}"
+                )
             target.copy_(tensor)
             self._missing.discard(canonical)
 
@@ -545,9 +655,17 @@ class HFEngine(RolloutEngine):
         (loaded from a path) or already shares, and every parameter has a tensor of the same name, shape,
         dtype and device. :meth:`sleep` ends the sharing: after :meth:`wake_up` the engine owns its weights
         again and needs :meth:`update_weights`."""
-        if self._asleep or not (self.own_weights or self.borrowed) or not all(
-                (t := named_tensors.get(name)) is not None and t.shape == p.shape and t.dtype == p.dtype
-                and t.device == p.device for name, p in self._params.items()):
+        if (
+            self._asleep
+            or not (self.own_weights or self.borrowed)
+            or not all(
+                (t := named_tensors.get(name)) is not None
+                and t.shape == p.shape
+                and t.dtype == p.dtype
+                and t.device == p.device
+                for name, p in self._params.items()
+            )
+        ):
             return False
         for name, p in self._params.items():
             p.data = named_tensors[name].detach()
@@ -555,14 +673,23 @@ class HFEngine(RolloutEngine):
         self.own_weights, self.borrowed = False, True
         return True
 
-    def init_weight_sync(self, master_addr: str, master_port: int, first_rank: int, world_size: int,
-                         backend: str = "gloo", timeout_s: float = 600.0) -> None:
+    def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        first_rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> None:
         """Join the weight-sync group as rank ``first_rank`` (the sender is rank 0); see
         :func:`rlhf_core.weight_sync.init_sync_group`. Call it on every engine while the sender joins; a group
         joined before is left first (a new group replaces one that held a dead engine)."""
         self.close_weight_sync()
         device = self.device if backend == "nccl" else torch.device("cpu")
-        self._sync = init_sync_group(master_addr, master_port, first_rank, world_size, backend, timeout_s, device=device)
+        self._sync = init_sync_group(
+            master_addr, master_port, first_rank, world_size, backend, timeout_s, device=device
+        )
 
     def receive_weights(self) -> None:
         """Receive one full set of weights from the sync group's rank 0 and load it."""

@@ -64,10 +64,17 @@ def top_k_top_p_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return mask | inactive[:, None]
 
 
-def sample_next(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, step: int,
-                top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                stop_ids: torch.Tensor | None = None, suppress: torch.Tensor | None = None,
-                never: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    step: int,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    stop_ids: torch.Tensor | None = None,
+    suppress: torch.Tensor | None = None,
+    never: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of every row, and its log-prob.
 
     logits ``[R, V]`` float32; temperature ``[R]`` (0: greedy); keys ``[R]`` from :func:`row_keys`;
@@ -122,16 +129,24 @@ def check_requests(requests: Sequence[GenerationRequest], vocab_size: int | None
             raise ValueError(f"{where}: prompt_ids is empty (a prompt needs at least one token)")
         if vocab_size is not None:
             if bad := [t for t in ids if not 0 <= t < vocab_size]:
-                raise ValueError(f"{where}: prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"{where}: prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                )
             if bad := [t for t in p.stop_token_ids if not 0 <= t < vocab_size]:
-                raise ValueError(f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})")
-        for ok, name, rule in ((p.n >= 1, "n", ">= 1"),
-                               (p.temperature >= 0 and math.isfinite(p.temperature), "temperature",
-                                "a finite number >= 0"),
-                               (0 < p.top_p <= 1, "top_p", "in (0, 1]"),
-                               (p.top_k >= -1, "top_k", ">= -1 (0 or -1 disable it)"),
-                               (p.max_new_tokens >= 1, "max_new_tokens", ">= 1"),
-                               (0 <= p.min_new_tokens <= p.max_new_tokens, "min_new_tokens",
-                                f"in [0, max_new_tokens={p.max_new_tokens}]")):
+                raise ValueError(
+                    f"{where}: stop_token_ids has {bad[0]}, outside the vocabulary [0, {vocab_size})"
+                )
+        for ok, name, rule in (
+            (p.n >= 1, "n", ">= 1"),
+            (p.temperature >= 0 and math.isfinite(p.temperature), "temperature", "a finite number >= 0"),
+            (0 < p.top_p <= 1, "top_p", "in (0, 1]"),
+            (p.top_k >= -1, "top_k", ">= -1 (0 or -1 disable it)"),
+            (p.max_new_tokens >= 1, "max_new_tokens", ">= 1"),
+            (
+                0 <= p.min_new_tokens <= p.max_new_tokens,
+                "min_new_tokens",
+                f"in [0, max_new_tokens={p.max_new_tokens}]",
+            ),
+        ):
             if not ok:
                 raise ValueError(f"{where}: {name} must be {rule}, got {getattr(p, name)}")

@@ -18,7 +18,16 @@ from rlhf_core.testing.seams import (
 )
 from rlhf_core.testing.train import TrainBackendConformance
 
-__all__ = ["AdvantageEstimatorConformance", "EnvironmentConformance", "PlacementStrategyConformance",
-           "PostProcessorConformance", "RewardSourceConformance", "KLEstimatorConformance",
-           "PolicyLossConformance", "RolloutEngineConformance", "TrainBackendConformance", "register_plugin",
-           "registered_plugin"]
+__all__ = [
+    "AdvantageEstimatorConformance",
+    "EnvironmentConformance",
+    "PlacementStrategyConformance",
+    "PostProcessorConformance",
+    "RewardSourceConformance",
+    "KLEstimatorConformance",
+    "PolicyLossConformance",
+    "RolloutEngineConformance",
+    "TrainBackendConformance",
+    "register_plugin",
+    "registered_plugin",
+]

@@ -43,9 +43,14 @@ class AdvantageEstimatorConformance:
         n = max(self.n_samples_per_prompt, est.min_samples_per_prompt)
         b = groups * n
         mask = _random_mask(b, t, gen)
-        return AdvantageInput(rewards=torch.randn(b, generator=gen), action_mask=mask, n_samples_per_prompt=n,
-                              kl=torch.rand(b, t, generator=gen) * 0.1 * mask, kl_coef=0.05,
-                              values=torch.randn(b, t, generator=gen) * mask if est.needs_critic else None)
+        return AdvantageInput(
+            rewards=torch.randn(b, generator=gen),
+            action_mask=mask,
+            n_samples_per_prompt=n,
+            kl=torch.rand(b, t, generator=gen) * 0.1 * mask,
+            kl_coef=0.05,
+            values=torch.randn(b, t, generator=gen) * mask if est.needs_critic else None,
+        )
 
     def test_declares_its_needs(self):
         est = self.estimator()
@@ -101,7 +106,9 @@ class AdvantageEstimatorConformance:
         wide = self.estimator()(dataclasses.replace(batch, reward_clip=(-1e30, 1e30)))
         tight = self.estimator()(dataclasses.replace(batch, reward_clip=(-0.01, 0.01)))
         torch.testing.assert_close(wide.advantages, plain.advantages)
-        assert not torch.allclose(tight.advantages, plain.advantages), "AdvantageInput.reward_clip was ignored"
+        assert not torch.allclose(tight.advantages, plain.advantages), (
+            "AdvantageInput.reward_clip was ignored"
+        )
 
     def test_invalid_samples_get_zero_advantage(self):
         batch = self.make_batch(seed=3)
@@ -127,8 +134,13 @@ class PolicyLossConformance:
         old = -torch.rand(b, t, generator=gen) * 3
         new = (old + torch.randn(b, t, generator=gen) * 0.3).requires_grad_(True)
         adv = torch.randn(b, t, generator=gen) * mask
-        return PolicyLossInput(logprobs=new, old_logprobs=old, advantages=adv, action_mask=mask,
-                               rollout_logprobs=old + torch.randn(b, t, generator=gen) * 0.01)
+        return PolicyLossInput(
+            logprobs=new,
+            old_logprobs=old,
+            advantages=adv,
+            action_mask=mask,
+            rollout_logprobs=old + torch.randn(b, t, generator=gen) * 0.01,
+        )
 
     def test_scalar_loss_and_float_metrics(self):
         out = self.loss()(self.make_batch())
@@ -158,7 +170,8 @@ class PolicyLossConformance:
         """``default_loss_agg_mode`` is optional; when set it must be a mode the trainer can aggregate with."""
         mode = getattr(self.loss(), "default_loss_agg_mode", "token_mean")
         assert mode in AGGREGATION_MODES, (
-            f"policy loss {self.name!r}: default_loss_agg_mode {mode!r} is not a LossAggregation mode")
+            f"policy loss {self.name!r}: default_loss_agg_mode {mode!r} is not a LossAggregation mode"
+        )
         batch = self.make_batch(seed=5)
         batch.aggregation = LossAggregation(mode=mode, max_len=batch.action_mask.shape[1])
         assert torch.isfinite(self.loss()(batch).loss)
@@ -166,8 +179,11 @@ class PolicyLossConformance:
     def test_token_mean_splits_add_up(self):
         """With the step's global token count, two half-batches sum to the whole batch."""
         full = self.make_batch(seed=4)
-        agg = LossAggregation(mode="token_mean", num_tokens=float(full.action_mask.sum()),
-                              num_sequences=float(full.action_mask.shape[0]))
+        agg = LossAggregation(
+            mode="token_mean",
+            num_tokens=float(full.action_mask.sum()),
+            num_sequences=float(full.action_mask.shape[0]),
+        )
 
         def loss(rows: slice) -> torch.Tensor:
             fields = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in full.__dict__.items()}

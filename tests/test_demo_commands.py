@@ -5,6 +5,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
@@ -65,3 +67,15 @@ def test_the_readme_real_demo_command_is_the_one_rlhf_demo_real_runs(tmp_path, m
     ran = as_shown(cmd, tmp_path, "runs/real-demo")
     assert shown[:3] == ran[:3] == ["rlhf", "train", "ppo"]
     assert flags(shown) == flags(ran)
+
+
+def test_rlhf_help_lists_every_option_of_rlhf_demo(capsys):
+    """`rlhf --help` shows `rlhf demo` with the options `rlhf demo --help` has, `--real` among them."""
+    from rlhf_cli.main import main
+
+    assert main(["--help"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rlhf demo")]
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    options = set(re.findall(r"(--[a-z.]+)", capsys.readouterr().out)) - {"--help"}
+    assert "--real" in options and set(re.findall(r"(--[a-z.]+)", line)) == options

@@ -7,7 +7,7 @@ rlhf plugins [--json]
 rlhf serve-rm [flags]
 rlhf lora-merge [flags]
 rlhf doctor
-rlhf demo [--quick]
+rlhf demo [--real] [--quick] [--seed N] [--workdir DIR] [--rollout.engine {hf,vllm}]
 """
 
 from __future__ import annotations

@@ -169,8 +169,7 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(
     tiny_llama, tmp_path, monkeypatch
 ):
     """`rlhf train sft --ckpt.load_enable` with no intact checkpoint: a CheckpointError (a UserError, which the
-    CLI prints as one line) naming the damage, before Ray starts or a worker group is made (both recorded: an
-    earlier test of this process may have left a Ray session up)."""
+    CLI prints as one line) naming the damage, before a worker group is made."""
     import rlhf_train_deepspeed.group
     import rlhf_train_deepspeed.trainers
     from rlhf_core.checkpoint import CheckpointError
@@ -190,7 +189,6 @@ def test_the_cli_backend_refuses_a_damaged_checkpoint_before_starting_workers(
     for step in (2, 4):
         (mgr.root / f"step_0000000{step}" / OPTIM).unlink()
     started = []
-    monkeypatch.setattr(rlhf_train_deepspeed.trainers, "init_ray", lambda cfg: started.append("ray"))
     monkeypatch.setattr(
         rlhf_train_deepspeed.group, "create_worker_group", lambda *a, **k: started.append("group")
     )

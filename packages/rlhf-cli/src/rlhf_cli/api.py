@@ -151,6 +151,10 @@ def run(asm: Assembly, files: dict[Path, str] | None = None, debug: bool = False
 
                 run_rl(asm)
             else:
+                if not asm.single_process:  # Ray starts as for an RL run, with its reaper
+                    from rlhf_cli.ray_launch import init_ray
+
+                    init_ray(asm.cfg)
                 plugins.resolve(
                     plugins.get_plugin_manager(), "train_backends", asm.cfg.train.backend
                 ).run_trainer(asm.mode, asm.cfg)

@@ -4,7 +4,6 @@ seeded by ``(train.seed, e)``, so the data position of a resumed run is just its
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import torch
 from rlhf_core.checkpoint import CheckpointManager, fault_point
 from rlhf_core.config_parser import shown_config
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
+from rlhf_core.errors import UserError
 from rlhf_core.inline import single_process
 from rlhf_core.rundir import MetricsWriter
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
@@ -27,24 +27,8 @@ from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
 
 
-def init_ray(cfg) -> None:
-    """Join ``--ray.address`` (or ``$RAY_ADDRESS``), else start a local Ray without a dashboard."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:
-        # "local": without it ray.init joins whatever cluster another program started on this machine;
-        # no idle workers ahead: the ranks ask for their own environment, so they would never be used
-        ray.init(
-            address="local",
-            include_dashboard=bool(cfg.ray.dashboard),
-            dashboard_host="127.0.0.1",
-            _system_config={"prestart_worker_first_driver": False},
-        )
+class NonFiniteLossError(UserError, FloatingPointError):
+    """Too many optimizer steps in a row had a non-finite loss (``--train.max_nonfinite_steps``)."""
 
 
 @dataclass
@@ -68,7 +52,10 @@ class BatchPlan:
 def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     """Train ``cfg.model`` with the ``mode`` loss; returns the last step's metrics and the output paths.
     ``group_factory(role, spec, ds, num_workers, seed)`` builds the worker group (default:
-    :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors."""
+    :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors. A run on Ray
+    finds Ray started by its caller (``rlhf train`` starts it as for an RL run: ``rlhf_cli.ray_launch``),
+    else Ray starts itself on first use. Stops after ``--train.max_nonfinite_steps`` optimizer steps in a
+    row whose loss was not finite, as an RL run does (docs/fault-handling.md)."""
     from tqdm.auto import tqdm
 
     if mode not in MODES:
@@ -139,7 +126,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     )
     # checkpoint checks (damage, a run of other settings) before any worker starts
     ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
-    start_step = 0
+    start_step, consecutive_skips = 0, 0  # consecutive_skips: optimizer steps in a row with a non-finite loss
     # What must not change between a run and its resume (the data position is a step number).
     fingerprint = {
         "mode": mode,
@@ -168,8 +155,6 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             in_driver = single_process(cfg, plan.world_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if not in_driver:
-            init_ray(cfg)
         group = create_worker_group(
             "model",
             spec,
@@ -198,7 +183,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
 
     if latest is not None:
         group.load_checkpoint(str(latest))
-        start_step = state["step"]
+        start_step, consecutive_skips = state["step"], state.get("consecutive_nonfinite", 0)
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -219,14 +204,20 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         ckpt.save(
             step,
             write,
-            {"step": step, "fingerprint": fingerprint, "rng": rng, "has_ds_state": not cfg.ckpt.disable_ds},
+            {
+                "step": step,
+                "fingerprint": fingerprint,
+                "rng": rng,
+                "has_ds_state": not cfg.ckpt.disable_ds,
+                "consecutive_nonfinite": consecutive_skips,
+            },
         )
 
     def evaluate() -> tuple[dict[str, float], list[float]]:
         metrics, rewards = group.eval_supervised(micro_batches(eval_examples), losses)
         return {f"eval/{k}": v for k, v in metrics.items()}, rewards
 
-    order_epoch, order, consecutive_skips = -1, None, 0
+    order_epoch, order = -1, None
     final_eval, rewards, last = {}, [], {}  # the last evaluation, its RM rewards, the last step's metrics
     bar = tqdm(total=total_steps, initial=start_step, desc=f"{mode}", dynamic_ncols=True, disable=None)
     for step in range(start_step, total_steps):
@@ -246,11 +237,10 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         )
         metrics.update(stats.as_metrics())
         consecutive_skips = consecutive_skips + 1 if metrics["skipped"] else 0
-        if cfg.train.max_nonfinite_steps and consecutive_skips >= cfg.train.max_nonfinite_steps:
-            raise FloatingPointError(
-                f"{consecutive_skips} consecutive steps had a non-finite loss and were "
-                "skipped (--train.max_nonfinite_steps "
-                f"{cfg.train.max_nonfinite_steps}); the last checkpoint is intact"
+        if consecutive_skips and consecutive_skips >= cfg.train.max_nonfinite_steps:
+            raise NonFiniteLossError(
+                f"{consecutive_skips} {mode} steps in a row had a non-finite loss (skipped on every rank); "
+                "stopping with the last good checkpoint kept (--train.max_nonfinite_steps)"
             )
         done = step + 1
         if eval_examples and (done == total_steps or (cfg.eval.steps > 0 and done % cfg.eval.steps == 0)):

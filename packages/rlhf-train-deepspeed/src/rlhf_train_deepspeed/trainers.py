@@ -54,7 +54,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     ``group_factory(role, spec, ds, num_workers, seed)`` builds the worker group (default:
     :func:`rlhf_train_deepspeed.group.create_worker_group`); tests pass one that reuses actors. A run on Ray
     finds Ray started by its caller (``rlhf train`` starts it as for an RL run: ``rlhf_cli.ray_launch``),
-    else Ray starts itself on first use. Stops after ``--train.max_nonfinite_steps`` optimizer steps in a
+    else starts it with ``ray.init()``'s defaults (``$RAY_ADDRESS`` when set). Stops after ``--train.max_nonfinite_steps`` optimizer steps in a
     row whose loss was not finite, as an RL run does (docs/fault-handling.md)."""
     from tqdm.auto import tqdm
 
@@ -155,6 +155,11 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             in_driver = single_process(cfg, plan.world_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if not in_driver:
+            import ray
+
+            if not ray.is_initialized():  # a caller other than rlhf train (which starts Ray): Ray's default
+                ray.init()
         group = create_worker_group(
             "model",
             spec,

@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from rlhf_agents.checks import describe, log_failure_once
-from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
+from rlhf_agents.executors import AgentExecutorBase, encode
+from rlhf_agents.plugin import build_executor
 from rlhf_agents.rewards import build_reward_source
 from rlhf_core.config import distills_only
 from rlhf_core.errors import UserError

@@ -56,6 +56,12 @@ async def new_instance(cls: type) -> Any:
     return await asyncio.to_thread(cls)
 
 
+def turn_params(params: SamplingParams, turn: int, max_new_tokens: int) -> SamplingParams:
+    """The sampling parameters of an episode's model call number ``turn``: one sample, seeded per turn."""
+    seed = None if params.seed is None else derive_seed(params.seed, "turn", turn)
+    return dataclasses.replace(params, n=1, max_new_tokens=max_new_tokens, seed=seed)
+
+
 @dataclass
 class TokenTrace:
     """The token ids of one episode as it grows: the prompt, then model actions and environment feedback."""
@@ -323,14 +329,14 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 f"the prompt has {len(trace)} tokens, which leaves no room under max_len {max_length}",
             )
         while True:
-            turn_params = dataclasses.replace(
-                params,
-                n=1,
-                max_new_tokens=min(params.max_new_tokens, max_length - len(trace)),
-                seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]),
-            )
             context = trace.all_ids()
-            request = GenerationRequest(prompt_ids=context, params=turn_params, images=list(state["images"]))
+            request = GenerationRequest(
+                prompt_ids=context,
+                params=turn_params(
+                    params, state["turns"], min(params.max_new_tokens, max_length - len(trace))
+                ),
+                images=list(state["images"]),
+            )
             (out,) = await engine.generate(request)
             trace.add_action(out)
             state["turns"] += 1

@@ -358,16 +358,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             observation_text += action_text + feedback
             feedback_ids = encode(tokenizer, feedback)
             room = max_length - len(trace)
-            new_images = await self._feedback_images(result, feedback_ids, state)
+            pictures = list(result.get("environment_images") or [])
+            new_images = await self._feedback_images(pictures, feedback_ids, state)
             if new_images:
                 feedback_ids = self.image_processing.expand(feedback_ids, new_images)
             kept_ids, kept_images = fit_feedback(feedback_ids, new_images, room, self._image_token_id())
             trace.add_feedback(kept_ids)
             state["images"] += kept_images
-            if len(kept_images) < len(new_images):
-                state["extra"]["images_dropped"] = (
-                    state["extra"].get("images_dropped", 0.0) + len(new_images) - len(kept_images)
-                )
+            if dropped := len(pictures) - len(kept_images):  # past --data.max_images_per_prompt, or max_len
+                state["extra"]["images_dropped"] = state["extra"].get("images_dropped", 0.0) + dropped
             if done:
                 state["truncated"] = out.finish_reason == "length"
                 return
@@ -378,10 +377,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     def _image_token_id(self) -> int | None:
         return None if self.image_processing is None else self.image_processing.image_token_id
 
-    async def _feedback_images(self, result: dict, feedback_ids: list[int], state: dict) -> list[ImageInput]:
-        """A step's ``environment_images``, processed, with the placeholders past ``max_images`` removed from
-        ``feedback_ids`` (in place) and their images dropped (counted in ``images_dropped``)."""
-        pictures = list(result.get("environment_images") or [])
+    async def _feedback_images(
+        self, pictures: list, feedback_ids: list[int], state: dict
+    ) -> list[ImageInput]:
+        """A step's ``environment_images`` (``pictures``), processed, with the placeholders past ``max_images``
+        removed from ``feedback_ids`` (in place) and their images dropped."""
         token = self._image_token_id()
         found = 0 if token is None else feedback_ids.count(token)
         if not pictures and not found:
@@ -398,9 +398,6 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             )
         room = max(0, self.max_images - len(state["images"])) if self.max_images else len(pictures)
         if len(pictures) > room:
-            state["extra"]["images_dropped"] = (
-                state["extra"].get("images_dropped", 0.0) + len(pictures) - room
-            )
             drop = [k for k, t in enumerate(feedback_ids) if t == token][room:]
             for k in reversed(drop):
                 del feedback_ids[k]

@@ -282,7 +282,10 @@ class RolloutWorker:
         scored = time.perf_counter()
         drifted = sum(self._check_drift(t) for t in trajectories) if self.check_retokenization else None
         self.last_metrics = rollout_metrics(trajectories, drifted, generated - start, scored - generated)
-        self._check_failures(trajectories, step)
+        sources = [f"reward source: {self._reward_source_name()}"] if self.reward_source is not None else []
+        agent = (("file", self.agent_file), ("command", self.agent_command))
+        sources += [f"agent {what}: {value}" for what, value in agent if value]
+        check_failures(trajectories, step, self.max_failure_fraction, sources)
         return trajectories
 
     def close(self) -> None:
@@ -396,9 +399,3 @@ class RolloutWorker:
                 self.tokenizer.decode(redone),
             )
         return True
-
-    def _check_failures(self, trajectories: list[Trajectory], step: int) -> None:
-        sources = [f"reward source: {self._reward_source_name()}"] if self.reward_source is not None else []
-        agent = (("file", self.agent_file), ("command", self.agent_command))
-        sources += [f"agent {what}: {value}" for what, value in agent if value]
-        check_failures(trajectories, step, self.max_failure_fraction, sources)

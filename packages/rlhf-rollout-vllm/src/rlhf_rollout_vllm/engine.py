@@ -137,6 +137,7 @@ class LoRAAdapters:
             else None
         )
         self.request = None  # the adapter of the last sync, served with every request
+        self.version = 0  # its id (0: none yet)
 
     def next_dir(self) -> str:
         """Where the next adapter is written."""
@@ -145,19 +146,18 @@ class LoRAAdapters:
                 "VLLMEngine: a LoRA adapter arrived, but the engine was built with lora_rank=0 "
                 "(vLLM serves adapters only with enable_lora)"
             )
-        version = self.request.lora_int_id + 1 if self.request else 1
-        return os.path.join(self.dir, f"v{version}")
+        return os.path.join(self.dir, f"v{self.version + 1}")
 
     def serve_next(self, llm: Any) -> None:
         """Serve the adapter just written to :meth:`next_dir` in place of the previous one."""
         from vllm.lora.request import LoRARequest
 
         path = self.next_dir()
-        old, version = self.request, int(os.path.basename(path)[1:])
-        if old is not None:
-            llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
-        self.request = LoRARequest(f"rlhf-policy-v{version}", version, path)
+        if self.request is not None:
+            llm.llm_engine.remove_lora(self.request.lora_int_id)
+            shutil.rmtree(self.request.lora_path, ignore_errors=True)
+        self.version += 1
+        self.request = LoRARequest(f"rlhf-policy-v{self.version}", self.version, path)
         llm.llm_engine.add_lora(self.request)
 
     def close(self) -> None:

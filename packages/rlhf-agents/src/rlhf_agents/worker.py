@@ -26,6 +26,9 @@ from rlhf_core.vision import collapse_image_tokens
 
 logger = logging.getLogger(__name__)
 
+PromptRow = tuple[str, list[int], Any, Any, list]
+"""A prompt as the worker reads it: ``(text, ids, label, uid, images)``."""
+
 
 class RolloutFailureError(UserError, RuntimeError):
     """Too many samples of one step could not be scored (``--reward.max_failure_fraction``)."""
@@ -87,8 +90,8 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def read_prompt_row(row: Any, row_index: int, tokenizer: Any) -> tuple[str, list[int], Any, Any, list]:
-    """A prompt row as ``(text, ids, label, uid, images)``: the text is tokenized, or the ids decoded."""
+def read_prompt_row(row: Any, row_index: int, tokenizer: Any) -> PromptRow:
+    """A prompt row as a :data:`PromptRow`: the text is tokenized, or the ids decoded."""
     if not isinstance(row, dict):
         raise TypeError(
             f"prompt row {row_index} is a {describe(row)}; expected a dict with 'prompt_text' or 'prompt_ids'"
@@ -301,9 +304,7 @@ class RolloutWorker:
 
     # --- the steps ----------------------------------------------------------------------------------
 
-    async def _episode(
-        self, row: tuple[str, list[int], Any, Any, list], index: int, params: SamplingParams
-    ) -> Trajectory:
+    async def _episode(self, row: PromptRow, index: int, params: SamplingParams) -> Trajectory:
         text, ids, label, uid, images = row
         with_images = (
             {"images": images} if images else {}
@@ -313,7 +314,7 @@ class RolloutWorker:
             text, label, params, self.max_len, self.tokenizer, engine, prompt_ids=list(ids), **with_images
         )
         if self.episode_timeout:
-            episode = self._bounded_episode(episode, engine, text, ids, label, images)
+            episode = self._bounded_episode(episode, engine, row)
         traj = await episode
         if not isinstance(traj, Trajectory):
             raise TypeError(
@@ -325,11 +326,11 @@ class RolloutWorker:
         traj.label = label if traj.label is None else traj.label
         return traj
 
-    async def _bounded_episode(
-        self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int], label: Any, images: list
-    ) -> Any:
-        """The executor's ``episode`` (on ``clock``), ended once its own time (not counting its waits for the
-        engine) passes ``--train.episode_timeout``: then unscorable, counted in ``error/episode_timeout``."""
+    async def _bounded_episode(self, episode: Awaitable[Any], clock: EngineClock, row: PromptRow) -> Any:
+        """The executor's ``episode`` of prompt ``row`` (on ``clock``), ended once its own time (not counting its
+        waits for the engine) passes ``--train.episode_timeout``: then unscorable, counted in
+        ``error/episode_timeout``."""
+        text, ids, label, _, images = row
         start = time.monotonic()
         task = asyncio.ensure_future(episode)
         while (left := self.episode_timeout - clock.agent_seconds(start)) > 0:

@@ -119,10 +119,16 @@ def test_no_upward_import_and_light_packages_stay_light():
     assert not problems, "\n".join(problems)
 
 
-def test_the_graph_sees_imports_in_functions_and_cycles():
-    """The checks above could pass by reading nothing: the graph holds a known function-level import, and
-    the cycle search finds a planted one."""
-    files, found = graph()
-    assert len(files) > 50
-    assert any(not top for targets in found.values() for _, _, top in targets)
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+def test_the_graph_reads_every_kind_of_import_and_finds_cycles(tmp_path):
+    """The checks above could pass by reading nothing: ``imports`` on a planted file (relative imports, and
+    imports in a function marked as such), ``cycles`` on a planted graph."""
+    path = tmp_path / "mod.py"
+    path.write_text("import ray\nfrom . import sib\n\n\ndef f():\n    from .sub import x\n    import vllm\n")
+    assert imports("pkg.mod", path, {"pkg.sib"}) == [
+        ("ray", 1, True),
+        ("pkg.sib", 2, True),
+        ("pkg.sub", 6, False),
+        ("vllm", 7, False),
+    ]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "d"}}) == [["a", "b", "c"], ["d"]]
+    assert {"rlhf_core", "rlhf_agents.executors", "rlhf_cli"} <= set(source_files())

@@ -59,7 +59,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from rlhf_agents import OpenAIServerAgentExecutor, RolloutWorker
-    from rlhf_agents.executors import build_executor
+    from rlhf_agents.plugin import build_executor
     from rlhf_core.config import RLConfig
     from rlhf_core.rollout.async_engine import AsyncEngine
     from rlhf_core.rollout.hf_engine import HFEngine

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from rlhf_agents import RolloutWorker
-from rlhf_agents.executors import executor_class
+from rlhf_agents.plugin import executor_class
 from rlhf_agents.worker import RolloutFailureError
 from rlhf_core.config_parser import ConfigError
 from rlhf_core.types import SamplingParams

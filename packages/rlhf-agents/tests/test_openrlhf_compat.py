@@ -46,7 +46,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
 RUN = """
 import json, sys
 from types import SimpleNamespace
-from rlhf_agents.executors import executor_class
+from rlhf_agents.plugin import executor_class
 from rlhf_agents.loading import UserCodeError
 from rlhf_agents.rewards import PythonFileRewardSource
 

@@ -9,11 +9,11 @@ from rlhf_agents.executors import (
     MultiTurnAgentExecutor,
     SingleTurnAgentExecutor,
     TokenTrace,
-    build_executor,
 )
 from rlhf_agents.loading import UserCodeError
 from rlhf_agents.math_answers import extract_boxed_answer, grade_answer
 from rlhf_agents.openai_server import OpenAIServerAgentExecutor
+from rlhf_agents.plugin import build_executor
 from rlhf_agents.rewards import (
     HttpRewardSource,
     PythonFileRewardSource,

@@ -14,9 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_agents.checks import check_reward_value, describe, log_failure_once, numeric_logs
-from rlhf_agents.loading import UserCodeError, load_symbol
-from rlhf_core.config_parser import ConfigError
-from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import (
     GenerationOutput,
     GenerationRequest,
@@ -57,6 +54,12 @@ async def new_instance(cls: type) -> Any:
         await obj.__init__()
         return obj
     return await asyncio.to_thread(cls)
+
+
+def turn_params(params: SamplingParams, turn: int, max_new_tokens: int) -> SamplingParams:
+    """The sampling parameters of an episode's model call number ``turn``: one sample, seeded per turn."""
+    seed = None if params.seed is None else derive_seed(params.seed, "turn", turn)
+    return dataclasses.replace(params, n=1, max_new_tokens=max_new_tokens, seed=seed)
 
 
 @dataclass
@@ -326,14 +329,14 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 f"the prompt has {len(trace)} tokens, which leaves no room under max_len {max_length}",
             )
         while True:
-            turn_params = dataclasses.replace(
-                params,
-                n=1,
-                max_new_tokens=min(params.max_new_tokens, max_length - len(trace)),
-                seed=None if params.seed is None else derive_seed(params.seed, "turn", state["turns"]),
-            )
             context = trace.all_ids()
-            request = GenerationRequest(prompt_ids=context, params=turn_params, images=list(state["images"]))
+            request = GenerationRequest(
+                prompt_ids=context,
+                params=turn_params(
+                    params, state["turns"], min(params.max_new_tokens, max_length - len(trace))
+                ),
+                images=list(state["images"]),
+            )
             (out,) = await engine.generate(request)
             trace.add_action(out)
             state["turns"] += 1
@@ -355,16 +358,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             observation_text += action_text + feedback
             feedback_ids = encode(tokenizer, feedback)
             room = max_length - len(trace)
-            new_images = await self._feedback_images(result, feedback_ids, state)
+            pictures = list(result.get("environment_images") or [])
+            new_images = await self._feedback_images(pictures, feedback_ids, state)
             if new_images:
                 feedback_ids = self.image_processing.expand(feedback_ids, new_images)
             kept_ids, kept_images = fit_feedback(feedback_ids, new_images, room, self._image_token_id())
             trace.add_feedback(kept_ids)
             state["images"] += kept_images
-            if len(kept_images) < len(new_images):
-                state["extra"]["images_dropped"] = (
-                    state["extra"].get("images_dropped", 0.0) + len(new_images) - len(kept_images)
-                )
+            if dropped := len(pictures) - len(kept_images):  # past --data.max_images_per_prompt, or max_len
+                state["extra"]["images_dropped"] = state["extra"].get("images_dropped", 0.0) + dropped
             if done:
                 state["truncated"] = out.finish_reason == "length"
                 return
@@ -375,10 +377,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
     def _image_token_id(self) -> int | None:
         return None if self.image_processing is None else self.image_processing.image_token_id
 
-    async def _feedback_images(self, result: dict, feedback_ids: list[int], state: dict) -> list[ImageInput]:
-        """A step's ``environment_images``, processed, with the placeholders past ``max_images`` removed from
-        ``feedback_ids`` (in place) and their images dropped (counted in ``images_dropped``)."""
-        pictures = list(result.get("environment_images") or [])
+    async def _feedback_images(
+        self, pictures: list, feedback_ids: list[int], state: dict
+    ) -> list[ImageInput]:
+        """A step's ``environment_images`` (``pictures``), processed, with the placeholders past ``max_images``
+        removed from ``feedback_ids`` (in place) and their images dropped."""
         token = self._image_token_id()
         found = 0 if token is None else feedback_ids.count(token)
         if not pictures and not found:
@@ -395,9 +398,6 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             )
         room = max(0, self.max_images - len(state["images"])) if self.max_images else len(pictures)
         if len(pictures) > room:
-            state["extra"]["images_dropped"] = (
-                state["extra"].get("images_dropped", 0.0) + len(pictures) - room
-            )
             drop = [k for k, t in enumerate(feedback_ids) if t == token][room:]
             for k in reversed(drop):
                 del feedback_ids[k]
@@ -474,87 +474,3 @@ def fit_feedback(
         kept.append(image)
         end += image.num_tokens
     return ids[:end], kept
-
-
-def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
-    """The executor class the config asks for and the arguments it is built with, checked without building it
-    (the driver calls this before any worker starts, and ``--dry-run`` too).
-
-    - ``--train.agent_command "..."``: ``CommandAgentExecutor`` with the command's argv (its program must exist).
-    - ``--train.agent_func_path file.py``: the file's ``AgentExecutor`` class (the file is imported), no arguments.
-    - ``--train.env NAME``: ``--train.agent_executor`` (default ``multi_turn``) with the registered environment.
-    - otherwise ``--train.agent_executor NAME`` (default ``single_turn``), no arguments.
-
-    Raises a UserError naming the flag or file when the class is missing, abstract, or cannot take the arguments.
-    """
-    from rlhf_agents.openai_server import PER_CALL_SAMPLES, OpenAIServerAgentExecutor
-
-    train = cfg.train
-    if train.per_call_samples not in PER_CALL_SAMPLES:
-        raise ConfigError(
-            f"--train.per_call_samples {train.per_call_samples!r}: choose one of "
-            f"{', '.join(PER_CALL_SAMPLES)}"
-        )
-    if train.agent_command:
-        from rlhf_agents.command_agent import CommandAgentExecutor, command_argv
-
-        others = [f for f in ("agent_func_path", "agent_executor", "env") if getattr(train, f)]
-        if others:
-            raise ConfigError(
-                f"--train.agent_command is the agent; drop {', '.join('--train.' + f for f in others)}"
-            )
-        try:
-            return CommandAgentExecutor, (command_argv(train.agent_command),)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    pm = pm if pm is not None else get_plugin_manager()
-    if train.agent_func_path:
-        path = train.agent_func_path
-        cls = load_symbol(path, "AgentExecutor", "--train.agent_func_path")
-        if not (isinstance(cls, type) and issubclass(cls, AgentExecutorBase)):
-            raise UserCodeError(
-                f"--train.agent_func_path {path}: AgentExecutor is a {describe(cls)}; expected a subclass of "
-                f"rlhf_agents.AgentExecutorBase, e.g. class AgentExecutor(MultiTurnAgentExecutor)"
-            )
-        where, args, error = f"--train.agent_func_path {path}: AgentExecutor", (), UserCodeError
-    else:
-        name = train.agent_executor or ("multi_turn" if train.env else "single_turn")
-        cls = resolve(pm, "agent_executors", name, flag="--train.agent_executor")
-        args = (resolve(pm, "environments", train.env, flag="--train.env"),) if train.env else ()
-        where, error = f"--train.agent_executor {name}", ConfigError
-    if inspect.isabstract(cls):
-        raise error(f"{where} leaves {', '.join(sorted(cls.__abstractmethods__))} unimplemented")
-    if train.per_call_samples != "auto" and not issubclass(cls, OpenAIServerAgentExecutor):
-        raise ConfigError(
-            f"--train.per_call_samples {train.per_call_samples} applies to agents on the OpenAI "
-            f"endpoint (--train.agent_command, or an OpenAIServerAgentExecutor); {where} records "
-            f"its episodes as one trajectory by construction"
-        )
-    try:
-        inspect.signature(cls).bind(*args)
-    except TypeError as exc:
-        hint = (
-            ""
-            if train.agent_func_path
-            else ": multi_turn needs --train.env NAME, and openai_server a subclass in --train.agent_func_path"
-        )
-        raise error(f"{where} cannot be built from the flags ({exc}){hint}") from None
-    return cls, args
-
-
-def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
-    """The executor of :func:`executor_class`, built."""
-    cls, args = executor_class(cfg, pm)
-    path = cfg.train.agent_func_path
-    try:
-        executor = cls(*args)
-    except Exception as exc:
-        if not path:
-            raise
-        raise UserCodeError(
-            f"--train.agent_func_path {path}: AgentExecutor() raised {type(exc).__name__}: {exc}"
-        ) from exc
-    executor.env_step_timeout = cfg.train.env_step_timeout
-    executor.max_images = cfg.data.max_images_per_prompt
-    executor.per_call_samples = cfg.train.per_call_samples  # read by the OpenAI-endpoint executors only
-    return executor

@@ -24,33 +24,8 @@ from fractions import Fraction
 
 # words dropped after a number ("5 cm", "90 degrees", "3 sq units")
 _UNITS = (
-    "cm",
-    "mm",
-    "km",
-    "m",
-    "meters?",
-    "metres?",
-    "inch(?:es)?",
-    "in",
-    "feet",
-    "foot",
-    "ft",
-    "yards?",
-    "miles?",
-    "units?",
-    "sq",
-    "square",
-    "cubic",
-    "degrees?",
-    "dollars?",
-    "cents?",
-    "seconds?",
-    "minutes?",
-    "hours?",
-    "days?",
-    "weeks?",
-    "months?",
-    "years?",
+    "cm|mm|km|m|meters?|metres?|inch(?:es)?|in|feet|foot|ft|yards?|miles?|units?|sq|square|cubic|"
+    "degrees?|dollars?|cents?|seconds?|minutes?|hours?|days?|weeks?|months?|years?"
 )
 _MAX_SYMBOLIC_LEN = 120
 
@@ -106,7 +81,7 @@ def normalize_answer(answer: str) -> str:
     s = s.strip().rstrip(".").strip()
     if s.count("=") == 1 and re.fullmatch(r"[A-Za-z]\w{0,2}", s.split("=")[0].strip()):
         s = s.split("=")[1].strip()  # "x = 5"
-    s = re.sub(r"^(-?[\d.,/]+)(?:\s+(?:" + "|".join(_UNITS) + r")\.?)+$", r"\1", s, flags=re.IGNORECASE)
+    s = re.sub(r"^(-?[\d.,/]+)(?:\s+(?:" + _UNITS + r")\.?)+$", r"\1", s, flags=re.IGNORECASE)
     # thousands separators: 1,000,000 (but not the list 1,2)
     s = re.sub(r"(?<![\d,])\d{1,3}(?:,\d{3})+(?![\d,])", lambda m: m.group().replace(",", ""), s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12

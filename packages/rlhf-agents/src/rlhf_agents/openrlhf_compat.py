@@ -12,30 +12,28 @@ import importlib.util
 import sys
 from types import ModuleType
 
+from rlhf_agents.executors import AgentExecutorBase, AgentInstanceBase, MultiTurnAgentExecutor
+from rlhf_agents.math_answers import extract_boxed_answer, grade_answer
 
-def _exports() -> dict[str, dict[str, object]]:
-    from rlhf_agents.executors import AgentExecutorBase, AgentInstanceBase, MultiTurnAgentExecutor
-    from rlhf_agents.math_answers import extract_boxed_answer, grade_answer
-
-    return {
-        "openrlhf": {},
-        "openrlhf.utils": {"extract_boxed_answer": extract_boxed_answer, "grade_answer": grade_answer},
-        "openrlhf.utils.agent": {
-            "AgentInstanceBase": AgentInstanceBase,
-            "AgentExecutorBase": AgentExecutorBase,
-            "MultiTurnAgentExecutor": MultiTurnAgentExecutor,
-        },
-    }
+EXPORTS = {
+    "openrlhf": {},
+    "openrlhf.utils": {"extract_boxed_answer": extract_boxed_answer, "grade_answer": grade_answer},
+    "openrlhf.utils.agent": {
+        "AgentInstanceBase": AgentInstanceBase,
+        "AgentExecutorBase": AgentExecutorBase,
+        "MultiTurnAgentExecutor": MultiTurnAgentExecutor,
+    },
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in ("openrlhf", "openrlhf.utils", "openrlhf.utils.agent"):
+        if fullname not in EXPORTS:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname != "openrlhf.utils.agent")
 
     def exec_module(self, module: ModuleType) -> None:
-        names = _exports()[module.__name__]
+        names = EXPORTS[module.__name__]
         module.__doc__ = (
             f"rlhf's stand-in for {module.__name__} (OpenRLHF is not installed): {', '.join(names)}"
         )
@@ -47,7 +45,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             # ImportError, not AttributeError: `from m import x` would replace an AttributeError's message
             raise ImportError(
                 f"{module.__name__}.{attr} is OpenRLHF's, which is not installed; rlhf provides only "
-                f"{', '.join(f'{n}.{k}' for n, ks in _exports().items() for k in ks)} under OpenRLHF's names"
+                f"{', '.join(f'{n}.{k}' for n, ks in EXPORTS.items() for k in ks)} under OpenRLHF's names"
             )
 
         module.__getattr__ = __getattr__

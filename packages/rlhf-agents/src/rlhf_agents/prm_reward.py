@@ -115,10 +115,7 @@ class PRMRewardSource(RewardSource):
     """Scores samples with a :class:`ProcessRewardModel`; a sample without a step is unscorable."""
 
     def __init__(self, prm: ProcessRewardModel, aggregation: str = "min", description: str = "PRM"):
-        if aggregation not in PRM_AGGREGATIONS:
-            raise ValueError(
-                f"--reward.prm_aggregation {aggregation!r}: choose one of {', '.join(PRM_AGGREGATIONS)}"
-            )
+        aggregate_steps([0.0], aggregation)  # an unknown name fails here, before any sample is scored
         self.prm, self.aggregation, self.description = prm, aggregation, description
 
     async def score(self, request: RewardRequest) -> RewardResult:

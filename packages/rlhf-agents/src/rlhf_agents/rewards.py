@@ -41,9 +41,7 @@ class RewardRequestError(Exception):
 
 
 def _as_list(value: Any, n: int, where: str, key: str) -> list[Any]:
-    if hasattr(value, "detach"):  # torch tensor
-        value = value.detach().reshape(-1).tolist()
-    elif hasattr(value, "tolist") and hasattr(value, "shape"):  # numpy array
+    if hasattr(value, "tolist") and hasattr(value, "shape"):  # torch tensor or numpy array
         value = value.reshape(-1).tolist()
     elif isinstance(value, (list, tuple)):
         value = list(value)

@@ -14,15 +14,20 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from rlhf_agents.checks import describe, log_failure_once
-from rlhf_agents.executors import AgentExecutorBase, build_executor, encode
+from rlhf_agents.executors import AgentExecutorBase, TokenTrace, encode
+from rlhf_agents.plugin import build_executor
 from rlhf_agents.rewards import build_reward_source
 from rlhf_core.config import distills_only
 from rlhf_core.errors import UserError
 from rlhf_core.plugins import get_plugin_manager
-from rlhf_core.types import RewardRequest, RewardSource, SamplingParams, Trajectory, derive_seed
+from rlhf_core.rollout.async_engine import AsyncEngine
+from rlhf_core.types import RewardRequest, RewardResult, RewardSource, SamplingParams, Trajectory, derive_seed
 from rlhf_core.vision import collapse_image_tokens
 
 logger = logging.getLogger(__name__)
+
+PromptRow = tuple[str, list[int], Any, Any, list]
+"""A prompt as the worker reads it: ``(text, ids, label, uid, images)``."""
 
 
 class RolloutFailureError(UserError, RuntimeError):
@@ -58,9 +63,8 @@ class EngineClock:
     def __init__(self, engine: Any):
         self.engine = engine
         self.waited, self.since = 0.0, 0.0
-        self.in_flight = (
-            0  # generate calls of the episode not yet answered (an agent may make several at once)
-        )
+        # generate calls of the episode not yet answered (an agent may make several at once)
+        self.in_flight = 0
 
     async def generate(self, request: Any) -> Any:
         if self.in_flight == 0:
@@ -86,6 +90,119 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def read_prompt_row(row: Any, row_index: int, tokenizer: Any) -> PromptRow:
+    """A prompt row as a :data:`PromptRow`: the text is tokenized, or the ids decoded."""
+    if not isinstance(row, dict):
+        raise TypeError(
+            f"prompt row {row_index} is a {describe(row)}; expected a dict with 'prompt_text' or 'prompt_ids'"
+        )
+    text, ids = row.get("prompt_text"), row.get("prompt_ids")
+    if text is None and ids is None:
+        raise ValueError(
+            f"prompt row {row_index} has neither 'prompt_text' nor 'prompt_ids' (keys: {sorted(row)})"
+        )
+    if ids is None:
+        ids = encode(tokenizer, text)
+    elif text is None:
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+    return (
+        text,
+        list(ids),
+        row.get("label"),
+        row.get("prompt_uid", row_index),
+        list(row.get("images") or []),
+    )
+
+
+def rollout_metrics(
+    trajectories: list[Trajectory], drifted: int | None, generate_s: float, reward_s: float
+) -> dict[str, float]:
+    """The metrics of one rollout call: means over samples, and counts of the per-sample flags."""
+    n = len(trajectories)
+    rewards = [t.reward for t in trajectories if t.reward is not None]
+    metrics = {
+        "rollout/samples": float(n),
+        "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
+        "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
+        "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
+        "reward/mean": _mean(rewards),
+        "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
+        "reward/unscorable": float(n - len(rewards)),
+        "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
+        "timing/generate_s": generate_s,
+        "timing/reward_s": reward_s,
+    }
+    if drifted is not None:
+        metrics["tokenize/drift_samples"] = float(drifted)
+    logged: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in t.extra_logs.items():
+            logged.setdefault(key, []).append(value)
+    for key, values in logged.items():
+        # error/* and tokenize/drift are per-sample flags: their sum is the count
+        metrics[key] = float(sum(values)) if key.startswith(("error/", "tokenize/")) else _mean(values)
+    return metrics
+
+
+def reward_request(pending: list[Trajectory], tokenizer: Any, image_processing: Any) -> RewardRequest:
+    """The reward request for ``pending``: each query is its prompt and response as text, special tokens kept
+    (a vision-language model's image tokens collapsed to one placeholder per image, as in the prompt text)."""
+    decode = tokenizer.decode
+
+    def query(t: Trajectory) -> str:
+        ids = t.prompt_ids + t.response_ids
+        if image_processing is not None:
+            ids = collapse_image_tokens(ids, image_processing.image_token_id)
+        return decode(ids, skip_special_tokens=False)
+
+    return RewardRequest(
+        queries=[query(t) for t in pending],
+        prompts=[t.prompt_text for t in pending],
+        labels=[t.label for t in pending],
+        prompt_ids=[list(t.prompt_ids) for t in pending],
+        response_ids=[list(t.response_ids) for t in pending],
+        finish_reasons=[t.finish_reason for t in pending],
+        responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending],
+    )
+
+
+def apply_rewards(pending: list[Trajectory], result: RewardResult, where: str) -> None:
+    """Write reward source ``where``'s ``result`` into ``pending``; a sample it gave no reward gets its error."""
+    if len(result.rewards) != len(pending) or len(result.scores) != len(pending):
+        raise ValueError(
+            f"reward source {where} returned {len(result.rewards)} rewards and "
+            f"{len(result.scores)} scores for {len(pending)} samples"
+        )
+    for k, traj in enumerate(pending):
+        traj.reward = result.rewards[k]
+        if traj.reward is None:
+            traj.error = (result.errors[k] if result.errors else None) or f"{where} gave no reward"
+            traj.extra_logs["error/reward"] = 1.0
+        else:
+            traj.score = result.scores[k] if result.scores[k] is not None else traj.reward
+        logs = result.extra_logs.items()
+        traj.extra_logs.update({key: float(values[k]) for key, values in logs if values[k] is not None})
+
+
+def check_failures(
+    trajectories: list[Trajectory], step: int, max_fraction: float, sources: list[str]
+) -> None:
+    """Raise :class:`RolloutFailureError` when more than ``max_fraction`` of the samples could not be scored,
+    with their causes, first errors and ``sources`` (what produced them)."""
+    failed = [t for t in trajectories if t.reward is None]
+    if not trajectories or len(failed) / len(trajectories) <= max_fraction:
+        return
+    causes = Counter(k.removeprefix("error/") for t in failed for k in t.extra_logs if k.startswith("error/"))
+    first_errors = list(dict.fromkeys(t.error for t in failed if t.error))[:3]
+    raise RolloutFailureError(
+        f"step {step}: {len(failed)} of {len(trajectories)} samples could not be scored, more than "
+        f"--reward.max_failure_fraction {max_fraction:g}"
+        + (f" ({'; '.join(sources)})" if sources else "")
+        + f". Causes: {dict(causes) or 'unknown'}. First errors:\n  "
+        + "\n  ".join(first_errors)
+    )
+
+
 class RolloutWorker:
     """Collects experience: ``rollout(prompts, sampling, step) -> list[Trajectory]``, ``sampling.n`` samples
     per prompt (the package README, "Using the worker", gives their seeds and order). ``engine`` has ``async
@@ -105,8 +222,6 @@ class RolloutWorker:
         image_processing: Any = None,
     ):
         if not inspect.iscoroutinefunction(getattr(engine, "generate", None)):
-            from rlhf_core.rollout.async_engine import AsyncEngine
-
             engine = AsyncEngine(engine)
         self.engine = engine
         self.tokenizer = tokenizer
@@ -155,19 +270,13 @@ class RolloutWorker:
         self, prompts: Sequence[dict], sampling: SamplingParams, step: int
     ) -> list[Trajectory]:
         start = time.perf_counter()
-        rows = [self._read_row(row, row_index) for row_index, row in enumerate(prompts)]
+        rows = [read_prompt_row(row, row_index, self.tokenizer) for row_index, row in enumerate(prompts)]
         trajectories = await _gather_all(
             [
                 self._episode(
-                    text,
-                    ids,
-                    label,
-                    uid,
-                    i,
-                    dataclasses.replace(sampling, n=1, seed=derive_seed(self.seed, step, uid, i)),
-                    images,
+                    row, i, dataclasses.replace(sampling, n=1, seed=derive_seed(self.seed, step, row[3], i))
                 )
-                for text, ids, label, uid, images in rows
+                for row in rows
                 for i in range(sampling.n)
             ]
         )
@@ -175,8 +284,11 @@ class RolloutWorker:
         await self._score(trajectories)
         scored = time.perf_counter()
         drifted = sum(self._check_drift(t) for t in trajectories) if self.check_retokenization else None
-        self.last_metrics = self._metrics(trajectories, drifted, generated - start, scored - generated)
-        self._check_failures(trajectories, step)
+        self.last_metrics = rollout_metrics(trajectories, drifted, generated - start, scored - generated)
+        sources = [f"reward source: {self._reward_source_name()}"] if self.reward_source is not None else []
+        agent = (("file", self.agent_file), ("command", self.agent_command))
+        sources += [f"agent {what}: {value}" for what, value in agent if value]
+        check_failures(trajectories, step, self.max_failure_fraction, sources)
         return trajectories
 
     def close(self) -> None:
@@ -192,39 +304,8 @@ class RolloutWorker:
 
     # --- the steps ----------------------------------------------------------------------------------
 
-    def _read_row(self, row: Any, row_index: int) -> tuple[str, list[int], Any, Any, list]:
-        if not isinstance(row, dict):
-            raise TypeError(
-                f"prompt row {row_index} is a {describe(row)}; expected a dict with "
-                "'prompt_text' or 'prompt_ids'"
-            )
-        text, ids = row.get("prompt_text"), row.get("prompt_ids")
-        if text is None and ids is None:
-            raise ValueError(
-                f"prompt row {row_index} has neither 'prompt_text' nor 'prompt_ids' (keys: {sorted(row)})"
-            )
-        if ids is None:
-            ids = encode(self.tokenizer, text)
-        elif text is None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        return (
-            text,
-            list(ids),
-            row.get("label"),
-            row.get("prompt_uid", row_index),
-            list(row.get("images") or []),
-        )
-
-    async def _episode(
-        self,
-        text: str,
-        ids: list[int],
-        label: Any,
-        uid: Any,
-        index: int,
-        params: SamplingParams,
-        images: list,
-    ) -> Trajectory:
+    async def _episode(self, row: PromptRow, index: int, params: SamplingParams) -> Trajectory:
+        text, ids, label, uid, images = row
         with_images = (
             {"images": images} if images else {}
         )  # executors written for text models need not take them
@@ -233,7 +314,7 @@ class RolloutWorker:
             text, label, params, self.max_len, self.tokenizer, engine, prompt_ids=list(ids), **with_images
         )
         if self.episode_timeout:
-            episode = self._bounded_episode(episode, engine, text, ids, label, images)
+            episode = self._bounded_episode(episode, engine, row)
         traj = await episode
         if not isinstance(traj, Trajectory):
             raise TypeError(
@@ -245,11 +326,11 @@ class RolloutWorker:
         traj.label = label if traj.label is None else traj.label
         return traj
 
-    async def _bounded_episode(
-        self, episode: Awaitable[Any], clock: EngineClock, text: str, ids: list[int], label: Any, images: list
-    ) -> Any:
-        """The executor's ``episode`` (on ``clock``), ended once its own time (not counting its waits for the
-        engine) passes ``--train.episode_timeout``: then unscorable, counted in ``error/episode_timeout``."""
+    async def _bounded_episode(self, episode: Awaitable[Any], clock: EngineClock, row: PromptRow) -> Any:
+        """The executor's ``episode`` of prompt ``row`` (on ``clock``), ended once its own time (not counting its
+        waits for the engine) passes ``--train.episode_timeout``: then unscorable, counted in
+        ``error/episode_timeout``."""
+        text, ids, label, _, images = row
         start = time.monotonic()
         task = asyncio.ensure_future(episode)
         while (left := self.episode_timeout - clock.agent_seconds(start)) > 0:
@@ -263,11 +344,7 @@ class RolloutWorker:
             f"outside the rollout engine; it was ended"
         )
         log_failure_once(logger, where, message)
-        return Trajectory(
-            prompt_ids=list(ids),
-            response_ids=[],
-            action_mask=[],
-            rollout_logprobs=[],
+        return TokenTrace(list(ids)).to_trajectory(
             finish_reason="abort",
             prompt_text=text,
             label=label,
@@ -290,40 +367,10 @@ class RolloutWorker:
                 f"{len(pending)} samples need a reward but no reward source is configured: set "
                 f"--reward.remote_url (a reward .py file or http URLs) or --reward.model_name_or_path"
             )
-        decode = self.tokenizer.decode
-        images = self.executor.image_processing
-
-        def query(t: Trajectory) -> str:
-            ids = t.prompt_ids + t.response_ids
-            if images is not None:  # one placeholder per image, as in the prompt text
-                ids = collapse_image_tokens(ids, images.image_token_id)
-            return decode(ids, skip_special_tokens=False)
-
-        request = RewardRequest(
-            queries=[query(t) for t in pending],
-            prompts=[t.prompt_text for t in pending],
-            labels=[t.label for t in pending],
-            prompt_ids=[list(t.prompt_ids) for t in pending],
-            response_ids=[list(t.response_ids) for t in pending],
-            finish_reasons=[t.finish_reason for t in pending],
-            responses=[decode(t.response_ids, skip_special_tokens=True) for t in pending],
+        result = await self.reward_source.score(
+            reward_request(pending, self.tokenizer, self.executor.image_processing)
         )
-        result = await self.reward_source.score(request)
-        where = self._reward_source_name()
-        if len(result.rewards) != len(pending) or len(result.scores) != len(pending):
-            raise ValueError(
-                f"reward source {where} returned {len(result.rewards)} rewards and "
-                f"{len(result.scores)} scores for {len(pending)} samples"
-            )
-        for k, traj in enumerate(pending):
-            traj.reward = result.rewards[k]
-            if traj.reward is None:
-                traj.error = (result.errors[k] if result.errors else None) or f"{where} gave no reward"
-                traj.extra_logs["error/reward"] = 1.0
-            else:
-                traj.score = result.scores[k] if result.scores[k] is not None else traj.reward
-            logs = result.extra_logs.items()
-            traj.extra_logs.update({key: float(values[k]) for key, values in logs if values[k] is not None})
+        apply_rewards(pending, result, self._reward_source_name())
 
     def _reward_source_name(self) -> str:
         return getattr(self.reward_source, "description", type(self.reward_source).__name__)
@@ -353,50 +400,3 @@ class RolloutWorker:
                 self.tokenizer.decode(redone),
             )
         return True
-
-    def _metrics(
-        self, trajectories: list[Trajectory], drifted: int | None, generate_s: float, reward_s: float
-    ) -> dict[str, float]:
-        n = len(trajectories)
-        rewards = [t.reward for t in trajectories if t.reward is not None]
-        metrics = {
-            "rollout/samples": float(n),
-            "rollout/response_length": _mean([len(t.response_ids) for t in trajectories]),
-            "rollout/action_tokens": _mean([sum(t.action_mask) for t in trajectories]),
-            "rollout/truncated_fraction": _mean([float(t.truncated) for t in trajectories]),
-            "reward/mean": _mean(rewards),
-            "score/mean": _mean([t.score for t in trajectories if t.score is not None]),
-            "reward/unscorable": float(n - len(rewards)),
-            "reward/unscorable_fraction": (n - len(rewards)) / n if n else 0.0,
-            "timing/generate_s": generate_s,
-            "timing/reward_s": reward_s,
-        }
-        if drifted is not None:
-            metrics["tokenize/drift_samples"] = float(drifted)
-        logged: dict[str, list[float]] = {}
-        for t in trajectories:
-            for key, value in t.extra_logs.items():
-                logged.setdefault(key, []).append(value)
-        for key, values in logged.items():
-            # error/* and tokenize/drift are per-sample flags: their sum is the count
-            metrics[key] = float(sum(values)) if key.startswith(("error/", "tokenize/")) else _mean(values)
-        return metrics
-
-    def _check_failures(self, trajectories: list[Trajectory], step: int) -> None:
-        failed = [t for t in trajectories if t.reward is None]
-        if not trajectories or len(failed) / len(trajectories) <= self.max_failure_fraction:
-            return
-        causes = Counter(
-            k.removeprefix("error/") for t in failed for k in t.extra_logs if k.startswith("error/")
-        )
-        first_errors = list(dict.fromkeys(t.error for t in failed if t.error))[:3]
-        sources = [f"reward source: {self._reward_source_name()}"] if self.reward_source is not None else []
-        agent = (("file", self.agent_file), ("command", self.agent_command))
-        sources += [f"agent {what}: {value}" for what, value in agent if value]
-        raise RolloutFailureError(
-            f"step {step}: {len(failed)} of {len(trajectories)} samples could not be scored, more than "
-            f"--reward.max_failure_fraction {self.max_failure_fraction:g}"
-            + (f" ({'; '.join(sources)})" if sources else "")
-            + f". Causes: {dict(causes) or 'unknown'}. First errors:\n  "
-            + "\n  ".join(first_errors)
-        )

@@ -597,7 +597,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     ]
     problems = check_models(models, "--actor.model_name_or_path", asm)
     _check_opd(cfg, problems, asm)
-    from rlhf_agents.executors import executor_class
+    from rlhf_agents.plugin import executor_class
     from rlhf_agents.rewards import check_reward_config
 
     for check in (executor_class, check_reward_config):  # imports the agent and reward files

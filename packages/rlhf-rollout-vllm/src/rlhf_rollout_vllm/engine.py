@@ -87,6 +87,84 @@ def to_generation_output(completion: Any) -> GenerationOutput:
     return GenerationOutput(token_ids, logprobs, finish)
 
 
+def vllm_prompt(vllm: Any, llm: Any, req: GenerationRequest) -> Any:
+    """vLLM's input for ``req``: token ids, and for a request with images its multimodal data."""
+    if not req.images:
+        return vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids))
+    ids = collapse_image_tokens(req.prompt_ids, llm.llm_engine.model_config.hf_config.image_token_id)
+    return vllm.inputs.TokensPrompt(
+        prompt_token_ids=ids, multi_modal_data={"image": [im.image for im in req.images]}
+    )
+
+
+def lock_between_steps(llm: Any) -> threading.Lock:
+    """A lock that ``llm``'s engine steps take: who holds it runs between two steps."""
+    lock, step = threading.Lock(), llm.llm_engine.step
+
+    def locked_step():
+        with lock:
+            return step()
+
+    llm.llm_engine.step = locked_step
+    return lock
+
+
+def shutdown_engine_core(engine_core: Any, others_in_process: bool) -> None:
+    """``engine_core.shutdown()``; with ``others_in_process``, keeping vLLM's process-wide parallel state:
+    EngineCore.shutdown also tears it down, and the other engines of this process still use it (their next
+    step failed)."""
+    if not others_in_process:
+        engine_core.shutdown()
+        return
+    import vllm.v1.engine.core as core
+
+    cleanup, core.cleanup_dist_env_and_memory = core.cleanup_dist_env_and_memory, gc.collect
+    try:
+        engine_core.shutdown()
+    finally:
+        core.cleanup_dist_env_and_memory = cleanup
+
+
+class LoRAAdapters:
+    """The policy's LoRA adapter as a vLLM engine serves it: each sync writes it to a new directory and serves
+    it under a new id, and drops the previous one (prefix-cache entries are keyed by the adapter, so none
+    computed with old weights is reused)."""
+
+    def __init__(self, lora_rank: int):
+        self.dir = (
+            tempfile.mkdtemp(prefix="rlhf-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            if lora_rank > 0
+            else None
+        )
+        self.request = None  # the adapter of the last sync, served with every request
+        self.version = 0  # its id (0: none yet)
+
+    def next_dir(self) -> str:
+        """Where the next adapter is written."""
+        if self.dir is None:
+            raise RuntimeError(
+                "VLLMEngine: a LoRA adapter arrived, but the engine was built with lora_rank=0 "
+                "(vLLM serves adapters only with enable_lora)"
+            )
+        return os.path.join(self.dir, f"v{self.version + 1}")
+
+    def serve_next(self, llm: Any) -> None:
+        """Serve the adapter just written to :meth:`next_dir` in place of the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        path = self.next_dir()
+        if self.request is not None:
+            llm.llm_engine.remove_lora(self.request.lora_int_id)
+            shutil.rmtree(self.request.lora_path, ignore_errors=True)
+        self.version += 1
+        self.request = LoRARequest(f"rlhf-policy-v{self.version}", self.version, path)
+        llm.llm_engine.add_lora(self.request)
+
+    def close(self) -> None:
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class VLLMEngine(RolloutEngine):
     """A vLLM engine behind rlhf's engine contract.
 
@@ -142,7 +220,6 @@ class VLLMEngine(RolloutEngine):
         if lora_rank > 0:
             llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(lora_rank))
         self._vllm = vllm
-        self.tensor_parallel_size = tensor_parallel_size
         self.enable_sleep = enable_sleep
         self.llm = vllm.LLM(
             model=model_name_or_path,
@@ -167,15 +244,7 @@ class VLLMEngine(RolloutEngine):
         # Partial rollout loads weights from another thread while generate runs. With the engine core in this
         # process the load would run beside a model step and could meet a layer whose weights vLLM is repacking
         # (a meta tensor, "onednn_mm ... Meta tensors"): a load goes in only between two engine steps.
-        self._between_steps = threading.Lock() if self._in_process else contextlib.nullcontext()
-        if self._in_process:
-            step = self.llm.llm_engine.step
-
-            def locked_step():
-                with self._between_steps:
-                    return step()
-
-            self.llm.llm_engine.step = locked_step
+        self._between_steps = lock_between_steps(self.llm) if self._in_process else contextlib.nullcontext()
         # Building the engine changed process-wide state that the process's other work keeps using: vLLM's CPU
         # worker made torch.set_num_threads a no-op, and vLLM left variables such as LOCAL_WORLD_SIZE=1 in the
         # environment, which Ray workers started later from this process would inherit. Its workers have read
@@ -192,12 +261,7 @@ class VLLMEngine(RolloutEngine):
         except AttributeError:  # vLLM checks token ids itself; ours only gives a clearer message
             self.vocab_size = None
         self._asleep, self._weights_discarded = 0, False
-        self._lora_dir = (
-            tempfile.mkdtemp(prefix="rlhf-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-            if lora_rank > 0
-            else None
-        )
-        self._lora_request = None  # the adapter of the last sync, served with every request
+        self._adapters = LoRAAdapters(lora_rank)
         IN_PROCESS_ENGINES[0] += self._in_process
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[GenerationOutput]]:
@@ -215,27 +279,18 @@ class VLLMEngine(RolloutEngine):
             torch.set_num_threads(self._cpu_threads)  # per thread under OpenMP; see __init__
         prompts, params, owners = [], [], []
         for i, req in enumerate(requests):  # one prompt per sample: vLLM would seed n children seed + i
-            prompt = self._prompt(req)
+            prompt = vllm_prompt(self._vllm, self.llm, req)
             for seed in sample_seeds(req.params):
                 prompts.append(prompt)
                 params.append(to_vllm_sampling_params(self._vllm, req.params, seed))
                 owners.append(i)
         outputs = self.llm.generate(
-            prompts, sampling_params=params, use_tqdm=False, lora_request=self._lora_request
+            prompts, sampling_params=params, use_tqdm=False, lora_request=self._adapters.request
         )
         results: list[list[GenerationOutput]] = [[] for _ in requests]
         for i, out in zip(owners, outputs, strict=True):
             results[i].append(to_generation_output(out.outputs[0]))
         return results
-
-    def _prompt(self, req: GenerationRequest) -> Any:
-        """vLLM's input for ``req``: token ids, and for a request with images its multimodal data."""
-        if not req.images:
-            return self._vllm.inputs.TokensPrompt(prompt_token_ids=list(req.prompt_ids))
-        image_token_id = self.llm.llm_engine.model_config.hf_config.image_token_id
-        ids = collapse_image_tokens(req.prompt_ids, image_token_id)
-        images = {"image": [im.image for im in req.images]}
-        return self._vllm.inputs.TokensPrompt(prompt_token_ids=ids, multi_modal_data=images)
 
     # --- weights --------------------------------------------------------------------------------
 
@@ -246,9 +301,9 @@ class VLLMEngine(RolloutEngine):
         are served as a new adapter instead."""
         named_tensors = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if named_tensors and is_adapter(named_tensors[0][0]):
-            save_peft_adapter(named_tensors, self._next_adapter_dir())
+            save_peft_adapter(named_tensors, self._adapters.next_dir())
             with self._between_steps:
-                self._serve_next_adapter()
+                self._adapters.serve_next(self.llm)
             return
         if not self._in_process:  # vLLM's RPC to worker processes turns tensors nested in lists into lists
             buffer = io.BytesIO()
@@ -274,33 +329,11 @@ class VLLMEngine(RolloutEngine):
     def receive_weights(self) -> None:
         """Every worker receives rank 0's broadcast and loads it (or writes the LoRA adapter it carries)."""
         with self._between_steps:
-            args = () if self._lora_dir is None else (self._next_adapter_dir(),)  # where an adapter goes
+            args = () if self._adapters.dir is None else (self._adapters.next_dir(),)  # where an adapter goes
             if any(self.llm.collective_rpc("rlhf_receive_weights", args=args)):  # it was an adapter
-                self._serve_next_adapter()
+                self._adapters.serve_next(self.llm)
             else:
                 self._weights_discarded = False
-
-    def _next_adapter_dir(self) -> str:
-        if self._lora_dir is None:
-            raise RuntimeError(
-                "VLLMEngine: a LoRA adapter arrived, but the engine was built with lora_rank=0 "
-                "(vLLM serves adapters only with enable_lora)"
-            )
-        version = self._lora_request.lora_int_id + 1 if self._lora_request else 1
-        return os.path.join(self._lora_dir, f"v{version}")
-
-    def _serve_next_adapter(self) -> None:
-        """Serve the adapter just written (:meth:`_next_adapter_dir`) under a new id, and drop the previous one:
-        prefix-cache entries are keyed by the adapter, so none computed with old weights is reused."""
-        from vllm.lora.request import LoRARequest
-
-        path = self._next_adapter_dir()
-        old, version = self._lora_request, int(os.path.basename(path)[1:])
-        if old is not None:
-            self.llm.llm_engine.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
-        self._lora_request = LoRARequest(f"rlhf-policy-v{version}", version, path)
-        self.llm.llm_engine.add_lora(self._lora_request)
 
     def close_weight_sync(self) -> None:
         self.llm.collective_rpc("rlhf_close_weight_sync")
@@ -332,22 +365,10 @@ class VLLMEngine(RolloutEngine):
         """Stop vLLM and free its GPU memory (a fresh engine can then start in this process)."""
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if callable(getattr(engine_core, "shutdown", None)):
-            if self._in_process and IN_PROCESS_ENGINES[0] > 1:
-                # EngineCore.shutdown also tears down vLLM's process-wide parallel state, which the other
-                # engines of this process still use (their next step failed): keep it for them
-                import vllm.v1.engine.core as core
-
-                cleanup, core.cleanup_dist_env_and_memory = core.cleanup_dist_env_and_memory, gc.collect
-                try:
-                    engine_core.shutdown()
-                finally:
-                    core.cleanup_dist_env_and_memory = cleanup
-            else:
-                engine_core.shutdown()
+            shutdown_engine_core(engine_core, self._in_process and IN_PROCESS_ENGINES[0] > 1)
         IN_PROCESS_ENGINES[0] -= self._in_process
         self._in_process = False
-        if self._lora_dir:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        self._adapters.close()
         del self.llm
         gc.collect()
         if torch.cuda.is_available():

@@ -54,7 +54,7 @@ def reprocess_tied_layers(model: torch.nn.Module) -> int:
     the shared, updated parameter."""
     owners: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        weight = module._parameters.get("weight")
         if weight is not None:
             owners.setdefault(id(weight), []).append(module)
     shared = [

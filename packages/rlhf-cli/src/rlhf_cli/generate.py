@@ -6,7 +6,6 @@ The data flow, the resume from ``<output_path>.samples.jsonl`` and the seeds are
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 
 from rlhf_core import data, plugins
 from rlhf_core.checkpoint import write_atomic
-from rlhf_core.config import GenerateConfig, as_rl_config
+from rlhf_core.config import ActorConfig, GenerateConfig, RLConfig, TrainConfig
 from rlhf_core.config_parser import redact_text
 from rlhf_core.errors import UserError
 from rlhf_core.types import (
@@ -32,6 +31,16 @@ from rlhf_core.types import (
 )
 
 TASKS = ("generate", "generate_vllm", "rm")
+# the rollout fields that decide the samples (a resumed run must share them)
+SAMPLING = (
+    "n_samples_per_prompt",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "batch_size",
+)
 
 
 class GenerateError(UserError, ValueError):
@@ -68,7 +77,8 @@ class Plan:
             "seed": c.generate.seed,
             "prompts": len(self.prompts),
             "n": self.n,
-            "sampling": dataclasses.asdict(c.rollout) | {"micro_batch_size": None, "engine": None},
+            "sampling": {k: getattr(c.rollout, k) for k in SAMPLING}
+            | {"micro_batch_size": None, "engine": None},
             "reward": {
                 k: getattr(c.reward, k)
                 for k in ("model_name_or_path", "source", "normalize_enable", "weights")
@@ -104,6 +114,17 @@ class Plan:
 
 
 # --- planning (the driver, before any worker) ----------------------------------------------------------
+
+
+def plugin_config(cfg: GenerateConfig) -> RLConfig:
+    """The run config that rollout-engine and reward-source plugins read: generate's own section objects, with
+    the policy as the actor and the sampling seed as ``train.seed``."""
+    sections = {name: getattr(cfg, name) for name in ("rollout", "reward", "data", "ds", "vllm", "ray")}
+    return RLConfig(
+        actor=ActorConfig(model_name_or_path=cfg.model.model_name_or_path),
+        train=TrainConfig(seed=cfg.generate.seed),
+        **sections,
+    )
 
 
 def load_tokenizer(cfg: GenerateConfig) -> Any:
@@ -197,7 +218,7 @@ def check_reward(cfg: GenerateConfig, pm) -> str | None:
     if path and not (Path(path) / "config.json").is_file():
         raise GenerateError(f"--reward.model_name_or_path {path}: no model there (no config.json)")
     try:
-        source = build_reward_source(as_rl_config(cfg), pm, reward_model_handle=_UnloadedRewardModel())
+        source = build_reward_source(plugin_config(cfg), pm, reward_model_handle=_UnloadedRewardModel())
     except (UserCodeError, plugins.PluginError, ValueError, TypeError) as exc:
         raise GenerateError(f"the reward source cannot score: {exc}") from None
     if source is None:
@@ -249,15 +270,12 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
 
     engine = None
     if g.task != "rm":
-        rl = as_rl_config(cfg)
-        if g.task == "generate_vllm":
-            if r.engine not in ("auto", "vllm"):
-                raise GenerateError(
-                    f"--generate.task generate_vllm asks for the vllm engine, but --rollout.engine "
-                    f"is {r.engine}"
-                )
-            rl.rollout.engine = "vllm"
-        engine = choose_engine(rl, pm)
+        rl = plugin_config(cfg)
+        if g.task == "generate_vllm" and r.engine not in ("auto", "vllm"):
+            raise GenerateError(
+                f"--generate.task generate_vllm asks for the vllm engine, but --rollout.engine is {r.engine}"
+            )
+        engine = "vllm" if g.task == "generate_vllm" else choose_engine(rl, pm)
         try:
             factory = plugins.resolve(pm, "rollout_engines", engine, "--rollout.engine")
         except plugins.PluginError as exc:
@@ -368,7 +386,7 @@ class GenerationWorker:
 
         torch.set_num_threads(num_threads)
         pm = plugins.get_plugin_manager()
-        rl = as_rl_config(cfg)
+        rl = plugin_config(cfg)
         self.cfg = cfg
         self.engine = (
             plugins.resolve(pm, "rollout_engines", engine_name).create(rl, index=index)

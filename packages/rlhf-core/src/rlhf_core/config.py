@@ -8,7 +8,6 @@ rewritten to them by :mod:`rlhf_core.config_aliases`. Defaults follow OpenRLHF u
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
@@ -35,6 +34,14 @@ def option(
     """
     meta = {"modes": modes, "refused": refused, "noted": noted, "secret": secret, "requires": requires}
     return field(default=default, default_factory=default_factory, repr=not secret, metadata=meta)
+
+
+def view(section: type, fields: str, docs: dict[str, str] | None = None, **defaults: Any):
+    """A shared section as one command reads it: only ``fields``, in this order (its ``--help`` and saved config
+    follow it), accepted whatever their ``option(modes=...)``; ``defaults`` and ``docs`` (by field name) are the
+    command's own where the shared ones do not fit it."""
+    meta = {"fields": fields.split(), "docs": docs or {}}
+    return field(default_factory=lambda: section(**defaults), metadata=meta)
 
 
 def resolve_param_dtype(name: str, cuda: bool | None = None) -> str:
@@ -253,6 +260,8 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling; 0 disables it."""
+    repetition_penalty: float = option(1.0, modes=("generate",))
+    """Must stay 1.0: the rollout engines sample without a repetition penalty (other values are refused)."""
     max_tokens_per_gpu: int | None = None
     """Token budget per forward pass when computing log-probs and values with ``--train.dynamic_batch_enable``
     (default: ``--train.max_tokens_per_gpu``)."""
@@ -815,8 +824,8 @@ MODES: dict[str, type] = {
 
 
 # --- rlhf generate and rlhf chat ------------------------------------------------------------------------
-# Their sections hold only the fields these commands honour; the engine and reward-source plugins get an
-# RLConfig built from them (:func:`as_rl_config`), the contract those plugins are written against.
+# They read the sections of ``rlhf train ppo`` (a :func:`view` of each: the fields they honour, in their own
+# words), so that the rollout-engine and reward-source plugins get the same section objects as in RL.
 
 
 @dataclass
@@ -854,90 +863,11 @@ class GenerateTaskConfig:
     run draws what the uninterrupted one would have."""
 
 
-@dataclass
-class GenerateRolloutConfig:
-    engine: str = "auto"
-    """Rollout engine: ``hf``, ``vllm``, or ``auto`` (vllm when it can run here, else hf)."""
-    n_samples_per_prompt: int = 1
-    """Samples per prompt (``--best_of_n``)."""
-    max_new_tokens: int = 1024
-    """Most tokens generated per sample."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 is greedy (``--greedy_sampling``)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = 0
-    """Top-k sampling; 0 disables it."""
-    repetition_penalty: float = 1.0
-    """Must stay 1.0: the rollout engines sample without a repetition penalty (other values are refused)."""
-    batch_size: int = 2048
-    """Prompts per pipeline iteration, with ``--generate.iter`` (``--rollout_batch_size``)."""
-    micro_batch_size: int = 16
-    """Prompts per engine call, and sequences per reward-model forward; the unit of progress and resume."""
-
-
-@dataclass
-class GenerateDataConfig:
-    dataset: list[str] | None = None
-    """Prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories."""
-    dataset_probs: list[float] | None = None
-    """Mixing probabilities of ``dataset``."""
-    dataset_split: str = "train"
-    """Split of ``dataset``."""
-    input_key: str = "input"
-    """Column holding the prompt (or the conversation, with ``apply_chat_template``)."""
-    output_key: str = "output"
-    """``--generate.task rm``: column holding the response to score."""
-    label_key: str | None = None
-    """Column passed to reward functions as the label (and kept in the output)."""
-    input_template: str | None = None
-    """Format string with ``{}`` for the prompt, used when no chat template is applied."""
-    apply_chat_template: bool = False
-    """Format prompts with the tokenizer's chat template."""
-    tokenizer_chat_template: str | None = None
-    """Override the tokenizer's chat template."""
-    max_len: int = 2048
-    """``--generate.task rm`` and reward models: most tokens of prompt + response."""
-    prompt_max_len: int = 1024
-    """Most prompt tokens."""
-    overlong_prompt_policy: str = "error"
-    """A prompt longer than its budget: ``error`` (names file and row), ``skip`` or ``truncate_left``."""
-    skip_bad_rows: bool = False
-    """Skip and count rows with a missing or mistyped key instead of failing on the first."""
-    max_samples: int = 100_000_000
-    """Use at most this many rows (without ``--generate.iter``)."""
-    disable_fast_tokenizer: bool = option(
-        False,
-        noted=(
-            "transformers 5 has one tokenizer implementation and ignores use_fast (OpenRLHF passes it on unread too)"
-        ),
-    )
-    """OpenRLHF's switch to the slow tokenizer; changes nothing with transformers 5."""
-
-
-@dataclass
-class InferenceDSConfig:
-    param_dtype: str = "auto"
-    """Weights dtype of the policy and reward model: ``bf16``, ``fp32``, or ``auto`` (``bf16`` on a GPU, ``fp32``
-    on CPU)."""
-    attn_implementation: str = "sdpa"
-    """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
-    value_head_prefix: str = option("score", modes=("generate",))
-    """Name of the reward model's value head."""
-
-
-@dataclass
-class InferenceVllmConfig:
-    num_engines: int = 1
-    """Generation workers, one rollout engine each; the prompts are shared out among them."""
-    tensor_parallel_size: int = 1
-    """GPUs per vLLM engine (``--tp_size``)."""
-    gpu_memory_utilization: float = 0.95
-    """Fraction of GPU memory vLLM may take."""
-    enable_prefix_caching: bool = False
-    """vLLM automatic prefix caching (worth it with several samples per prompt)."""
-    enforce_eager: bool = False
-    """Disable CUDA graphs in vLLM."""
+INFERENCE_DTYPE = (
+    "Weights dtype of the policy and reward model: ``bf16``, ``fp32``, or ``auto`` (``bf16`` on a GPU, ``fp32`` "
+    "on CPU)."
+)
+CHAT_TEMPLATE = "Override the tokenizer's chat template."
 
 
 @dataclass
@@ -946,13 +876,60 @@ class GenerateConfig:
 
     model: PolicyConfig = field(default_factory=PolicyConfig)
     generate: GenerateTaskConfig = field(default_factory=GenerateTaskConfig)
-    rollout: GenerateRolloutConfig = field(default_factory=GenerateRolloutConfig)
+    rollout: RolloutConfig = view(
+        RolloutConfig,
+        "engine n_samples_per_prompt max_new_tokens temperature top_p top_k repetition_penalty batch_size "
+        "micro_batch_size",
+        {
+            "engine": "Rollout engine: ``hf``, ``vllm``, or ``auto`` (vllm when it can run here, else hf).",
+            "n_samples_per_prompt": "Samples per prompt (``--best_of_n``).",
+            "max_new_tokens": "Most tokens generated per sample.",
+            "temperature": "Sampling temperature; 0 is greedy (``--greedy_sampling``).",
+            "batch_size": "Prompts per pipeline iteration, with ``--generate.iter`` (``--rollout_batch_size``).",
+            "micro_batch_size": "Prompts per engine call, and sequences per reward-model forward; the unit of "
+            "progress and resume.",
+        },
+        batch_size=2048,
+        micro_batch_size=16,
+    )
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The whole reward section of ``rlhf train ppo``, so that every reward source (a plugin's with fields of
     its own too) is configured as in RL; the RL-only shaping fields are refused by ``rlhf generate``."""
-    data: GenerateDataConfig = field(default_factory=GenerateDataConfig)
-    ds: InferenceDSConfig = field(default_factory=InferenceDSConfig)
-    vllm: InferenceVllmConfig = field(default_factory=InferenceVllmConfig)
+    data: DataConfig = view(
+        DataConfig,
+        "dataset dataset_probs dataset_split input_key output_key label_key input_template apply_chat_template "
+        "tokenizer_chat_template max_len prompt_max_len overlong_prompt_policy skip_bad_rows max_samples "
+        "disable_fast_tokenizer",
+        {
+            "dataset": "Prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories.",
+            "output_key": "``--generate.task rm``: column holding the response to score.",
+            "label_key": "Column passed to reward functions as the label (and kept in the output).",
+            "tokenizer_chat_template": CHAT_TEMPLATE,
+            "max_len": "``--generate.task rm`` and reward models: most tokens of prompt + response.",
+            "prompt_max_len": "Most prompt tokens.",
+            "overlong_prompt_policy": "A prompt longer than its budget: ``error`` (names file and row), "
+            "``skip`` or ``truncate_left``.",
+            "max_samples": "Use at most this many rows (without ``--generate.iter``).",
+        },
+        output_key="output",
+        prompt_max_len=1024,
+    )
+    ds: DSConfig = view(
+        DSConfig,
+        "param_dtype attn_implementation value_head_prefix",
+        {"param_dtype": INFERENCE_DTYPE, "value_head_prefix": "Name of the reward model's value head."},
+    )
+    vllm: VllmConfig = view(
+        VllmConfig,
+        "num_engines tensor_parallel_size gpu_memory_utilization enable_prefix_caching enforce_eager",
+        {
+            "num_engines": "Generation workers, one rollout engine each; the prompts are shared out among them.",
+            "tensor_parallel_size": "GPUs per vLLM engine (``--tp_size``).",
+            "gpu_memory_utilization": "Fraction of GPU memory vLLM may take.",
+            "enable_prefix_caching": "vLLM automatic prefix caching (worth it with several samples per prompt).",
+            "enforce_eager": "Disable CUDA graphs in vLLM.",
+        },
+    )
     ray: RayConfig = field(default_factory=RayConfig)
 
 
@@ -982,44 +959,24 @@ class ChatOptions:
 
 
 @dataclass
-class ChatDataConfig:
-    input_template: str | None = "User: {}\nAssistant: "
-    """Format string with ``{}`` for each user turn, used when no chat template is applied."""
-    apply_chat_template: bool = False
-    """Format the conversation with the tokenizer's chat template."""
-    tokenizer_chat_template: str | None = None
-    """Override the tokenizer's chat template."""
-
-
-@dataclass
 class ChatConfig:
     """``rlhf chat``: talk to a checkpoint, in a terminal or through stdin."""
 
     model: PolicyConfig = field(default_factory=PolicyConfig)
     chat: ChatOptions = field(default_factory=ChatOptions)
-    data: ChatDataConfig = field(default_factory=ChatDataConfig)
-    ds: InferenceDSConfig = field(default_factory=InferenceDSConfig)
+    data: DataConfig = view(
+        DataConfig,
+        "input_template apply_chat_template tokenizer_chat_template",
+        {
+            "input_template": "Format string with ``{}`` for each user turn, used when no chat template is "
+            "applied.",
+            "apply_chat_template": "Format the conversation with the tokenizer's chat template.",
+            "tokenizer_chat_template": CHAT_TEMPLATE,
+        },
+        input_template="User: {}\nAssistant: ",
+    )
+    ds: DSConfig = view(DSConfig, "param_dtype attn_implementation", {"param_dtype": INFERENCE_DTYPE})
 
 
 # Every command whose flags the config parser reads: the training modes, then the inference commands.
 COMMANDS: dict[str, type] = {**MODES, "generate": GenerateConfig, "chat": ChatConfig}
-
-
-def as_rl_config(cfg: GenerateConfig) -> RLConfig:
-    """An RLConfig carrying ``cfg``'s settings: what rollout-engine and reward-source factories read.
-
-    Each section of ``cfg`` is copied onto the RLConfig section of the same name, field by field; the
-    policy goes to ``actor`` and the sampling seed to ``train.seed``.
-    """
-    rl = RLConfig()
-    for f in dataclasses.fields(cfg):
-        if dataclasses.is_dataclass(target := getattr(rl, f.name, None)):
-            section = getattr(cfg, f.name)
-            names = {g.name for g in dataclasses.fields(target)}
-            values = {
-                g.name: getattr(section, g.name) for g in dataclasses.fields(section) if g.name in names
-            }
-            setattr(rl, f.name, dataclasses.replace(target, **values))
-    rl.actor.model_name_or_path = cfg.model.model_name_or_path
-    rl.train.seed = cfg.generate.seed
-    return rl

@@ -86,31 +86,29 @@ def _leaf_kind(tp: Any) -> tuple[str, type]:
 
 @functools.cache
 def all_leaves(root: type) -> dict[str, Leaf]:
-    """Every field under ``root``, keyed by dotted path, whichever modes accept it."""
+    """Every field under ``root``, keyed by dotted path, whichever modes accept it; a :func:`rlhf_core.config.view`
+    gives only its fields, in its order, with its docs and defaults."""
     out: dict[str, Leaf] = {}
 
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
+    def walk(section: Any, prefix: str, names: list[str] | None = None, docs: dict[str, str] | None = None):
+        hints = typing.get_type_hints(type(section))
+        docs = field_docs(type(section)) | (docs or {})
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for name in names or fields:
+            f, value = fields[name], getattr(section, name)
             if f.metadata.get("python_only"):  # a Python object (``reward.func``): no flag, not saved
                 continue
-            tp = hints[f.name]
-            if dataclasses.is_dataclass(tp):
-                walk(tp, f"{prefix}{f.name}.")
+            if dataclasses.is_dataclass(hints[name]):
+                walk(value, f"{prefix}{name}.", f.metadata.get("fields"), f.metadata.get("docs"))
                 continue
-            kind, item = _leaf_kind(tp)
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            out[prefix + f.name] = Leaf(
-                prefix + f.name,
-                kind,
-                item,
-                docs.get(f.name, ""),
-                default,
-                **{k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata},
+            rules = {k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata}
+            if names:  # the view lists what its command accepts
+                rules["modes"] = None
+            out[prefix + name] = Leaf(
+                prefix + name, *_leaf_kind(hints[name]), docs.get(name, ""), value, **rules
             )
 
-    walk(root, "")
+    walk(root(), "")
     return out
 
 

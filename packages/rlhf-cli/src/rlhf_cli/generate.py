@@ -18,7 +18,7 @@ from typing import Any
 from rlhf_core import data, plugins
 from rlhf_core.checkpoint import write_atomic
 from rlhf_core.config import ActorConfig, GenerateConfig, RLConfig, TrainConfig
-from rlhf_core.config_parser import redact_text
+from rlhf_core.config_parser import redact_text, shown_config
 from rlhf_core.errors import UserError
 from rlhf_core.types import (
     GenerationRequest,
@@ -31,16 +31,6 @@ from rlhf_core.types import (
 )
 
 TASKS = ("generate", "generate_vllm", "rm")
-# the rollout fields that decide the samples (a resumed run must share them)
-SAMPLING = (
-    "n_samples_per_prompt",
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "repetition_penalty",
-    "batch_size",
-)
 
 
 class GenerateError(UserError, ValueError):
@@ -77,8 +67,7 @@ class Plan:
             "seed": c.generate.seed,
             "prompts": len(self.prompts),
             "n": self.n,
-            "sampling": {k: getattr(c.rollout, k) for k in SAMPLING}
-            | {"micro_batch_size": None, "engine": None},
+            "sampling": shown_config(c, "generate")["rollout"] | {"micro_batch_size": None, "engine": None},
             "reward": {
                 k: getattr(c.reward, k)
                 for k in ("model_name_or_path", "source", "normalize_enable", "weights")

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlhf_core import data, plugins
 from rlhf_core.checkpoint import write_atomic
-from rlhf_core.config import ActorConfig, GenerateConfig, RLConfig, TrainConfig
+from rlhf_core.config import GenerateConfig, RLConfig
 from rlhf_core.config_parser import redact_text, shown_config
 from rlhf_core.errors import UserError
 from rlhf_core.types import (
@@ -108,12 +108,11 @@ class Plan:
 def plugin_config(cfg: GenerateConfig) -> RLConfig:
     """The run config that rollout-engine and reward-source plugins read: generate's own section objects, with
     the policy as the actor and the sampling seed as ``train.seed``."""
-    sections = {name: getattr(cfg, name) for name in ("rollout", "reward", "data", "ds", "vllm", "ray")}
-    return RLConfig(
-        actor=ActorConfig(model_name_or_path=cfg.model.model_name_or_path),
-        train=TrainConfig(seed=cfg.generate.seed),
-        **sections,
+    rl = RLConfig(
+        rollout=cfg.rollout, reward=cfg.reward, data=cfg.data, ds=cfg.ds, vllm=cfg.vllm, ray=cfg.ray
     )
+    rl.actor.model_name_or_path, rl.train.seed = cfg.model.model_name_or_path, cfg.generate.seed
+    return rl
 
 
 def load_tokenizer(cfg: GenerateConfig) -> Any:

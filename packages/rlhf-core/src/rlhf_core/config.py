@@ -37,9 +37,9 @@ def option(
 
 
 def view(section: type, fields: str, docs: dict[str, str] | None = None, **defaults: Any):
-    """A shared section as one command reads it: only ``fields``, in this order (its ``--help`` and saved config
-    follow it), accepted whatever their ``option(modes=...)``; ``defaults`` and ``docs`` (by field name) are the
-    command's own where the shared ones do not fit it."""
+    """A shared section as one command reads it: only ``fields``, in this order (its ``--help`` and saved
+    config follow it), accepted whatever their ``option(modes=...)``; ``defaults`` and ``docs`` (by field
+    name) are the command's own where the shared ones do not fit it."""
     meta = {"fields": fields.split(), "docs": docs or {}}
     return field(default_factory=lambda: section(**defaults), metadata=meta)
 
@@ -864,8 +864,8 @@ class GenerateTaskConfig:
 
 
 INFERENCE_DTYPE = (
-    "Weights dtype of the policy and reward model: ``bf16``, ``fp32``, or ``auto`` (``bf16`` on a GPU, ``fp32`` "
-    "on CPU)."
+    "Weights dtype of the policy and reward model: ``bf16``, ``fp32``, or ``auto`` (``bf16`` on a GPU, "
+    "``fp32`` on CPU)."
 )
 CHAT_TEMPLATE = "Override the tokenizer's chat template."
 
@@ -885,9 +885,10 @@ class GenerateConfig:
             "n_samples_per_prompt": "Samples per prompt (``--best_of_n``).",
             "max_new_tokens": "Most tokens generated per sample.",
             "temperature": "Sampling temperature; 0 is greedy (``--greedy_sampling``).",
-            "batch_size": "Prompts per pipeline iteration, with ``--generate.iter`` (``--rollout_batch_size``).",
-            "micro_batch_size": "Prompts per engine call, and sequences per reward-model forward; the unit of "
-            "progress and resume.",
+            "batch_size": "Prompts per pipeline iteration, with ``--generate.iter`` "
+            "(``--rollout_batch_size``).",
+            "micro_batch_size": "Prompts per engine call, and sequences per reward-model forward; the unit "
+            "of progress and resume.",
         },
         batch_size=2048,
         micro_batch_size=16,
@@ -897,9 +898,9 @@ class GenerateConfig:
     its own too) is configured as in RL; the RL-only shaping fields are refused by ``rlhf generate``."""
     data: DataConfig = view(
         DataConfig,
-        "dataset dataset_probs dataset_split input_key output_key label_key input_template apply_chat_template "
-        "tokenizer_chat_template max_len prompt_max_len overlong_prompt_policy skip_bad_rows max_samples "
-        "disable_fast_tokenizer",
+        "dataset dataset_probs dataset_split input_key output_key label_key input_template "
+        "apply_chat_template tokenizer_chat_template max_len prompt_max_len overlong_prompt_policy "
+        "skip_bad_rows max_samples disable_fast_tokenizer",
         {
             "dataset": "Prompt datasets: json/jsonl/parquet/csv files or local HF dataset directories.",
             "output_key": "``--generate.task rm``: column holding the response to score.",
@@ -923,10 +924,12 @@ class GenerateConfig:
         VllmConfig,
         "num_engines tensor_parallel_size gpu_memory_utilization enable_prefix_caching enforce_eager",
         {
-            "num_engines": "Generation workers, one rollout engine each; the prompts are shared out among them.",
+            "num_engines": "Generation workers, one rollout engine each; the prompts are shared out among "
+            "them.",
             "tensor_parallel_size": "GPUs per vLLM engine (``--tp_size``).",
             "gpu_memory_utilization": "Fraction of GPU memory vLLM may take.",
-            "enable_prefix_caching": "vLLM automatic prefix caching (worth it with several samples per prompt).",
+            "enable_prefix_caching": "vLLM automatic prefix caching (worth it with several samples per "
+            "prompt).",
             "enforce_eager": "Disable CUDA graphs in vLLM.",
         },
     )

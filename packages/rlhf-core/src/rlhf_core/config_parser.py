@@ -86,8 +86,8 @@ def _leaf_kind(tp: Any) -> tuple[str, type]:
 
 @functools.cache
 def all_leaves(root: type) -> dict[str, Leaf]:
-    """Every field under ``root``, keyed by dotted path, whichever modes accept it; a :func:`rlhf_core.config.view`
-    gives only its fields, in its order, with its docs and defaults."""
+    """Every field under ``root``, keyed by dotted path, whichever modes accept it; a
+    :func:`rlhf_core.config.view` gives only its fields, in its order, with its docs and defaults."""
     out: dict[str, Leaf] = {}
 
     def walk(section: Any, prefix: str, names: list[str] | None = None, docs: dict[str, str] | None = None):

@@ -327,5 +327,11 @@ def test_generate_and_chat_read_views_of_the_train_sections_in_their_order_words
         "ds.param_dtype",
         "ds.attn_implementation",
     ]
+    # a config object holding a field its view leaves out is refused, naming the modes that read it
+    base = GenerateConfig()
+    base.ds.lora.rank = 4
+    with pytest.raises(ConfigError, match=r"--ds.lora.rank is an option of 'rlhf train ppo\|sft\|rm"):
+        parse_config("generate", [], base)
+    assert "train.async_enable" in leaves("ppo") and "train.async_enable" not in leaves("sft")
     # a default set by a section's factory is the field's default (what refusals compare with)
     assert ppo["critic.adam.lr"].default == 9e-6 and leaves("sft")["model.adam.lr"].default == 5e-6

@@ -90,20 +90,21 @@ def all_leaves(root: type) -> dict[str, Leaf]:
     :func:`rlhf_core.config.view` gives only its fields, in its order, with its docs and defaults."""
     out: dict[str, Leaf] = {}
 
-    def walk(section: Any, prefix: str, names: list[str] | None = None, docs: dict[str, str] | None = None):
+    def walk(section: Any, prefix: str, view: list[str] | None = None, docs: dict | None = None, taken=True):
         hints = typing.get_type_hints(type(section))
         docs = field_docs(type(section)) | (docs or {})
         fields = {f.name: f for f in dataclasses.fields(section)}
-        for name in names or fields:
-            f, value = fields[name], getattr(section, name)
+        names = view or list(fields)
+        for name in [*names, *(n for n in fields if n not in names)]:  # a view's other fields: taken by none
+            f, value, accepted = fields[name], getattr(section, name), taken and name in names
             if f.metadata.get("python_only"):  # a Python object (``reward.func``): no flag, not saved
                 continue
             if dataclasses.is_dataclass(hints[name]):
-                walk(value, f"{prefix}{name}.", f.metadata.get("fields"), f.metadata.get("docs"))
+                walk(value, f"{prefix}{name}.", f.metadata.get("fields"), f.metadata.get("docs"), accepted)
                 continue
             rules = {k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata}
-            if names:  # the view lists what its command accepts
-                rules["modes"] = None
+            if view or not accepted:
+                rules["modes"] = None if accepted else ()
             out[prefix + name] = Leaf(
                 prefix + name, *_leaf_kind(hints[name]), docs.get(name, ""), value, **rules
             )
@@ -323,8 +324,9 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
             if (
                 value != leaf.default
             ):  # only a config object (``base``) can hold it: flags of other modes are refused
+                others = "|".join(m for m in MODES if path in leaves(m))
                 refused.append(
-                    f"--{path} is an option of 'rlhf train {'|'.join(leaf.modes)}' only: the code of "
+                    f"--{path} is an option of 'rlhf train {others}' only: the code of "
                     f"'{command_name(mode)}' does not use it"
                 )
         elif leaf.secret and value == REDACTED:

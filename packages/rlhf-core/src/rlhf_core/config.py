@@ -37,9 +37,9 @@ def option(
 
 
 def view(section: type, fields: str, docs: dict[str, str] | None = None, **defaults: Any):
-    """A shared section as one command reads it: only ``fields``, in this order (its ``--help`` and saved
-    config follow it), accepted whatever their ``option(modes=...)``; ``defaults`` and ``docs`` (by field
-    name) are the command's own where the shared ones do not fit it."""
+    """A shared section as the commands of one root config read it: ``fields`` are accepted, in this order
+    (``--help`` and the saved config follow it), whatever their ``option(modes=...)``, and setting another is
+    refused; ``defaults`` and ``docs`` (by field name) are the root's own where the shared ones do not fit."""
     meta = {"fields": fields.split(), "docs": docs or {}}
     return field(default_factory=lambda: section(**defaults), metadata=meta)
 

@@ -86,16 +86,20 @@ def _leaf_kind(tp: Any) -> tuple[str, type]:
 
 @functools.cache
 def all_leaves(root: type) -> dict[str, Leaf]:
-    """Every field under ``root``, keyed by dotted path, whichever modes accept it; a
-    :func:`rlhf_core.config.view` gives only its fields, in its order, with its docs and defaults."""
+    """Every field under ``root``, keyed by dotted path, whichever modes accept it. A
+    :func:`rlhf_core.config.view` gives its fields first, in its order, with its docs and defaults; the
+    section's other fields follow, accepted by no mode (``modes=()``), so that a config object setting one is
+    refused."""
     out: dict[str, Leaf] = {}
 
-    def walk(section: Any, prefix: str, view: list[str] | None = None, docs: dict | None = None, taken=True):
+    def walk(
+        section: Any, prefix: str, view: list | None = None, docs: dict | None = None, taken: bool = True
+    ):
         hints = typing.get_type_hints(type(section))
         docs = field_docs(type(section)) | (docs or {})
         fields = {f.name: f for f in dataclasses.fields(section)}
         names = view or list(fields)
-        for name in [*names, *(n for n in fields if n not in names)]:  # a view's other fields: taken by none
+        for name in [*names, *(n for n in fields if n not in names)]:
             f, value, accepted = fields[name], getattr(section, name), taken and name in names
             if f.metadata.get("python_only"):  # a Python object (``reward.func``): no flag, not saved
                 continue

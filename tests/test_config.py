@@ -295,3 +295,43 @@ def test_openrlhf_prm_and_kd_script_flags_parse():
         "kd", ["--teacher.model_name_or_path", "t", "--teacher.kd_coef", "0.4", "--teacher.offload"]
     )
     assert dotted.teacher == kd.teacher.__class__("t", True, 0.4)
+
+
+def test_generate_and_chat_read_views_of_the_train_sections_in_their_order_words_and_defaults():
+    from rlhf_core.config import DataConfig, GenerateConfig, RolloutConfig
+    from rlhf_core.config_parser import leaves
+
+    gen, ppo = leaves("generate"), leaves("ppo")
+    assert [p for p in gen if p.startswith("rollout.")] == [
+        f"rollout.{name}"
+        for name in "engine n_samples_per_prompt max_new_tokens temperature top_p top_k repetition_penalty "
+        "batch_size micro_batch_size".split()
+    ]
+    assert type(GenerateConfig().rollout) is RolloutConfig and type(GenerateConfig().data) is DataConfig
+    # its own defaults and words; the section's elsewhere
+    assert (gen["rollout.batch_size"].default, ppo["rollout.batch_size"].default) == (2048, 1024)
+    assert gen["data.max_len"].doc.startswith("``--generate.task rm``")
+    assert ppo["data.max_len"].doc.startswith("Most tokens per sequence")
+    assert gen["rollout.top_p"].doc == ppo["rollout.top_p"].doc
+    # a view takes a field whatever its modes; a field only a view lists stays out of the train modes
+    assert "data.dataset" in gen and "data.dataset" not in ppo
+    assert "rollout.repetition_penalty" not in ppo
+    with pytest.raises(ConfigError, match="--rollout.min_new_tokens is an option of 'rlhf train ppo' only"):
+        parse_config("generate", ["--rollout.min_new_tokens", "3"])
+    cfg, _ = parse_config("chat", [])
+    assert cfg.data.input_template == "User: {}\nAssistant: " and list(leaves("chat")) == [
+        *(p for p in leaves("chat") if p.startswith(("model.", "chat."))),
+        "data.input_template",
+        "data.apply_chat_template",
+        "data.tokenizer_chat_template",
+        "ds.param_dtype",
+        "ds.attn_implementation",
+    ]
+    # a config object holding a field its view leaves out is refused, naming the modes that read it
+    base = GenerateConfig()
+    base.ds.lora.rank = 4
+    with pytest.raises(ConfigError, match=r"--ds.lora.rank is an option of 'rlhf train ppo\|sft\|rm"):
+        parse_config("generate", [], base)
+    assert "train.async_enable" in leaves("ppo") and "train.async_enable" not in leaves("sft")
+    # a default set by a section's factory is the field's default (what refusals compare with)
+    assert ppo["critic.adam.lr"].default == 9e-6 and leaves("sft")["model.adam.lr"].default == 5e-6

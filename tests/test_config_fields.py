@@ -43,7 +43,7 @@ SUPERVISED_CODE = ("rlhf_train_deepspeed.trainers", "rlhf_cli.main")
 MODE_ENTRIES = {
     "ppo": ("rlhf_cli.rl.run", "rlhf_cli.assemble", "rlhf_cli.main", *PLUGINS),
     **dict.fromkeys(config.SUPERVISED_MODES, SUPERVISED_CODE),
-    # the plugins get an RLConfig copied from generate's sections (as_rl_config): their reads count here too
+    # the plugins get an RLConfig made of generate's own section objects: their reads count here too
     "generate": ("rlhf_cli.generate", *PLUGINS),
     "chat": ("rlhf_cli.chat",),
 }

@@ -16,6 +16,7 @@ from rlhf_algos.kl import (
     kl_loss,
     make_kl_controller,
 )
+from rlhf_core.config import KLConfig
 from rlhf_core.types import LossAggregation
 
 
@@ -75,7 +76,7 @@ def test_kl_loss_aggregates_over_action_tokens():
 
 
 def test_fixed_controller():
-    ctl = make_kl_controller(0.05)
+    ctl = make_kl_controller(KLConfig(init_coef=0.05))
     assert isinstance(ctl, FixedKLController)
     ctl.update(current_kl=100.0, n_steps=1000)
     assert ctl.value == 0.05
@@ -85,7 +86,7 @@ def test_fixed_controller():
 
 
 def test_adaptive_controller_hand_computed_and_checkpointed():
-    ctl = make_kl_controller(0.1, target=6.0, horizon=10000)
+    ctl = make_kl_controller(KLConfig(init_coef=0.1, target=6.0, horizon=10000))
     assert isinstance(ctl, AdaptiveKLController)
     ctl.update(current_kl=9.0, n_steps=1000)  # error 0.5 clipped to 0.2: x (1 + 0.2 * 0.1)
     assert ctl.value == pytest.approx(0.102)

@@ -16,6 +16,7 @@ from rlhf_algos import (
     value_loss,
 )
 from rlhf_core import get_plugin_manager, resolve
+from rlhf_core.config import KLConfig
 from rlhf_core.types import AdvantageInput, LossAggregation, PolicyLossInput
 
 
@@ -39,7 +40,7 @@ def test_micro_batched_step_equals_the_full_batch_step():
     r = torch.randint(0, 2, (b,), generator=gen).float()
     r = overlong_penalty(r, lengths, max_new_tokens=t, buffer_len=2)
     r = stop_properly_penalty(r, lengths == t, coef=0.5)
-    ctl = make_kl_controller(0.02, target=0.1, horizon=100)
+    ctl = make_kl_controller(KLConfig(init_coef=0.02, target=0.1, horizon=100))
     adv = estimator(
         AdvantageInput(
             rewards=r, action_mask=mask, n_samples_per_prompt=n, kl=k1(old_logp, ref_logp), kl_coef=ctl.value

@@ -56,6 +56,13 @@ def gen_flags(assets, tmp_path, *extra, drop=()):
     return [x for flag, value in base.items() if flag not in drop for x in (flag, value)] + list(extra)
 
 
+def test_the_plugins_get_generates_own_section_objects():
+    cfg, _ = parse_config("generate", ["--pretrain", "m", "--seed", "7", "--rollout_batch_size", "64"])
+    rl = generate.plugin_config(cfg)
+    assert all(getattr(rl, s) is getattr(cfg, s) for s in ("rollout", "reward", "data", "ds", "vllm", "ray"))
+    assert (rl.actor.model_name_or_path, rl.train.seed, rl.rollout.batch_size) == ("m", 7, 64)
+
+
 def test_openrlhf_flat_flags_set_the_generate_config():
     cfg, notes = parse_config(
         "generate",

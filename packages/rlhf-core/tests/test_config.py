@@ -4,9 +4,9 @@
 def test_param_dtype_auto_is_bf16_on_a_gpu_and_fp32_on_cpu(monkeypatch):
     import torch
 
-    from rlhf_core.config import DSConfig, InferenceDSConfig, resolve_param_dtype
+    from rlhf_core.config import DSConfig, GenerateConfig, resolve_param_dtype
 
-    assert DSConfig().param_dtype == InferenceDSConfig().param_dtype == "auto"
+    assert DSConfig().param_dtype == GenerateConfig().ds.param_dtype == "auto"
     assert (
         resolve_param_dtype("auto", cuda=True) == "bf16" and resolve_param_dtype("auto", cuda=False) == "fp32"
     )

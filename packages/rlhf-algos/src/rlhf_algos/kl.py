@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from rlhf_algos.aggregation import aggregate
+from rlhf_core.config import KLConfig
 from rlhf_core.types import LossAggregation
 
 KL_CLAMP = 10.0
@@ -60,8 +61,8 @@ def kl_loss(
 class FixedKLController:
     """A constant KL coefficient (``--algo.kl.init_coef`` without ``--algo.kl.target``)."""
 
-    def __init__(self, kl_coef: float):
-        self.value = float(kl_coef)
+    def __init__(self, init_coef: float):
+        self.value = float(init_coef)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Does nothing; present so the trainer treats both controllers alike."""
@@ -85,10 +86,10 @@ class AdaptiveKLController(FixedKLController):
     Flags: ``--algo.kl.init_coef`` (initial value), ``--algo.kl.target``, ``--algo.kl.horizon``.
     """
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+    def __init__(self, init_coef: float, target: float, horizon: float):
         if target <= 0 or horizon <= 0:
             raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target} and {horizon}")
-        super().__init__(init_kl_coef)
+        super().__init__(init_coef)
         self.target = float(target)
         self.horizon = float(horizon)
 
@@ -101,8 +102,9 @@ class AdaptiveKLController(FixedKLController):
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
 
 
-def make_kl_controller(
-    init_coef: float, target: float | None = None, horizon: float = 10000
-) -> FixedKLController | AdaptiveKLController:
-    """Adaptive when ``target`` is set (``--algo.kl.target``), else fixed, as OpenRLHF chooses."""
-    return AdaptiveKLController(init_coef, target, horizon) if target else FixedKLController(init_coef)
+def make_kl_controller(kl: KLConfig) -> FixedKLController | AdaptiveKLController:
+    """The controller of the ``--algo.kl.*`` section: adaptive when ``target`` is set, else fixed, as OpenRLHF
+    chooses."""
+    if kl.target:
+        return AdaptiveKLController(kl.init_coef, kl.target, kl.horizon)
+    return FixedKLController(kl.init_coef)

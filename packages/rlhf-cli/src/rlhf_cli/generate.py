@@ -6,7 +6,6 @@ The data flow, the resume from ``<output_path>.samples.jsonl`` and the seeds are
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import sys
@@ -18,8 +17,8 @@ from typing import Any
 
 from rlhf_core import data, plugins
 from rlhf_core.checkpoint import write_atomic
-from rlhf_core.config import GenerateConfig, as_rl_config
-from rlhf_core.config_parser import redact_text
+from rlhf_core.config import GenerateConfig, RLConfig
+from rlhf_core.config_parser import redact_text, shown_config
 from rlhf_core.errors import UserError
 from rlhf_core.types import (
     GenerationRequest,
@@ -68,7 +67,7 @@ class Plan:
             "seed": c.generate.seed,
             "prompts": len(self.prompts),
             "n": self.n,
-            "sampling": dataclasses.asdict(c.rollout) | {"micro_batch_size": None, "engine": None},
+            "sampling": shown_config(c, "generate")["rollout"] | {"micro_batch_size": None, "engine": None},
             "reward": {
                 k: getattr(c.reward, k)
                 for k in ("model_name_or_path", "source", "normalize_enable", "weights")
@@ -104,6 +103,16 @@ class Plan:
 
 
 # --- planning (the driver, before any worker) ----------------------------------------------------------
+
+
+def plugin_config(cfg: GenerateConfig) -> RLConfig:
+    """The run config that rollout-engine and reward-source plugins read: generate's own section objects, with
+    the policy as the actor and the sampling seed as ``train.seed``."""
+    rl = RLConfig(
+        rollout=cfg.rollout, reward=cfg.reward, data=cfg.data, ds=cfg.ds, vllm=cfg.vllm, ray=cfg.ray
+    )
+    rl.actor.model_name_or_path, rl.train.seed = cfg.model.model_name_or_path, cfg.generate.seed
+    return rl
 
 
 def load_tokenizer(cfg: GenerateConfig) -> Any:
@@ -197,7 +206,7 @@ def check_reward(cfg: GenerateConfig, pm) -> str | None:
     if path and not (Path(path) / "config.json").is_file():
         raise GenerateError(f"--reward.model_name_or_path {path}: no model there (no config.json)")
     try:
-        source = build_reward_source(as_rl_config(cfg), pm, reward_model_handle=_UnloadedRewardModel())
+        source = build_reward_source(plugin_config(cfg), pm, reward_model_handle=_UnloadedRewardModel())
     except (UserCodeError, plugins.PluginError, ValueError, TypeError) as exc:
         raise GenerateError(f"the reward source cannot score: {exc}") from None
     if source is None:
@@ -249,15 +258,12 @@ def plan(cfg: GenerateConfig, pm=None) -> Plan:
 
     engine = None
     if g.task != "rm":
-        rl = as_rl_config(cfg)
-        if g.task == "generate_vllm":
-            if r.engine not in ("auto", "vllm"):
-                raise GenerateError(
-                    f"--generate.task generate_vllm asks for the vllm engine, but --rollout.engine "
-                    f"is {r.engine}"
-                )
-            rl.rollout.engine = "vllm"
-        engine = choose_engine(rl, pm)
+        rl = plugin_config(cfg)
+        if g.task == "generate_vllm" and r.engine not in ("auto", "vllm"):
+            raise GenerateError(
+                f"--generate.task generate_vllm asks for the vllm engine, but --rollout.engine is {r.engine}"
+            )
+        engine = "vllm" if g.task == "generate_vllm" else choose_engine(rl, pm)
         try:
             factory = plugins.resolve(pm, "rollout_engines", engine, "--rollout.engine")
         except plugins.PluginError as exc:
@@ -368,7 +374,7 @@ class GenerationWorker:
 
         torch.set_num_threads(num_threads)
         pm = plugins.get_plugin_manager()
-        rl = as_rl_config(cfg)
+        rl = plugin_config(cfg)
         self.cfg = cfg
         self.engine = (
             plugins.resolve(pm, "rollout_engines", engine_name).create(rl, index=index)

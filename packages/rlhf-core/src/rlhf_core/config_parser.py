@@ -86,31 +86,34 @@ def _leaf_kind(tp: Any) -> tuple[str, type]:
 
 @functools.cache
 def all_leaves(root: type) -> dict[str, Leaf]:
-    """Every field under ``root``, keyed by dotted path, whichever modes accept it."""
+    """Every field under ``root``, keyed by dotted path, whichever modes accept it. A
+    :func:`rlhf_core.config.view` gives its fields first, in its order, with its docs and defaults; the
+    section's other fields follow, accepted by no mode (``modes=()``), so that a config object setting one is
+    refused."""
     out: dict[str, Leaf] = {}
 
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
+    def walk(
+        section: Any, prefix: str, view: list | None = None, docs: dict | None = None, taken: bool = True
+    ):
+        hints = typing.get_type_hints(type(section))
+        docs = field_docs(type(section)) | (docs or {})
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        names = view or list(fields)
+        for name in [*names, *(n for n in fields if n not in names)]:
+            f, value, accepted = fields[name], getattr(section, name), taken and name in names
             if f.metadata.get("python_only"):  # a Python object (``reward.func``): no flag, not saved
                 continue
-            tp = hints[f.name]
-            if dataclasses.is_dataclass(tp):
-                walk(tp, f"{prefix}{f.name}.")
+            if dataclasses.is_dataclass(hints[name]):
+                walk(value, f"{prefix}{name}.", f.metadata.get("fields"), f.metadata.get("docs"), accepted)
                 continue
-            kind, item = _leaf_kind(tp)
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            out[prefix + f.name] = Leaf(
-                prefix + f.name,
-                kind,
-                item,
-                docs.get(f.name, ""),
-                default,
-                **{k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata},
+            rules = {k: f.metadata[k] for k in Leaf.__dataclass_fields__ if k in f.metadata}
+            if view or not accepted:
+                rules["modes"] = None if accepted else ()
+            out[prefix + name] = Leaf(
+                prefix + name, *_leaf_kind(hints[name]), docs.get(name, ""), value, **rules
             )
 
-    walk(root, "")
+    walk(root(), "")
     return out
 
 
@@ -325,8 +328,9 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
             if (
                 value != leaf.default
             ):  # only a config object (``base``) can hold it: flags of other modes are refused
+                others = "|".join(m for m in MODES if path in leaves(m))
                 refused.append(
-                    f"--{path} is an option of 'rlhf train {'|'.join(leaf.modes)}' only: the code of "
+                    f"--{path} is an option of 'rlhf train {others}' only: the code of "
                     f"'{command_name(mode)}' does not use it"
                 )
         elif leaf.secret and value == REDACTED:

@@ -39,7 +39,7 @@ class RLController:
         self.checkpoints = checkpoints
         self.logger = logger
         self.step = 0
-        self.kl_ctl = make_kl_controller(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
+        self.kl_ctl = make_kl_controller(cfg.algo.kl)
         self.sync = WeightSync(cfg, groups)
         self.rollout = Rollout(cfg, groups, stream, self.sync, image_processing)
         self.experience = ExperienceMaker(cfg, groups, pad_token_id, stream.prompts)

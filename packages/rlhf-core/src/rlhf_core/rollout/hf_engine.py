@@ -214,6 +214,8 @@ class HFEngine(EngineWeights, RolloutEngine):
             )
             if self.own_weights:  # else rebuilt per call: a module we do not own may change between calls
                 self._weights = weights
+            elif self.borrowed:  # static decoders made over earlier calls' copies can never serve again
+                self._decoders.clear()
         saved_attention = self.model.config._attn_implementation
         if self.fast_path:
             self.model.config._attn_implementation = ATTENTION_NAME

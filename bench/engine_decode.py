@@ -7,6 +7,8 @@ threads; inside a process, one warm-up call then ``--reps`` timed calls (median 
 
 Contenders:
 - ``hf_engine``: ``rlhf_core.rollout.hf_engine.HFEngine.generate`` (also returns every token's log-prob).
+- ``hf_engine_static``: the same with ``static_cache`` (a fixed-shape cache: a GPU's default, where its step is
+  a CUDA graph; on CPU it attends over every cache column and keeps finished rows).
 - ``generate``: ``model.generate(do_sample=True, top_k=0, min_new_tokens=L, max_new_tokens=L)``.
 - ``trl``: the call TRL's GRPOTrainer makes with ``use_vllm=False`` (trl 1.16 ``grpo_trainer.py``: a
   ``GenerationConfig`` built from its generation kwargs with ``disable_compile=True``, ``model.generate``
@@ -15,6 +17,7 @@ Contenders:
 
     .venv/bin/python bench/engine_decode.py                      # both sizes, 3 rounds
     .venv/bin/python bench/engine_decode.py --sizes S --rounds 1 # quick look
+    .venv/bin/python bench/engine_decode.py --contenders hf_engine,hf_engine_static
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ SIZES = {  # name -> LlamaConfig overrides
     "S": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2),
     "M": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4),
 }
-CONTENDERS = ["hf_engine", "generate", "trl"]
+CONTENDERS = ["hf_engine", "hf_engine_static", "generate", "trl"]
 
 
 def build_model(path: str, size: str) -> None:
@@ -69,13 +72,14 @@ def worker(args) -> dict:
     prompts = torch.randint(4, 1024, (args.batch, args.prompt_len), generator=gen)
     attention_mask = torch.ones_like(prompts)
 
-    if args.worker == "hf_engine":
+    if args.worker in ("hf_engine", "hf_engine_static"):
         from rlhf_core.rollout.hf_engine import HFEngine
         from rlhf_core.types import GenerationRequest, SamplingParams
 
         engine = HFEngine.from_model(
             model, own_weights=True
         )  # fused, and packed by the size rule, as when loaded from a path
+        engine.static_cache = args.worker == "hf_engine_static"
 
         def run(new_tokens):
             requests = [
@@ -162,6 +166,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contenders", default="hf_engine,generate,trl", help=f"of {','.join(CONTENDERS)}")
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -194,9 +199,10 @@ def main() -> None:
         for size in args.sizes.split(","):
             model_dir = os.path.join(tmp, size)
             build_model(model_dir, size)
-            results[size] = {c: [] for c in CONTENDERS}
+            contenders = args.contenders.split(",")
+            results[size] = {c: [] for c in contenders}
             for r in range(args.rounds):
-                for contender in CONTENDERS:
+                for contender in contenders:
                     cmd = [sys.executable, __file__, "--worker", contender, "--model-dir", model_dir, *common]
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     if proc.returncode != 0:
@@ -221,7 +227,7 @@ def main() -> None:
         med = {c: statistics.median(x["seconds"] for x in runs) for c, runs in per.items()}
         best = {c: min(min(x["times"]) for x in runs) for c, runs in per.items()}
         cpu = {c: statistics.median(x["cpu_seconds"] for x in runs) for c, runs in per.items()}
-        for c in CONTENDERS:
+        for c in per:
             step = 1000 * med[c] / args.new_tokens
             tps = args.batch * args.new_tokens / med[c]
             name = f"{size} ({SIZES[size]['hidden_size']}h x {SIZES[size]['num_hidden_layers']}L)"

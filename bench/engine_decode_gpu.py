@@ -11,7 +11,9 @@ every sequence, so with the device's copy bandwidth ``B`` (measured here: a devi
     t_step >= (W + b * c * kv) / B,    kv = 2 * layers * kv_heads * head_dim * bytes per element
 
 with ``W`` the weight bytes, ``b`` the batch and ``c`` the mean context over the decode (prompt + half the
-new tokens). ``scripts/gpu-check`` calls :func:`measure` (with a tiny config on CPU); run alone:
+new tokens). On CUDA the engine decodes through its static cache with the step captured as a CUDA graph (its
+default there); ``hf_engine_eager`` is the same engine on the growing cache, a kernel launch at a time (what the
+first GPU run measured). ``scripts/gpu-check`` calls :func:`measure` (with a tiny config on CPU); run alone:
 
     python bench/engine_decode_gpu.py [--batches 64,256] [--new-tokens 512] [--reps 3]
 """
@@ -104,6 +106,7 @@ def measure(
     engine = HFEngine.from_model(
         model, max_batch_size=max(batches), own_weights=True
     )  # fused, as loaded from a path
+    static = engine.static_cache  # on CUDA: the static cache, its decode step a captured CUDA graph
 
     def timed(fn) -> float:
         fn(4)  # warm-up (kernels, allocator)
@@ -142,7 +145,18 @@ def measure(
 
         floor = floor_ms(params * elem, batch, prompt_len + new_tokens // 2, kv_bytes, bandwidth)
         row = {"batch": batch, "floor_ms_per_step": floor}
-        for name, fn in (("hf_engine", ours), ("generate", generate)):  # interleaved per batch
+
+        def eager(n, prompts=prompts):  # the growing cache, one kernel launch at a time (the first GPU run's)
+            engine.static_cache = False
+            try:
+                ours(n, prompts)
+            finally:
+                engine.static_cache = static
+
+        contenders = [("hf_engine", ours), ("generate", generate)]
+        if static:
+            contenders.append(("hf_engine_eager", eager))
+        for name, fn in contenders:  # interleaved per batch
             seconds = timed(fn)
             row[name] = {
                 "ms_per_step": 1000 * seconds / new_tokens,
@@ -150,6 +164,8 @@ def measure(
             }
         row["engine_vs_generate"] = row["generate"]["ms_per_step"] / row["hf_engine"]["ms_per_step"]
         row["engine_fraction_of_floor"] = floor / row["hf_engine"]["ms_per_step"]
+        if static:
+            row["static_vs_eager"] = row["hf_engine_eager"]["ms_per_step"] / row["hf_engine"]["ms_per_step"]
         rows.append(row)
     return {
         "device": device,
@@ -159,6 +175,8 @@ def measure(
         "kv_bytes_per_token": kv_bytes,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "fast_path": engine.fast_path,
+        "static_cache": static,
+        "cuda_graph": static and engine.cuda_graph and torch.device(device).type == "cuda",
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "reps": reps,

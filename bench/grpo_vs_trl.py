@@ -59,6 +59,7 @@ GRID = {
     "M128": (128, 2, 16, 128),
     "S": (128, 2, 8, 32),  # small batches: 8 prompts x 4 samples, short prompts
     "S48": (128, 2, 8, 48),  # S with 48-token completions (issue 26's 8 x 4 x 48 shape)
+    "Q512": (896, 24, 32, 512),  # scripts/gpu-check's trl512: its Qwen2.5-0.5B-shaped model made first
     "R": (
         576,
         30,

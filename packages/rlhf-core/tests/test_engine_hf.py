@@ -11,7 +11,8 @@ import torch
 from rlhf_core.config import RLConfig
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.rollout.async_engine import AsyncEngine
-from rlhf_core.rollout.hf_engine import HFEngine, decode_plan
+from rlhf_core.rollout.decode import decode_plan
+from rlhf_core.rollout.hf_engine import HFEngine
 from rlhf_core.testing import RolloutEngineConformance
 from rlhf_core.testing.tiny import make_tiny_llama, tiny_decoder
 from rlhf_core.types import GenerationRequest, SamplingParams
@@ -213,8 +214,8 @@ def test_direct_decode_equals_the_module_forward(kind, weights, monkeypatch):
     same tokens and log-probs (1e-5) through prompts of different lengths (left padding) and rows
     finishing early. Without the direct step the model still decodes into the preallocated cache (the
     fast path's other half)."""
-    from rlhf_core.rollout import hf_engine
-    from rlhf_core.rollout.hf_engine import GrowingKVLayer
+    from rlhf_core.rollout import decode_loop
+    from rlhf_core.rollout.decode import GrowingKVLayer
 
     model = tiny_decoder(kind)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -233,8 +234,8 @@ def test_direct_decode_equals_the_module_forward(kind, weights, monkeypatch):
         for n in (1, 4, 7)
     ]
     seen = []
-    decode = hf_engine.decode_token
-    monkeypatch.setattr(hf_engine, "decode_token", lambda plan, *a: seen.append(a[-1]) or decode(plan, *a))
+    decode = decode_loop.decode_token
+    monkeypatch.setattr(decode_loop, "decode_token", lambda plan, *a: seen.append(a[-1]) or decode(plan, *a))
     direct = engine.generate(requests)
     qkv, _, gate_up, _ = seen[0]["layers"][0]  # one matmul per group once fused
     assert (len(qkv), len(gate_up)) == ((3, 2) if weights == "module" else (1, 1))
@@ -285,7 +286,7 @@ def test_fused_layout_returns_after_sleep(tmp_path):
 def test_packed_weights_by_default_from_hidden_size_256(tmp_path):
     """Below PACK_MIN_HIDDEN packing costs more than it saves; a module the engine does not own is never
     packed (nor fused) unless handed over with ``own_weights``."""
-    from rlhf_core.rollout.hf_engine import PACK_MIN_HIDDEN
+    from rlhf_core.rollout.decode import PACK_MIN_HIDDEN
 
     small = make_tiny_llama(tmp_path / "small", hidden_size=PACK_MIN_HIDDEN // 2, intermediate_size=64)
     wide = make_tiny_llama(
@@ -310,6 +311,54 @@ def test_direct_decode_steps_aside_for_what_it_does_not_cover():
     dynamic = tiny_decoder("llama")
     dynamic.model.rotary_emb.rope_type = "dynamic"
     assert decode_plan(dynamic) is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_static_cache_decodes_like_the_growing_cache(kind):
+    """The static path (what a GPU runs, there as a CUDA graph) against the default CPU path on the same
+    engine: greedy and sampled tokens equal, log-probs within 1e-5. The two differ only in attention: the
+    static step sums softmax weights and weighted values over all C cache columns, the masked ones adding
+    exact zeros, so only the order of float32 sums changes: at most C * 2^-24 relative per sum (C = 128 here:
+    7.6e-6; about 1e-7 seen). Rows that finish early are kept (no compaction), and a second batch of another
+    shape and then one of the first shape reuse the decoders made for them."""
+    from rlhf_core.rollout.decode import StaticDecoder
+
+    engine = HFEngine.from_model(tiny_decoder(kind), own_weights=True)
+    assert not engine.static_cache  # CPU default: the growing cache, unchanged
+    batches = [
+        [
+            GenerationRequest(list(range(5, 5 + n)), SamplingParams(n=3, max_new_tokens=9 + n, seed=n))
+            for n in (1, 4, 7)
+        ],
+        [GenerationRequest([7, 8], SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True))],
+        [
+            GenerationRequest(
+                list(range(9, 9 + n)), SamplingParams(n=3, max_new_tokens=11, seed=n + 1, top_k=20, top_p=0.9)
+            )
+            for n in (2, 3, 6)
+        ],
+    ]
+    growing = [engine.generate(b) for b in batches]
+    engine.static_cache = True
+    static = [engine.generate(b) for b in batches]
+    decoders = list(engine._decoders.values())
+    assert len(decoders) == 2 and all(isinstance(d, StaticDecoder) and not d.graph for d in decoders)
+    assert [d.tokens.shape[0] for d in decoders] == [9, 2] and decoders[0].mask.shape[-1] == 128
+    for a_outs, b_outs in zip(growing, static, strict=True):
+        for a_samples, b_samples in zip(a_outs, b_outs, strict=True):
+            for a, b in zip(a_samples, b_samples, strict=True):
+                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+                torch.testing.assert_close(
+                    torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0
+                )
+    # a weight update lands in place: the kept decoder decodes the new weights
+    with torch.no_grad():
+        engine.update_weights({"lm_head.weight": engine.model.lm_head.weight * 1.5})
+    after = engine.generate(batches[0])
+    engine.static_cache = False
+    for a, b in zip(engine.generate(batches[0]), after, strict=True):
+        assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert list(engine._decoders.values()) == decoders  # no new one for the same batch shape
 
 
 # --- on a GPU (scripts/gpu-check runs these; skipped elsewhere) ------------------------------------------
@@ -366,6 +415,54 @@ def test_bf16_decode_on_cuda_matches_a_bf16_forward_and_sleep_frees_the_weights(
     assert awake - torch.cuda.memory_allocated() >= 0.9 * weight_bytes
     engine.wake_up()
     assert engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids == before
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_equals_the_eager_paths(tmp_path, dtype):
+    """On CUDA the static decoder is the default and its step a captured graph, replayed from the first step
+    of the next call of the same shape. Against the same static step run eagerly and against the growing cache
+    (eager, rows dropped as they finish): in fp32 the same tokens and log-probs within 1e-5 (only the order of
+    sums differs, as on CPU; TF32 is off); in bf16, where a near-tie may flip a token, log-probs of the tokens
+    both drew within 0.05 on average (a few bf16 roundings of log-probs ~-7)."""
+    model_dir = make_tiny_llama(tmp_path, seed=0, hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    engine = HFEngine(model_dir, dtype=dtype, device="cuda")
+    assert engine.static_cache and engine.cuda_graph
+    requests = [
+        GenerationRequest(
+            list(range(5, 5 + n)), SamplingParams(n=4, max_new_tokens=40, seed=n, ignore_eos=True)
+        )
+        for n in (3, 9)
+    ] + [
+        GenerationRequest([7, 8, 9], SamplingParams(n=2, temperature=0.0, max_new_tokens=40, ignore_eos=True))
+    ]
+
+    def run(static: bool, graph: bool):
+        engine.static_cache, engine.cuda_graph = static, graph
+        engine._decoders.clear()
+        return engine.generate(requests)
+
+    def agree(ours, reference) -> None:
+        pairs = [
+            (a, b) for a_outs, b_outs in zip(ours, reference, strict=True) for a, b in zip(a_outs, b_outs)
+        ]
+        gaps = [
+            (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs()
+            for a, b in pairs
+            if a.token_ids == b.token_ids
+        ]
+        if dtype == "float32":
+            assert len(gaps) == len(pairs) and float(torch.cat(gaps).max()) <= 1e-5
+        else:
+            assert gaps and float(torch.cat(gaps).mean()) <= 0.05
+
+    graph = run(True, True)
+    (decoder,) = engine._decoders.values()
+    assert decoder.graph and decoder.captured is not None
+    agree(engine.generate(requests), graph)  # the kept graph, replayed from the first step
+    agree(graph, run(True, False))
+    agree(graph, run(False, False))
 
 
 def test_a_lora_adapter_is_merged_over_the_base_the_engine_loaded(tiny_dir):

@@ -465,6 +465,37 @@ def inline_rank(path: str) -> TrainWorker:
     return worker
 
 
+def test_a_closed_rank_leaves_no_process_group_and_warns_of_nothing(tiny_llama, capfd, caplog):
+    """close() ends the rank's weight-sync group and the process group (NCCL warns at exit of one never
+    destroyed), silently: no Python warning, no log record of WARNING or above, nothing on stderr. A rank made
+    after it in the same process joins a new group and trains."""
+    import logging
+    import warnings
+
+    import torch.distributed as dist
+
+    from rlhf_core import weight_sync
+
+    worker = inline_rank(tiny_llama)
+    store = weight_sync.listening_store()
+    worker._sync_group = sync = weight_sync.init_sync_group("127.0.0.1", store.port, 0, 1, store=store)
+    assert dist.is_initialized()
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        worker.close()
+    assert not dist.is_initialized() and sync._pg is None
+    assert not caught and not caplog.records and not capfd.readouterr().err
+    worker = inline_rank(tiny_llama)
+    try:
+        assert dist.is_initialized()
+        mbs = global_batch()
+        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+    finally:
+        worker.close()
+    assert not dist.is_initialized()
+
+
 def samples(engine) -> list:
     from rlhf_core.types import GenerationRequest, SamplingParams
 

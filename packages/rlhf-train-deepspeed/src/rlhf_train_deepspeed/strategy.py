@@ -287,13 +287,28 @@ class Strategy:
                 rank=int(os.environ["RANK"]),
                 world_size=int(os.environ["WORLD_SIZE"]),
                 timeout=timeout,
+                # the rank's GPU bound to the group: every barrier (DeepSpeed's too) knows it, none guesses
+                device_id=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None,
             )
             deepspeed.init_distributed(
                 dist_backend=backend, timeout=timeout, verbose=False
             )  # adopts torch's group
-            # NCCL warns of a leak at exit when the group was never destroyed (a single-process run keeps it
-            # for later ranks in the process, so its end is the process's end)
+            # NCCL warns of a leak at exit when the group was never destroyed (by close_distributed: a rank
+            # that ends with its process is never closed)
             atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+
+    @staticmethod
+    def close_distributed(*sync_groups) -> None:
+        """The end of a rank: close its weight-sync groups (``weight_sync.SyncGroup``; None skipped) and destroy
+        the process group, so that NCCL has nothing to warn about at exit. A later rank in this process (a
+        single-process run's next model) joins a new group."""
+        for group in sync_groups:
+            if group is not None:
+                group.close()
+        if dist.is_initialized():  # joined through init_distributed, so DeepSpeed's too
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()  # torch's, and DeepSpeed's cached references to its groups
 
     @property
     def device(self) -> torch.device:

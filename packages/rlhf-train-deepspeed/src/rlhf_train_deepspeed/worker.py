@@ -771,10 +771,11 @@ class TrainWorker:
     def close(self) -> None:
         """Drop the models, optimizer and hosted objects and give back the environment and thread count: the end
         of a rank that lives in the driver's process (a single-process run, ``rlhf_core.inline``), where no
-        process exit does it. The process group stays: a later rank in this process uses it again."""
+        process exit does it, including the process group (a later rank in this process joins a new one)."""
         self.engine = self.ref_engine = self.ema = None
         self.teacher_engines = []
         self._hosted.clear()
+        Strategy.close_distributed(self._sync_group)
         gc.collect()
         env, threads = self._saved
         for k, v in env.items():

@@ -7,7 +7,7 @@ rows do) and once on the working tree, each invocation a fresh process. Then eve
 left out: ``excluded``) and every tensor of the final weights bitwise equal (``torch.equal``, dtype and
 shape). Both sides read the same model, data and reward files, made once per invocation.
 
-    DS_ACCELERATOR=cpu .venv/bin/python bench/exactness.py --base 23c3c28             # writes bench/exactness.md
+    DS_ACCELERATOR=cpu .venv/bin/python bench/exactness.py --base 23c3c28    # writes bench/exactness.md
     DS_ACCELERATOR=cpu .venv/bin/python bench/exactness.py --base main --runs grpo-single,sft --no-write
 """
 
@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -69,7 +70,7 @@ def compare_metrics(a: Path, b: Path) -> tuple[set[str], set[str], str | None]:
         if keys_a != keys_b:
             only = f"only in base {sorted(keys_a - keys_b)}, only in new {sorted(keys_b - keys_a)}"
             return compared, left_out, f"row {i + 1}: keys {only}"
-        for k in sorted(keys_a):
+        for k in [k for k in ra if k in keys_a]:  # in the order logged: the earliest difference first
             if not same_value(ra[k], rb[k]):
                 return compared, left_out, f"row {i + 1} {k}: {ra[k]!r} vs {rb[k]!r}"
             compared.add(k)
@@ -182,53 +183,49 @@ def supervised_flags(a: dict, mode: str) -> list[str]:
 
 
 def runs(a: dict) -> dict[str, tuple[str, list[list[str]]]]:
-    """Each run: what it covers, and its invocations in order (``rlhf`` argv without output directory and seed)."""
+    """Each run: what it covers, and its invocations in order (``rlhf`` argv, no output directory or seed)."""
     saving = (*ONE_PROCESS, "--ckpt.save_steps", "2")
+    critic = ("--critic.adam.lr", "1e-3", "--ds.zero_stage", "0", "--train.colocate_all")
     return {
         "grpo-single": ("GRPO, sync, one process (no Ray), 3 steps", [rl_flags(a, 3, *ONE_PROCESS)]),
         "grpo-ray2": (
             "GRPO, sync, 2 ZeRO-3 ranks and an engine on Ray, 2 steps",
             [rl_flags(a, 2, "--actor.num_gpus_per_node", "2", "--ds.zero_stage", "3")],
         ),
-        # async cannot run in one process (the engine generates beside training): one rank and the engine on Ray
+        # async cannot run in one process (the engine generates beside training): a rank and the engine on Ray
         "grpo-async": (
             "GRPO, async (one rank and the engine on Ray), 3 steps",
             [rl_flags(a, 3, "--ds.zero_stage", "0", "--train.async_enable")],
         ),
         "ppo-critic-kl": (
             "PPO: GAE with a critic, reference model with KL 0.01 in the reward, on Ray, 2 steps",
-            [
-                rl_flags(
-                    a,
-                    2,
-                    "--critic.adam.lr",
-                    "1e-3",
-                    "--ds.zero_stage",
-                    "0",
-                    "--train.colocate_all",
-                    estimator="gae",
-                    kl="0.01",
-                )
-            ],
-        ),  # fmt: skip
+            [rl_flags(a, 2, *critic, estimator="gae", kl="0.01")],
+        ),
         "sft": ("SFT, one process, 1 epoch of 40 rows (5 steps)", [supervised_flags(a, "sft")]),
         "dpo": ("DPO, one process, 1 epoch of 32 pairs (4 steps)", [supervised_flags(a, "dpo")]),
         "grpo-resume": (
             "grpo-single stopped after its checkpoint at step 2, then resumed to step 4 (two invocations)",
             [rl_flags(a, 2, *saving), rl_flags(a, 4, *saving, "--ckpt.load_enable")],
         ),
+        "grpo-resume-old-ckpt": (
+            "grpo-resume whose new side resumes from the step-2 checkpoint the base's code wrote",
+            [rl_flags(a, 2, *saving), rl_flags(a, 4, *saving, "--ckpt.load_enable")],
+        ),
     }
 
 
-def run_side(name: str, invocations: list[list[str]], out: Path, env: dict, seed: int) -> float:
-    """Run one side of a run into ``out`` (fresh); returns its wall seconds. Output goes to ``out``.log."""
-    import shutil
+# runs whose new side writes its first checkpoint with the base's code (old checkpoints must still load)
+FIRST_ON_BASE = {"grpo-resume-old-ckpt"}
 
+
+def run_side(name: str, invocations: list[list[str]], out: Path, envs: list[dict], seed: int) -> float:
+    """Run one side of a run into ``out`` (fresh), invocation i in environment ``envs[i]``; returns its wall
+    seconds. The commands and their output go to ``out``.log."""
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with open(f"{out}.log", "w") as log:
-        for argv in invocations:
+        for argv, env in zip(invocations, envs, strict=True):
             cmd = [
                 sys.executable,
                 "-m",
@@ -271,7 +268,8 @@ def tree_env(rev: str | None, workdir: Path, threads: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| run | metrics equal (keys compared) | weights equal (tensors) | first difference | wall s base / new |",
+        "| run | metrics equal (keys compared) | weights equal (tensors) | first difference "
+        "| wall s base / new |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -280,7 +278,8 @@ def table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"| {r['run']} | {'yes' if r['metrics_equal'] else '**no**'} ({r['metric_keys']}) | "
-            f"{'yes' if r['weights_equal'] else '**no**'} ({r['tensors']}) | {r['first_difference'] or '—'} | "
+            f"{'yes' if r['weights_equal'] else '**no**'} ({r['tensors']}) | "
+            f"{r['first_difference'] or '—'} | "
             f"{r['wall_base']:.0f} / {r['wall_new']:.0f} |"
         )
     return "\n".join(lines)
@@ -319,7 +318,11 @@ def main() -> int:
         try:
             for side in ("base", "new"):
                 seed = 43 if args.perturb and side == "new" else 42
-                row[f"wall_{side}"] = run_side(name, every[name][1], workdir / side / name, envs[side], seed)
+                invocations = every[name][1]
+                env = [envs[side]] * len(invocations)
+                if side == "new" and name in FIRST_ON_BASE:
+                    env[0] = envs["base"]
+                row[f"wall_{side}"] = run_side(name, invocations, workdir / side / name, env, seed)
             row.update(compare_runs(workdir / "base" / name, workdir / "new" / name))
         except RuntimeError as e:
             row["error"] = str(e)
@@ -335,13 +338,14 @@ def main() -> int:
     command = "DS_ACCELERATOR=cpu .venv/bin/python bench/exactness.py " + " ".join(sys.argv[1:])
     left_out = sorted(set().union(*(r.get("left_out", ()) for r in rows)))
     text = (
-        f"# Same numbers: base {base} vs the working tree ({head}{', packages/ modified' if dirty else ''})\n\n"
+        f"# Same numbers: base {base} vs the working tree "
+        f"({head}{', packages/ modified' if dirty else ''})\n\n"
         f"    {command}\n\n{table(rows)}\n\n"
         + "".join(f"- {name}: {every[name][0]}\n" for name in chosen)
-        + f"\n{len(chosen)} runs, each on both sides: {wall:.0f} s in all, {args.threads} thread(s) per process, "
-        f"{os.cpu_count()} cores, seed 42. Metrics left out (timing, speed, memory, wall clock: keys starting "
-        f"{' or '.join(EXCLUDED_PREFIXES)}, named {' or '.join(EXCLUDED_KEYS)}, or containing `mem`); in these "
-        f"runs: {', '.join(f'`{k}`' for k in left_out)}.\n"
+        + f"\n{len(chosen)} runs, each on both sides: {wall:.0f} s in all, {args.threads} thread(s) per "
+        f"process, {os.cpu_count()} cores, seed 42. Metrics left out (timing, speed, memory, wall clock: "
+        f"keys starting {' or '.join(EXCLUDED_PREFIXES)}, named {' or '.join(EXCLUDED_KEYS)}, or containing "
+        f"`mem`); in these runs: {', '.join(f'`{k}`' for k in left_out)}.\n"
     )
     print(text)
     if not args.no_write:

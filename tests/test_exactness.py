@@ -18,7 +18,8 @@ exactness = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(exactness)
 
 ROWS = [
-    {"step": 1, "time": 1.5, "policy/loss": 0.25, "reward/mean": 0.5, "timing/step_total": 0.1, "perf/tokens_per_s": 9.0},
+    {"step": 1, "time": 1.5, "policy/loss": 0.25, "reward/mean": 0.5, "timing/step_total": 0.1,
+     "perf/tokens_per_s": 9.0},
     {"step": 2, "time": 2.5, "policy/loss": -0.125, "reward/mean": float("nan"), "timing/step_total": 0.2,
      "perf/tokens_per_s": 8.0, "mem/peak_gib": 1.0},
 ]  # fmt: skip

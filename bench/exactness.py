@@ -104,7 +104,7 @@ def compare_weights(a: Path, b: Path) -> tuple[int, str | None]:
             if x.dtype != y.dtype or x.shape != y.shape:
                 return n, f"{k}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"
             if not torch.equal(x, y):
-                return n, f"{k}: max |diff| {(x.double() - y.double()).abs().max().item():.3g}"
+                return n, f"{k}: max abs diff {(x.double() - y.double()).abs().max().item():.3g}"
             n += 1
     return n, None
 
@@ -238,7 +238,12 @@ def run_side(name: str, invocations: list[list[str]], out: Path, envs: list[dict
             ]
             log.write(" ".join(cmd) + "\n")
             log.flush()
-            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600).returncode
+            try:
+                rc = subprocess.run(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "none after 600 s"
             if rc:
                 raise RuntimeError(f"{name}: exit {rc}, see {out}.log")
     return time.time() - started

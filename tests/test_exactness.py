@@ -83,7 +83,7 @@ def test_one_changed_tensor_element_is_the_first_difference(base, tmp_path):
         base, write_run(tmp_path / "new", tensors={"lm_head.weight": head, "norm.weight": torch.ones(4)})
     )
     assert result["metrics_equal"] and not result["weights_equal"]
-    assert result["tensors"] == 0 and result["first_difference"].startswith("lm_head.weight: max |diff| ")
+    assert result["tensors"] == 0 and result["first_difference"].startswith("lm_head.weight: max abs diff ")
 
 
 def test_dtype_and_missing_tensors_are_differences(base, tmp_path):

@@ -317,7 +317,7 @@ def main() -> int:
     if unknown:
         p.error(f"--runs: unknown {unknown}; known: {', '.join(every)}")
     envs = {"base": tree_env(base, workdir, args.threads), "new": tree_env(None, workdir, args.threads)}
-    started, rows = time.time(), []
+    started, rows, load = time.time(), [], os.getloadavg()[0]
     for name in chosen:
         row = {"run": name}
         try:
@@ -348,7 +348,8 @@ def main() -> int:
         f"    {command}\n\n{table(rows)}\n\n"
         + "".join(f"- {name}: {every[name][0]}\n" for name in chosen)
         + f"\n{len(chosen)} runs, each on both sides: {wall:.0f} s in all, {args.threads} thread(s) per "
-        f"process, {os.cpu_count()} cores, seed 42. Metrics left out (timing, speed, memory, wall clock: "
+        f"process, {os.cpu_count()} cores (load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+        f"end: other jobs share them), seed 42. Metrics left out (timing, speed, memory, wall clock: "
         f"keys starting {' or '.join(EXCLUDED_PREFIXES)}, named {' or '.join(EXCLUDED_KEYS)}, or containing "
         f"`mem`); in these runs: {', '.join(f'`{k}`' for k in left_out)}.\n"
     )

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from rlhf_algos.distill import kd_loss
+from rlhf_algos.kl import kl_loss
+from rlhf_algos.policy_loss import entropy_loss
+from rlhf_algos.preference import dpo_loss, kto_loss, nll_loss, rm_loss
+from rlhf_algos.prm import prm_loss
+from rlhf_algos.sft import sft_loss
+from rlhf_algos.value_loss import value_loss
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, concat_batches
-from rlhf_core.types import LossAggregation
+from rlhf_core.types import LossAggregation, PolicyLossInput
 from rlhf_train_deepspeed.models import (
     response_logits,
     response_logprobs,
@@ -23,18 +29,6 @@ from rlhf_train_deepspeed.models import (
     sequence_rewards,
     step_logits,
 )
-
-Loss = Callable[[Any, Any, Any, dict[str, float] | None], tuple[torch.Tensor, dict[str, float], float]]
-LOSSES: dict[str, Loss] = {}
-"""Loss name -> loss function; add to it (in a module the ranks import) to train with a loss of your own."""
-
-
-def register_loss(name: str) -> Callable[[Loss], Loss]:
-    def add(fn: Loss) -> Loss:
-        LOSSES[name] = fn
-        return fn
-
-    return add
 
 
 @dataclass
@@ -55,13 +49,8 @@ class SupervisedConfigLite:
     kd_coef: float = 0.4
 
 
-@register_loss("policy")
-def policy_loss(model, mb: PolicyMicroBatch, cfg: PolicyStepConfig, counts: dict[str, float]):
+def policy(model, mb: PolicyMicroBatch, cfg: PolicyStepConfig, counts: dict[str, float]):
     """The policy loss ``cfg.loss`` (a ``policy_losses`` plugin) + entropy bonus + KL loss."""
-    from rlhf_algos.kl import kl_loss
-    from rlhf_algos.policy_loss import entropy_loss
-    from rlhf_core.types import PolicyLossInput
-
     loss_fn = model.registered("policy_losses", cfg.loss, "--actor.policy_loss_type")
     kl_fn = (
         model.registered("kl_estimators", cfg.kl_estimator, "--algo.kl.estimator") if cfg.kl_coef else None
@@ -115,11 +104,8 @@ def policy_loss(model, mb: PolicyMicroBatch, cfg: PolicyStepConfig, counts: dict
     return loss, metrics, float(mask.sum())
 
 
-@register_loss("value")
-def value_loss(model, mb: CriticMicroBatch, value_clip: float | None, counts: dict[str, float]):
+def value(model, mb: CriticMicroBatch, value_clip: float | None, counts: dict[str, float]):
     """The clipped value loss (``rlhf_algos.value_loss``); ``cfg`` is the clip range."""
-    from rlhf_algos.value_loss import value_loss
-
     agg = LossAggregation(num_tokens=counts["num_tokens"], dp_size=model.dp_size)
     values, mask = response_values(model.engine, mb.seq, model.packing, model.ring)
     out = value_loss(values, mb.old_values, mb.returns, mask, value_clip, agg)
@@ -140,20 +126,14 @@ def _per_pair(model, loss: torch.Tensor, b: int, counts: dict[str, float] | None
     return loss * b / (counts["num_sequences"] if train else b) * (model.dp_size if train else 1)
 
 
-@register_loss("sft")
-def sft_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
-    from rlhf_algos.sft import sft_loss
-
+def sft(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     lp, _, mask = response_logprobs(model.engine, mb, 1.0, model.packing, ring=model.ring)
     n = float(mask.sum())
     nll = float(-(lp.detach() * mask).sum()) / max(n, 1.0)
     return sft_loss(lp, mask, _token_aggregation(model, counts)), {"nll": nll}, n
 
 
-@register_loss("prm")
-def prm_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
-    from rlhf_algos.prm import prm_loss
-
+def prm(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     logits = step_logits(model.engine, mb, model.packing)  # [N, V]
     if cfg.reward_token_ids is not None:
         logits = logits[:, cfg.reward_token_ids]  # [N, K]
@@ -161,11 +141,8 @@ def prm_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | No
     return out.loss, dict(out.metrics), float(len(mb.rows))
 
 
-@register_loss("kd")
-def kd_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
+def kd(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     """Distillation from the teacher the rank hosts as its reference model."""
-    from rlhf_algos.distill import kd_loss
-
     student, labels, mask = response_logits(model.engine, mb, model.packing)
     with torch.no_grad():
         teacher, _, _ = response_logits(model.ref_engine, mb, model.packing)
@@ -173,11 +150,8 @@ def kd_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | Non
     return out.loss, dict(out.metrics), float(mask.sum())
 
 
-@register_loss("rm")
-def rm_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
+def rm(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     """Evaluation also returns the rewards (``_rewards``: chosen, then rejected) for the normalisation."""
-    from rlhf_algos.preference import rm_loss
-
     both = concat_batches([mb.chosen, mb.rejected], model.pad_token_id)
     rewards = sequence_rewards(model.engine, both, model.packing, model.ring)
     b = len(mb.chosen)
@@ -198,10 +172,7 @@ def _policy_and_reference_logps(model, first, second):
     return (lp * mask).sum(-1), (ref_lp * mask).sum(-1), mask
 
 
-@register_loss("dpo")
-def dpo_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
-    from rlhf_algos.preference import dpo_loss, nll_loss
-
+def dpo(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     b = len(mb.chosen)
     logps, ref_logps, mask = _policy_and_reference_logps(model, mb.chosen, mb.rejected)
     out = dpo_loss(logps[:b], logps[b:], ref_logps[:b], ref_logps[b:], cfg.beta, cfg.label_smoothing, cfg.ipo)
@@ -213,11 +184,8 @@ def dpo_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | No
     return _per_pair(model, loss, b, counts), metrics, float(b)
 
 
-@register_loss("kto")
-def kto_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
+def kto(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     """KTO's reference point is the mean log-ratio on the mismatched pairs ``kl_seq``, averaged over ranks."""
-    from rlhf_algos.preference import kto_loss
-
     b = len(mb.seq)
     logps, ref_logps, _ = _policy_and_reference_logps(model, mb.seq, mb.kl_seq)
     kl = (logps[b:] - ref_logps[b:]).detach().mean()
@@ -228,3 +196,17 @@ def kto_loss(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | No
         logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight
     )
     return _per_pair(model, out.loss, b, counts), dict(out.metrics), float(b)
+
+
+LOSSES: dict[str, Callable] = {
+    "policy": policy,
+    "value": value,
+    "sft": sft,
+    "rm": rm,
+    "dpo": dpo,
+    "kto": kto,
+    "prm": prm,
+    "kd": kd,
+}
+"""Loss name -> loss function (the module docstring); add to it, in a module the ranks import, to train with a
+loss of your own."""

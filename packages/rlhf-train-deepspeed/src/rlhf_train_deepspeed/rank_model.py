@@ -184,6 +184,9 @@ class RankModel:
 
     @torch.no_grad()
     def compute_logprobs(self, batches: list[SequenceBatch], temperature, with_entropy, ref, teacher):
+        """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU; with ``ref``,
+        those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``); ``teacher`` i > 0:
+        those of multi-teacher OPD's teacher i (``ModelSpec.teacher_paths[i - 1]``)."""
         engine = self.teacher_engines[teacher - 1] if teacher else self.ref_engine if ref else self.engine
         frozen = engine is not self.engine
         if frozen:  # its weights come in next: first hand back the heap pages the last step freed
@@ -215,6 +218,7 @@ class RankModel:
     # --- state ---
 
     def save_checkpoint(self, path: str) -> None:
+        """DeepSpeed engine state (model, optimizer, LR schedule), this rank's RNG states and EMA shards."""
         self.engine.save_checkpoint(path, tag=ENGINE_TAG)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -252,6 +256,10 @@ class RankModel:
             self.ema.load(Path(path) / f"ema_rank{self.rank}.pt", warn=self.rank == 0)
 
     def export_hf(self, out_dir: str, config_updates, tokenizer_path, ema: bool | None) -> None:
+        """Write an HF model (safetensors) to ``out_dir`` on rank 0: a causal LM loadable with
+        ``AutoModelForCausalLM``, or a value model loadable with ``AutoModelForSequenceClassification``.
+        With LoRA the PEFT adapter is written instead (merge it with ``rlhf lora-merge``). ``ema`` (default:
+        whether this model keeps an EMA) writes the EMA weights instead of the trained ones."""
         if ema is None:
             ema = self.ema is not None
         if ema and self.ema is None:
@@ -264,6 +272,9 @@ class RankModel:
     # --- hybrid engine ---
 
     def sleep(self) -> None:
+        """Hybrid engine (``--ds.enable_sleep``): move ZeRO-3 training state (parameters, gradients,
+        optimizer) and the fp32 EMA to CPU memory while the rollout engines use the GPU (on CPU ranks the
+        same calls, with nothing to free)."""
         if self.ema is not None:
             self.ema.to("cpu")
         if self.strategy.ds.zero_stage == 3 and self.spec.trainable:

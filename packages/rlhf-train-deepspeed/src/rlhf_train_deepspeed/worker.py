@@ -101,9 +101,7 @@ class TrainWorker:
         ref: bool = False,
         teacher: int = 0,
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per micro-batch ``[B, T]`` response log-probs (and entropies) at ``temperature``, on CPU; with ``ref``,
-        those of the frozen model this rank hosts beside its own (``ModelSpec.ref_path``); ``teacher`` i > 0:
-        those of multi-teacher OPD's teacher i (``ModelSpec.teacher_paths[i - 1]``)."""
+        """Per micro-batch ``[B, T]`` response log-probs (:meth:`RankModel.compute_logprobs`)."""
         return self.model.compute_logprobs(batches, temperature, with_entropy, ref, teacher)
 
     def compute_values(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
@@ -167,7 +165,6 @@ class TrainWorker:
     # --- checkpoints and export ---
 
     def save_checkpoint(self, path: str) -> None:
-        """DeepSpeed engine state (model, optimizer, LR schedule), this rank's RNG states and EMA shards."""
         self.model.save_checkpoint(path)
 
     def load_checkpoint(self, path: str) -> None:
@@ -180,10 +177,7 @@ class TrainWorker:
         tokenizer_path: str | None = None,
         ema: bool | None = None,
     ) -> None:
-        """Write an HF model (safetensors) to ``out_dir`` on rank 0: a causal LM loadable with
-        ``AutoModelForCausalLM``, or a value model loadable with ``AutoModelForSequenceClassification``.
-        With LoRA the PEFT adapter is written instead (merge it with ``rlhf lora-merge``). ``ema`` (default:
-        whether this model keeps an EMA) writes the EMA weights instead of the trained ones."""
+        """Write an HF model (safetensors) to ``out_dir`` on rank 0 (:meth:`RankModel.export_hf`)."""
         self.model.export_hf(out_dir, config_updates, tokenizer_path, ema)
 
     # --- weights out ---
@@ -239,9 +233,7 @@ class TrainWorker:
     # --- hybrid engine, end ---
 
     def sleep(self) -> None:
-        """Hybrid engine (``--ds.enable_sleep``): move ZeRO-3 training state (parameters, gradients,
-        optimizer) and the fp32 EMA to CPU memory while the rollout engines use the GPU (on CPU ranks the
-        same calls, with nothing to free)."""
+        """Hybrid engine (``--ds.enable_sleep``): training state to CPU memory (:meth:`RankModel.sleep`)."""
         self.model.sleep()
 
     def wake_up(self) -> None:

@@ -599,7 +599,7 @@ def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_l
     resident page (they wait in the page cache), and the next forward reads back the same numbers. Before its
     forward, and before an export, the rank hands the heap's free pages back (``release_free_heap``, recorded
     here); not before the policy's own forward, whose activations reuse them."""
-    import rlhf_train_deepspeed.worker as worker_module
+    import rlhf_train_deepspeed.rank_model as worker_module
 
     heap_releases = []
     monkeypatch.setattr(worker_module, "release_free_heap", lambda: heap_releases.append(True))

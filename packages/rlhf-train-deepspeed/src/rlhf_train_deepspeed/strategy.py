@@ -1,5 +1,5 @@
-"""DeepSpeed set-up: distributed init, ZeRO config, optimizer and LR schedule, LoRA, and the training step
-(:meth:`Strategy.optimizer_step`), for the one :class:`Strategy` of each worker process."""
+"""DeepSpeed set-up: distributed init, ZeRO config, optimizer and LR schedule, LoRA, for the one
+:class:`Strategy` of each worker process (the training step is :mod:`rlhf_train_deepspeed.learner`'s)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import importlib.util
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -382,55 +381,3 @@ class Strategy:
         engine, *_ = deepspeed.initialize(model=model, config=cfg)
         engine.eval()
         return engine
-
-    # --- the training step ---
-
-    def optimizer_step(
-        self,
-        engine,
-        micro_batches: Sequence[Any],
-        loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float], float]],
-    ) -> StepResult:
-        """One optimizer step over ``micro_batches`` (every rank must pass the same number).
-
-        ``loss_fn(micro_batch) -> (loss, metrics, weight)``: ``loss`` is already normalised by the global
-        count of the step and multiplied by the data-parallel size (DeepSpeed averages gradients over
-        ranks), so gradients are summed over micro-batches (no division by the accumulation steps).
-
-        A non-finite loss on any rank (an all-reduced flag per micro-batch) ends the step: the last
-        backward is made non-finite on purpose so that DeepSpeed's own overflow path discards every
-        gradient accumulated so far, keeps parameters and optimizer state bitwise unchanged and does not
-        advance the LR schedule. ZeRO-0 in fp32 has no overflow path; there the gradients are dropped here."""
-        engine.train()
-        lr = engine.get_lr()[0] if engine.lr_scheduler is not None else 0.0
-        n = len(micro_batches)
-        total, metrics, skipped, grad_norm = 0.0, {}, False, None
-        no_overflow_path = self.ds.zero_stage == 0 and self.dtype == torch.float32
-        for i, mb in enumerate(micro_batches):
-            loss, mb_metrics, weight = loss_fn(mb)
-            skipped = self.any_rank(not bool(torch.isfinite(loss.detach()).all()))
-            if skipped:
-                if no_overflow_path:
-                    engine.zero_grad()
-                    break
-                engine.set_gradient_accumulation_boundary(True)
-                engine.backward(loss * float("nan"), scale_wrt_gas=False)
-                engine.step()
-                if engine.was_step_applied():
-                    raise RuntimeError("DeepSpeed applied an optimizer step with non-finite gradients")
-                break
-            engine.set_gradient_accumulation_boundary(i == n - 1)
-            engine.backward(loss, scale_wrt_gas=False)
-            if i == n - 1:
-                if (
-                    no_overflow_path
-                ):  # DeepSpeed keeps no norm for a plain torch optimizer: the all-reduced one
-                    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                    grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-                engine.step()
-            total += float(loss.detach()) / self.dp_size
-            add_metrics(metrics, mb_metrics, weight)
-        if not skipped and grad_norm is None and hasattr(engine, "get_global_grad_norm"):
-            norm = engine.get_global_grad_norm()
-            grad_norm = None if norm is None else float(norm)
-        return StepResult(float("nan") if skipped else total, skipped, grad_norm, lr, metrics)

@@ -1,0 +1,145 @@
+"""The rank's learner primitives: ``forward_backward`` with a registered loss, then ``optim_step``, give bitwise
+the losses, metrics, gradient norms, learning rates, weights and EMA of the built-in steps (``train_policy``,
+``train_supervised``), over several steps and a skipped non-finite one; one rank in this process, no Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
+from rlhf_core.config import DSConfig, ModelConfig
+from rlhf_train_deepspeed.losses import LOSSES, SupervisedConfigLite
+from rlhf_train_deepspeed.supervised_data import PairExample, collate, step_counts
+from rlhf_train_deepspeed.worker import ModelSpec, TrainWorker
+
+pytestmark = pytest.mark.slow
+
+# bf16 at ZeRO-0 and ZeRO-3: DeepSpeed's overflow path skips the step; fp32 at ZeRO-0: the learner drops the grads
+SETTINGS = [(0, "fp32"), (0, "bf16"), (3, "fp32")]
+
+
+def spec(path: str, **kw) -> ModelSpec:
+    optim = ModelConfig(lr_scheduler="cosine_with_min_lr", lr_warmup_ratio=0.2, max_norm=0.5)
+    optim.adam.lr = 1e-2
+    return ModelSpec(path, "causal", True, optim, micro_batch_size=2, grad_accum=4, total_steps=8, **kw)
+
+
+def rank(path: str, stage: int, dtype: str, **kw) -> TrainWorker:
+    worker = TrainWorker(0, 1)
+    worker.init_distributed(worker.master_address())
+    worker.init_model(spec(path, **kw), DSConfig(zero_stage=stage, param_dtype=dtype), seed=3)
+    return worker
+
+
+def ids(g: torch.Generator, n: int) -> list[int]:
+    return torch.randint(7, 60, (n,), generator=g).tolist()
+
+
+def sequences() -> list:
+    g = torch.Generator().manual_seed(0)
+    return [make_sequence_batch([ids(g, 2 + k), ids(g, 3)], [ids(g, 4), ids(g, 1 + k)], 0) for k in range(4)]
+
+
+def result(r) -> dict:
+    """A step's numbers, without the process's GPU memory (read at different times)."""
+    out = dataclasses.asdict(r)
+    out["metrics"] = {k: v for k, v in r.metrics.items() if not k.startswith("gpu_")}
+    return out
+
+
+def state(worker: TrainWorker) -> dict[str, torch.Tensor]:
+    out = {n: p.detach().clone() for n, p in worker._module().named_parameters()}
+    ema = worker.model.ema
+    return out | {f"ema.{i}": e.clone() for i, e in enumerate(ema.shards if ema else [])}
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def assert_same_results(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        # NaN (a skipped step's loss) compares unequal to itself: compare the text
+        assert repr(x) == repr(y)
+
+
+@pytest.mark.parametrize("stage,dtype", SETTINGS, ids=[f"zero{s}-{d}" for s, d in SETTINGS])
+def test_policy_steps_through_the_primitives_equal_train_policy(tiny_llama, stage, dtype):
+    seqs = sequences()
+    counts = {"num_tokens": float(sum(b.response_mask().sum() for b in seqs)), "num_sequences": 8.0}
+    cfg = PolicyStepConfig(loss="ppo", entropy_coef=0.01, kl_coef=0.05)
+    runs = {}
+    for primitives in (False, True):
+        worker = rank(tiny_llama, stage, dtype, ema_beta=0.9, ref_path=tiny_llama)
+        try:
+            old, ref = worker.compute_logprobs(seqs), worker.compute_logprobs(seqs, ref=True)
+            g = torch.Generator().manual_seed(1)
+            adv = [torch.randn(lp.shape, generator=g) for lp in old]
+            good = [
+                PolicyMicroBatch(s, *x, ref_logprobs=r) for s, *x, r in zip(seqs, old, adv, ref, strict=True)
+            ]
+            bad = good[:2] + [dataclasses.replace(good[2], advantages=torch.full_like(adv[2], float("nan")))]
+            results, parts = [], []
+            for mbs in (good, good, bad + good[3:], good):  # the third step is skipped
+                if primitives:
+                    parts.append(result(worker.forward_backward(mbs, "policy", cfg, counts)))
+                    results.append(result(worker.optim_step()))
+                else:
+                    results.append(result(worker.train_policy(mbs, cfg, counts)))
+            runs[primitives] = results, state(worker), parts
+        finally:
+            worker.close()
+    (want, want_state, _), (got, got_state, parts) = runs[False], runs[True]
+    assert [r["skipped"] for r in got] == [False, False, True, False]
+    assert_same_results(want, got)
+    assert_bitwise(want_state, got_state)
+    # forward_backward's part is the step's, but for the gradient norm that only the optimizer step knows
+    assert_same_results(parts, [r | {"grad_norm": None} for r in got])
+
+
+@pytest.mark.parametrize("stage,dtype", SETTINGS[::2], ids=[f"zero{s}-{d}" for s, d in SETTINGS[::2]])
+def test_dpo_steps_through_the_primitives_equal_train_supervised(tiny_llama, stage, dtype):
+    g = torch.Generator().manual_seed(2)
+    batches = [
+        [
+            collate("dpo", [PairExample(ids(g, 3), ids(g, 4), ids(g, 2 + k)) for _ in range(2)], 0)
+            for k in range(4)
+        ]
+        for _ in range(3)
+    ]
+    cfg = SupervisedConfigLite("dpo", nll_loss_coef=0.2)
+    runs = {}
+    for primitives in (False, True):
+        worker = rank(tiny_llama, stage, dtype, ref_path=tiny_llama)
+        try:
+            results = []
+            for mbs in batches:
+                if primitives:
+                    worker.forward_backward(mbs, "dpo", cfg, step_counts("dpo", mbs))
+                    results.append(result(worker.optim_step()))
+                else:
+                    results.append(result(worker.train_supervised(mbs, cfg, step_counts("dpo", mbs))))
+            results.append(worker.eval_supervised(batches[0], cfg))
+            runs[primitives] = results, state(worker)
+        finally:
+            worker.close()
+    assert_same_results(runs[False][0], runs[True][0])
+    assert_bitwise(runs[False][1], runs[True][1])
+
+
+def test_the_primitives_refuse_an_unknown_loss_and_a_step_without_gradients(tiny_llama):
+    worker = rank(tiny_llama, 0, "fp32")
+    try:
+        with pytest.raises(ValueError, match="unknown loss 'sfft'; registered: .*sft"):
+            worker.forward_backward(sequences(), "sfft", SupervisedConfigLite("sft"), {})
+        with pytest.raises(RuntimeError, match="no forward_backward since the last optimizer step"):
+            worker.optim_step()
+    finally:
+        worker.close()
+    assert {"policy", "value", "sft", "rm", "dpo", "kto", "prm", "kd"} <= LOSSES.keys()

@@ -12,7 +12,7 @@ from rlhf_cli.rl.controller import Batch, Groups, RLController, RLRunError
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_core import handles
 from rlhf_core.config import RLConfig
-from rlhf_core.handles import Future
+from rlhf_core.handles import done
 from rlhf_core.types import Trajectory, derive_seed
 
 
@@ -328,7 +328,7 @@ class FakeEngineActor:
 
     def __init__(self, ranks: int, calls: list):
         def remote(name, result=None):
-            return lambda *a, **kw: calls.append((self, name, a, kw)) or Future(result)
+            return lambda *a, **kw: calls.append((self, name, a, kw)) or done(result)
 
         self.weight_sync_ranks = remote("ranks", ranks)
         self.init_weight_sync = remote("join")

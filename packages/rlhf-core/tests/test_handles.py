@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rlhf_core import handles
-from rlhf_core.handles import Future, wait
+from rlhf_core.handles import done, wait
 
 
 class Counter:
@@ -84,7 +84,7 @@ def test_futures_are_awaitable_whatever_backs_them():
 
 def test_values_that_are_not_futures_are_their_own():
     """A backend may return plain values (or, on Ray, ObjectRefs) where the contract says Future."""
-    assert wait(7) == 7 and wait([Future(1), 2]) == [1, 2]
+    assert wait(7) == 7 and wait([done(1), 2]) == [1, 2]
     assert handles.share({"w": 1}).result() == {"w": 1}  # no Ray in this process: the value itself
 
 

@@ -26,19 +26,13 @@ SHARED_THREADS = ThreadPoolExecutor(thread_name_prefix="rlhf-call")
 
 
 class Future:
-    """The result of one call: already there (``value``, or the ``error`` the call raised), coming from a thread
-    (``pending``, a ``concurrent.futures.Future``), or from a Ray actor (``ref``, an ObjectRef)."""
+    """The result of one call: a ``concurrent.futures.Future`` (``pending``: of a call run on a thread, or one
+    already done, see :func:`done`), or a Ray ObjectRef (``ref``: of a call run by a Ray actor)."""
 
-    __slots__ = ("value", "error", "pending", "ref")
+    __slots__ = ("pending", "ref")
 
-    def __init__(
-        self,
-        value: Any = None,
-        error: BaseException | None = None,
-        pending: concurrent.futures.Future | None = None,
-        ref: Any = None,
-    ):
-        self.value, self.error, self.pending, self.ref = value, error, pending, ref
+    def __init__(self, pending: concurrent.futures.Future | None = None, ref: Any = None):
+        self.pending, self.ref = pending, ref
 
     def result(self) -> Any:
         """The value, waiting for it; raises the call's error (a Ray actor's as Ray raises it)."""
@@ -46,31 +40,28 @@ class Future:
             import ray
 
             return ray.get(self.ref)
-        if self.pending is not None:
-            return self.pending.result()
-        if self.error is not None:
-            raise self.error
-        return self.value
+        return self.pending.result()
 
     def __await__(self):
-        if self.ref is not None:
-            return self.ref.__await__()
-        if self.pending is not None:
-            return asyncio.wrap_future(self.pending).__await__()
-        return self._now().__await__()
-
-    async def _now(self) -> Any:
-        return self.result()
+        return (self.ref if self.ref is not None else asyncio.wrap_future(self.pending)).__await__()
 
 
-def as_future(x: Any) -> Future:
+def done(value: Any = None, error: BaseException | None = None) -> Future:
+    """A Future already there: ``value``, or ``error`` raised where it is waited for."""
+    pending = concurrent.futures.Future()
+    if error is not None:
+        pending.set_exception(error)
+    else:
+        pending.set_result(value)
+    return Future(pending)
+
+
+def as_future(x):
     """``x`` as a Future: a Ray ObjectRef (what a third-party backend may return) is waited on through Ray; any
-    other object that is not a Future is its own, already computed, value."""
+    other object that is not a Future is its own value."""
     if isinstance(x, Future):
         return x
-    if isinstance(x, getattr(sys.modules.get("ray"), "ObjectRef", ())):
-        return Future(ref=x)
-    return Future(x)
+    return Future(ref=x) if isinstance(x, getattr(sys.modules.get("ray"), "ObjectRef", ())) else done(x)
 
 
 def wait(futures: Any) -> Any:
@@ -89,7 +80,7 @@ def first_done(futures: list[Future]) -> Future:
     """The first of ``futures`` to finish, once it has (calls run by Ray actors are waited on through Ray, those
     of this process only when no Ray call is among them)."""
     for f in futures:
-        if f.ref is None and (f.pending is None or f.pending.done()):
+        if f.ref is None and f.pending.done():
             return f
     refs = [f.ref for f in futures if f.ref is not None]
     if not refs:
@@ -101,7 +92,7 @@ def first_done(futures: list[Future]) -> Future:
     return next(f for f in futures if f.ref is not None and f.ref == ref)
 
 
-def _ray_get(refs: list) -> list:
+def _ray_get(refs):
     import ray
 
     try:
@@ -128,9 +119,7 @@ def share(value: Any) -> Future:
     """``value`` stored once for many calls that take it as an argument: in Ray's object store when this process
     is connected to Ray (each call then sends a reference), else the value itself."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        return Future(ref=ray.put(value))
-    return Future(value)
+    return Future(ref=ray.put(value)) if ray is not None and ray.is_initialized() else done(value)
 
 
 class Handle:
@@ -155,28 +144,29 @@ def kill(handle: Handle) -> None:
     handle._kill()
 
 
-def _values(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Future arguments replaced by their values (a failed one raises its error)."""
-    args = tuple(wait(a) if isinstance(a, Future) else a for a in args)
-    return args, {k: wait(v) if isinstance(v, Future) else v for k, v in kwargs.items()}
+def _run(obj, method, args, kwargs):
+    """``obj.method(*args, **kwargs)`` with Future arguments replaced by their values (a failed one raises)."""
+    args = [wait(a) if isinstance(a, Future) else a for a in args]
+    return getattr(obj, method)(
+        *args, **{k: wait(v) if isinstance(v, Future) else v for k, v in kwargs.items()}
+    )
 
 
-def _run(obj: Any, method: str, args: tuple, kwargs: dict) -> Any:
-    args, kwargs = _values(args, kwargs)
-    return getattr(obj, method)(*args, **kwargs)
+def _closer(obj):
+    return lambda: getattr(obj, "close", lambda: None)()
 
 
 def local(obj: Any) -> Handle:
     """``obj`` in this process: a call runs at once, in the caller's thread; its error is kept and raised by
     :func:`wait`, where a Ray actor's is raised."""
 
-    def call(method: str, *args: Any, **kwargs: Any) -> Future:
+    def call(method, *args, **kwargs):
         try:
-            return Future(_run(obj, method, args, kwargs))
+            return done(_run(obj, method, args, kwargs))
         except Exception as exc:  # noqa: BLE001 - raised again by wait()
-            return Future(error=exc)
+            return done(error=exc)
 
-    return Handle(call, lambda: getattr(obj, "close", lambda: None)())
+    return Handle(call, _closer(obj))
 
 
 def threaded(obj: Any, thread: ThreadPoolExecutor | None = None) -> Handle:
@@ -184,8 +174,7 @@ def threaded(obj: Any, thread: ThreadPoolExecutor | None = None) -> Handle:
     torch work stays on one thread) or, without one, on :data:`SHARED_THREADS`; the caller goes on meanwhile."""
     threads = thread or SHARED_THREADS
     return Handle(
-        lambda method, *args, **kwargs: Future(pending=threads.submit(_run, obj, method, args, kwargs)),
-        lambda: getattr(obj, "close", lambda: None)(),
+        lambda method, *args, **kwargs: Future(threads.submit(_run, obj, method, args, kwargs)), _closer(obj)
     )
 
 
@@ -210,30 +199,28 @@ def ray_actor(cls: type, *args: Any, options: dict[str, Any] | None = None, **kw
     ``num_gpus``, ``scheduling_strategy``, ``runtime_env``, ``max_concurrency``...); :func:`kill` ends it."""
     import ray
 
-    args, kwargs = _refs(args, kwargs)
-    return _ray_handle(ray.remote(cls).options(**(options or {})).remote(*args, **kwargs))
+    return _ray_handle(ray.remote(cls).options(**(options or {})).remote(*_refs(args), **_refs(kwargs)))
 
 
-def _refs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Future arguments as Ray passes them: an ObjectRef (Ray resolves it in the actor), else the value."""
+def _refs(args):
+    """Future arguments (a tuple's or a dict's) as Ray passes them: an ObjectRef, which Ray resolves in the actor,
+    else the value."""
 
-    def ref(x: Any) -> Any:
+    def ref(x):
         return (x.ref if x.ref is not None else x.result()) if isinstance(x, Future) else x
 
-    return tuple(ref(a) for a in args), {k: ref(v) for k, v in kwargs.items()}
+    return {k: ref(v) for k, v in args.items()} if isinstance(args, dict) else [ref(a) for a in args]
 
 
-def _ray_handle(actor: Any) -> Handle:
-    def call(method: str, *args: Any, **kwargs: Any) -> Future:
-        args, kwargs = _refs(args, kwargs)
-        return Future(ref=getattr(actor, method).remote(*args, **kwargs))
+def _ray_handle(actor) -> Handle:
+    import ray
 
-    def end() -> None:
-        import ray
-
-        ray.kill(actor)
-
-    return Handle(call, end)
+    return Handle(
+        lambda method, *args, **kwargs: Future(
+            ref=getattr(actor, method).remote(*_refs(args), **_refs(kwargs))
+        ),
+        partial(ray.kill, actor),
+    )
 
 
 def single_process(cfg: Any, processes: int, backend_can: bool = True) -> bool:

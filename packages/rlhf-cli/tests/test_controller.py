@@ -370,8 +370,8 @@ def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
 
 
 class FakeRolloutActor:
-    """A rollout actor (called through ``rlhf_core.handles.local``) that answers with one trajectory per row, or
-    dies (Ray's ``ActorDiedError``)."""
+    """A rollout actor (called through ``rlhf_core.handles.local``) that answers with one trajectory per row,
+    or dies (Ray's ``ActorDiedError``)."""
 
     def __init__(self, dies: bool, calls: list):
         self.dies, self.calls = dies, calls

@@ -1,5 +1,5 @@
 """rlhf_core.handles: one Future and one wait whether an object lives in this process, on a thread of its own
-or in a Ray actor; errors are raised at wait (or await), a Future passed on reaches the callee as its value."""
+or in a Ray actor; errors are raised at wait (or await), a Future passed on reaches the callee as a value."""
 
 import asyncio
 import os

@@ -57,8 +57,8 @@ def done(value: Any = None, error: BaseException | None = None) -> Future:
 
 
 def as_future(x):
-    """``x`` as a Future: a Ray ObjectRef (what a third-party backend may return) is waited on through Ray; any
-    other object that is not a Future is its own value."""
+    """``x`` as a Future: a Ray ObjectRef (what a third-party backend may return) is waited on through Ray;
+    any other object that is not a Future is its own value."""
     if isinstance(x, Future):
         return x
     return Future(ref=x) if isinstance(x, getattr(sys.modules.get("ray"), "ObjectRef", ())) else done(x)
@@ -66,8 +66,8 @@ def as_future(x):
 
 def wait(futures: Any) -> Any:
     """The value of one future, or the values of a list of them in order; raises the first error. When a rank
-    dies its peers' collectives fail too (gloo: "connection reset by peer"), and one of those errors may be the
-    first: the dead rank's error, the cause, is raised instead once Ray knows it died."""
+    dies its peers' collectives fail too (gloo: "connection reset by peer"), and one of those errors may be
+    the first: the dead rank's error, the cause, is raised instead once Ray knows it died."""
     if not isinstance(futures, list):
         return as_future(futures).result()
     futures = [as_future(f) for f in futures]
@@ -77,8 +77,8 @@ def wait(futures: Any) -> Any:
 
 
 def first_done(futures: list[Future]) -> Future:
-    """The first of ``futures`` to finish, once it has (calls run by Ray actors are waited on through Ray, those
-    of this process only when no Ray call is among them)."""
+    """The first of ``futures`` to finish, once it has (calls run by Ray actors are waited on through Ray,
+    those of this process only when no Ray call is among them)."""
     for f in futures:
         if f.ref is None and f.pending.done():
             return f
@@ -109,15 +109,15 @@ def _ray_get(refs):
 
 
 def worker_died() -> type[BaseException] | tuple:
-    """The error a call raises when the process behind its handle died (Ray's), to catch; nothing where Ray was
-    never imported (every object then lives in this process, which is still alive)."""
+    """The error a call raises when the process behind its handle died (Ray's), to catch; nothing where Ray
+    was never imported (every object then lives in this process, which is still alive)."""
     ray = sys.modules.get("ray")
     return ray.exceptions.RayActorError if ray is not None else ()
 
 
 def share(value: Any) -> Future:
-    """``value`` stored once for many calls that take it as an argument: in Ray's object store when this process
-    is connected to Ray (each call then sends a reference), else the value itself."""
+    """``value`` stored once for many calls that take it as an argument: in Ray's object store when this
+    process is connected to Ray (each call then sends a reference), else the value itself."""
     ray = sys.modules.get("ray")
     return Future(ref=ray.put(value)) if ray is not None and ray.is_initialized() else done(value)
 
@@ -145,7 +145,7 @@ def kill(handle: Handle) -> None:
 
 
 def _run(obj, method, args, kwargs):
-    """``obj.method(*args, **kwargs)`` with Future arguments replaced by their values (a failed one raises)."""
+    """``obj.method(*args, **kwargs)``, Future arguments replaced by their values (a failed one raises)."""
     args = [wait(a) if isinstance(a, Future) else a for a in args]
     return getattr(obj, method)(
         *args, **{k: wait(v) if isinstance(v, Future) else v for k, v in kwargs.items()}
@@ -171,7 +171,7 @@ def local(obj: Any) -> Handle:
 
 def threaded(obj: Any, thread: ThreadPoolExecutor | None = None) -> Handle:
     """``obj`` in this process, its calls run on ``thread`` (one worker: the thread that built it, so that its
-    torch work stays on one thread) or, without one, on :data:`SHARED_THREADS`; the caller goes on meanwhile."""
+    torch work stays on one thread) or, without one, on :data:`SHARED_THREADS`; the caller goes on."""
     threads = thread or SHARED_THREADS
     return Handle(
         lambda method, *args, **kwargs: Future(threads.submit(_run, obj, method, args, kwargs)), _closer(obj)
@@ -179,8 +179,8 @@ def threaded(obj: Any, thread: ThreadPoolExecutor | None = None) -> Handle:
 
 
 def hosted(rank: Handle, name: str) -> Handle:
-    """The object a training rank hosts under ``name`` (``TrainWorker.host``): a call runs in the rank's process,
-    in turn with the rank's own calls (``call_hosted``). It ends with the rank."""
+    """The object a training rank hosts under ``name`` (``TrainWorker.host``): a call runs in the rank's
+    process, in turn with the rank's own calls (``call_hosted``). It ends with the rank."""
     return Handle(partial(rank.call_hosted, name))
 
 
@@ -203,8 +203,8 @@ def ray_actor(cls: type, *args: Any, options: dict[str, Any] | None = None, **kw
 
 
 def _refs(args):
-    """Future arguments (a tuple's or a dict's) as Ray passes them: an ObjectRef, which Ray resolves in the actor,
-    else the value."""
+    """Future arguments (a tuple's or a dict's) as Ray passes them: an ObjectRef, which Ray resolves in the
+    actor, else the value."""
 
     def ref(x):
         return (x.ref if x.ref is not None else x.result()) if isinstance(x, Future) else x

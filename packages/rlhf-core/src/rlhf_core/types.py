@@ -547,11 +547,11 @@ class TrainGroup(Protocol):
     def wait_ready(self) -> None:
         """Return once every rank is up (raising its set-up error): a no-op unless made with ``wait=False``."""
 
-    # Only with ``hosts_roles = True`` on the backend; the driver then places the reference model and
-    # HF engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
+    # Only with ``hosts_roles = True`` on the backend; the driver then places the reference model and HF
+    # engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
     # ``host(name, cls, args)`` builds ``cls(*args[r])`` in rank ``r`` and returns their handles
-    # (``rlhf_core.handles.hosted``), ``hosted_ref()`` is the reference group the ranks hold (``with_ref``), and
-    # ``push_weights_to_hosted(name)`` copies each rank's weights into what it hosts.
+    # (``rlhf_core.handles.hosted``), ``hosted_ref()`` is the reference group the ranks hold (``with_ref``),
+    # and ``push_weights_to_hosted(name)`` copies each rank's weights into what it hosts.
 
     def compute_rewards(self, batches: list) -> list[torch.Tensor]:
         """Reward model: ``[B]`` rewards of each ``SequenceBatch``, read at each row's last token."""

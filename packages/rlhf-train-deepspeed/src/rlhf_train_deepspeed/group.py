@@ -1,5 +1,6 @@
-"""A group of N training ranks (Ray actors, or one rank in the driver's process: ``rlhf_core.handles``), and the
-handle that fans calls out to them. This package's README describes the set-up (no ``deepspeed`` launcher), the sharding of micro-batches and every method."""
+"""A group of N training ranks (Ray actors, or one rank in the driver's process: ``rlhf_core.handles``), and
+the handle that fans calls out to them. This package's README describes the set-up (no ``deepspeed``
+launcher), the sharding of micro-batches and every method."""
 
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ class Groups:
 
 @contextmanager
 def dead_worker_reported(message: str):
-    """Re-raise the error of a dead worker (``rlhf_core.handles.worker_died``) as :class:`RLRunError` ``"{message}: {Ray's error}"``."""
+    """Re-raise the error of a dead worker (``rlhf_core.handles.worker_died``) as :class:`RLRunError`
+    ``"{message}: {Ray's error}"``."""
     try:
         yield
     except worker_died() as exc:

@@ -11,9 +11,9 @@ from rlhf_core.handles import share, wait
 class WeightSync:
     """Broadcasts the policy's weights from its rank 0 through a torch.distributed group that the engines join
     themselves (gloo on CPU, NCCL on GPU; one rank per tensor-parallel worker; ZeRO-3 parameters gathered
-    bucket by bucket), or through the object store (``rlhf_core.handles.share``) with ``--vllm.sync_with_ray`` or an engine that cannot
-    join a group. A stalled sync raises after ``--vllm.sync_timeout``. Engines that live in the actor ranks'
-    processes get an in-process copy."""
+    bucket by bucket), or through the object store (``rlhf_core.handles.share``) with ``--vllm.sync_with_ray``
+    or an engine that cannot join a group. A stalled sync raises after ``--vllm.sync_timeout``. Engines that
+    live in the actor ranks' processes get an in-process copy."""
 
     def __init__(self, cfg, groups: Groups):
         self.cfg = cfg

@@ -21,9 +21,9 @@ from rlhf_core.types import GenerationOutput, GenerationRequest
 
 
 class AsyncEngine:
-    """Wraps an engine: a ``rlhf_core.handles.Handle`` of one, wherever it lives (its futures are awaited), or the
-    engine itself (its ``generate`` then runs in a worker thread). ``max_batch_requests`` caps the requests per
-    call (None: no cap)."""
+    """Wraps an engine: a ``rlhf_core.handles.Handle`` of one, wherever it lives (its futures are awaited), or
+    the engine itself (its ``generate`` then runs in a worker thread). ``max_batch_requests`` caps the
+    requests per call (None: no cap)."""
 
     def __init__(self, engine: Any, max_batch_requests: int | None = None):
         self.engine = as_handle(engine)

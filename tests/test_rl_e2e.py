@@ -686,11 +686,12 @@ def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, ray_
 def test_a_dead_rank_is_reported_rather_than_its_peers_collective_error(ray_session):
     """A rank's death makes its peers' collectives fail too, and ``ray.get`` of the group's calls may raise a
     peer's error first (seen: the kill test above, under load, ended with gloo's "connection reset by peer"
-    from rank 0 instead of "a policy worker died"). ``inline.get`` reports the dead rank's RayActorError,
-    which the controller turns into "a ... worker died"; a call in which nobody died keeps its own error."""
+    from rank 0 instead of "a policy worker died"). ``rlhf_core.handles.wait`` reports the dead rank's
+    RayActorError, which the controller turns into "a ... worker died"; a call in which nobody died keeps its
+    own error."""
     import ray
 
-    from rlhf_core import inline
+    from rlhf_core.handles import wait
 
     @ray.remote(num_cpus=0)
     class Rank:
@@ -705,9 +706,9 @@ def test_a_dead_rank_is_reported_rather_than_its_peers_collective_error(ray_sess
 
     peer, dying = Rank.remote(), Rank.remote()
     with pytest.raises(ray.exceptions.RayActorError):
-        inline.get([peer.collective.remote(True), dying.collective.remote(False)])
+        wait([peer.collective.remote(True), dying.collective.remote(False)])
     with pytest.raises(ValueError, match="a rank's own error"):
-        inline.get([peer.fail.remote(), peer.fail.remote()])
+        wait([peer.fail.remote(), peer.fail.remote()])
 
 
 NAN_PLUGIN = '''

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core import inline
+from rlhf_core import handles
 from rlhf_core.config import RLConfig
 
 # counts ray.init calls made by the command (ray_launch and the trainers call it through the module)
@@ -43,35 +43,6 @@ json.dump({"code": code, "ray_init_calls": len(calls)}, open(sys.argv[1], "w"))
 """
 
 
-class Counter:
-    def __init__(self):
-        self.calls = []
-
-    def add(self, x, y=0):
-        self.calls.append((x, y))
-        return x + y
-
-    def fail(self):
-        raise KeyError("the worker's own error")
-
-
-def test_inline_actor_runs_calls_in_order_and_defers_errors_to_get():
-    actor = inline.InlineActor(Counter())
-    first = actor.add.remote(1, y=2)
-    second = actor.add.remote(first, y=first)  # refs as arguments are resolved, as Ray resolves ObjectRefs
-    failed = actor.fail.remote()  # does not raise here: Ray raises a worker's error at get()
-    assert actor.obj.calls == [(1, 2), (3, 3)]
-    assert inline.get(first) == 3 and inline.get([first, second]) == [3, 6]
-    with pytest.raises(KeyError, match="the worker's own error"):
-        inline.get([second, failed])
-    bad_arg = actor.add.remote(failed)  # a failed ref passed on fails the call that receives it
-    with pytest.raises(KeyError):
-        inline.get(bad_arg)
-    assert len(actor.obj.calls) == 2
-    with pytest.raises(AttributeError):
-        actor._private  # noqa: B018 - private names are not methods to call
-
-
 def _cfg(setting="auto", address=None, dashboard=False):
     cfg = RLConfig()
     cfg.ray.single_process, cfg.ray.address, cfg.ray.dashboard = setting, address, dashboard
@@ -80,22 +51,22 @@ def _cfg(setting="auto", address=None, dashboard=False):
 
 def test_single_process_decision(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert inline.single_process(_cfg(), 1)
-    assert not inline.single_process(_cfg(), 2)
-    assert not inline.single_process(_cfg("false"), 1)
-    assert not inline.single_process(_cfg(), 1, backend_can=False)
-    assert not inline.single_process(_cfg(address="ray://head:10001"), 1)
-    assert not inline.single_process(_cfg(dashboard=True), 1)
+    assert handles.single_process(_cfg(), 1)
+    assert not handles.single_process(_cfg(), 2)
+    assert not handles.single_process(_cfg("false"), 1)
+    assert not handles.single_process(_cfg(), 1, backend_can=False)
+    assert not handles.single_process(_cfg(address="ray://head:10001"), 1)
+    assert not handles.single_process(_cfg(dashboard=True), 1)
     monkeypatch.setenv("RAY_ADDRESS", "head:6379")
-    assert not inline.single_process(_cfg(), 1)
+    assert not handles.single_process(_cfg(), 1)
     with pytest.raises(ValueError, match=r"\$RAY_ADDRESS head:6379") as err:
-        inline.single_process(_cfg("true"), 3)
+        handles.single_process(_cfg("true"), 3)
     assert "needs 3 worker processes" in str(err.value)
     monkeypatch.delenv("RAY_ADDRESS")
     with pytest.raises(ValueError, match="--train.backend deepspeed cannot run its rank"):
-        inline.single_process(_cfg("true"), 1, backend_can=False)
+        handles.single_process(_cfg("true"), 1, backend_can=False)
     with pytest.raises(ValueError, match="expected auto, true or false"):
-        inline.single_process(_cfg("yes"), 1)
+        handles.single_process(_cfg("yes"), 1)
 
 
 def test_auto_uses_a_ray_session_the_process_already_has(monkeypatch):
@@ -106,8 +77,8 @@ def test_auto_uses_a_ray_session_the_process_already_has(monkeypatch):
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setitem(sys.modules, "ray", FakeRay)
-    assert not inline.single_process(_cfg(), 1)  # a test's or notebook's session: the run uses it
-    assert inline.single_process(_cfg("true"), 1)
+    assert not handles.single_process(_cfg(), 1)  # a test's or notebook's session: the run uses it
+    assert handles.single_process(_cfg("true"), 1)
 
 
 # the dry runs of a test, one after another in one fresh process (no Ray session; each start imports torch,

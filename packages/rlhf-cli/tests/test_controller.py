@@ -10,8 +10,9 @@ import torch
 
 from rlhf_cli.rl.controller import Batch, Groups, RLController, RLRunError
 from rlhf_cli.rl.prompts import Prompt, PromptStream
+from rlhf_core import handles
 from rlhf_core.config import RLConfig
-from rlhf_core.inline import InlineRef
+from rlhf_core.handles import done
 from rlhf_core.types import Trajectory, derive_seed
 
 
@@ -131,7 +132,7 @@ def test_client_state_round_trip():
 
 
 class FakeRank:
-    """Stands in for a training rank (called through ``rlhf_core.inline.InlineActor``, as a single-process run
+    """Stands in for a training rank (called through ``rlhf_core.handles.local``, as a single-process run
     calls its rank). Its "log-prob" of a response token is ``-token / 100``, so every result says which row
     it belongs to."""
 
@@ -156,10 +157,9 @@ class FakeRank:
 
 
 def rank_group(ranks: list[FakeRank]):
-    from rlhf_core.inline import InlineActor
     from rlhf_train_deepspeed.group import WorkerGroup
 
-    return WorkerGroup([InlineActor(r) for r in ranks], "actor", None)
+    return WorkerGroup([handles.local(r) for r in ranks], "actor", None)
 
 
 def token_logprobs(b) -> torch.Tensor:
@@ -328,9 +328,7 @@ class FakeEngineActor:
 
     def __init__(self, ranks: int, calls: list):
         def remote(name, result=None):
-            return SimpleNamespace(
-                remote=lambda *a, **kw: calls.append((self, name, a, kw)) or InlineRef(result)
-            )
+            return lambda *a, **kw: calls.append((self, name, a, kw)) or done(result)
 
         self.weight_sync_ranks = remote("ranks", ranks)
         self.init_weight_sync = remote("join")
@@ -344,14 +342,6 @@ class FakeEngineActor:
     ids=["tp2-and-hf", "one-engine-cannot-join", "sync-with-ray"],
 )
 def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
-    import sys
-
-    import ray
-
-    # the controller imports Ray where a run uses it (a single-process run never does): fake it there
-    monkeypatch.setitem(
-        sys.modules, "ray", SimpleNamespace(get=lambda refs: refs, put=lambda x: x, exceptions=ray.exceptions)
-    )
     calls, sends = [], []
     engines = [FakeEngineActor(r, calls) for r in ranks]
     actor = SimpleNamespace(
@@ -380,24 +370,26 @@ def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
 
 
 class FakeRolloutActor:
-    """A rollout actor that answers with one trajectory per row, or dies (Ray's ``ActorDiedError``)."""
+    """A rollout actor (called through ``rlhf_core.handles.local``) that answers with one trajectory per row,
+    or dies (Ray's ``ActorDiedError``)."""
 
     def __init__(self, dies: bool, calls: list):
+        self.dies, self.calls = dies, calls
+
+    def rollout(self, rows, sampling, step):
         import ray
 
-        def rollout(rows, sampling, step):
-            calls.append((self, "rollout", [r["prompt_uid"] for r in rows], step))
-            if dies:
-                return InlineRef(error=ray.exceptions.ActorDiedError())
-            return InlineRef(
-                ([Trajectory([1], [2], [1], [0.0], prompt_uid=r["prompt_uid"]) for r in rows], {})
-            )
+        self.calls.append((self, "rollout", [r["prompt_uid"] for r in rows], step))
+        if self.dies:
+            raise ray.exceptions.ActorDiedError()
+        return [Trajectory([1], [2], [1], [0.0], prompt_uid=r["prompt_uid"]) for r in rows], {}
 
-        self.rollout = SimpleNamespace(remote=rollout)
-        self.ping = SimpleNamespace(remote=lambda: InlineRef(True))
-        self.update_weights = SimpleNamespace(
-            remote=lambda w: calls.append((self, "update", w)) or InlineRef(1)
-        )
+    def ping(self):
+        return True
+
+    def update_weights(self, w):
+        self.calls.append((self, "update", w))
+        return 1
 
 
 @pytest.mark.parametrize(
@@ -406,25 +398,18 @@ class FakeRolloutActor:
 def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_rerun(
     monkeypatch, replacements_die, budget
 ):
-    import sys
-
-    import ray
-
-    monkeypatch.setitem(
-        sys.modules,
-        "ray",
-        SimpleNamespace(put=lambda x: ("ref", x), kill=lambda a: None, exceptions=ray.exceptions),
-    )
-    calls, started = [], []
+    calls, started, made = [], [], []
 
     def new_engine(i):
         started.append(FakeRolloutActor(len(started) < replacements_die, calls))
-        return started[-1]
+        made.append(handles.local(started[-1]))
+        return made[-1]
 
     engines = [FakeRolloutActor(False, calls), FakeRolloutActor(True, calls)]
     actor = SimpleNamespace(get_state_dict_for_engines=lambda: {"w": 7})
     cfg = config(max_engine_restarts=budget)
-    ctl = controller(cfg, 4, Groups(actor=actor, rollout=list(engines), new_engine=new_engine))
+    rollout = [handles.local(e) for e in engines]
+    ctl = controller(cfg, 4, Groups(actor=actor, rollout=list(rollout), new_engine=new_engine))
     ctl.sync.address = ("10.0.0.1", 29500)
     prompts = [Prompt(i, [1, 2], f"p{i}") for i in range(4)]
     if replacements_die or not budget:
@@ -449,9 +434,9 @@ def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_reru
     trajs, _ = ctl.rollout.generate(prompts, step=5)
     assert [t.prompt_uid for t in trajs] == [0, 1, 2, 3]  # engine order kept
     (new,) = started
-    assert ctl.groups.rollout == [engines[0], new] and ctl.rollout.engine_restarts == 1
+    assert ctl.groups.rollout == [rollout[0], made[0]] and ctl.rollout.engine_restarts == 1
     # the new engine loads the policy's weights before it takes the dead one's prompts, with the same step (seeds)
-    assert [c[1:] for c in calls if c[0] is new] == [("update", ("ref", {"w": 7})), ("rollout", [2, 3], 5)]
+    assert [c[1:] for c in calls if c[0] is new] == [("update", {"w": 7}), ("rollout", [2, 3], 5)]
     assert [c[2:] for c in calls if c[0] is engines[1]] == [([2, 3], 5)]
     assert ctl.sync.address is None  # the next sync builds a new group: the old one has a dead rank
 

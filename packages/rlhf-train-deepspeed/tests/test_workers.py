@@ -302,9 +302,9 @@ def test_weights_reach_an_engine_through_the_sync_group(groups, tiny_llama):
         addr, port, rank=1, world_size=2, timeout_s=60
     )  # this test plays the engine
     got = dict(engine_side.receive())
-    import ray
+    from rlhf_core.handles import wait
 
-    assert ray.get(refs)[0] == len(want)
+    assert wait(refs)[0] == len(want)
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     engine_side.close()
@@ -345,9 +345,9 @@ def test_an_engine_hosted_in_each_rank_gets_its_weights_in_process(groups, tiny_
     request = GenerationRequest(prompt, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
 
     def gaps() -> list[float]:
-        import ray
+        from rlhf_core.handles import wait
 
-        outs = [o for out in ray.get([e.generate.remote([request]) for e in engines]) for o in out[0]]
+        outs = [o for out in wait([e.generate([request]) for e in engines]) for o in out[0]]
         batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
         (trainer,) = group.compute_logprobs([batch])
         return [
@@ -656,11 +656,11 @@ def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained
     hosted in each rank (in-process copy) and one loaded from the path (the object-store path) then give the
     trainer's log-probs to 1e-5 (fp32: W0 + B @ A merged vs. peft's extra matmuls, ~1e-6 apart), and
     `rlhf lora-merge` of the exported adapter gives a model whose log-probs are the engine's to 1e-5."""
-    import ray
     from transformers import AutoModelForCausalLM
 
     from rlhf_cli.lora_merge import merge_lora
     from rlhf_core.config import LoraConfig
+    from rlhf_core.handles import wait
     from rlhf_core.rollout.hf_engine import HFEngine
     from rlhf_core.testing.engines import forward_logprobs
     from rlhf_core.types import GenerationRequest, SamplingParams
@@ -686,9 +686,7 @@ def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained
         assert all(n.endswith((".lora_A", ".lora_B")) for n in sent) and len(sent) == 2 * 3 * 2
         assert sum(t.numel() * t.element_size() for t in sent.values()) == adapter_bytes < base_bytes / 10
         engine.update_weights(sent)
-        outs = engine.generate([request])[0] + [
-            o for e in hosted for o in ray.get(e.generate.remote([request]))[0]
-        ]
+        outs = engine.generate([request])[0] + [o for e in hosted for o in wait(e.generate([request]))[0]]
         batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
         (trainer,) = group.compute_logprobs([batch])
         for i, o in enumerate(outs):

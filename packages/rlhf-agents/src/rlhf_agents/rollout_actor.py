@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
 import threading
@@ -11,25 +10,10 @@ from typing import Any
 
 import torch
 
+from rlhf_core import handles
 from rlhf_core.errors import UserError
 from rlhf_core.memory import keep_freed_memory
-from rlhf_core.rollout.async_engine import AsyncEngine
 from rlhf_core.types import SamplingParams, Trajectory
-
-
-class OneThreadEngine(AsyncEngine):
-    """An ``AsyncEngine`` whose batched ``generate`` calls all run on ``thread`` (one worker), the thread
-    that also built the engine and loads its weights; with ``thread`` None, on the event loop's own thread
-    (blocking the loop while it decodes)."""
-
-    def __init__(self, engine: Any, thread: ThreadPoolExecutor | None):
-        super().__init__(engine)
-        self.thread = thread
-
-    async def _call(self, requests):
-        if self.thread is None:
-            return self.engine.generate(requests)
-        return await asyncio.get_running_loop().run_in_executor(self.thread, self.engine.generate, requests)
 
 
 class RolloutActor:
@@ -66,8 +50,13 @@ class RolloutActor:
         if not torch.cuda.is_available():  # a CPU engine frees and reallocates its KV cache every batch
             keep_freed_memory()
         self.engine = self._on_engine_thread(factory.create, cfg, index=index)
-        wrap = self.engine_thread is not None or hosted
-        engine = OneThreadEngine(self.engine, self.engine_thread) if wrap else self.engine
+        # batched generate calls: on the engine's thread, which built it and loads its weights; hosted, on the
+        # rank's own thread (blocking the event loop while it decodes); else the worker runs them on threads
+        engine = self.engine
+        if self.engine_thread is not None:
+            engine = handles.threaded(self.engine, self.engine_thread)
+        elif hosted:
+            engine = handles.local(self.engine)
         self.tokenizer = load_tokenizer(cfg.actor.model_name_or_path, cfg.data)
         # The driver checked the agent and reward files, but here they are imported again and the executor is
         # built (on another machine, perhaps). Ray turns an error in __init__ into text holding the worker's
@@ -156,8 +145,9 @@ class RolloutActor:
 class RewardModelWorkers:
     """The reward-model worker group as rlhf-agents' reward-model source sees it: ids in, floats out. The
     driver runs it as a Ray actor on its own node, because the group handle it holds belongs to the train
-    backend's package, which an inference node does not install; rollout actors reach it through
-    :class:`RemoteRewardModel`. One actor also keeps the engines' calls from interleaving on the ranks."""
+    backend's package, which an inference node does not install; rollout actors reach it through its handle
+    (``rlhf_core.handles``), whose futures the reward source awaits. One actor also keeps the engines' calls
+    from interleaving on the ranks."""
 
     def __init__(self, group, pad_token_id: int, micro_batch_size: int):
         self.group, self.pad, self.micro = group, pad_token_id, micro_batch_size
@@ -169,15 +159,3 @@ class RewardModelWorkers:
         chunks = [sequences[i : i + self.micro] for i in range(0, len(sequences), self.micro)]
         batches = [make_sequence_batch([s[:1] for s in c], [s[1:] for s in c], self.pad) for c in chunks]
         return [float(r) for rewards in self.group.compute_rewards(batches) for r in rewards]
-
-
-class RemoteRewardModel:
-    """A :class:`RewardModelWorkers` actor, called like the object itself (what the rollout actors get)."""
-
-    def __init__(self, actor: Any):
-        self.actor = actor
-
-    def compute_rewards(self, sequences: list[list[int]]) -> list[float]:
-        import ray
-
-        return ray.get(self.actor.compute_rewards.remote(sequences))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_cli.placement import ROLE_ORDER, plan_pools, roles_in_actor, strategy_name
-from rlhf_core import inline, plugins
+from rlhf_core import handles, plugins
 from rlhf_core.config import (
     RewardConfig,
     distills_only,
@@ -628,7 +628,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     hosts_roles = getattr(
         backend, "hosts_roles", False
     )  # the optional part of the training contract (TrainGroup)
-    can_single = inline.single_process(cfg, 1, getattr(backend, "single_process", False))
+    can_single = handles.single_process(cfg, 1, getattr(backend, "single_process", False))
     if (
         not gpus
         and strategy_name(cfg) == "separate"
@@ -714,7 +714,7 @@ def _resolve_zero_stage(asm: Assembly, group_ranks: list[int]) -> None:
 
 def _single_process(cfg, processes: int, backend) -> bool:
     try:
-        return inline.single_process(cfg, processes, getattr(backend, "single_process", False))
+        return handles.single_process(cfg, processes, getattr(backend, "single_process", False))
     except ValueError as exc:
         raise RunConfigError(str(exc)) from None
 

@@ -483,10 +483,9 @@ class Progress:
 
 def generate_samples(plan: Plan, todo: list[dict]) -> None:
     """Share ``todo`` out to the Ray workers, a micro-batch at a time, appending answers as they come."""
-    import ray
-
     from rlhf_cli.ray_launch import init_ray
     from rlhf_cli.rl.run import cpu_threads
+    from rlhf_core import handles
 
     cfg = plan.cfg
     workers_n = min(cfg.vllm.num_engines, max(1, len(todo)))
@@ -494,23 +493,26 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     import torch
 
     gpus = cfg.vllm.tensor_parallel_size if (plan.engine is not None and torch.cuda.is_available()) else 0
-    actor = ray.remote(GenerationWorker).options(num_cpus=1, num_gpus=gpus)
-    workers = [actor.remote(cfg, plan.engine, k, cpu_threads(workers_n)) for k in range(workers_n)]
+    options = {"num_cpus": 1, "num_gpus": gpus}
+    workers = [
+        handles.ray_actor(GenerationWorker, cfg, plan.engine, k, cpu_threads(workers_n), options=options)
+        for k in range(workers_n)
+    ]
     size = cfg.rollout.micro_batch_size
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
     progress = Progress(len(plan.prompts), len(plan.prompts) - len(todo))
-    pending: dict[Any, tuple[int, list[dict]]] = {}  # object ref -> (worker, its micro-batch)
+    pending: dict[handles.Future, tuple[int, list[dict]]] = {}  # call -> (worker, its micro-batch)
     next_chunk, written = 0, 0
     try:
         while next_chunk < len(chunks) or pending:
             busy = {k for k, _ in pending.values()}
             for k, w in enumerate(workers):
                 if next_chunk < len(chunks) and k not in busy:
-                    pending[w.run.remote(chunks[next_chunk])] = (k, chunks[next_chunk])
+                    pending[w.run(chunks[next_chunk])] = (k, chunks[next_chunk])
                     next_chunk += 1
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            _, chunk = pending.pop(ref)
-            records = ray.get(ref)
+            done = handles.first_done(list(pending))
+            _, chunk = pending.pop(done)
+            records = handles.wait(done)
             if plan.reward is not None and all(rec["reward"] is None for rec in records):
                 raise GenerateError(
                     f"the reward source ({plan.reward}) could not score any sample of a micro-batch; "
@@ -522,7 +524,7 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
             progress.update(records, len(chunk))
     finally:
         for w in workers:
-            ray.kill(w)
+            handles.kill(w)
 
 
 def read_samples(path: Path) -> list[dict]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rlhf_cli import reaper
 from rlhf_core import console
@@ -102,3 +102,8 @@ def worker_options(
             placement_group=pool.group, placement_group_bundle_index=bundle
         ),
     }
+
+
+def this_node() -> NodeAffinitySchedulingStrategy:
+    """Ray actor option ``scheduling_strategy``: on the node of this process (the driver)."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

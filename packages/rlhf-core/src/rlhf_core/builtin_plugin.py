@@ -8,8 +8,8 @@ from rlhf_core import hookimpl
 
 
 class HFEngineFactory:
-    """The ``hf`` rollout engine (:class:`rlhf_core.rollout.hf_engine.HFEngine`); a caller that wants a Ray
-    actor does ``ray.remote(factory.engine_class()).remote(**factory.engine_kwargs(cfg))``."""
+    """The ``hf`` rollout engine (:class:`rlhf_core.rollout.hf_engine.HFEngine`); a caller that wants it in a
+    Ray actor does ``rlhf_core.handles.ray_actor(factory.engine_class(), **factory.engine_kwargs(cfg))``."""
 
     def available(self) -> str | None:
         return None  # transformers and torch are rlhf-core dependencies

@@ -20,6 +20,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from rlhf_core.handles import Future
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -505,7 +507,7 @@ class TrainBackend(Protocol):
     (False: return while the ranks still start, see ``TrainGroup.wait_ready``), for a backend with
     ``hosts_roles = True`` also ``with_ref`` (the actor's ranks hold the reference model too), and for one
     with ``single_process = True`` also ``inline_rank`` (the group's one rank lives in the driver's process,
-    no Ray, ``pool`` None; its actor is an ``rlhf_core.inline.InlineActor``).
+    no Ray, ``pool`` None; its rank's handle is ``rlhf_core.handles.local``).
     ``run_trainer(mode, cfg)`` runs ``sft``, ``rm``, ``dpo``, ``kto``, ``prm`` or ``kd``.
     ``rlhf_core.testing.TrainBackendConformance`` checks a backend against this contract.
     """
@@ -522,33 +524,34 @@ class TrainGroup(Protocol):
     """The handle of one role's training ranks: what the RL controller calls (``rlhf_cli.rl.controller``).
 
     Arguments and results are the plain data of :mod:`rlhf_core.batches` (CPU tensors). Micro-batches are
-    split over the data-parallel ranks in contiguous shares; results come back in the order given. A rank
-    that dies surfaces as ``ray.exceptions.RayActorError`` from the call.
+    split over the data-parallel ranks in contiguous shares; results come back in the order given. Calls that
+    run on while the driver goes on return ``rlhf_core.handles.Future`` s, which ``rlhf_core.handles.wait``
+    waits for. A rank that dies surfaces as ``rlhf_core.handles.worker_died()`` from the call.
     """
 
     actors: list
-    """The Ray actor of each rank (the driver counts processes with it), or an ``rlhf_core.inline.InlineActor``."""
+    """The ``rlhf_core.handles.Handle`` of each rank (the driver counts processes with it)."""
     dp_size: int
     """Data-parallel ranks: micro-batches of one optimizer step are split this many ways."""
     ring_size: int
     """Ranks that share each micro-batch (sequence parallelism); 1 without it."""
 
-    def call_sharded_async(self, method: str, items: list, *args: Any) -> tuple[list, list[int]]:
+    def call_sharded_async(self, method: str, items: list, *args: Any) -> tuple[list[Future], list[int]]:
         """Start ``method`` over ``items`` split across the ranks; ``gather_sharded(*result)`` waits for the
         per-item results. Methods: ``compute_logprobs(batches, temperature, with_entropy)`` -> ``[B, T]``
         response log-probs of each ``SequenceBatch`` (zero past each row's end); ``compute_values(batches)``
         -> ``[B, T]`` values (critic)."""
 
-    def gather_sharded(self, refs: list, real: list[int]) -> list: ...
+    def gather_sharded(self, futures: list[Future], real: list[int]) -> list: ...
 
     def wait_ready(self) -> None:
         """Return once every rank is up (raising its set-up error): a no-op unless made with ``wait=False``."""
 
-    # Only with ``hosts_roles = True`` on the backend; the driver then places the reference model and
-    # HF engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
-    # ``host(name, cls, args)`` builds ``cls(*args[r])`` in rank ``r`` and returns handles that read like Ray
-    # actor handles, ``hosted_ref()`` is the reference group the ranks hold (``with_ref``), and
-    # ``push_weights_to_hosted(name)`` copies each rank's weights into what it hosts.
+    # Only with ``hosts_roles = True`` on the backend; the driver then places the reference model and HF
+    # engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
+    # ``host(name, cls, args)`` builds ``cls(*args[r])`` in rank ``r`` and returns their handles
+    # (``rlhf_core.handles.hosted``), ``hosted_ref()`` is the reference group the ranks hold (``with_ref``),
+    # and ``push_weights_to_hosted(name)`` copies each rank's weights into what it hosts.
 
     def compute_rewards(self, batches: list) -> list[torch.Tensor]:
         """Reward model: ``[B]`` rewards of each ``SequenceBatch``, read at each row's last token."""
@@ -576,9 +579,9 @@ class TrainGroup(Protocol):
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 600.0,
-    ) -> list:
+    ) -> list[Future]:
         """Start sending the weights as rank 0 of an ``rlhf_core.weight_sync`` group whose other ranks are
-        the engines; returns Ray refs to wait on. The first call joins the group; the engines stay in it, so
+        the engines; returns futures to wait on. The first call joins the group; the engines stay in it, so
         later calls with the same address send through the same group, and a call with another address (after
         an engine was replaced) closes it and joins a new one."""
 

@@ -59,8 +59,9 @@ def cpu_kv_cache_bytes(
 
 class VLLMEngineFactory:
     """The ``vllm`` rollout engine (:class:`rlhf_rollout_vllm.engine.VLLMEngine`).
-    ``create(cfg, index=0, **overrides)`` builds one in this process; a caller that wants a Ray actor does
-    ``ray.remote(num_gpus=tp)(factory.engine_class()).remote(**factory.engine_kwargs(cfg, index))``."""
+    ``create(cfg, index=0, **overrides)`` builds one in this process; a caller that wants it in a Ray actor
+    does ``rlhf_core.handles.ray_actor(cls, **factory.engine_kwargs(cfg, index), options={"num_gpus": tp})``
+    with ``cls = factory.engine_class()``."""
 
     def available(self) -> str | None:
         try:

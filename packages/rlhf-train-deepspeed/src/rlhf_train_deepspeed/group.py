@@ -1,5 +1,6 @@
-"""A group of N training ranks as Ray actors, and the handle that fans calls out to them. This package's
-README describes the set-up (no ``deepspeed`` launcher), the sharding of micro-batches and every method."""
+"""A group of N training ranks (Ray actors, or one rank in the driver's process: ``rlhf_core.handles``), and
+the handle that fans calls out to them. This package's README describes the set-up (no ``deepspeed``
+launcher), the sharding of micro-batches and every method."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 
 import torch
 
-from rlhf_core import inline
+from rlhf_core import handles
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
+from rlhf_core.handles import Future, Handle, wait
 from rlhf_train_deepspeed.strategy import StepResult, add_metrics
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWorker
 
@@ -33,30 +35,30 @@ class WorkerGroup:
     """Handle of one model's ranks. Build it with :func:`create_worker_group` (or the backend's
     ``create_group``)."""
 
-    def __init__(self, actors: list, role: str, spec: ModelSpec):
+    def __init__(self, actors: list[Handle], role: str, spec: ModelSpec):
         self.actors, self.role, self.spec, self.world_size = actors, role, spec, len(actors)
         self.ring_size = 1
         """Consecutive ranks ``[d*R, (d+1)*R)`` form ring group ``d`` and return the same results."""
         self.nonfinite_steps = 0
         """Steps skipped because a loss was not finite (on any rank)."""
-        self._starting: list = []
+        self._starting: list[Future] = []
         """Set-up calls still running (``create_worker_group(..., wait=False)``); see :meth:`wait_ready`."""
 
     # --- fan-out primitives ---
 
-    def call_async(self, method: str, *args, **kwargs) -> list:
-        """Call ``method`` with the same arguments on every rank; returns the Ray object refs."""
-        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+    def call_async(self, method: str, *args, **kwargs) -> list[Future]:
+        """Call ``method`` with the same arguments on every rank; returns a future per rank."""
+        return [getattr(a, method)(*args, **kwargs) for a in self.actors]
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank and wait; returns the per-rank results."""
-        return inline.get(self.call_async(method, *args, **kwargs))
+        return wait(self.call_async(method, *args, **kwargs))
 
     @property
     def dp_size(self) -> int:
         return self.world_size // self.ring_size
 
-    def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list, list[int]]:
+    def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list[Future], list[int]]:
         """Give ring group ``d`` (rank ``r`` without ring attention) the ``d``-th contiguous share of ``items``
         (as its first argument). Ranks with a shorter share get copies of their last item so that every rank
         runs the same number of forward passes (ZeRO-3 gathers are collective); those extra results, and
@@ -64,17 +66,17 @@ class WorkerGroup:
         if not items:
             raise ValueError(f"{method}: no micro-batches given")
         per = math.ceil(len(items) / self.dp_size)
-        refs, real = [], []
+        futures, real = [], []
         for r, actor in enumerate(self.actors):
             d = r // self.ring_size
             share = items[d * per : (d + 1) * per]
             real.append(len(share) if r % self.ring_size == 0 else 0)
             share = share + [share[-1] if share else items[-1]] * (per - len(share))
-            refs.append(getattr(actor, method).remote(share, *args, **kwargs))
-        return refs, real
+            futures.append(getattr(actor, method)(share, *args, **kwargs))
+        return futures, real
 
-    def gather_sharded(self, refs: list, real: list[int]) -> list:
-        return [x for res, n in zip(inline.get(refs), real, strict=True) for x in res[:n]]
+    def gather_sharded(self, futures: list[Future], real: list[int]) -> list:
+        return [x for res, n in zip(wait(futures), real, strict=True) for x in res[:n]]
 
     # --- forward-only ---
 
@@ -101,8 +103,8 @@ class WorkerGroup:
                 f"{method}: {len(micro_batches)} micro-batches cannot be split evenly over "
                 f"{self.dp_size} data-parallel ranks"
             )
-        refs, _ = self.call_sharded_async(method, micro_batches, *args, counts)  # even shares: no padding
-        metrics = merge_steps(inline.get(refs)[:: self.ring_size])  # one rank per ring group
+        futures, _ = self.call_sharded_async(method, micro_batches, *args, counts)  # even shares: no padding
+        metrics = merge_steps(wait(futures)[:: self.ring_size])  # one rank per ring group
         if metrics["skipped"]:
             self.nonfinite_steps += 1
         metrics["nonfinite_steps"] = float(self.nonfinite_steps)
@@ -159,7 +161,7 @@ class WorkerGroup:
         return self.call("get_state_dict_for_engines")[0]
 
     def weight_sync_address(self) -> tuple[str, int]:
-        return inline.get(self.actors[0].master_address.remote())
+        return wait(self.actors[0].master_address())
 
     def broadcast_weights_to_engines_async(
         self,
@@ -168,17 +170,17 @@ class WorkerGroup:
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 600.0,
-    ) -> list:
-        """``ray.get`` on the refs gives the tensor count on rank 0's entry."""
+    ) -> list[Future]:
+        """``wait`` on the futures gives the tensor count on rank 0's entry."""
         return self.call_async(
             "broadcast_weights_to_engines", master_addr, master_port, world_size, backend, timeout_s
         )
 
     def init_model(self, spec: ModelSpec, ds, seed: int = 42, full_determinism: bool = False) -> None:
         """(Re)load a model on every rank, replacing the current one (the process group is kept)."""
-        inline.get(self._init_model_async(spec, ds, seed, full_determinism))
+        wait(self._init_model_async(spec, ds, seed, full_determinism))
 
-    def _init_model_async(self, spec: ModelSpec, ds, seed: int, full_determinism: bool) -> list:
+    def _init_model_async(self, spec: ModelSpec, ds, seed: int, full_determinism: bool) -> list[Future]:
         self.spec = spec
         self.nonfinite_steps = 0
         self.ring_size = max(1, ds.ring_attn_size)
@@ -189,18 +191,18 @@ class WorkerGroup:
         GPUs until the driver ends."""
         starting, self._starting = self._starting, []
         try:
-            inline.get(starting)
+            wait(starting)
         except BaseException:
             self.shutdown()
             raise
 
-    def host(self, name: str, cls: type, args: list[tuple]) -> list[HostedHandle]:
+    def host(self, name: str, cls: type, args: list[tuple]) -> list[Handle]:
         if len(args) > self.world_size:
             raise ValueError(
                 f"{self.role}: cannot host {len(args)} {name!r} objects on {self.world_size} ranks"
             )
-        inline.get([a.host.remote(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
-        return [HostedHandle(a, name) for a in self.actors[: len(args)]]
+        wait([a.host(name, cls, *rank_args) for a, rank_args in zip(self.actors, args)])
+        return [handles.hosted(a, name) for a in self.actors[: len(args)]]
 
     def hosted_ref(self) -> HostedRef:
         if not self.spec.ref_path:
@@ -218,7 +220,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         for a in self.actors:
-            inline.kill(a)
+            handles.kill(a)
         self.actors = []
 
 
@@ -234,7 +236,7 @@ class HostedRef:
     def actors(self) -> list:
         return self.policy.actors
 
-    def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list, list[int]]:
+    def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list[Future], list[int]]:
         if method != "compute_logprobs":
             raise ValueError(f"a hosted reference model only computes log-probs, not {method!r}")
         return self.policy.call_sharded_async(method, items, *args, ref=True, **kwargs)
@@ -246,17 +248,6 @@ class HostedRef:
         """Sleeping, waking up and shutting down are the policy group's."""
 
     wake_up = shutdown = sleep
-
-
-class HostedHandle(inline.ActorLike):
-    """An object hosted in a rank's process (:meth:`WorkerGroup.host`): a call runs there, in turn with the
-    rank's own calls, and returns an ObjectRef. Killing the rank's actor ends it."""
-
-    def __init__(self, actor, name: str):
-        self.actor, self.name = actor, name
-
-    def _call(self, method: str, *args, **kwargs):
-        return self.actor.call_hosted.remote(self.name, method, *args, **kwargs)
 
 
 def create_worker_group(
@@ -291,14 +282,14 @@ def create_worker_group(
         ):  # as a Ray rank's environment says (DeepSpeed reads it once, on import)
             os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        actors = [inline.InlineActor(TrainWorker(0, 1, num_threads or os.cpu_count() or 1))]
+        actors = [handles.local(TrainWorker(0, 1, num_threads or os.cpu_count() or 1))]
     else:
         actors = _ray_ranks(
             num_workers, pool, bundle_indices, num_gpus_per_worker, num_cpus_per_worker, num_threads
         )
-    address = actors[0].master_address.remote()  # Ray hands each rank the value once rank 0 gave it
+    address = actors[0].master_address()  # each rank gets the value once rank 0 gave it
     group = WorkerGroup(actors, role, spec)
-    group._starting = [a.init_distributed.remote(address) for a in actors]
+    group._starting = [a.init_distributed(address) for a in actors]
     group._starting += group._init_model_async(spec, ds, seed, full_determinism)
     if wait:
         group.wait_ready()
@@ -312,7 +303,7 @@ def _ray_ranks(
     num_gpus_per_worker: float | None,
     num_cpus_per_worker: float,
     num_threads: int | None,
-) -> list:
+) -> list[Handle]:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -332,7 +323,6 @@ def _ray_ranks(
         max(1, int(num_cpus_per_worker)) if gpus else max(1, (os.cpu_count() or 1) // num_workers)
     )
     env["OMP_NUM_THREADS"] = str(threads)
-    actor_cls = ray.remote(TrainWorker)
     actors = []
     for r in range(num_workers):
         options: dict[str, Any] = {
@@ -344,5 +334,5 @@ def _ray_ranks(
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pool, placement_group_bundle_index=bundle_indices[r] if bundle_indices else r
             )
-        actors.append(actor_cls.options(**options).remote(r, num_workers, threads))
+        actors.append(handles.ray_actor(TrainWorker, r, num_workers, threads, options=options))
     return actors

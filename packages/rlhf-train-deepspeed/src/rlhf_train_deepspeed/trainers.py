@@ -16,7 +16,7 @@ from rlhf_core.checkpoint import CheckpointManager, fault_point
 from rlhf_core.config_parser import shown_config
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
 from rlhf_core.errors import UserError
-from rlhf_core.inline import single_process
+from rlhf_core.handles import single_process
 from rlhf_core.rundir import MetricsWriter
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed

@@ -242,7 +242,7 @@ class TrainWorker:
 
     def close(self) -> None:
         """Drop the models, optimizer and hosted objects and give back the environment and thread count: the end
-        of a rank that lives in the driver's process (a single-process run, ``rlhf_core.inline``), where no
+        of a rank that lives in the driver's process (a single-process run, ``rlhf_core.handles.local``), where no
         process exit does it, including the process group (a later rank in this process joins a new one)."""
         self.model = self.learner = None
         self._hosted.clear()

@@ -10,7 +10,7 @@ import time
 from rlhf_algos.kl import make_kl_controller
 from rlhf_cli.rl.evaluation import Evaluation
 from rlhf_cli.rl.experience import ExperienceMaker
-from rlhf_cli.rl.groups import Groups, RLRunError, get
+from rlhf_cli.rl.groups import Groups, RLRunError, wait_for
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_cli.rl.rollout import Batch, Rollout, WaitingGroup
 from rlhf_cli.rl.schedule import BatchSchedule
@@ -71,11 +71,11 @@ class RLController:
         exp = self.experience.make(batch.trajectories, self.kl_ctl.value)
         t1 = time.perf_counter()
         if sleep_engines:
-            get([a.sleep.remote() for a in self.groups.rollout], "rollout")
+            wait_for([a.sleep() for a in self.groups.rollout], "rollout")
         train_metrics = self.policy.train(exp, self.step, self.kl_ctl.value)
         t2 = time.perf_counter()
         if sleep_engines:
-            get([a.wake_up.remote() for a in self.groups.rollout], "rollout")
+            wait_for([a.wake_up() for a in self.groups.rollout], "rollout")
         waited = time.perf_counter()
         if not self.cfg.train.partial_rollout_enable:  # the batches due from the weights before this step's
             self.schedule.wait_generated(self.step + self.cfg.train.async_queue_size)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_core import inline
 from rlhf_core.errors import UserError
+from rlhf_core.handles import Future, Handle, wait, worker_died
 from rlhf_core.types import TrainGroup
 
 
@@ -19,16 +18,16 @@ class RLRunError(UserError, RuntimeError):
 
 @dataclass
 class Groups:
-    """The Ray worker groups of a run (None where the run does not need the role)."""
+    """The worker groups of a run (None where the run does not need the role)."""
 
     actor: TrainGroup
-    rollout: list  # RolloutActor handles
+    rollout: list[Handle]  # of RolloutActors
     ref: TrainGroup | None = None
     critic: TrainGroup | None = None
     reward: TrainGroup | None = None
     rollout_in_actor: bool = False
     """Engine ``i`` lives in actor rank ``i``'s process (``rlhf_cli.placement.roles_in_actor``)."""
-    new_engine: Callable[[int], Any] | None = None
+    new_engine: Callable[[int], Handle] | None = None
     """Starts a fresh engine actor ``i`` on engine ``i``'s placement, to replace a dead one; None where an engine
     cannot be replaced (hosted in a rank, or no Ray)."""
 
@@ -37,23 +36,17 @@ class Groups:
         return [g for g in (self.actor, self.critic, self.ref) if g is not None]
 
 
-def worker_died() -> type[BaseException] | tuple:
-    """Ray's error for a dead worker, to catch; nothing where Ray was never imported (a single-process run,
-    whose workers live in this process, imports no Ray: the GPU image may not have it)."""
-    ray = sys.modules.get("ray")
-    return ray.exceptions.RayActorError if ray is not None else ()
-
-
 @contextmanager
 def dead_worker_reported(message: str):
-    """Re-raise Ray's error for a dead worker as :class:`RLRunError` ``"{message}: {Ray's error}"``."""
+    """Re-raise the error of a dead worker (``rlhf_core.handles.worker_died``) as :class:`RLRunError`
+    ``"{message}: {Ray's error}"``."""
     try:
         yield
     except worker_died() as exc:
         raise RLRunError(f"{message}: {exc}") from exc
 
 
-def get(refs, role: str):
-    """``ray.get`` that names the role whose worker died."""
+def wait_for(futures: Future | list[Future], role: str) -> Any:
+    """``rlhf_core.handles.wait`` that names the role whose worker died."""
     with dead_worker_reported(f"a {role} worker died"):
-        return inline.get(refs)
+        return wait(futures)

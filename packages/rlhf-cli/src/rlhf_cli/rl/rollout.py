@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf_algos.shaping import dynamic_filter
-from rlhf_cli.rl.groups import Groups, RLRunError, get, worker_died
+from rlhf_cli.rl.groups import Groups, RLRunError, wait_for
 from rlhf_cli.rl.prompts import Prompt, PromptStream
 from rlhf_cli.rl.sync import WeightSync
-from rlhf_core import inline
+from rlhf_core.handles import Handle, kill, wait, worker_died
 from rlhf_core.types import SamplingParams, Trajectory, derive_seed
 
 
@@ -89,23 +89,23 @@ class Rollout:
         chunks = {
             i: rows[i * per : (i + 1) * per] for i in range(len(actors)) if rows[i * per : (i + 1) * per]
         }
-        refs = {i: actors[i].rollout.remote(chunk, sampling, seed_step) for i, chunk in chunks.items()}
+        futures = {i: actors[i].rollout(chunk, sampling, seed_step) for i, chunk in chunks.items()}
         results = []
         for i, chunk in chunks.items():
             while True:
                 try:
-                    results.append(inline.get(refs[i]))
+                    results.append(wait(futures[i]))
                     break
                 except worker_died() as exc:
                     # the samples' seeds depend on the step, prompt and sample index only: the replacement
                     # draws the same samples from the same weights
-                    refs[i] = self._replace_engine(i, exc).rollout.remote(chunk, sampling, seed_step)
+                    futures[i] = self._replace_engine(i, exc).rollout(chunk, sampling, seed_step)
         keys = dict.fromkeys(k for _, m in results for k in m)  # the engines' metrics, averaged over them
         return [t for ts, _ in results for t in ts], {
             k: sum(m.get(k, 0.0) / len(results) for _, m in results) for k in keys
         }
 
-    def _replace_engine(self, i: int, exc: BaseException):
+    def _replace_engine(self, i: int, exc: BaseException) -> Handle:
         """A new engine ``i`` in place of the dead one, holding the current policy weights. Raises
         :class:`RLRunError` when the engine cannot be replaced or ``--rollout.max_engine_restarts`` is spent."""
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -127,9 +127,9 @@ class Rollout:
             f"--rollout.max_engine_restarts {self.max_engine_restarts})",
             file=sys.stderr,
         )
-        inline.kill(self.groups.rollout[i])  # whatever is left of it
+        kill(self.groups.rollout[i])  # whatever is left of it
         engine = self.groups.new_engine(i)
-        get(engine.ping.remote(), "new rollout")
+        wait_for(engine.ping(), "new rollout")
         self.sync.to_new_engine(engine, self.trainers_asleep)
         self.groups.rollout[i] = engine
         return engine

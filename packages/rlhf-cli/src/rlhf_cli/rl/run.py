@@ -17,7 +17,8 @@ from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.rl.controller import Groups, RLController
 from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
-from rlhf_core import inline
+from rlhf_core import handles
+from rlhf_core.handles import wait
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.vision import ImageProcessing
 
@@ -76,23 +77,21 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
     if "ref" in asm.in_actor:
         made["ref"] = made["actor"].hosted_ref()
     (rollout_spec,) = [g for g in asm.plan.groups if g.role == "rollout"]
-    from rlhf_agents.rollout_actor import RemoteRewardModel, RewardModelWorkers, RolloutActor
+    from rlhf_agents.rollout_actor import RewardModelWorkers, RolloutActor
 
     reward_model = None
-    if (
-        "reward" in made
-    ):  # on the driver's node, which has the train backend installed (inference nodes need not)
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    if "reward" in made:
+        # on the driver's node, which has the train backend installed (inference nodes need not)
+        from rlhf_cli.ray_launch import this_node
 
         made["reward"].wait_ready()
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        server = (
-            ray.remote(RewardModelWorkers)
-            .options(num_cpus=0, scheduling_strategy=here)
-            .remote(made["reward"], pad_token_id, cfg.rollout.micro_batch_size)
+        reward_model = handles.ray_actor(
+            RewardModelWorkers,
+            made["reward"],
+            pad_token_id,
+            cfg.rollout.micro_batch_size,
+            options={"num_cpus": 0, "scheduling_strategy": this_node()},
         )
-        reward_model = RemoteRewardModel(server)
 
     engine = choose_engine(cfg, get_plugin_manager())
     new_engine = None
@@ -103,11 +102,8 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
             [(cfg, engine, i, reward_model, None, True) for i in range(rollout_spec.num_workers)],
         )
     else:
-        import ray
-
         from rlhf_cli.ray_launch import worker_options
 
-        actor_cls = ray.remote(RolloutActor)
         # partial rollout: weights may land while a generation is running (a second concurrent call)
         concurrency = 2 if cfg.train.partial_rollout_enable else 1
         width = cfg.vllm.tensor_parallel_size if engine == "vllm" else 1  # bundles (GPUs) per engine
@@ -118,18 +114,25 @@ def build_groups(asm: Assembly, pools, total_steps: int, pad_token_id: int) -> G
             else None
         )
 
-        def new_engine(i: int):  # engine i on its own bundles: at start, and to replace a dead one
-            return actor_cls.options(
-                **worker_options(rollout_spec, pools[rollout_spec.pool], i, width),
-                max_concurrency=concurrency,
-            ).remote(cfg, engine, i, reward_model, threads)
+        def new_engine(i: int) -> handles.Handle:
+            """Engine ``i`` on its own bundles: at start, and to replace a dead one."""
+            options = worker_options(rollout_spec, pools[rollout_spec.pool], i, width)
+            return handles.ray_actor(
+                RolloutActor,
+                cfg,
+                engine,
+                i,
+                reward_model,
+                threads,
+                options={**options, "max_concurrency": concurrency},
+            )
 
         rollout = [new_engine(i) for i in range(rollout_spec.num_workers)]
     for role, group in made.items():
         if role not in asm.in_actor:
             group.wait_ready()
-    inline.get([a.ping.remote() for a in rollout])
-    places = inline.get([a.where.remote() for a in rollout])
+    wait([a.ping() for a in rollout])
+    places = wait([a.where() for a in rollout])
     for place in sorted(set(places)):
         print(f"rlhf: {places.count(place)} rollout engine(s) on {place}", file=sys.stderr)
     return Groups(
@@ -245,9 +248,8 @@ def run_rl(asm: Assembly) -> None:
             for g in (groups.actor, groups.ref, groups.critic, groups.reward):
                 if g is not None:
                     g.shutdown()
-            if not groups.rollout_in_actor:  # else they end with the actor's ranks
-                for a in groups.rollout:
-                    inline.kill(a)
+            for a in groups.rollout:  # an engine hosted in a rank ends with the rank
+                handles.kill(a)
         if not asm.single_process:  # ray and remove_pools were imported above
             remove_pools(pools)
             if own_ray:

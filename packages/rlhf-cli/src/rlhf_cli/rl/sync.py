@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_cli.rl.groups import Groups, dead_worker_reported, get
-from rlhf_core import inline
+from rlhf_cli.rl.groups import Groups, dead_worker_reported, wait_for
+from rlhf_core.handles import share, wait
 
 
 class WeightSync:
     """Broadcasts the policy's weights from its rank 0 through a torch.distributed group that the engines join
     themselves (gloo on CPU, NCCL on GPU; one rank per tensor-parallel worker; ZeRO-3 parameters gathered
-    bucket by bucket), or through Ray's object store with ``--vllm.sync_with_ray`` or an engine that cannot
-    join a group. A stalled sync raises after ``--vllm.sync_timeout``. Engines that live in the actor ranks'
-    processes get an in-process copy."""
+    bucket by bucket), or through the object store (``rlhf_core.handles.share``) with ``--vllm.sync_with_ray``
+    or an engine that cannot join a group. A stalled sync raises after ``--vllm.sync_timeout``. Engines that
+    live in the actor ranks' processes get an in-process copy."""
 
     def __init__(self, cfg, groups: Groups):
         self.cfg = cfg
@@ -31,8 +31,6 @@ class WeightSync:
                 self.groups.actor.push_weights_to_hosted("rollout")
             self.policy_version += 1
             return
-        import ray
-
         if self._ranks is None:
             # NCCL cannot join two processes on one GPU: an engine colocated with the ranks on GPUs (vLLM) takes
             # the object store (CUDA IPC would avoid the copy through host memory; untested, see docs/gpu.md)
@@ -40,11 +38,11 @@ class WeightSync:
             self._ranks = (
                 [0] * len(engines)
                 if self.cfg.vllm.sync_with_ray or same_gpu
-                else get([a.weight_sync_ranks.remote() for a in engines], "rollout")
+                else wait_for([a.weight_sync_ranks() for a in engines], "rollout")
             )
         if not all(self._ranks):
-            ref = ray.put(self.groups.actor.get_state_dict_for_engines())
-            get([a.update_weights.remote(ref) for a in engines], "rollout")
+            weights = share(self.groups.actor.get_state_dict_for_engines())
+            wait_for([a.update_weights(weights) for a in engines], "rollout")
         else:
             backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
             world, timeout = 1 + sum(self._ranks), self.cfg.vllm.sync_timeout
@@ -52,7 +50,7 @@ class WeightSync:
             if self.address is None:  # engine i's ranks follow those of engines 0..i-1
                 addr, port = self.address = self.groups.actor.weight_sync_address()
                 joins = [
-                    a.init_weight_sync.remote(
+                    a.init_weight_sync(
                         master_addr=addr,
                         master_port=port,
                         world_size=world,
@@ -63,22 +61,20 @@ class WeightSync:
                     for i, a in enumerate(engines)
                 ]
             addr, port = self.address
-            receives = [a.receive_weights.remote() for a in engines]
+            receives = [a.receive_weights() for a in engines]
             sends = self.groups.actor.broadcast_weights_to_engines_async(addr, port, world, backend, timeout)
-            get(joins + receives, "rollout")
+            wait_for(joins + receives, "rollout")
             with dead_worker_reported("a policy worker died during the weight sync"):
-                inline.get(sends)
+                wait(sends)
         self.policy_version += 1
 
     def to_new_engine(self, engine, trainers_asleep: bool) -> None:
         """The current policy weights to a new engine that replaces a dead one, through the object store; the
         next sync builds a new broadcast group, since the old one has a dead rank."""
-        import ray
-
         if trainers_asleep:  # their ZeRO-3 state is off the GPU: gather the weights from it awake
             self.groups.actor.wake_up()
-        weights = ray.put(self.groups.actor.get_state_dict_for_engines())
+        weights = share(self.groups.actor.get_state_dict_for_engines())
         if trainers_asleep:
             self.groups.actor.sleep()
-        get(engine.update_weights.remote(weights), "new rollout")
+        wait_for(engine.update_weights(weights), "new rollout")
         self.address = None

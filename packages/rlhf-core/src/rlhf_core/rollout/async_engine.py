@@ -16,15 +16,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from rlhf_core.handles import as_handle
 from rlhf_core.types import GenerationOutput, GenerationRequest
 
 
 class AsyncEngine:
-    """Wraps an engine (its ``generate`` runs in a worker thread) or a Ray actor handle of one (its
-    ``generate.remote`` is awaited). ``max_batch_requests`` caps the requests per call (None: no cap)."""
+    """Wraps an engine: a ``rlhf_core.handles.Handle`` of one, wherever it lives (its futures are awaited), or
+    the engine itself (its ``generate`` then runs in a worker thread). ``max_batch_requests`` caps the
+    requests per call (None: no cap)."""
 
     def __init__(self, engine: Any, max_batch_requests: int | None = None):
-        self.engine = engine
+        self.engine = as_handle(engine)
         self.max_batch_requests = max_batch_requests
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
@@ -48,7 +50,7 @@ class AsyncEngine:
                 continue
             self.calls += 1
             try:
-                outputs = await self._call([req for req, _ in batch])
+                outputs = await self.engine.generate([req for req, _ in batch])
                 if len(outputs) != len(batch):
                     raise RuntimeError(
                         f"the engine returned {len(outputs)} results for {len(batch)} requests"
@@ -61,8 +63,3 @@ class AsyncEngine:
             for (_, fut), out in zip(batch, outputs, strict=True):
                 if not fut.done():
                     fut.set_result(out)
-
-    async def _call(self, requests: list[GenerationRequest]) -> list[list[GenerationOutput]]:
-        if (remote := getattr(self.engine.generate, "remote", None)) is not None:
-            return await remote(requests)  # a Ray ObjectRef is awaitable
-        return await asyncio.to_thread(self.engine.generate, requests)

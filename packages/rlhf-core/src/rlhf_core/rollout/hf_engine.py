@@ -1,6 +1,7 @@
-"""The built-in rollout engine: batched sampling with a transformers model and a KV cache; it runs as a Ray
-actor unchanged (``ray.remote(HFEngine).remote(path)``). Instead of ``model.generate``: one prefill of the
-left-padded prompts, then one forward per token (sampling on the device: :mod:`rlhf_core.rollout.sampling`).
+"""The built-in rollout engine: batched sampling with a transformers model and a KV cache; it runs in a Ray
+actor unchanged (``rlhf_core.handles.ray_actor(HFEngine, path)``). Instead of ``model.generate``: one
+prefill of the left-padded prompts, then one forward per token (sampling on the device:
+:mod:`rlhf_core.rollout.sampling`).
 Which models decode from the weights directly (:func:`~rlhf_core.rollout.decode.decode_token`), and images:
 rlhf-core's README. Other architectures (sliding windows, hybrid or linear attention) and vision-language models
 take a generic path with transformers' ``DynamicCache``: the same results, slower. The decode loop is

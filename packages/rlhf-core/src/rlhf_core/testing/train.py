@@ -143,8 +143,7 @@ class TrainBackendConformance:
 
     def test_the_weight_broadcast_delivers_the_reported_weights_each_step(self, group):
         """The engines join the broadcast group once; every later sync reuses it, as the controller does."""
-        import ray
-
+        from rlhf_core.handles import wait
         from rlhf_core.weight_sync import init_sync_group
 
         addr, port = group.weight_sync_address()
@@ -164,7 +163,7 @@ class TrainBackendConformance:
                 sends = group.broadcast_weights_to_engines_async(addr, port, 2, "gloo", 60.0)
                 thread = threading.Thread(target=receive)
                 thread.start()
-                ray.get(sends)
+                wait(sends)
                 thread.join(60)
                 got = received[sync_round] if len(received) > sync_round else {}
                 assert set(got) == set(want), f"sync {sync_round + 1}: names differ"

@@ -1,18 +1,25 @@
 """Tool-call parsers, one per model family: each family's chat template (the tool-call part of the model's
 published template, written here since no tokenizer can be had offline) renders an assistant turn with tool
 calls, and the family's parser, picked from the template, reads the same calls back out of that text; then a
-tiny policy that memorised each family's call round-trips it through the endpoint."""
+tiny policy that memorised each family's call round-trips it through the endpoint, and a thinking template's
+reply comes back as `reasoning_content`."""
 
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
+import torch
 
+from rlhf_agents import OpenAIServerAgentExecutor, RolloutWorker
 from rlhf_agents.openai_server import pick_tool_parser
 from rlhf_agents.tool_parsers import BUILTIN, Harmony, parser_for_template, split_reasoning
 from rlhf_core import hookimpl
 from rlhf_core.plugins import collect, get_plugin_manager
+from rlhf_core.rollout.async_engine import AsyncEngine
+from rlhf_core.rollout.hf_engine import HFEngine
+from rlhf_core.types import SamplingParams
 
 TOOLS = [
     {
@@ -220,3 +227,161 @@ def test_hook_rlhf_register_tool_parsers(register_plugin):
     assert pick_tool_parser(None, "... CALL name {args} ...") is ThirdPartyParser  # picked by the template
     assert pick_tool_parser(None, FAMILIES["glm45"][0]) is BUILTIN["glm45"]
     assert pick_tool_parser(None, "{{ messages }}") is BUILTIN["hermes"]
+
+
+# Qwen3's way with thinking: the reply opens with <think>, and earlier turns are rendered without it.
+THINKING = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{%- if m.role == 'assistant' %}"
+    "{{ m.content.split('</think>')[-1].lstrip('\\n') }}{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{# <think> ... </think> #}"
+)
+THOUGHT, ANSWER = "The user greets me; greet back.", "Hello to you!"
+USER = "Weather in Paris and Oslo?"
+
+
+@pytest.fixture(scope="module")
+def family_policy(tmp_path_factory, smollm2):
+    """The tiny policy, saved, and one tokenizer per family (its template set): rows are what the endpoint
+    renders for the first call, then the memorised reply and EOS."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("family_policy")
+    toks, rows = {}, []
+    for family, (template, _) in [*FAMILIES.items(), ("thinking", (THINKING, None))]:
+        tok = AutoTokenizer.from_pretrained(smollm2)
+        tok.chat_template = template
+        toks[family] = tok
+        if family == "thinking":
+            prompt = tok.apply_chat_template(
+                [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+            )
+            reply = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
+        else:
+            prompt, reply = rendered_reply(tok, template, CALLS[:1])
+            reply = reply.removesuffix(FAMILIES[family][1])
+        first = tok.encode(prompt, add_special_tokens=False)
+        rows.append((first, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
+    tok = toks["hermes"]
+    tok.save_pretrained(str(path))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), tok.eos_token_id)
+    target = torch.zeros_like(ids, dtype=torch.bool)
+    for k, (p, r) in enumerate(rows):
+        ids[k, : len(p) + len(r)] = torch.tensor(p + r)
+        target[k, len(p) : len(p) + len(r)] = True
+    predicts = target[:, 1:]
+    labels = ids[:, 1:][predicts]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(1000):  # until every reply token is the model's greedy choice with room to spare
+        hidden = model.model(ids).last_hidden_state[:, :-1][predicts]
+        nll = torch.nn.functional.cross_entropy(model.lm_head(hidden), labels, reduction="none")
+        if nll.max() < 0.02:
+            break
+        opt.zero_grad()
+        nll.mean().backward()
+        opt.step()
+    else:
+        raise RuntimeError("the family policy did not memorise its replies")
+    model.save_pretrained(str(path))
+    return path, model.eval(), toks
+
+
+class CallsTheTool(OpenAIServerAgentExecutor):
+    async def run_agent(self, base_url, prompt, label):
+        messages = [{"role": "user", "content": prompt}]
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none") as client:
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            self.first = reply.choices[0]
+            calls = [c.model_dump() for c in self.first.message.tool_calls or []]
+            messages += [{"role": "assistant", "content": None, "tool_calls": calls}]
+            messages += [{"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in calls]
+            await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=2)
+        return 1.0
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_round_trips_a_tool_call_through_the_endpoint(
+    family_policy, family, cfg_factory, check_tokens
+):
+    path, model, toks = family_policy
+    agent = CallsTheTool()
+    worker = RolloutWorker(
+        AsyncEngine(HFEngine(str(path), dtype="float32")),
+        toks[family],
+        agent,
+        None,
+        cfg_factory(data={"max_len": 512}),
+    )
+    (t,) = worker.rollout(
+        [{"prompt_text": USER, "prompt_uid": 0}], SamplingParams(max_new_tokens=160, temperature=0.0), step=0
+    )
+    worker.close()
+    assert t.error is None, t.error
+    ((name, args),) = CALLS[:1]
+    (call,) = agent.first.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (name, args)
+    assert agent.first.finish_reason == "tool_calls"
+    check_tokens(t, model)  # each segment's (or the one trajectory's) log-probs are the model's
+    for s in t.segments:
+        check_tokens(s, model)
+    # the call's tokens are the first action tokens of the episode, as generated
+    first = t.segments[0] if t.segments else t
+    assert first.action_mask[0] == 1
+
+
+class Thinks(OpenAIServerAgentExecutor):
+    async def run_agent(self, base_url, prompt, label):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none") as client:
+            messages = [{"role": "user", "content": "Hi"}]
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            self.message = reply.choices[0].message
+            messages += [self.message.model_dump(exclude_none=True), {"role": "user", "content": "Bye"}]
+            await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+        return 1.0
+
+
+@pytest.mark.real_model
+def test_a_reasoning_turn_returns_reasoning_content_and_keeps_it_in_the_tokens(
+    family_policy, cfg_factory, check_tokens
+):
+    path, model, toks = family_policy
+    agent = Thinks()
+    tok = toks["thinking"]
+    worker = RolloutWorker(
+        AsyncEngine(HFEngine(str(path), dtype="float32")),
+        tok,
+        agent,
+        None,
+        cfg_factory(data={"max_len": 512}),
+    )
+    (t,) = worker.rollout(
+        [{"prompt_text": "Hi", "prompt_uid": 0}], SamplingParams(max_new_tokens=40, temperature=0.0), step=0
+    )
+    worker.close()
+    assert t.error is None, t.error
+    assert agent.message.content == ANSWER
+    assert agent.message.model_extra["reasoning_content"] == THOUGHT
+    # the template drops the thinking from the history, so the second call does not extend the first: two
+    # per-call samples, the first holding the thinking as the model wrote it
+    first, second = t.segments
+    assert tok.decode(first.response_ids) == f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}<|im_end|>"
+    assert all(first.action_mask)
+    assert THOUGHT not in tok.decode(second.prompt_ids)
+    for s in t.segments:
+        check_tokens(s, model)

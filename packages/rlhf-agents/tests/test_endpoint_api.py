@@ -195,3 +195,55 @@ def test_a_request_seed_is_mixed_into_the_episode_seed(async_engine, tokenizer, 
     a, b = samples(1), samples(2)
     assert a == samples(1)  # the same seeds draw the same tokens (a resumed run repeats them)
     assert a != b and a[0] != a[1]  # the request seed matters, and a group's episodes still differ
+
+
+class ResponsesText(OpenAIServerAgentExecutor):
+    """The Responses API with text: instructions, a streamed reply, a second call continuing it by
+    ``previous_response_id``, and its refusals."""
+
+    async def run_agent(self, base_url, prompt, label):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none") as client:
+            stream = await client.responses.create(
+                model="policy", instructions="w3", input=prompt, stream=True
+            )
+            self.events = [e async for e in stream]
+            first = self.events[-1].response
+            second = await client.responses.create(model="policy", input="w1", previous_response_id=first.id)
+            self.texts = (first.output_text, second.output_text)
+            self.refused = []
+            for bad in (
+                {"text": {"format": {"type": "json_object"}}},
+                {"tools": [{"type": "web_search"}]},
+                {"previous_response_id": "resp_nope"},
+                {"input": [{"type": "image_generation_call"}]},
+            ):
+                try:
+                    await client.responses.create(model="policy", **{"input": prompt, **bad})
+                except openai.BadRequestError as exc:
+                    self.refused.append(exc.body["message"])
+        return 1.0
+
+
+def test_the_responses_api_streams_text_and_continues_a_previous_response(
+    async_engine, tokenizer, cfg_factory, check_tokens
+):
+    agent = ResponsesText()
+    (t,) = rollout(
+        agent, async_engine, tokenizer, cfg_factory, SamplingParams(max_new_tokens=6, min_new_tokens=6)
+    )
+    assert t.error is None and not t.segments, t.error  # the second call extends the first: one trace
+    check_tokens(t)
+    kinds = [e.type for e in agent.events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    first, second = agent.texts
+    assert tokenizer.decode(t.prompt_ids) == "<|system|> w3 </s> <|user|> w5 w6 </s> <|assistant|>"
+    assert tokenizer.decode(t.response_ids).startswith(first) and tokenizer.decode(t.response_ids).endswith(
+        second
+    )
+    assert [m.split(":")[0] for m in agent.refused] == [
+        "text.format",
+        "tools[0].type",
+        "previous_response_id",
+        "input[0].type",
+    ]

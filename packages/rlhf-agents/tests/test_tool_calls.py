@@ -139,3 +139,53 @@ def test_a_named_tool_choice_is_written_as_the_call_opening_and_streamed_as_a_ca
     assert tok.decode(traj.prompt_ids).endswith('<tool_call>\n{"name": "calculator", "arguments":')
     assert traj.prompt_ids + traj.response_ids == ids and not traj.segments
     check_tokens(traj, model)
+
+
+class ResponsesAgent(OpenAIServerAgentExecutor):
+    """The calculator conversation over the Responses API with the ``openai`` client: the first call streamed,
+    the second sent the first's output items and the tool's answer."""
+
+    async def run_agent(self, base_url, prompt, label):
+        function = load_module(str(EXAMPLE), "agent_tool_calculator").TOOLS[0]["function"]
+        tools = [{"type": "function", **function}]
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none") as client:
+            stream = await client.responses.create(model="policy", input=prompt, tools=tools, stream=True)
+            self.events = [e async for e in stream]
+            first = self.events[-1].response
+            (call,) = [item for item in first.output if item.type == "function_call"]
+            self.call = (call.name, json.loads(call.arguments))
+            items = [{"role": "user", "content": prompt}, call.model_dump(exclude_none=True)]
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": "444"})
+            second = await client.responses.create(model="policy", input=items, tools=tools)
+            self.final = second.output_text
+        return 1.0
+
+
+@pytest.mark.real_model
+def test_the_responses_api_streams_a_function_call_and_the_episode_stays_token_exact(
+    tool_policy, cfg_factory, check_tokens
+):
+    path, model, tok, ids = tool_policy
+    agent = ResponsesAgent()
+    worker = RolloutWorker(
+        AsyncEngine(HFEngine(str(path), dtype="float32")),
+        tok,
+        agent,
+        None,
+        cfg_factory(data={"max_len": 256}),
+    )
+    (traj,) = worker.rollout(
+        [{"prompt_text": QUESTION, "prompt_uid": 0}],
+        SamplingParams(max_new_tokens=48, temperature=0.0),
+        step=0,
+    )
+    worker.close()
+    assert traj.error is None, traj.error
+    kinds = [e.type for e in agent.events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds
+    assert agent.call == ("calculator", {"expression": "37 * 12"}) and agent.final == FINAL
+    assert (
+        traj.prompt_ids + traj.response_ids == ids and not traj.segments
+    )  # the same conversation, one trace
+    check_tokens(traj, model)

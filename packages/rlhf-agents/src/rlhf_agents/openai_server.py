@@ -65,6 +65,9 @@ class _Session:
     replies: dict[Any, str] = dataclasses.field(default_factory=dict)
     """The original text of each reply returned as other text (tool calls, reasoning, a stop string), by its
     first call's id, else by ``("content", its content)``."""
+    responses: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
+    """Each ``/responses`` call's conversation (its input and its reply), by response id: what a later call's
+    ``previous_response_id`` continues."""
 
     async def generate(self, ids: list[int], body: dict) -> tuple[GenerationOutput, str, str]:
         """Generate for one call and record it in the token traces: ``(output, text, original)``. The output
@@ -155,7 +158,7 @@ def check_request(body: dict) -> None:
     """The sampling fields both endpoints share, checked; what the engine cannot honour is refused naming
     the field (package README, "What the endpoint serves")."""
     integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         _require(value is None or (integer(value) and value >= 1), key, "must be a positive integer")
     _require(
@@ -448,6 +451,190 @@ async def event_stream(request: Any, kind: str, body: dict, chunks: list[dict], 
     return response
 
 
+async def chat_turn(session: _Session, body: dict) -> tuple[list[int], GenerationOutput, dict, str]:
+    """One checked chat call, generated and recorded: ``(input ids, output, assistant message, finish
+    reason)``. The message has ``content``, and ``reasoning_content`` and ``tool_calls`` when the reply has them."""
+    messages = check_messages(body.get("messages"))
+    _require(body.get("logprobs") in (None, False, True), "logprobs", "must be true or false")
+    _require(
+        not body.get("top_logprobs"),
+        "top_logprobs",
+        "only 0 is served: the rollout engine returns the sampled token's log-prob, not the top alternatives",
+    )
+    if session.tokenizer.chat_template is None:
+        raise _BadRequest("the tokenizer has no chat template; use /v1/completions")
+    tools, choice = request_tools(body)
+    forced = choice not in ("auto", "none")
+    opening = session.parser.opening(None if choice == "required" else choice) if forced else ""
+    ids = encode(session.tokenizer, render_chat(session, messages, tools) + opening)
+    out, text, original = await session.generate(ids, body)
+    finish = out.finish_reason
+    reasoning, text = split_reasoning(opening + text, session.tokenizer.chat_template)
+    content, tool_calls = text, []
+    if tools and choice != "none":
+        content, tool_calls = parse_tool_calls(text, f"call_{uuid.uuid4().hex[:12]}", session.parser)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        finish = "tool_calls" if finish == "stop" else finish
+    key = tool_calls[0]["id"] if tool_calls else ("content", content or "")
+    if opening + original != (content or ""):  # the client will send back other text than the tokens'
+        session.replies[key] = opening + original
+    return ids, out, message, finish
+
+
+def _input_text(content: Any) -> Any:
+    """Responses content (a string, or ``input_text`` / ``output_text`` parts) as chat content."""
+    if not isinstance(content, list):
+        return content
+    return [
+        {"type": "text", "text": p.get("text")}
+        if isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+        else p
+        for p in content
+    ]
+
+
+def responses_messages(body: dict) -> list[dict]:
+    """The chat messages of a Responses request: ``instructions`` as a system message, message items as they
+    are, ``function_call`` items as the tool calls of an assistant message (the one before them, when it is
+    the same reply's text), ``function_call_output`` items as tool messages; reasoning items are left out (a
+    reply this session returned is rendered back from its original text)."""
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    _require(
+        isinstance(items, list) and bool(items), "input", "must be a string or a non-empty list of items"
+    )
+    messages = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    for k, item in enumerate(items):
+        _require(isinstance(item, dict), f"input[{k}]", "must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _input_text(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function"}
+            call["function"] = {"name": item.get("name"), "arguments": item.get("arguments")}
+            last = messages[-1] if messages else {}
+            if last.get("role") == "assistant" and not isinstance(last.get("content"), list):
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")}
+            )
+        else:
+            _require(kind == "reasoning", f"input[{k}].type", f"{json.dumps(kind)} is not served")
+    return messages
+
+
+def responses_tools(body: dict) -> dict:
+    """A Responses request's ``tools`` and ``tool_choice`` (function tools are flat there) in chat form."""
+    tools = body.get("tools")
+    if tools is not None:
+        _require(isinstance(tools, list), "tools", "must be a list of tool objects")
+        for k, t in enumerate(tools):
+            _require(
+                isinstance(t, dict) and t.get("type") == "function",
+                f"tools[{k}].type",
+                f"{json.dumps(t.get('type') if isinstance(t, dict) else t)} is not served: only function tools",
+            )
+        fields = ("name", "description", "parameters")
+        tools = [{"type": "function", "function": {f: t[f] for f in fields if f in t}} for t in tools]
+    out: dict[str, Any] = {"tools": tools}
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def response_output(message: dict, out: GenerationOutput, tokenizer: Any) -> list[dict]:
+    """The Responses ``output`` items of one reply: reasoning, the message text (with log-probs), and one
+    ``function_call`` per tool call."""
+    items: list[dict] = []
+    if message.get("reasoning_content") is not None:
+        text = {"type": "reasoning_text", "text": message["reasoning_content"]}
+        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [text]})
+    if message["content"]:
+        lps = [
+            {"token": c["token"], "logprob": c["logprob"], "bytes": c["bytes"], "top_logprobs": []}
+            for c in chat_logprobs(tokenizer, out)["content"]
+        ]
+        part = {"type": "output_text", "text": message["content"], "annotations": [], "logprobs": lps}
+        items.append(
+            {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [part],
+            }
+        )
+    for call in message.get("tool_calls", []):
+        fn = call["function"]
+        items.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{call['id']}",
+                "call_id": call["id"],
+                "name": fn["name"],
+                "arguments": fn["arguments"],
+                "status": "completed",
+            }
+        )
+    return items
+
+
+async def responses_stream(request: Any, response: dict) -> Any:
+    """The Responses API's server-sent events for a finished ``response``: created, each output item added
+    (text and arguments as one delta each) and done, completed."""
+    from aiohttp import web
+
+    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await stream.prepare(request)
+    events = [("response.created", {"response": {**response, "status": "in_progress", "output": []}})]
+    for k, item in enumerate(response["output"]):
+        where = {"output_index": k, "item_id": item["id"]}
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            events.append(
+                ("response.output_item.added", {"output_index": k, "item": {**item, "content": []}})
+            )
+            empty = {"type": "output_text", "text": "", "annotations": []}
+            events.append(("response.content_part.added", {**where, "content_index": 0, "part": empty}))
+            events.append(
+                ("response.output_text.delta", {**where, "content_index": 0, "delta": text, "logprobs": []})
+            )
+            events.append(
+                ("response.output_text.done", {**where, "content_index": 0, "text": text, "logprobs": []})
+            )
+            events.append(
+                ("response.content_part.done", {**where, "content_index": 0, "part": item["content"][0]})
+            )
+        elif item["type"] == "function_call":
+            events.append(
+                ("response.output_item.added", {"output_index": k, "item": {**item, "arguments": ""}})
+            )
+            events.append(("response.function_call_arguments.delta", {**where, "delta": item["arguments"]}))
+            events.append(
+                ("response.function_call_arguments.done", {**where, "arguments": item["arguments"]})
+            )
+        else:
+            events.append(("response.output_item.added", {"output_index": k, "item": item}))
+        events.append(("response.output_item.done", {"output_index": k, "item": item}))
+    events.append(("response.completed", {"response": response}))
+    for n, (kind, data) in enumerate(events):
+        await stream.write(
+            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': n, **data})}\n\n".encode()
+        )
+    await stream.write_eof()
+    return stream
+
+
 class _Endpoint:
     """The local OpenAI-compatible server: each session is served at its own URL; every request is checked and
     its call recorded in its session."""
@@ -487,6 +674,7 @@ class _Endpoint:
             app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[bad_requests])
             app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
             app.router.add_post("/sessions/{sid}/v1/completions", self._completions)
+            app.router.add_post("/sessions/{sid}/v1/responses", self._responses)
             app.router.add_get("/sessions/{sid}/v1/models", self._models)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -534,36 +722,7 @@ class _Endpoint:
 
     async def _chat(self, request: Any) -> Any:
         session, body = await self._read(request)
-        messages = check_messages(body.get("messages"))
-        if body.get("logprobs") not in (None, False, True):
-            raise _BadRequest("logprobs: must be true or false")
-        top = body.get("top_logprobs")
-        _require(
-            not top,
-            "top_logprobs",
-            "only 0 is served: the rollout engine returns the sampled token's log-prob, not the top alternatives",
-        )
-        if session.tokenizer.chat_template is None:
-            raise _BadRequest("the tokenizer has no chat template; use /v1/completions")
-        tools, choice = request_tools(body)
-        forced = choice not in ("auto", "none")
-        opening = session.parser.opening(None if choice == "required" else choice) if forced else ""
-        ids = encode(session.tokenizer, render_chat(session, messages, tools) + opening)
-        out, text, original = await session.generate(ids, body)
-        finish = out.finish_reason
-        reasoning, text = split_reasoning(opening + text, session.tokenizer.chat_template)
-        content, tool_calls = text, []
-        if tools and choice != "none":
-            content, tool_calls = parse_tool_calls(text, f"call_{uuid.uuid4().hex[:12]}", session.parser)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-            finish = "tool_calls" if finish == "stop" else finish
-        key = tool_calls[0]["id"] if tool_calls else ("content", content or "")
-        if opening + original != (content or ""):  # the client will send back other text than the tokens'
-            session.replies[key] = opening + original
+        ids, out, message, finish = await chat_turn(session, body)
         logprobs = chat_logprobs(session.tokenizer, out) if body.get("logprobs") else None
         if not body.get("stream"):
             choice_out = {
@@ -573,9 +732,12 @@ class _Endpoint:
                 "token_ids": out.token_ids,
             }
             return openai_response("chatcmpl", "chat.completion", body, ids, out.token_ids, choice_out)
+        content, tool_calls = message["content"], message.get("tool_calls", [])
         chunks: list[dict] = [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-        if reasoning is not None:
-            chunks.append({"delta": {"reasoning_content": reasoning}, "finish_reason": None})
+        if "reasoning_content" in message:
+            chunks.append(
+                {"delta": {"reasoning_content": message["reasoning_content"]}, "finish_reason": None}
+            )
         pieces = token_pieces(session.tokenizer, out.token_ids, content) if content else []
         per_token = logprobs is not None and len(pieces) == len(out.token_ids)
         for k, piece in enumerate(pieces):
@@ -588,6 +750,53 @@ class _Endpoint:
         last = {"delta": {}, "finish_reason": finish, "token_ids": out.token_ids}
         chunks.append({**last, "logprobs": None if per_token else logprobs})
         return await event_stream(request, "chat.completion.chunk", body, chunks, _usage(ids, out.token_ids))
+
+    async def _responses(self, request: Any) -> Any:
+        session, body = await self._read(request)
+        previous = body.get("previous_response_id")
+        _require(
+            previous is None or previous in session.responses,
+            "previous_response_id",
+            f"{json.dumps(previous)} is not a response of this episode",
+        )
+        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        _require(
+            fmt is None or fmt.get("type") == "text",
+            "text.format",
+            f"{json.dumps(fmt)} is not served: the engine has no constrained decoding; only {{'type': 'text'}}",
+        )
+        messages = responses_messages(body)
+        if previous is not None:
+            messages = session.responses[previous] + messages
+        chat_body = {**body, **responses_tools(body), "messages": messages, "stream": False}
+        chat_body["max_tokens"] = body.get("max_output_tokens")
+        ids, out, message, finish = await chat_turn(session, chat_body)
+        rid = f"resp_{uuid.uuid4().hex}"
+        session.responses[rid] = messages + [message]
+        output = response_output(message, out, session.tokenizer)
+        response = {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "incomplete" if finish == "length" else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "model": body.get("model", "policy"),
+            "output": output,
+            "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice", "auto"),
+            "parallel_tool_calls": True,
+            "usage": {
+                "input_tokens": len(ids),
+                "output_tokens": len(out.token_ids),
+                "total_tokens": len(ids) + len(out.token_ids),
+            },
+            "token_ids": out.token_ids,
+        }
+        if not body.get("stream"):
+            from aiohttp import web
+
+            return web.json_response(response)
+        return await responses_stream(request, response)
 
     async def _completions(self, request: Any) -> Any:
         session, body = await self._read(request)

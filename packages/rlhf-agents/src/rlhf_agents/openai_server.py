@@ -154,13 +154,16 @@ def _require(ok: bool, field: str, message: str) -> None:
         raise _BadRequest(f"{field}: {message}")
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_request(body: dict) -> None:
     """The sampling fields both endpoints share, checked; what the engine cannot honour is refused naming
     the field (package README, "What the endpoint serves")."""
-    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
-        _require(value is None or (integer(value) and value >= 1), key, "must be a positive integer")
+        _require(value is None or (_integer(value) and value >= 1), key, "must be a positive integer")
     _require(
         body.get("n", 1) in (1, None),
         "n",
@@ -173,7 +176,7 @@ def check_request(body: dict) -> None:
         stream_options is None or isinstance(stream_options, dict), "stream_options", "must be an object"
     )
     seed = body.get("seed")
-    _require(seed is None or integer(seed), "seed", "must be an integer")
+    _require(seed is None or _integer(seed), "seed", "must be an integer")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     _require(

@@ -9,7 +9,7 @@ import aiohttp
 import openai
 
 from rlhf_agents import OpenAIServerAgentExecutor, RolloutWorker
-from rlhf_agents.openai_server import cut_reply
+from rlhf_agents.openai_server import cut_reply, token_pieces
 from rlhf_core.types import GenerationOutput, SamplingParams
 
 
@@ -247,3 +247,17 @@ def test_the_responses_api_streams_text_and_continues_a_previous_response(
         "previous_response_id",
         "input[0].type",
     ]
+
+
+def test_stream_pieces_are_one_per_token_and_keep_split_characters_whole(smollm2):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    ids = tok.encode("Tokyo is 東京 🎉, and that is all.", add_special_tokens=False) + [tok.eos_token_id]
+    text = tok.decode(ids[:-1])
+    pieces = token_pieces(tok, ids, text)
+    assert (
+        len(pieces) == len(ids) and "".join(pieces) == text and pieces[-1] == ""
+    )  # the stop token adds none
+    assert "\ufffd" not in "".join(pieces) and "" in pieces[:-1]  # a split character waits for its last byte
+    assert token_pieces(tok, ids, "other text") == ["other text"]

@@ -368,13 +368,20 @@ def render_chat(session: _Session, messages: list[dict], tools: list | None) -> 
 
 def token_pieces(tokenizer: Any, ids: list[int], text: str) -> list[str]:
     """The deltas of a stream: one piece of ``text`` per token of ``ids`` (empty for tokens past its end, the
-    stop token say) when ``ids`` decode to text that starts with it, else ``[text]``."""
-    pieces, done = [], ""
+    stop token say) when the pieces add up to text that starts with it, else ``[text]``. Each piece is what
+    the token adds to the decoded text of the few tokens before it (decoding every prefix would cost
+    quadratic time); a character split across tokens comes with its last one."""
+    pieces: list[str] = []
+    done = 0  # ids[:done] are in the pieces
     for k in range(len(ids)):
-        now = tokenizer.decode(ids[: k + 1])
-        pieces.append(now[len(done) :])
-        done = now
-    if not pieces or not done.startswith(text):
+        context = max(0, done - 4)
+        now = tokenizer.decode(ids[context : k + 1])
+        if now.endswith("\ufffd"):  # a character split across tokens: its bytes go out with its last token
+            pieces.append("")
+            continue
+        pieces.append(now[len(tokenizer.decode(ids[context:done])) :])
+        done = k + 1
+    if not pieces or not "".join(pieces).startswith(text):
         return [text]
     kept, size = [], 0
     for piece in pieces:

@@ -170,7 +170,7 @@ def check_request(body: dict) -> None:
         "only 1 is served: each call is one step of this episode's single token trace (a GRPO group is made "
         "of episodes: --rollout.n_samples_per_prompt)",
     )
-    _require(isinstance(body.get("stream", False), bool), "stream", "must be true or false")
+    _require(body.get("stream") in (None, True, False), "stream", "must be true or false")
     stream_options = body.get("stream_options")
     _require(
         stream_options is None or isinstance(stream_options, dict), "stream_options", "must be an object"

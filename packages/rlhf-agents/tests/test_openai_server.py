@@ -87,7 +87,7 @@ class TokenIdsAgent(OpenAIServerAgentExecutor):
 
     async def run_agent(self, base_url, prompt, label):
         async with aiohttp.ClientSession() as http:
-            for bad in ({"prompt": "w1", "stream": True}, {"prompt": "w1", "n": 2}, {"prompt": {"x": 1}}):
+            for bad in ({"prompt": "w1", "logprobs": 2}, {"prompt": "w1", "n": 2}, {"prompt": {"x": 1}}):
                 async with http.post(f"{base_url}/completions", json=bad) as resp:
                     assert resp.status == 400, bad
             ids = label["prompt_ids"]

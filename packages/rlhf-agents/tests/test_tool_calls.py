@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import aiohttp
+import openai
 import pytest
 
 from rlhf_agents import OpenAIServerAgentExecutor, RolloutWorker
@@ -86,29 +86,106 @@ def test_the_openai_client_calls_a_tool_and_the_episode_stays_token_exact(
     )  # one trajectory
 
 
-class AsksForAForcedCall(OpenAIServerAgentExecutor):
+class ForcedStreamingCall(OpenAIServerAgentExecutor):
+    """Streams a call forced by a named ``tool_choice`` with the ``openai`` client, assembles the call from its
+    deltas, answers it, and reads the final reply."""
+
     async def run_agent(self, base_url, prompt, label):
-        body = {
-            "messages": [{"role": "user", "content": prompt}],
-            "tools": [{"type": "function", "function": {"name": "f"}}],
-            "tool_choice": "required",
-        }
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(f"{base_url}/chat/completions", json=body) as resp,
-        ):
-            self.seen = (resp.status, (await resp.json())["error"]["message"])
-        return 0.0
+        calculator = load_module(str(EXAMPLE), "agent_tool_calculator")
+        messages = [{"role": "user", "content": prompt}]
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none") as client:
+            stream = await client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                tools=calculator.TOOLS,
+                tool_choice={"type": "function", "function": {"name": "calculator"}},
+                stream=True,
+            )
+            self.chunks = [c async for c in stream]
+            calls = [d for c in self.chunks for d in c.choices[0].delta.tool_calls or []]
+            call = {"id": calls[0].id, "type": "function", "function": calls[0].function.model_dump()}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "444"})
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=calculator.TOOLS
+            )
+            self.final = reply.choices[0].message.content
+        return 1.0
 
 
-def test_a_forced_tool_choice_is_refused_with_the_reason(async_engine, tokenizer, cfg_factory):
-    executor = AsksForAForcedCall()
-    worker = RolloutWorker(
-        async_engine, tokenizer, executor, None, cfg_factory(reward={"max_failure_fraction": 1.0})
-    )
-    worker.rollout(
-        [{"prompt_text": "w5", "label": "1", "prompt_uid": 0}], SamplingParams(n=1, max_new_tokens=4), step=0
+@pytest.mark.real_model
+def test_a_named_tool_choice_is_written_as_the_call_opening_and_streamed_as_a_call(
+    tool_policy, cfg_factory, check_tokens
+):
+    path, model, tok, ids = tool_policy
+    engine = AsyncEngine(HFEngine(str(path), dtype="float32"))
+    agent = ForcedStreamingCall()
+    worker = RolloutWorker(engine, tok, agent, None, cfg_factory(data={"max_len": 256}))
+    (traj,) = worker.rollout(
+        [{"prompt_text": QUESTION, "prompt_uid": 0}],
+        SamplingParams(max_new_tokens=48, temperature=0.0),
+        step=0,
     )
     worker.close()
-    status, message = executor.seen
-    assert status == 400 and 'tool_choice="required" is not supported' in message and "'auto'" in message
+    assert traj.error is None, traj.error
+    deltas = [c.choices[0] for c in agent.chunks if c.choices]
+    (call,) = [d for c in deltas for d in c.delta.tool_calls or []]
+    assert call.function.name == "calculator" and json.loads(call.function.arguments) == {
+        "expression": "37 * 12"
+    }
+    assert deltas[-1].finish_reason == "tool_calls" and agent.final == FINAL
+    # the opening the endpoint wrote is input (the prompt's end, not the policy's tokens); the model wrote the
+    # rest of the call, and the episode is still the one conversation the warm start memorised
+    assert tok.decode(traj.prompt_ids).endswith('<tool_call>\n{"name": "calculator", "arguments":')
+    assert traj.prompt_ids + traj.response_ids == ids and not traj.segments
+    check_tokens(traj, model)
+
+
+class ResponsesAgent(OpenAIServerAgentExecutor):
+    """The calculator conversation over the Responses API with the ``openai`` client: the first call streamed,
+    the second sent the first's output items and the tool's answer."""
+
+    async def run_agent(self, base_url, prompt, label):
+        function = load_module(str(EXAMPLE), "agent_tool_calculator").TOOLS[0]["function"]
+        tools = [{"type": "function", **function}]
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="none") as client:
+            stream = await client.responses.create(model="policy", input=prompt, tools=tools, stream=True)
+            self.events = [e async for e in stream]
+            first = self.events[-1].response
+            (call,) = [item for item in first.output if item.type == "function_call"]
+            self.call = (call.name, json.loads(call.arguments))
+            items = [{"role": "user", "content": prompt}, call.model_dump(exclude_none=True)]
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": "444"})
+            second = await client.responses.create(model="policy", input=items, tools=tools)
+            self.final = second.output_text
+        return 1.0
+
+
+@pytest.mark.real_model
+def test_the_responses_api_streams_a_function_call_and_the_episode_stays_token_exact(
+    tool_policy, cfg_factory, check_tokens
+):
+    path, model, tok, ids = tool_policy
+    agent = ResponsesAgent()
+    worker = RolloutWorker(
+        AsyncEngine(HFEngine(str(path), dtype="float32")),
+        tok,
+        agent,
+        None,
+        cfg_factory(data={"max_len": 256}),
+    )
+    (traj,) = worker.rollout(
+        [{"prompt_text": QUESTION, "prompt_uid": 0}],
+        SamplingParams(max_new_tokens=48, temperature=0.0),
+        step=0,
+    )
+    worker.close()
+    assert traj.error is None, traj.error
+    kinds = [e.type for e in agent.events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds
+    assert agent.call == ("calculator", {"expression": "37 * 12"}) and agent.final == FINAL
+    assert (
+        traj.prompt_ids + traj.response_ids == ids and not traj.segments
+    )  # the same conversation, one trace
+    check_tokens(traj, model)

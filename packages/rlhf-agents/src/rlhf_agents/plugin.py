@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from rlhf_agents import tool_parsers
 from rlhf_agents.checks import describe
 from rlhf_agents.command_agent import CommandAgentExecutor, command_argv
 from rlhf_agents.executors import AgentExecutorBase, MultiTurnAgentExecutor, SingleTurnAgentExecutor
@@ -24,6 +25,12 @@ def rlhf_register_agent_executors(register):
     register("single_turn", SingleTurnAgentExecutor)
     register("multi_turn", MultiTurnAgentExecutor)
     register("openai_server", OpenAIServerAgentExecutor)
+
+
+@hookimpl
+def rlhf_register_tool_parsers(register):
+    for name, parser in tool_parsers.BUILTIN.items():
+        register(name, parser)
 
 
 @hookimpl
@@ -51,6 +58,8 @@ def executor_class(cfg: Any, pm: Any = None) -> tuple[type, tuple]:
             f"--train.per_call_samples {train.per_call_samples!r}: choose one of "
             f"{', '.join(PER_CALL_SAMPLES)}"
         )
+    if getattr(train, "tool_parser", None) is not None:  # (configs built by hand may lack the field)
+        resolve(pm or get_plugin_manager(), "tool_parsers", train.tool_parser, "--train.tool_parser")
     if train.agent_command:
         others = [f for f in ("agent_func_path", "agent_executor", "env") if getattr(train, f)]
         if others:
@@ -111,4 +120,5 @@ def build_executor(cfg: Any, pm: Any = None) -> AgentExecutorBase:
     executor.env_step_timeout = cfg.train.env_step_timeout
     executor.max_images = cfg.data.max_images_per_prompt
     executor.per_call_samples = cfg.train.per_call_samples  # read by the OpenAI-endpoint executors only
+    executor.tool_parser = getattr(cfg.train, "tool_parser", None)
     return executor

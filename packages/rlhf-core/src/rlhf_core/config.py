@@ -357,6 +357,10 @@ class TrainConfig:
     an episode whose model calls do not extend one another (a chat template that drops earlier reasoning)
     as one sample per call, all sharing its reward; ``always`` does that for every episode; ``never`` makes
     such an episode unscorable."""
+    tool_parser: str | None = None
+    """How OpenAI-endpoint agents' replies are read for tool calls: a registered parser (``hermes``,
+    ``llama3_json``, ``mistral``, ``deepseek_v3``, ``qwen3_coder``, ``glm45``, ``harmony``); default: the one
+    the chat template's format names."""
     env_step_timeout: float = 300.0
     """Seconds an environment step (or a whole OpenAI-endpoint agent episode) may take before it is ended
     and counted."""

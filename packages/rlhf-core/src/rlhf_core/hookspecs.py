@@ -60,6 +60,13 @@ def rlhf_register_reward_sources(register: Register) -> None:
 
 
 @hookspec
+def rlhf_register_tool_parsers(register: Register) -> None:
+    """Tool-call parsers of the agents' OpenAI endpoint: classes with ``markers``, ``parse(text)`` and
+    ``opening(name)`` (``rlhf_agents.tool_parsers``). Picked by ``--train.tool_parser``, else by the chat
+    template."""
+
+
+@hookspec
 def rlhf_register_post_processors(register: Register) -> None:
     """Post-processors of ``rlhf generate`` (:class:`rlhf_core.types.PostProcessor`), picked by
     ``--generate.post_processor``."""

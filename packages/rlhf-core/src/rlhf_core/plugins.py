@@ -22,6 +22,7 @@ SINGULAR = {
     "agent_executors": "agent executor",
     "environments": "environment",
     "reward_sources": "reward source",
+    "tool_parsers": "tool-call parser",
     "post_processors": "post-processor",
     "placement_strategies": "placement strategy",
     "rollout_engines": "rollout engine",
@@ -40,6 +41,9 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "agent_executors": dict.fromkeys(["single_turn", "multi_turn", "openai_server"], "rlhf-agents"),
     "environments": {},
     "reward_sources": dict.fromkeys(["python_file", "http", "reward_model", "prm"], "rlhf-agents"),
+    "tool_parsers": dict.fromkeys(
+        ["hermes", "llama3_json", "mistral", "deepseek_v3", "qwen3_coder", "glm45", "harmony"], "rlhf-agents"
+    ),
     "post_processors": dict.fromkeys(["rs", "iter_dpo", "csft"], "rlhf-core"),
     "placement_strategies": dict.fromkeys(
         ["colocate_all", "colocate_actor_ref", "colocate_critic_reward", "separate"], "rlhf-cli"
@@ -65,6 +69,7 @@ PROTOCOLS: dict[str, type] = {
 CLASS_MEMBERS: dict[str, tuple[str, ...]] = {
     "agent_executors": ("execute",),  # a subclass of rlhf_agents.AgentExecutorBase
     "environments": ("reset", "step"),  # a subclass of rlhf_agents.AgentInstanceBase
+    "tool_parsers": ("markers", "parse", "opening"),  # rlhf_agents.tool_parsers
 }
 
 

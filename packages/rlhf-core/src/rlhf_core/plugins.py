@@ -172,7 +172,7 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
     """Everything registered for ``seam``, keyed by name. Raises PluginError on a duplicate name."""
     if seam not in SEAMS:
         raise PluginError(f"unknown seam {seam!r}; seams are: {', '.join(SEAMS)}")
-    out: dict[str, Registered] = {}
+    out = {}
     hook = SEAMS[seam]
     for impl in getattr(pm.hook, hook).get_hookimpls():
         plugin_name = pm.get_name(impl.plugin) or getattr(impl.plugin, "__name__", repr(impl.plugin))

@@ -242,7 +242,7 @@ def image_forward_inputs(
         if mismatch:
             raise ValueError(f"sequence {b} of the batch has {mismatch}")
     distinct = {id(im): im for row in images for im in row}
-    kwargs: dict = {}
+    kwargs = {}
     grids = None
     if distinct:
         train_tower = torch.is_grad_enabled() and any(p.requires_grad for p in hf.model.visual.parameters())

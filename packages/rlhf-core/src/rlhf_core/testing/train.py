@@ -139,8 +139,7 @@ class TrainBackendConformance:
         from rlhf_core.weight_sync import init_sync_group
 
         addr, port = group.weight_sync_address()
-        engine: dict = {}
-        received: list[dict[str, torch.Tensor]] = []
+        engine, received = {}, []
 
         def receive():  # the engine's side, as rank 1
             if "sync" not in engine:

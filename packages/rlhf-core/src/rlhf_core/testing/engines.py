@@ -122,7 +122,7 @@ class RolloutEngineConformance:
         return outs
 
     @staticmethod
-    def load(engine, weights: dict[str, torch.Tensor]) -> None:
+    def set_weights(engine, weights: dict[str, torch.Tensor]) -> None:
         engine.update_weights(weights)
         engine.reset_prefix_cache()
 
@@ -249,13 +249,13 @@ class RolloutEngineConformance:
     def test_update_weights_changes_generation(self, engine, model_dir, reference, original_weights):
         before = self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True)
         new = perturbed_weights(model_dir, seed=3)
-        self.load(engine, new)
+        self.set_weights(engine, new)
         try:
             after = self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True)
             assert after.token_ids != before.token_ids
             self.assert_logprobs_match(hf_model(model_dir, new), PROMPTS[0], after, 0.0)
         finally:
-            self.load(engine, original_weights)
+            self.set_weights(engine, original_weights)
         assert (
             self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True).token_ids == before.token_ids
         )
@@ -278,7 +278,7 @@ class RolloutEngineConformance:
         finally:
             if sender.is_alive():
                 sender.terminate()
-            self.load(engine, original_weights)
+            self.set_weights(engine, original_weights)
 
     def test_sleep_and_wake(self, engine, original_weights):
         def tokens():
@@ -292,7 +292,7 @@ class RolloutEngineConformance:
         assert tokens() == before
         engine.sleep(2)
         engine.wake_up()
-        self.load(engine, original_weights)  # level 2 discarded the weights
+        self.set_weights(engine, original_weights)  # level 2 discarded the weights
         assert tokens() == before
 
     def test_bad_requests_are_refused_with_the_reason(self, engine, reference):

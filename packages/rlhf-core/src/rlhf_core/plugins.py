@@ -175,10 +175,10 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
     out = {}
     hook = SEAMS[seam]
     for impl in getattr(pm.hook, hook).get_hookimpls():
-        plugin_name = pm.get_name(impl.plugin) or getattr(impl.plugin, "__name__", repr(impl.plugin))
+        plugin_name = pm.get_name(impl.plugin)  # pluggy names every registered plugin
         # not from an entry point: registered directly (a test, or a plugin object passed in code)
         dist, version = pm.rlhf_distributions.get(plugin_name, (f"<{plugin_name}>", ""))
-        where = f"{dist} (entry point {pm.get_name(impl.plugin)!r}, hook {hook})"
+        where = f"{dist} (entry point {plugin_name!r}, hook {hook})"
 
         def register(
             name: str, obj: Any, _dist: str = dist, _version: str = version, _where: str = where

@@ -61,6 +61,10 @@ class DataStats:
 # --- reading ---------------------------------------------------------------------------------------------
 
 
+def _rows(records: Any, where: str) -> list[Row]:
+    return [Row(r, where, i) for i, r in enumerate(records)]
+
+
 def _read_jsonl(path: Path) -> list[Row]:
     rows = []
     with path.open(encoding="utf-8") as f:
@@ -101,15 +105,15 @@ def _read_file(path: Path, split: str) -> list[Row]:
         return _read_json(path, split)
     if suffix == ".csv":
         with path.open(encoding="utf-8", newline="") as f:
-            return [Row(dict(r), str(path), i) for i, r in enumerate(csv.DictReader(f))]
+            return _rows(csv.DictReader(f), str(path))
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return [Row(r, str(path), i) for i, r in enumerate(pq.read_table(path).to_pylist())]
+        return _rows(pq.read_table(path).to_pylist(), str(path))
     if suffix == ".arrow":
         import datasets
 
-        return [Row(r, str(path), i) for i, r in enumerate(datasets.Dataset.from_file(str(path)))]
+        return _rows(datasets.Dataset.from_file(str(path)), str(path))
     raise DataError(f"{path}: unsupported file type {suffix!r}; supported: {', '.join(FILE_FORMATS)}")
 
 
@@ -122,7 +126,7 @@ def _read_dir(path: Path, split: str) -> list[Row]:
             if split not in ds:
                 raise DataError(f"{path}: no split {split!r}; it has {', '.join(ds)}")
             ds, where = ds[split], f"{path}[{split}]"
-        return [Row(r, where, i) for i, r in enumerate(ds)]
+        return _rows(ds, where)
     data_files = sorted(p for p in path.rglob("*") if p.suffix.lower() in FILE_FORMATS)
     files = [p for p in data_files if p.name.startswith(split)]
     if split == "train" and not any(p.name.startswith(SPLIT_NAMES) for p in data_files):
@@ -155,7 +159,7 @@ def _read_hub(name: str, data_dir: str | None, split: str) -> list[Row]:
         ) from None
     if split not in ds:
         raise DataError(f"dataset {shown!r}: no split {split!r}; it has {', '.join(ds)}")
-    return [Row(r, f"{shown}[{split}]", i) for i, r in enumerate(ds[split])]
+    return _rows(ds[split], f"{shown}[{split}]")
 
 
 def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
@@ -165,11 +169,11 @@ def read_rows(path_or_dir: str | Path, split: str = "train") -> list[Row]:
     if path.exists():
         return _read_dir(path, split) if path.is_dir() else _read_file(path, split)
     name, _, data_dir = str(path_or_dir).partition("@")
-    if data_dir and Path(name).expanduser().is_dir():
-        if not (Path(name).expanduser() / data_dir).is_dir():
+    if data_dir and (base := Path(name).expanduser()).is_dir():
+        if not (base / data_dir).is_dir():
             raise DataError(f"dataset not found: {path_or_dir} (no directory {data_dir!r} in {name})")
-        return _read_dir(Path(name).expanduser() / data_dir, split)
-    if Path(name).suffix.lower() in FILE_FORMATS or str(name).startswith((".", "/", "~")) or not name:
+        return _read_dir(base / data_dir, split)
+    if Path(name).suffix.lower() in FILE_FORMATS or name.startswith((".", "/", "~")) or not name:
         raise DataError(f"dataset not found: {path_or_dir} (no such file or directory)")
     return _read_hub(name, data_dir or None, split)
 
@@ -310,8 +314,9 @@ def conversation_ids(tokenizer: Any, messages: list[dict]) -> tuple[list[int], l
     """
 
     def ids_of(msgs: list[dict], gen: bool) -> list[int]:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-        return encode(tokenizer, text)
+        return encode(
+            tokenizer, tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        )
 
     full = ids_of(messages, False)
     mask = [0] * len(full)

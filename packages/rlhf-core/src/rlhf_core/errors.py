@@ -15,7 +15,7 @@ def find_user_error(exc: BaseException) -> UserError | None:
     the original as ``.cause``; its own message is the worker's traceback, so the original is returned.
     An exception raised ``from`` a UserError counts as that UserError.
     """
-    seen: set[int] = set()
+    seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError

@@ -163,12 +163,11 @@ def protocol_problem(seam: str, obj: Any) -> str | None:
                 if callable(v) and (n == "__call__" or not n.startswith("_"))
             }
         )
-    if not (missing := [m for m in members if not (callable(obj) if m == "__call__" else hasattr(obj, m))]):
+    faults = ["is not callable"] if "__call__" in members and not callable(obj) else []
+    if missing := [m for m in members if m != "__call__" and not hasattr(obj, m)]:
+        faults.append(f"has no {', '.join(missing)}")
+    if not faults:
         return None
-    attrs = [m for m in missing if m != "__call__"]
-    faults = (["is not callable"] if "__call__" in missing else []) + (
-        [f"has no {', '.join(attrs)}"] if attrs else []
-    )
     label = getattr(obj, "__qualname__", None)
     got = f"{type(obj).__name__} {label}" if label else type(obj).__name__
     return f"it {' and '.join(faults)} (got {got})"
@@ -178,13 +177,13 @@ def collect(pm: pluggy.PluginManager, seam: str) -> dict[str, Registered]:
     """Everything registered for ``seam``, keyed by name. Raises PluginError on a duplicate name."""
     if seam not in SEAMS:
         raise PluginError(f"unknown seam {seam!r}; seams are: {', '.join(SEAMS)}")
-    out: dict[str, Registered] = {}
+    out = {}
     hook = SEAMS[seam]
     for impl in getattr(pm.hook, hook).get_hookimpls():
-        plugin_name = pm.get_name(impl.plugin) or getattr(impl.plugin, "__name__", repr(impl.plugin))
+        plugin_name = pm.get_name(impl.plugin)  # pluggy names every registered plugin
         # not from an entry point: registered directly (a test, or a plugin object passed in code)
         dist, version = pm.rlhf_distributions.get(plugin_name, (f"<{plugin_name}>", ""))
-        where = f"{dist} (entry point {pm.get_name(impl.plugin)!r}, hook {hook})"
+        where = f"{dist} (entry point {plugin_name!r}, hook {hook})"
 
         def register(
             name: str, obj: Any, _dist: str = dist, _version: str = version, _where: str = where
@@ -222,20 +221,16 @@ def resolve(pm: pluggy.PluginManager, seam: str, name: str, flag: str | None = N
     if close := difflib.get_close_matches(str(name), list(found), n=1):
         msg += f" Did you mean {close[0]!r}?"
     msg += f" Registered: {', '.join(sorted(found)) or 'none'}."
-    if provider := KNOWN_PROVIDERS.get(seam, {}).get(name):
+    if provider := KNOWN_PROVIDERS[seam].get(name):
         msg += f" {name!r} is provided by {provider}: pip install {provider}"
     raise PluginError(msg)
 
 
 def describe(pm: pluggy.PluginManager) -> list[dict[str, Any]]:
     """One entry per loaded distribution: its version and the names it registered in each seam."""
-    regs = [reg for seam in SEAMS for reg in collect(pm, seam).values()]
-    dists: dict[str, dict[str, Any]] = {}
-    for dist, version in [
-        *pm.rlhf_distributions.values(),
-        *((reg.distribution, reg.version) for reg in regs),
-    ]:
-        dists.setdefault(dist, {"distribution": dist, "version": version, "seams": {}})
-    for reg in regs:
-        dists[reg.distribution]["seams"].setdefault(reg.seam, []).append(reg.name)
+    dists = {d: {"distribution": d, "version": v, "seams": {}} for d, v in pm.rlhf_distributions.values()}
+    for seam in SEAMS:
+        for reg in collect(pm, seam).values():
+            new = {"distribution": reg.distribution, "version": reg.version, "seams": {}}
+            dists.setdefault(reg.distribution, new)["seams"].setdefault(seam, []).append(reg.name)
     return sorted(dists.values(), key=lambda d: d["distribution"])

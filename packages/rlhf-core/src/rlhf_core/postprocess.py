@@ -30,15 +30,16 @@ class RejectionSampling(PostProcessor):  # the protocol's check: no option to ch
     """``rs``: the best of each prompt's samples, as SFT data ``{"input", "output", "reward"}``."""
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
-        best = [best_and_worst(group)[0] for group in batch.groups]
-        return [{"input": b.input, "output": b.output, "reward": b.reward} for b in best]
+        return [
+            {"input": b.input, "output": b.output, "reward": b.reward}
+            for b, _ in map(best_and_worst, batch.groups)
+        ]
 
 
 class IterativeDPO(PostProcessor):  # the protocol's check: no option to check
     """``iter_dpo``: each prompt's best and worst samples as a preference pair; none where the rewards tie."""
 
     def __call__(self, batch: PostProcessInput) -> list[dict]:
-        pairs = [best_and_worst(group) for group in batch.groups]
         return [
             {
                 "prompt": best.input,
@@ -47,7 +48,7 @@ class IterativeDPO(PostProcessor):  # the protocol's check: no option to check
                 "rejected": worst.output,
                 "rejected_reward": worst.reward,
             }
-            for best, worst in pairs
+            for best, worst in map(best_and_worst, batch.groups)
             if best.reward != worst.reward
         ]
 

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_core.data import encode
 from rlhf_core.errors import UserError
 
 PLACEHOLDER_KEY = "prm_placeholder_token"
@@ -40,7 +41,7 @@ def is_prm_model(path: str | None) -> bool:
 
 def single_token_id(tokenizer: Any, token: str, flag: str) -> int:
     """The id of ``token`` when the tokenizer encodes it as exactly one known token; SetupError otherwise."""
-    ids = list(tokenizer(token, add_special_tokens=False)["input_ids"])
+    ids = encode(tokenizer, token)
     if len(ids) != 1:
         raise SetupError(
             f"{flag} {token!r} is {len(ids)} tokens {ids} for this tokenizer; it must be exactly one"

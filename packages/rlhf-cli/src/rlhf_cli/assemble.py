@@ -419,6 +419,28 @@ def _check_opd(c, problems: list[str], asm: Assembly) -> None:
     ]
 
 
+def _check_moe(section, name: str) -> list[str]:
+    """The mixture-of-experts flags of ``--<name>.*`` on a local dense model (no ``num_experts_per_tok`` in its
+    config): refused here, before the ranks start (they would refuse it too)."""
+    path = section.model_name_or_path
+    flags = [
+        (f"--{name}.aux_loss_coef", section.aux_loss_coef),
+        (f"--{name}.freeze_moe_router", section.freeze_moe_router),
+    ]
+    if not any(on for _, on in flags) or not (path and (Path(path) / "config.json").is_file()):
+        return []
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "num_experts_per_tok", None):
+        return []
+    return [
+        f"{flag} {value}: {path} is a {config.model_type} model, not a mixture-of-experts one (it has no router)"
+        for flag, value in flags
+        if value
+    ]
+
+
 def _check_vision(c, estimator, engine: str) -> list[str]:
     """The checks of a run with images (``--data.image_key``, or an actor that is a vision-language model);
     returns how it uses them, for ``--dry-run``. A model given by hub id (not a local directory) is judged
@@ -566,7 +588,10 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
             models.append(("--ref.model_name_or_path", cfg.ref.model_name_or_path))
         if mode == "kd":
             models.append(("--teacher.model_name_or_path", cfg.teacher.model_name_or_path))
-        _refuse(check_models(models, "--model.model_name_or_path", asm))
+        _refuse(
+            check_models(models, "--model.model_name_or_path", asm)
+            + _check_moe(section=cfg.model, name="model")
+        )
         try:
             preflight(mode, cfg)
         except SetupError as exc:
@@ -597,6 +622,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     ]
     problems = check_models(models, "--actor.model_name_or_path", asm)
     _check_opd(cfg, problems, asm)
+    problems += _check_moe(section=cfg.actor, name="actor")
     from rlhf_agents.plugin import executor_class
     from rlhf_agents.rewards import check_reward_config
 

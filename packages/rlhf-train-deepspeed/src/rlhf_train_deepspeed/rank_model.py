@@ -27,6 +27,7 @@ from rlhf_train_deepspeed.models import (
     response_values,
     sequence_rewards,
 )
+from rlhf_train_deepspeed.moe import Routing
 from rlhf_train_deepspeed.strategy import Strategy, apply_lora, quantization_kwargs
 
 ENGINE_TAG = "engine"
@@ -140,7 +141,11 @@ class RankModel:
             if not is_vision_language(model.config):
                 raise ValueError(f"--actor.freeze_visual_encoder: {spec.path} is not a vision-language model")
             vision_tower(model).requires_grad_(False)
+        self.routing = None
+        """A trained MoE model's router hooks: its aux loss and routing metrics (see :mod:`.moe`)."""
         if spec.trainable:
+            aux_coef = getattr(spec.optim, "aux_loss_coef", 0.0)  # the critic's section has neither
+            self.routing = Routing.attach(model, aux_coef, getattr(spec.optim, "freeze_moe_router", False))
             if spec.kind == "causal":
                 model = apply_lora(model, ds.lora, "CAUSAL_LM")
             else:

@@ -160,3 +160,60 @@ def test_a_dense_model_refuses_the_moe_flags(tiny_llama):
     ):
         with pytest.raises(ValueError, match=rf"{flag}: the model \(llama\) is not a mixture-of-experts"):
             rank(tiny_llama, optim).close()
+
+
+def train(worker: TrainWorker, steps: int) -> list[dict]:
+    out = []
+    for k in range(steps):
+        mbs = sequences(2 + k % 2)
+        worker.forward_backward(mbs, "sft", SFT, step_counts("sft", mbs))
+        out.append(means(worker.optim_step()))
+    return out
+
+
+def params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_weight_sync_export_and_exact_resume_of_a_moe_policy(tiny_moe, tmp_path, lora):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_train_deepspeed import weights
+
+    ds = DSConfig(zero_stage=0, param_dtype="fp32")
+    if lora:  # attention only: the experts are fused 3-D parameters, no nn.Linear for an adapter
+        ds.lora.rank, ds.lora.target_modules = 4, ["q_proj", "v_proj"]
+    optim = ActorConfig(aux_loss_coef=0.01)
+    worker = rank(tiny_moe, optim, ds=ds)
+    try:
+        train(worker, 1)
+        worker.save_checkpoint(str(tmp_path / "ckpt"))
+        after_resume_point = train(worker, 2)
+        trained = dict(weights.named_weights(worker._module()))  # LoRA merged, HF names
+        engine = HFEngine(tiny_moe)
+        engine.update_weights(weights.engine_weights(worker._module()))
+        worker.export_hf(str(tmp_path / "export"))
+    finally:
+        worker.close()
+    # the engine's weights are the trainer's, experts included, under the same HF names
+    got = params(engine.model)
+    assert got.keys() == trained.keys() and any(".experts." in n for n in got)
+    for n, t in trained.items():
+        torch.testing.assert_close(got[n], t, rtol=0, atol=1e-6 if lora else 0)
+    if not lora:  # the export is a Hugging Face checkpoint: per-expert tensors under the hub's names
+        keys = [
+            set(safe_open(f"{d}/model.safetensors", "pt").keys()) for d in (tmp_path / "export", tiny_moe)
+        ]
+        assert keys[0] == keys[1] and any(".experts.3." in k for k in keys[0])  # e.g. ...experts.3.w2.weight
+        reloaded = params(AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")))
+        assert all(torch.equal(reloaded[n], t) for n, t in trained.items())
+    resumed = rank(tiny_moe, ActorConfig(aux_loss_coef=0.01), ds=ds)
+    try:
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        assert train(resumed, 2) == after_resume_point
+        assert all(torch.equal(t, trained[n]) for n, t in weights.named_weights(resumed._module()))
+    finally:
+        resumed.close()

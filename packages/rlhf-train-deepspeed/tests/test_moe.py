@@ -217,3 +217,83 @@ def test_weight_sync_export_and_exact_resume_of_a_moe_policy(tiny_moe, tmp_path,
         assert all(torch.equal(t, trained[n]) for n, t in weights.named_weights(resumed._module()))
     finally:
         resumed.close()
+
+
+def replay_measurement(path: str, dtype: str, updates: int) -> dict[str, float]:
+    """After ``updates`` SFT steps synced into an HF engine that records routing: the mean |engine - trainer|
+    log-prob of the sampled tokens and the fraction of (token, layer) whose experts differ, without and with
+    router replay in the trainer's log-prob forward."""
+    from rlhf_core.moe import replay_rows
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_core.types import GenerationRequest, SamplingParams
+    from rlhf_train_deepspeed import weights
+
+    # the shared-prompt forward runs each prompt once: its rows are not the batch's, which replay indexes
+    worker = rank(path, ModelConfig(), ds=DSConfig(zero_stage=0, param_dtype=dtype, shared_prefix=False))
+    try:
+        train(worker, updates)
+        engine = HFEngine(path, dtype=dtype)
+        engine.update_weights(weights.engine_weights(worker._module()))
+        engine.record_routing()
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(7, 60, (4 + i % 5,), generator=g).tolist() for i in range(8)]
+        params = SamplingParams(n=2, max_new_tokens=16, seed=1, ignore_eos=True)
+        outs = [o for req in engine.generate([GenerationRequest(p, params) for p in prompts]) for o in req]
+        rows = [p for p in prompts for _ in range(2)]
+        batch = make_sequence_batch(rows, [o.token_ids for o in outs], 0)
+        engine_lp = torch.zeros(len(outs), batch.num_response_positions)
+        for i, o in enumerate(outs):
+            engine_lp[i, : len(o.logprobs)] = torch.tensor(o.logprobs)
+        mask = batch.response_mask().float()
+        experts = replay_rows(
+            [o.routed_experts for o in outs], batch.attention_mask.sum(-1).tolist(), batch.input_ids.shape[1]
+        )
+        model = worker.model
+        (own,) = model.compute_logprobs([batch], 1.0, False, False, 0)
+        model.routing.disagreement = [0.0, 0.0]
+        with model.routing.replaying(experts):
+            (replayed,) = model.compute_logprobs([batch], 1.0, False, False, 0)
+        differ, total = model.routing.disagreement
+
+        def gap(lp: torch.Tensor) -> float:
+            return float(((lp.float() - engine_lp).abs() * mask).sum() / mask.sum())
+
+        return {"gap": gap(own), "gap_replayed": gap(replayed), "experts_differ": differ / total}
+    finally:
+        worker.close()
+
+
+def test_router_replay_uses_the_engines_experts_in_the_trainers_forward(tiny_moe):
+    from rlhf_core.moe import replay_rows
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_core.types import GenerationRequest, SamplingParams
+
+    # replaying the engine's own routing changes nothing in fp32 (the two agree on every expert), so the rows
+    # are laid out right; the measurement itself (bf16, after updates) is in docs/moe.md
+    fp32 = replay_measurement(tiny_moe, "fp32", updates=2)
+    assert fp32["experts_differ"] == 0 and fp32["gap"] < 1e-5 and fp32["gap_replayed"] == fp32["gap"]
+    # forced experts are used: each token's experts shifted by one disagree everywhere and move the log-probs
+    engine = HFEngine(tiny_moe)
+    engine.record_routing()
+    (outs,) = engine.generate([GenerationRequest([7, 8, 9], SamplingParams(n=2, max_new_tokens=5, seed=0))])
+    first = outs[0].routed_experts
+    assert (
+        first.shape == (3 + len(outs[0].token_ids), 2, 2)
+        and (first[:-1] >= 0).all()
+        and (first[-1] == -1).all()
+    )
+    worker = rank(tiny_moe, ds=DSConfig(zero_stage=0, param_dtype="fp32", shared_prefix=False))
+    try:
+        batch = make_sequence_batch([[7, 8, 9]] * 2, [o.token_ids for o in outs], 0)
+        lengths = batch.attention_mask.sum(-1).tolist()
+        experts = replay_rows([o.routed_experts for o in outs], lengths, batch.input_ids.shape[1])
+        shifted = torch.where(experts >= 0, (experts + 1) % 4, experts)
+        (own,) = worker.model.compute_logprobs([batch], 1.0, False, False, 0)
+        worker.model.routing.disagreement = [0.0, 0.0]
+        with worker.model.routing.replaying(shifted):
+            (forced,) = worker.model.compute_logprobs([batch], 1.0, False, False, 0)
+        differ, total = worker.model.routing.disagreement
+        assert total == 2 * sum(n - 1 for n in lengths) and differ == total
+        assert (forced - own).abs().max() > 1e-3
+    finally:
+        worker.close()

@@ -6,19 +6,13 @@ forward asks for ``output_router_logits=True``, and the loss is the model family
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 from torch import nn
 
-
-def router_recorder(model: nn.Module):
-    """The ``OutputRecorder`` transformers uses for ``model``'s router logits, or None for a dense model."""
-    for module in model.modules():
-        recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
-        if recorder is not None:
-            return recorder
-    return None
+from rlhf_core.moe import replayed_output, router_recorder, routers
 
 
 def routing_stats(logits: list[torch.Tensor], mask: torch.Tensor | None, top_k: int) -> dict[str, float]:
@@ -41,6 +35,7 @@ class Routing:
     """Forward hooks on the routers of a trained MoE model that keep each layer's router logits of the last
     forward run with gradients (the training forward; a gradient-checkpointing recompute writes the same
     values again) and the attention mask it ran with; :meth:`take` turns them into the aux loss and metrics.
+    Inside :meth:`replaying` the routers use the given experts instead of their own top-k (router replay).
     ``attach`` returns None for a dense model, refusing the MoE flags there."""
 
     def __init__(self, model: nn.Module, recorder, aux_loss_coef: float):
@@ -48,11 +43,10 @@ class Routing:
 
         self.aux_loss_coef = aux_loss_coef
         self.family_loss = sys.modules[recorder.target_class.__module__].load_balancing_loss_func
-        self.routers = [
-            m
-            for name, m in model.named_modules()
-            if isinstance(m, recorder.target_class) and name.endswith(recorder.layer_name or "")
-        ]
+        self.routers = routers(model, recorder)
+        self.replay: torch.Tensor | None = None
+        self.disagreement = [0.0, 0.0]
+        """Replayed (token, layer) pairs whose own experts differ from the replayed ones, and all of them."""
         self.num_experts, self.top_k = self.routers[0].num_experts, self.routers[0].top_k
         self.logits: list[torch.Tensor | None] = [None] * len(self.routers)
         self.mask: torch.Tensor | None = None
@@ -84,8 +78,27 @@ class Routing:
         def hook(module, args, output):
             if torch.is_grad_enabled():
                 self.logits[i] = output[index] if isinstance(output, tuple) else output
+            if self.replay is not None:
+                replay = self.replay[i]
+                own, valid = output[-1], replay[:, 0] >= 0
+                differ = (own.sort(-1).values != replay.sort(-1).values.to(own.device)).any(-1)
+                self.disagreement[0] += float((differ & valid.to(own.device)).sum())
+                self.disagreement[1] += float(valid.sum())
+                return replayed_output(module, output, replay)
+            return None
 
         return hook
+
+    @contextlib.contextmanager
+    def replaying(self, experts: torch.Tensor):
+        """Forwards inside use ``experts`` ``[layers, N, k]`` (:func:`rlhf_core.moe.replay_rows`; rows of -1
+        keep the router's own choice) and count in ``disagreement`` where the router would have chosen
+        otherwise. A gradient-checkpointing recompute runs in the backward, outside: train without it."""
+        self.replay = experts
+        try:
+            yield
+        finally:
+            self.replay = None
 
     def _keep_mask(self, module, args, kwargs):
         if torch.is_grad_enabled():

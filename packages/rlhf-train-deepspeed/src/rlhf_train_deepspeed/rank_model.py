@@ -128,10 +128,13 @@ class RankModel:
 
         zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
+        aux_coef = getattr(spec.optim, "aux_loss_coef", 0.0) if spec.trainable else 0.0  # critics: none
         if spec.kind == "value":
             model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
         elif spec.kind == "causal":
-            model = load_causal_lm(spec.path, dtype, causal_attn(spec.path, ds, attn), **quant, **experts)
+            # the aux loss needs each routed token's row in the padded batch: not the shared-prompt layout
+            trained_attn = attn if aux_coef else causal_attn(spec.path, ds, attn)
+            model = load_causal_lm(spec.path, dtype, trained_attn, **quant, **experts)
         else:
             raise ValueError(f"unknown model kind {spec.kind!r}")
         self.hf_config = model.config
@@ -144,7 +147,6 @@ class RankModel:
         self.routing = None
         """A trained MoE model's router hooks: its aux loss and routing metrics (see :mod:`.moe`)."""
         if spec.trainable:
-            aux_coef = getattr(spec.optim, "aux_loss_coef", 0.0)  # the critic's section has neither
             self.routing = Routing.attach(model, aux_coef, getattr(spec.optim, "freeze_moe_router", False))
             if spec.kind == "causal":
                 model = apply_lora(model, ds.lora, "CAUSAL_LM")

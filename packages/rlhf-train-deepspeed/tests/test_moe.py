@@ -125,6 +125,16 @@ def test_a_frozen_router_keeps_its_weights_while_the_experts_train_and_metrics_c
         assert 1.0 <= m["moe_load_max_over_mean"] <= 4 / 2  # between balanced and E / top_k
 
 
+def test_evaluation_after_a_checkpointed_step_adds_no_aux_loss(tiny_moe):
+    worker = rank(tiny_moe, ModelConfig(aux_loss_coef=0.5), grad_ckpt=True)
+    try:
+        train(worker, 1)  # its backward recomputes the routers' forward
+        ((metrics, _, _),) = worker.eval_supervised(sequences(1), SFT)
+    finally:
+        worker.close()
+    assert "aux_loss" not in metrics and metrics["loss"] == pytest.approx(metrics["nll"])
+
+
 def test_the_aux_loss_in_dpo_rm_and_the_policy_loss_with_lora(tiny_moe):
     g = torch.Generator().manual_seed(2)
 

@@ -101,8 +101,9 @@ class Routing:
             self.replay = None
 
     def _keep_mask(self, module, args, kwargs):
-        if torch.is_grad_enabled():
-            self.mask = kwargs.get("attention_mask")
+        # a new forward: forget what a gradient-checkpointing recompute left from the last backward
+        self.logits = [None] * len(self.routers)
+        self.mask = kwargs.get("attention_mask") if torch.is_grad_enabled() else None
 
     def take(self) -> tuple[torch.Tensor | None, dict[str, float]]:
         """The family's load-balancing loss of the last training forward (a scalar with gradient) and the routing

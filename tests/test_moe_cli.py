@@ -91,3 +91,30 @@ def test_the_openrlhf_mixtral_script_trains_a_tiny_mixtral_with_lora(tmp_path):
         assert s["loss"] == pytest.approx(s["nll"] + 0.001 * s["aux_loss"], rel=1e-5)
         assert 1.0 <= s["moe_load_max_over_mean"] <= 2.0 and s["moe_router_entropy"] > 0
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()  # LoRA: the adapter is exported
+
+
+def test_a_moe_policy_with_full_weight_syncs_into_vllm_is_refused_before_anything_starts(tmp_path, capsys):
+    """vLLM 0.32 was seen to fail the first sync of a tiny Mixtral ("There is no module or parameter named
+    'layers.0.mlp'"): it loads experts under the checkpoint's per-expert names, not transformers' fused ones."""
+    from rlhf_cli.main import main
+    from rlhf_core.testing.moe import make_tiny_moe
+
+    model = make_tiny_moe(tmp_path / "mixtral", "mixtral")
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n    return [0.0] * len(queries)\n"
+    )
+    ppo = ["train", "ppo", "--pretrain", model, "--remote_rm_url", str(reward), "--advantage_estimator"]
+    ppo += [
+        "group_norm",
+        "--n_samples_per_prompt",
+        "2",
+        "--ckpt.output_dir",
+        str(tmp_path / "run"),
+        "--dry-run",
+    ]
+    assert main([*ppo, "--rollout.engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "--rollout.engine vllm with a mixture-of-experts policy (mixtral): the weight sync sends" in err
+    assert main([*ppo, "--rollout.engine", "vllm", "--ds.lora.rank", "4"]) == 0  # adapters only
+    assert main([*ppo, "--rollout.engine", "hf", "--actor.aux_loss_coef", "0.01"]) == 0

@@ -1,5 +1,5 @@
 """Tiny random mixture-of-experts models for tests (nothing is downloaded): Mixtral and Qwen3-MoE shapes with
-2 layers, 4 experts, top-2 routing and hidden size 64, saved with the tiny word-level tokenizer."""
+2 layers, 4 experts, top-2 routing, hidden size 64 and 2 heads of 32, saved with the tiny word-level tokenizer."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ SHAPE = dict(
     hidden_size=64,
     intermediate_size=64,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,  # head_dim 32: the smallest vLLM's CPU attention runs
+    num_key_value_heads=1,
     num_experts_per_tok=2,
     max_position_embeddings=512,
 )
@@ -31,7 +31,7 @@ def make_tiny_moe(path: str | Path, family: str = "mixtral", seed: int = 0, num_
     if family == "mixtral":
         config = tf.MixtralConfig(**common, num_local_experts=4)
     elif family == "qwen3_moe":
-        config = tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32, head_dim=16)
+        config = tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=32, head_dim=32)
     else:
         raise ValueError(f"unknown family {family!r}: mixtral or qwen3_moe")
     torch.manual_seed(seed)

@@ -47,13 +47,18 @@ class Routing:
         self.replay: torch.Tensor | None = None
         self.disagreement = [0.0, 0.0]
         """Replayed (token, layer) pairs whose own experts differ from the replayed ones, and all of them."""
-        self.num_experts, self.top_k = self.routers[0].num_experts, self.routers[0].top_k
+        config, first = model.config, self.routers[0]
+        self.num_experts = getattr(first, "num_experts", None) or getattr(config, "num_local_experts", None)
+        self.num_experts = self.num_experts or config.num_experts
+        self.top_k = getattr(first, "top_k", None) or config.num_experts_per_tok
         self.logits: list[torch.Tensor | None] = [None] * len(self.routers)
         self.mask: torch.Tensor | None = None
         for i, router in enumerate(self.routers):
             router.register_forward_hook(self._keep(i, recorder.index))
-        base_cls = AutoModel._model_mapping[type(model.config)]  # the transformer under the head
-        for base in (m for m in model.modules() if isinstance(m, base_cls)):
+        # the transformer under the head, which its forward calls with the mask (PEFT calls the head's
+        # forward directly, past its hooks); an architecture transformers does not map: the model itself
+        base_cls = AutoModel._model_mapping[type(config)] if type(config) in AutoModel._model_mapping else ()
+        for base in [m for m in model.modules() if isinstance(m, base_cls)] or [model]:
             base.register_forward_pre_hook(self._keep_mask, with_kwargs=True)
 
     @classmethod

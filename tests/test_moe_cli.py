@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rlhf_cli.assemble import HUB_OFFLINE_VARS
 
@@ -118,3 +119,52 @@ def test_a_moe_policy_with_full_weight_syncs_into_vllm_is_refused_before_anythin
     assert "--rollout.engine vllm with a mixture-of-experts policy (mixtral): the weight sync sends" in err
     assert main([*ppo, "--rollout.engine", "vllm", "--ds.lora.rank", "4"]) == 0  # adapters only
     assert main([*ppo, "--rollout.engine", "hf", "--actor.aux_loss_coef", "0.01"]) == 0
+
+
+@pytest.mark.slow
+def test_grpo_on_a_tiny_mixtral_with_the_router_loss_and_a_frozen_router(tmp_path):
+    """The RL loop end to end (HF engine, one process): the actor's routing metrics every step, and the exported
+    policy's routers are the initial ones while its experts trained."""
+    from safetensors.torch import load_file
+
+    from rlhf_core.testing.moe import make_tiny_moe
+
+    model = make_tiny_moe(tmp_path / "mixtral", "mixtral")
+    rows = [{"input": f"w{i} w{i * 7 % 50}", "label": "0"} for i in range(8)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n    return [float(len(q) % 3) for q in queries]\n"
+    )
+    done = rlhf(
+        *(
+            "train",
+            "ppo",
+            "--pretrain",
+            model,
+            "--remote_rm_url",
+            "reward.py",
+            "--prompt_data",
+            "prompts.jsonl",
+        ),
+        *("--input_key", "input", "--label_key", "label", "--advantage_estimator", "group_norm"),
+        *("--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8"),
+        *("--micro_train_batch_size", "4", "--max_new_tokens", "8", "--num_episodes", "1"),
+        *("--aux_loss_coef", "0.01", "--actor.freeze_moe_router", "true", "--ckpt.output_dir", "run"),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "policy/loss" in s]
+    assert len(steps) == 2
+    for s in steps:
+        assert s["policy/aux_loss"] > 0 and s["policy/moe_router_entropy"] > 0
+        assert 1.0 <= s["policy/moe_load_max_over_mean"] <= 2.0
+    before, after = (
+        load_file(f"{model}/model.safetensors"),
+        load_file(tmp_path / "run" / "model" / "model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    routers = [k for k in before if k.endswith("gate.weight")]
+    experts = [k for k in before if ".experts." in k]
+    assert len(routers) == 2 and all(torch.equal(before[k], after[k]) for k in routers)
+    assert experts and not any(torch.equal(before[k], after[k]) for k in experts)

@@ -419,6 +419,37 @@ def _check_opd(c, problems: list[str], asm: Assembly) -> None:
     ]
 
 
+def _check_moe(section, name: str, vllm_sync: bool = False) -> list[str]:
+    """The mixture-of-experts checks of a local model (a hub id is left to the ranks, which refuse the flags
+    too): the MoE flags of ``--<name>.*`` on a dense model (no ``num_experts_per_tok`` in its config), and
+    (``vllm_sync``: full weight syncs into vLLM) an MoE policy, whose experts vLLM loads under other names."""
+    path = section.model_name_or_path
+    flags = [
+        (f"--{name}.aux_loss_coef", section.aux_loss_coef),
+        (f"--{name}.freeze_moe_router", section.freeze_moe_router),
+    ]
+    if not (vllm_sync or any(on for _, on in flags)) or not (path and (Path(path) / "config.json").is_file()):
+        return []
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "num_experts_per_tok", None):
+        return [VLLM_MOE_SYNC.format(model_type=config.model_type)] if vllm_sync else []
+    return [
+        f"{flag} {value}: {path} is a {config.model_type} model, not a mixture-of-experts one (it has no router)"
+        for flag, value in flags
+        if value
+    ]
+
+
+VLLM_MOE_SYNC = (
+    "--rollout.engine vllm with a mixture-of-experts policy ({model_type}): the weight sync sends the experts "
+    "as transformers holds them (fused, mlp.experts.gate_up_proj) and vLLM loads only the checkpoint's "
+    "per-expert names, so the first sync would fail; use --rollout.engine hf, or LoRA (--ds.lora.rank), "
+    "whose sync sends the adapters only"
+)
+
+
 def _check_vision(c, estimator, engine: str) -> list[str]:
     """The checks of a run with images (``--data.image_key``, or an actor that is a vision-language model);
     returns how it uses them, for ``--dry-run``. A model given by hub id (not a local directory) is judged
@@ -566,7 +597,10 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
             models.append(("--ref.model_name_or_path", cfg.ref.model_name_or_path))
         if mode == "kd":
             models.append(("--teacher.model_name_or_path", cfg.teacher.model_name_or_path))
-        _refuse(check_models(models, "--model.model_name_or_path", asm))
+        _refuse(
+            check_models(models, "--model.model_name_or_path", asm)
+            + _check_moe(section=cfg.model, name="model")
+        )
         try:
             preflight(mode, cfg)
         except SetupError as exc:
@@ -597,6 +631,9 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     ]
     problems = check_models(models, "--actor.model_name_or_path", asm)
     _check_opd(cfg, problems, asm)
+    problems += _check_moe(
+        section=cfg.actor, name="actor", vllm_sync=engine == "vllm" and not cfg.ds.lora.rank
+    )
     from rlhf_agents.plugin import executor_class
     from rlhf_agents.rewards import check_reward_config
 

@@ -144,8 +144,11 @@ class ActorConfig(OptimizerFields):
     gradient accumulation and data-parallel ranks), ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``
     (Dr. GRPO). Default: the policy loss's own (``ppo``: token_mean, ``gspo``: seq_mean_token_mean).
     OpenRLHF has no such flag."""
-    aux_loss_coef: float = option(0.0, refused="the MoE router auxiliary loss is not implemented")
-    """Weight of the MoE router auxiliary loss (not implemented: refused unless 0)."""
+    aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the router load-balancing loss, the model family's own
+    (transformers' ``load_balancing_loss_func``); logged as ``aux_loss``. A dense model refuses it."""
+    freeze_moe_router: bool = False
+    """Mixture-of-experts models: keep the router (gate) weights frozen; the experts still train."""
     entropy_coef: float = 0.0
     """Entropy bonus weight; 0 only logs the entropy."""
     freeze_visual_encoder: bool = False
@@ -711,8 +714,11 @@ class ModelConfig(OptimizerFields):
     """Recompute activations in the backward pass."""
     gradient_checkpointing_reentrant: bool = False
     """Use the reentrant checkpointing implementation."""
-    aux_loss_coef: float = option(0.0, refused="the MoE router auxiliary loss is not implemented")
-    """Weight of the MoE router auxiliary loss (not implemented: refused unless 0)."""
+    aux_loss_coef: float = 0.0
+    """Mixture-of-experts models: weight of the router load-balancing loss, the model family's own
+    (transformers' ``load_balancing_loss_func``); logged as ``aux_loss``. A dense model refuses it."""
+    freeze_moe_router: bool = False
+    """Mixture-of-experts models: keep the router (gate) weights frozen; the experts still train."""
     pretrain_mode_enable: bool = option(False, modes=("sft", "kd"))
     """SFT: train on the whole text, not just the response."""
     compute_fp32_loss_enable: bool = option(

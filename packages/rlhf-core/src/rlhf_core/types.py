@@ -109,6 +109,9 @@ class GenerationOutput:
     """``len(logprobs) == len(token_ids)``; see :class:`SamplingParams` for which distribution."""
     finish_reason: FinishReason
     """``stop``: EOS or a stop id (included in ``token_ids``); ``length``: hit ``max_new_tokens``."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models, engines that record routing: ``[len(prompt) + len(token_ids), layers, k]`` the experts each
+    token was routed to (-1 where no forward ran on it: the last token); see :mod:`rlhf_core.moe`."""
 
 
 class RolloutEngine(ABC):

@@ -49,6 +49,21 @@ class SupervisedConfigLite:
     kd_coef: float = 0.4
 
 
+def plus_router_loss(model, loss: torch.Tensor, metrics: dict, sequences: int, counts) -> torch.Tensor:
+    """``loss`` plus an MoE model's router load-balancing term of the forward just run (its metrics go to
+    ``metrics``): ``coef * aux * sequences / num_sequences * dp_size``, so that over a step the gradient is
+    ``coef`` times that of the sequence-weighted mean of the micro-batches' aux losses (OpenRLHF adds
+    ``coef * aux`` to each micro-batch's mean loss). Dense models and evaluation: ``loss`` unchanged."""
+    if model.routing is None:
+        return loss
+    aux, routing_metrics = model.routing.take()
+    metrics.update(routing_metrics)
+    if aux is None or not model.routing.aux_loss_coef:
+        return loss
+    share = 1.0 if counts is None else sequences / counts["num_sequences"] * model.dp_size
+    return loss + model.routing.aux_loss_coef * share * aux.to(loss.device)
+
+
 def policy(model, mb: PolicyMicroBatch, cfg: PolicyStepConfig, counts: dict[str, float]):
     """The policy loss ``cfg.loss`` (a ``policy_losses`` plugin) + entropy bonus + KL loss."""
     loss_fn = model.registered("policy_losses", cfg.loss, "--actor.policy_loss_type")
@@ -88,6 +103,7 @@ def policy(model, mb: PolicyMicroBatch, cfg: PolicyStepConfig, counts: dict[str,
         )
     )
     loss, metrics = out.loss, dict(out.metrics)
+    loss = plus_router_loss(model, loss, metrics, len(mask), counts)
     with torch.no_grad():
         metrics["entropy"] = float((ent * mask).sum() / mask.sum().clamp(min=1))
         if on_policy and mb.rollout_logprobs is not None:  # else the controller reports it
@@ -109,8 +125,8 @@ def value(model, mb: CriticMicroBatch, value_clip: float | None, counts: dict[st
     agg = LossAggregation(num_tokens=counts["num_tokens"], dp_size=model.dp_size)
     values, mask = response_values(model.engine, mb.seq, model.packing, model.ring)
     out = value_loss(values, mb.old_values, mb.returns, mask, value_clip, agg)
-    mean = float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
-    return out.loss, {**out.metrics, "values": mean}, float(mask.sum())
+    metrics = {**out.metrics, "values": float((values.detach() * mask).sum() / mask.sum().clamp(min=1))}
+    return plus_router_loss(model, out.loss, metrics, len(mask), counts), metrics, float(mask.sum())
 
 
 def _token_aggregation(model, counts: dict[str, float] | None) -> LossAggregation:
@@ -129,8 +145,11 @@ def _per_pair(model, loss: torch.Tensor, b: int, counts: dict[str, float] | None
 def sft(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     lp, _, mask = response_logprobs(model.engine, mb, 1.0, model.packing, ring=model.ring)
     n = float(mask.sum())
-    nll = float(-(lp.detach() * mask).sum()) / max(n, 1.0)
-    return sft_loss(lp, mask, _token_aggregation(model, counts)), {"nll": nll}, n
+    metrics = {"nll": float(-(lp.detach() * mask).sum()) / max(n, 1.0)}
+    loss = plus_router_loss(
+        model, sft_loss(lp, mask, _token_aggregation(model, counts)), metrics, len(mb), counts
+    )
+    return loss, metrics, n
 
 
 def prm(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
@@ -138,7 +157,8 @@ def prm(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     if cfg.reward_token_ids is not None:
         logits = logits[:, cfg.reward_token_ids]  # [N, K]
     out = prm_loss(logits, mb.classes, mb.soft_labels, _token_aggregation(model, counts))
-    return out.loss, dict(out.metrics), float(len(mb.rows))
+    metrics = dict(out.metrics)
+    return plus_router_loss(model, out.loss, metrics, len(mb.seq), counts), metrics, float(len(mb.rows))
 
 
 def kd(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
@@ -147,7 +167,8 @@ def kd(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     with torch.no_grad():
         teacher, _, _ = response_logits(model.ref_engine, mb, model.packing)
     out = kd_loss(student, teacher, labels, mask, cfg.kd_coef, _token_aggregation(model, counts))
-    return out.loss, dict(out.metrics), float(mask.sum())
+    metrics = dict(out.metrics)
+    return plus_router_loss(model, out.loss, metrics, len(mask), counts), metrics, float(mask.sum())
 
 
 def rm(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
@@ -159,7 +180,8 @@ def rm(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     metrics = dict(out.metrics)
     if counts is None:
         metrics["_rewards"] = rewards.detach().cpu().tolist()
-    return _per_pair(model, out.loss, b, counts), metrics, float(b)
+    loss = plus_router_loss(model, _per_pair(model, out.loss, b, counts), metrics, b, counts)
+    return loss, metrics, float(b)
 
 
 def _policy_and_reference_logps(model, first, second):
@@ -181,7 +203,7 @@ def dpo(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
         nll = nll_loss(logps[:b], mask[:b].sum(-1))
         loss = loss + cfg.nll_loss_coef * nll
         metrics["nll"] = float(nll.detach())
-    return _per_pair(model, loss, b, counts), metrics, float(b)
+    return plus_router_loss(model, _per_pair(model, loss, b, counts), metrics, b, counts), metrics, float(b)
 
 
 def kto(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
@@ -195,7 +217,12 @@ def kto(model, mb, cfg: SupervisedConfigLite, counts: dict[str, float] | None):
     out = kto_loss(
         logps[:b], ref_logps[:b], mb.desirable, kl, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight
     )
-    return _per_pair(model, out.loss, b, counts), dict(out.metrics), float(b)
+    metrics = dict(out.metrics)
+    return (
+        plus_router_loss(model, _per_pair(model, out.loss, b, counts), metrics, b, counts),
+        metrics,
+        float(b),
+    )
 
 
 LOSSES: dict[str, Callable] = {

@@ -27,6 +27,7 @@ from rlhf_train_deepspeed.models import (
     response_values,
     sequence_rewards,
 )
+from rlhf_train_deepspeed.moe import Routing
 from rlhf_train_deepspeed.strategy import Strategy, apply_lora, quantization_kwargs
 
 ENGINE_TAG = "engine"
@@ -127,10 +128,13 @@ class RankModel:
 
         zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
+        aux_coef = getattr(spec.optim, "aux_loss_coef", 0.0) if spec.trainable else 0.0  # critics: none
         if spec.kind == "value":
             model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
         elif spec.kind == "causal":
-            model = load_causal_lm(spec.path, dtype, causal_attn(spec.path, ds, attn), **quant, **experts)
+            # the aux loss needs each routed token's row in the padded batch: not the shared-prompt layout
+            trained_attn = attn if aux_coef else causal_attn(spec.path, ds, attn)
+            model = load_causal_lm(spec.path, dtype, trained_attn, **quant, **experts)
         else:
             raise ValueError(f"unknown model kind {spec.kind!r}")
         self.hf_config = model.config
@@ -140,7 +144,10 @@ class RankModel:
             if not is_vision_language(model.config):
                 raise ValueError(f"--actor.freeze_visual_encoder: {spec.path} is not a vision-language model")
             vision_tower(model).requires_grad_(False)
+        self.routing = None
+        """A trained MoE model's router hooks: its aux loss and routing metrics (see :mod:`.moe`)."""
         if spec.trainable:
+            self.routing = Routing.attach(model, aux_coef, getattr(spec.optim, "freeze_moe_router", False))
             if spec.kind == "causal":
                 model = apply_lora(model, ds.lora, "CAUSAL_LM")
             else:

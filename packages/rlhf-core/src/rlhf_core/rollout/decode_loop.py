@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from rlhf_core.moe import ExpertRecorder
 from rlhf_core.rollout.decode import GrowingKVLayer, StaticDecoder, decode_token
 from rlhf_core.rollout.sampling import row_keys, sample_next
 from rlhf_core.types import GenerationOutput
@@ -32,12 +33,14 @@ def decode_rows(
     max_positions: int | None,
     image_token_id: int | None,
     static: Callable[[int, int], StaticDecoder] | None = None,
+    experts: ExpertRecorder | None = None,
 ) -> list[GenerationOutput]:
     """Decode one batch of samples; ``rows`` are (prompt ids, SamplingParams, seed, images). ``forward``: the
     engine's model call (logits ``[R, V]`` of the last position); ``fast_path``: the engine's own attention and
     preallocated cache; ``plan``/``weights``: :func:`decode_plan` and :func:`decode_weights` when decode reads
     the weights directly (else None); ``static(rows, capacity)``: the :class:`StaticDecoder` to decode with
-    (needs ``plan``), or None for the growing cache."""
+    (needs ``plan``), or None for the growing cache; ``experts``: an MoE model's routing, recorded into each
+    output (the generic path)."""
     dev = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
     n_rows = len(rows)
@@ -133,6 +136,10 @@ def decode_rows(
         logits = logits[source]
     if decoder is not None:
         decoder.start(cache, key_valid.to(dev), pad.to(dev))
+    if experts is not None:  # the prompt's routing from the prefill; token t's from decode step t
+        picked = experts.take().cpu().unflatten(1, (len(distinct), width))  # [layers, D, width, k]
+        prompt_experts = [picked[:, k, p:] for k, p in zip(source.tolist(), pad.tolist(), strict=True)]
+        generated = torch.full((picked.shape[0], n_rows, steps, picked.shape[-1]), -1, dtype=picked.dtype)
     for t in range(steps):
         tok, lp = sample_next(
             logits,
@@ -169,10 +176,16 @@ def decode_rows(
             logits = decode_token(plan, tok, cos[position], sin[position], mask, cache, weights)
         else:
             logits = forward(tok[:, None], position[..., None], mask, cache)
+            if experts is not None:
+                generated[:, s["row"].cpu(), t] = experts.take().cpu()
 
-    return [
+    outs = [
         GenerationOutput(toks[:n], lps[:n], "stop" if is_stop else "length")
         for toks, lps, n, is_stop in zip(
             tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist(), strict=True
         )
     ]
+    for r, out in enumerate(outs if experts is not None else []):
+        n = len(out.token_ids)
+        out.routed_experts = torch.cat([prompt_experts[r], generated[:, r, :n]], 1).transpose(0, 1)
+    return outs

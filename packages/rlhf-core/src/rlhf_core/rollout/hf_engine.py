@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from rlhf_core.moe import ExpertRecorder
 from rlhf_core.rollout.decode import (
     ATTENTION_NAME,
     FAST_PATH_MODEL_TYPES,
@@ -176,6 +177,17 @@ class HFEngine(EngineWeights, RolloutEngine):
         self._track_weights(model)
         self.static_cache = self.device.type == "cuda" and self.plan is not None
         self.cuda_graph = True
+        self.experts: ExpertRecorder | None = None
+        """Set by :meth:`record_routing`: an MoE model's routing, recorded into every output."""
+
+    def record_routing(self) -> None:
+        """Router replay: record the experts each token is routed to (``GenerationOutput.routed_experts``), for
+        the trainer to use instead of its own top-k (:mod:`rlhf_core.moe`)."""
+        self.experts = self.experts or ExpertRecorder.attach(self.model)
+        if self.experts is None:
+            raise ValueError(
+                f"router replay: {self.model.config.model_type} is not a mixture-of-experts model"
+            )
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -238,6 +250,7 @@ class HFEngine(EngineWeights, RolloutEngine):
                     static=(lambda r, c, w=weights: self._static_decoder(w, r, c))
                     if self.static_cache
                     else None,
+                    experts=self.experts,
                 )
                 for (i, j, *_), out in zip(chunk, outs, strict=True):
                     results[i][j] = out

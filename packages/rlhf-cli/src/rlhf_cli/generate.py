@@ -12,6 +12,8 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -391,18 +393,22 @@ class GenerationWorker:
         if self.engine is None:
             samples = [(p, 0, p["output_ids"], p["output"], "stop") for p in prompts]
         else:
-            params = [
-                SamplingParams(
-                    n=c.rollout.n_samples_per_prompt,
-                    temperature=c.rollout.temperature,
-                    top_p=c.rollout.top_p,
-                    top_k=c.rollout.top_k,
-                    max_new_tokens=c.rollout.max_new_tokens,
-                    seed=derive_seed(c.generate.seed, c.generate.iter or 0, p["index"]),
+            r = c.rollout
+            requests = [
+                GenerationRequest(
+                    p["ids"],
+                    SamplingParams(
+                        r.n_samples_per_prompt,
+                        r.temperature,
+                        r.top_p,
+                        r.top_k,
+                        r.max_new_tokens,
+                        seed=derive_seed(c.generate.seed, c.generate.iter or 0, p["index"]),
+                    ),
                 )
                 for p in prompts
             ]
-            outs = self.engine.generate([GenerationRequest(p["ids"], sp) for p, sp in zip(prompts, params)])
+            outs = self.engine.generate(requests)
             samples = [
                 (
                     p,
@@ -414,12 +420,27 @@ class GenerationWorker:
                 for p, group in zip(prompts, outs)
                 for j, o in enumerate(group)
             ]
-        rewards: list[float | None] = [None] * len(samples)
-        errors: list[str | None] = [None] * len(samples)
+        ps, js, ids, texts, finishes = zip(*samples)
+        rewards, errors = [None] * len(samples), [None] * len(samples)
         if self.reward is not None:
-            result = self.loop.run_until_complete(self.reward.score(self._request(samples)))
+            tok = self.tokenizer
+            request = RewardRequest(
+                queries=[
+                    tok.decode(p["ids"] + list(i), skip_special_tokens=False)
+                    if tok is not None
+                    else p["text"] + t
+                    for p, i, t in zip(ps, ids, texts)
+                ],
+                prompts=[p["text"] for p in ps],
+                labels=[p["label"] for p in ps],
+                prompt_ids=[list(p["ids"]) for p in ps],
+                response_ids=[list(i) for i in ids],
+                finish_reasons=list(finishes),
+                responses=list(texts),
+            )
+            result = self.loop.run_until_complete(self.reward.score(request))
             rewards = list(result.rewards)
-            errors = list(result.errors) or [None] * len(samples)
+            errors = list(result.errors) or errors
         return [
             {
                 "prompt_index": p["index"],
@@ -431,54 +452,11 @@ class GenerationWorker:
                 **({"label": p["label"]} if p["label"] is not None else {}),
                 **({"error": error or "unscorable"} if self.reward is not None and reward is None else {}),
             }
-            for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors)
+            for p, j, text, finish, reward, error in zip(ps, js, texts, finishes, rewards, errors)
         ]
-
-    def _request(self, samples: list[tuple]) -> RewardRequest:
-        tok = self.tokenizer
-        return RewardRequest(
-            queries=[
-                tok.decode(p["ids"] + list(ids), skip_special_tokens=False)
-                if tok is not None
-                else p["text"] + text
-                for p, _, ids, text, _ in samples
-            ],
-            prompts=[p["text"] for p, *_ in samples],
-            labels=[p["label"] for p, *_ in samples],
-            prompt_ids=[list(p["ids"]) for p, *_ in samples],
-            response_ids=[list(ids) for _, _, ids, *_ in samples],
-            finish_reasons=[finish for *_, finish in samples],
-            responses=[text for *_, text, _ in samples],
-        )
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
-
-
-class Progress:
-    """A line per answered micro-batch, at most every ``every_s`` seconds (and always the last one)."""
-
-    def __init__(self, total: int, done: int, every_s: float = 5.0):
-        self.total, self.done, self.start_done = total, done, done
-        self.samples, self.reward_sum, self.scored = 0, 0.0, 0
-        self.every_s, self.t0, self.last = every_s, time.perf_counter(), 0.0
-
-    def update(self, records: list[dict], prompts: int) -> None:
-        self.done += prompts
-        self.samples += len(records)
-        rewards = [rec["reward"] for rec in records if rec["reward"] is not None]
-        self.reward_sum += sum(rewards)
-        self.scored += len(rewards)
-        now = time.perf_counter()
-        if now - self.last >= self.every_s or self.done == self.total:
-            self.last = now
-            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
-            reward = f", mean reward {self.reward_sum / self.scored:.4f}" if self.scored else ""
-            print(
-                f"generate: {self.done}/{self.total} prompts ({self.done / self.total:.0%}), {self.samples} "
-                f"samples this run, {rate:.2f} prompts/s{reward}",
-                flush=True,
-            )
 
 
 def generate_samples(plan: Plan, todo: list[dict]) -> None:
@@ -500,7 +478,9 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     ]
     size = cfg.rollout.micro_batch_size
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
-    progress = Progress(len(plan.prompts), len(plan.prompts) - len(todo))
+    # a progress line per answered micro-batch, at most every 5 s (and always the last one)
+    total, t0, last = len(plan.prompts), time.perf_counter(), 0.0
+    prompts_done, samples, reward_sum, scored = total - len(todo), 0, 0.0, 0
     pending: dict[handles.Future, tuple[int, list[dict]]] = {}  # call -> (worker, its micro-batch)
     next_chunk, written = 0, 0
     try:
@@ -521,7 +501,21 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
                 )
             written += 1
             append_records(plan.samples_path, records, written)
-            progress.update(records, len(chunk))
+            prompts_done += len(chunk)
+            samples += len(records)
+            rewards = [rec["reward"] for rec in records if rec["reward"] is not None]
+            reward_sum += sum(rewards)
+            scored += len(rewards)
+            now = time.perf_counter()
+            if now - last >= 5.0 or prompts_done == total:
+                last = now
+                rate = (prompts_done - total + len(todo)) / max(now - t0, 1e-9)
+                reward = f", mean reward {reward_sum / scored:.4f}" if scored else ""
+                print(
+                    f"generate: {prompts_done}/{total} prompts ({prompts_done / total:.0%}), {samples} "
+                    f"samples this run, {rate:.2f} prompts/s{reward}",
+                    flush=True,
+                )
     finally:
         for w in workers:
             handles.kill(w)
@@ -540,20 +534,17 @@ def finish(plan: Plan, pm=None) -> dict:
     if cfg.generate.post_processor:
         pm = pm or plugins.get_plugin_manager()
         processor = plugins.resolve(pm, "post_processors", cfg.generate.post_processor)
-        groups: dict[int, list[ScoredSample]] = {}
-        for r in scored:
-            groups.setdefault(r["prompt_index"], []).append(
+        groups = [
+            [
                 ScoredSample(
-                    r["input"],
-                    r["output"],
-                    float(r["reward"]),
-                    r["prompt_index"],
-                    r["sample_index"],
-                    r.get("label"),
+                    r["input"], r["output"], float(r["reward"]), i, r["sample_index"], r.get("label")
                 )
-            )
+                for r in group
+            ]
+            for i, group in groupby(scored, key=itemgetter("prompt_index"))  # records are sorted
+        ]
         options = PostProcessOptions(cfg.generate.reward_template, cfg.generate.normalize_reward)
-        rows = processor(PostProcessInput([groups[k] for k in sorted(groups)], options))
+        rows = processor(PostProcessInput(groups, options))
     else:
         keys = (
             ("input", "output", "reward", "label")

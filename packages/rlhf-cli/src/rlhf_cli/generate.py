@@ -481,17 +481,16 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     # a progress line per answered micro-batch, at most every 5 s (and always the last one)
     total, t0, last = len(plan.prompts), time.perf_counter(), 0.0
     prompts_done, samples, reward_sum, scored = total - len(todo), 0, 0.0, 0
-    pending: dict[handles.Future, tuple[int, list[dict]]] = {}  # call -> (worker, its micro-batch)
-    next_chunk, written = 0, 0
+    pending: dict[handles.Future, tuple[Any, list[dict]]] = {}  # call -> (worker, its micro-batch)
+    idle, written = list(workers), 0
     try:
-        while next_chunk < len(chunks) or pending:
-            busy = {k for k, _ in pending.values()}
-            for k, w in enumerate(workers):
-                if next_chunk < len(chunks) and k not in busy:
-                    pending[w.run(chunks[next_chunk])] = (k, chunks[next_chunk])
-                    next_chunk += 1
+        while chunks or pending:
+            while idle and chunks:
+                w, chunk = idle.pop(0), chunks.pop(0)
+                pending[w.run(chunk)] = (w, chunk)
             done = handles.first_done(list(pending))
-            _, chunk = pending.pop(done)
+            w, chunk = pending.pop(done)
+            idle.append(w)
             records = handles.wait(done)
             if plan.reward is not None and all(rec["reward"] is None for rec in records):
                 raise GenerateError(
@@ -562,8 +561,7 @@ def finish(plan: Plan, pm=None) -> dict:
     }
     if scored:
         rewards = [float(r["reward"]) for r in scored]
-        mean = sum(rewards) / len(rewards)
-        summary["reward_mean"] = mean
+        summary["reward_mean"] = mean = sum(rewards) / len(rewards)
         summary["reward_std"] = (sum((x - mean) ** 2 for x in rewards) / max(len(rewards) - 1, 1)) ** 0.5
     return summary
 
@@ -592,7 +590,7 @@ def run_generate(plan: Plan) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from rlhf_core.config_parser import ConfigError, build_argparser, config_to_yaml, parse_config
+    from rlhf_core.config_parser import build_argparser, config_to_yaml, parse_config
 
     if "-h" in argv or "--help" in argv:
         build_argparser("generate").print_help()
@@ -605,7 +603,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg, notes = parse_config("generate", [a for a in argv if a != "--dry-run"])
         the_plan = plan(cfg)
-    except (ConfigError, GenerateError, data.DataError, plugins.PluginError) as exc:
+    except UserError as exc:
         print(f"rlhf generate: {exc}", file=sys.stderr)
         return 2
     for note in notes + the_plan.notes:
@@ -617,7 +615,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         run_generate(the_plan)
-    except (GenerateError, data.DataError) as exc:
+    except UserError as exc:
         print(f"rlhf generate: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -165,8 +165,7 @@ def chat_loop(
     stream: bool,
     interactive: bool,
 ) -> int:
-    opening = Path(cfg.chat.ta_prompt).read_text() if cfg.chat.ta_prompt else ""
-    conv = Conversation(cfg, tokenizer, opening)
+    conv = Conversation(cfg, tokenizer, Path(cfg.chat.ta_prompt).read_text() if cfg.chat.ta_prompt else "")
     while True:
         if interactive:
             print("> ", end="", file=err, flush=True)
@@ -175,7 +174,7 @@ def chat_loop(
         if not line or user.strip() in COMMANDS_EXIT:  # end of input, or /exit
             return 0
         if user.strip() in COMMANDS_RESET:
-            conv = Conversation(cfg, tokenizer, opening)
+            conv.turns.clear()
             print("(new conversation)", file=err)
             continue
         if not user.strip():

@@ -90,7 +90,8 @@ class AdaptiveKLController(FixedKLController):
         if target <= 0 or horizon <= 0:
             raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target} and {horizon}")
         super().__init__(init_coef)
-        self.target, self.horizon = float(target), float(horizon)
+        self.target = float(target)
+        self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)

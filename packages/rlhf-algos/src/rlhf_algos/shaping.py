@@ -87,8 +87,10 @@ class RunningMeanStd:
     """
 
     def __init__(self, eps: float = 1e-8):
-        self.count, self.mean, self.eps = 0.0, 0.0, eps
+        self.count = 0.0
+        self.mean = 0.0
         self.m2 = 0.0  # sum of squared deviations from the mean
+        self.eps = eps
 
     @property
     def var(self) -> float:

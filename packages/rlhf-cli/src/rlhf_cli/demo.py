@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlhf demo: --rollout.engine vllm cannot run here: {reason}", file=sys.stderr)
             return 2
     work = Path(args.workdir or "runs/demo").resolve()
-    timings: dict[str, float] = {}
+    timings = {}
     t0 = time.perf_counter()
     print(
         f"[demo] making the tokenizer, a random tiny Llama and the addition task in {work}"

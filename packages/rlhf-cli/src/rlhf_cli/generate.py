@@ -479,9 +479,12 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     size = cfg.rollout.micro_batch_size
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
     # a progress line per answered micro-batch, at most every 5 s (and always the last one)
-    total, t0, last = len(plan.prompts), time.perf_counter(), 0.0
-    prompts_done, samples, reward_sum, scored = total - len(todo), 0, 0.0, 0
-    pending: dict[handles.Future, tuple[Any, list[dict]]] = {}  # call -> (worker, its micro-batch)
+    total = len(plan.prompts)
+    prompts_done = total - len(todo)
+    samples = scored = 0
+    reward_sum = last = 0.0
+    t0 = time.perf_counter()
+    pending = {}  # call -> (worker, its micro-batch)
     idle, written = list(workers), 0
     try:
         while chunks or pending:

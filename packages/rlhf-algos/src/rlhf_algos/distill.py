@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_algos.aggregation import aggregate
-from rlhf_algos.logits import logprobs_from_logits
+from rlhf_algos.logits import entropy_from_logits, logprobs_from_logits
 from rlhf_core.types import LossAggregation, LossOutput
 
 
@@ -43,18 +43,16 @@ def kd_loss(
     ``gpt_loss`` (NLL), ``distil_loss`` and ``kl`` (the token mean of KL(T || S) = distil - H(T)), each the
     plain mean over this micro-batch's masked tokens.
     """
-    keep = mask.bool()[..., None]
-    student_logits = torch.where(keep, student_logits, student_logits.new_zeros(()))
-    teacher_logits = torch.where(keep, teacher_logits.detach(), teacher_logits.new_zeros(()))
+    m = mask.bool()
+    student_logits = torch.where(m[..., None], student_logits, student_logits.new_zeros(()))
+    teacher_logits = torch.where(m[..., None], teacher_logits.detach(), teacher_logits.new_zeros(()))
     nll_tok = -logprobs_from_logits(student_logits, labels)
     distil_tok = distill_cross_entropy(student_logits, teacher_logits)
     loss = (1 - kd_coef) * aggregate(nll_tok, mask, aggregation) + kd_coef * aggregate(
         distil_tok, mask, aggregation
     )
     with torch.no_grad():
-        t = teacher_logits.float()
-        teacher_entropy = torch.logsumexp(t, -1) - (torch.softmax(t, -1) * t).sum(-1)
-        m = mask.bool()
+        teacher_entropy = entropy_from_logits(teacher_logits)
         n = max(int(m.sum()), 1)
         metrics = {
             "gpt_loss": float(nll_tok[m].sum()) / n,

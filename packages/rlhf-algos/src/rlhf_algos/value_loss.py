@@ -31,7 +31,7 @@ def value_loss(
     v_old = torch.where(mask, old_values.float(), 0.0)
     ret = torch.where(mask, returns.float(), 0.0)
     unclipped = (v - ret).square()
-    metrics: dict[str, float] = {}
+    metrics = {}
     if value_clip is None:
         per_token = unclipped
     else:

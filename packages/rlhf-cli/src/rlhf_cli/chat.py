@@ -14,9 +14,6 @@ from typing import Any, TextIO
 from rlhf_core.config import ChatConfig
 from rlhf_core.errors import UserError
 
-COMMANDS_RESET = ("/reset", "clear")
-COMMANDS_EXIT = ("/exit", "exit")
-
 
 class ChatError(UserError, ValueError):
     """A setting that cannot work; the message names the flag or file."""
@@ -165,22 +162,20 @@ def chat_loop(
     stream: bool,
     interactive: bool,
 ) -> int:
-    opening = Path(cfg.chat.ta_prompt).read_text() if cfg.chat.ta_prompt else ""
-    conv = Conversation(cfg, tokenizer, opening)
+    conv = Conversation(cfg, tokenizer, Path(cfg.chat.ta_prompt).read_text() if cfg.chat.ta_prompt else "")
     while True:
         if interactive:
             print("> ", end="", file=err, flush=True)
         line = lines.readline()
         user = line.rstrip("\n")
-        if not line or user.strip() in COMMANDS_EXIT:  # end of input, or /exit
+        command = user.strip()
+        if not line or command in ("/exit", "exit"):  # end of input, or /exit
             return 0
-        if user.strip() in COMMANDS_RESET:
-            conv = Conversation(cfg, tokenizer, opening)
+        if command in ("/reset", "clear"):
+            conv.turns.clear()
             print("(new conversation)", file=err)
-            continue
-        if not user.strip():
-            continue
-        reply(conv, model, user, out, stream, err)
+        elif command:
+            reply(conv, model, user, out, stream, err)
 
 
 def main(argv: list[str]) -> int:

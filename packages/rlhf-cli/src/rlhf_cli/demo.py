@@ -95,11 +95,12 @@ def make_assets(work: Path, seed: int = 0, num_heads: int = 4) -> dict[str, Path
         "sft": work / "sft.jsonl",
         **write_task(work, train, held_out, prompt_of, REWARD_FILE),
     }
-    with files["sft"].open("w") as f:
-        for a, b in train:
-            f.write(
-                json.dumps({"input": prompt_of(a, b), "output": spaced(flawed_teacher(a, b, rng))}) + "\n"
-            )
+    files["sft"].write_text(
+        "".join(
+            json.dumps({"input": prompt_of(a, b), "output": spaced(flawed_teacher(a, b, rng))}) + "\n"
+            for a, b in train
+        )
+    )
     return files
 
 
@@ -153,106 +154,42 @@ def accuracy(model_dir: Path, eval_file: Path) -> float:
     ) / len(rows)
 
 
+def argv(line: str, **values) -> list[str]:
+    """A command's words: ``line`` split at spaces, each ``{name}`` word replaced by ``values[name]`` (paths may
+    hold spaces)."""
+    return [str(values[word[1:-1]]) if word[0] == "{" else word for word in line.split()]
+
+
 def commands(
     files: dict[str, Path], work: Path, quick: bool, engine: str = "hf"
 ) -> list[tuple[str, list[str]]]:
     # calibrated over seeds 0-2: SFT reaches ~60% held-out accuracy (the teacher's carry mistakes), GRPO ~85%;
     # --quick only checks that every stage runs: one SFT epoch, 4 GRPO steps
     sft_epochs, rl_steps = (1, 4) if quick else (28, 88)  # 88 steps: one pass over the 1,400 prompts
-    sft = [
-        "rlhf",
-        "train",
-        "sft",
-        "--model.model_name_or_path",
-        str(files["base"]),
-        "--data.dataset",
-        str(files["sft"]),
-        "--data.input_key",
-        "input",
-        "--data.output_key",
-        "output",
-        "--data.max_len",
-        "16",
-        "--train.batch_size",
-        "32",
-        "--train.micro_batch_size",
-        "32",
-        "--train.max_epochs",
-        str(sft_epochs),
-        "--model.adam.lr",
-        "3e-3",
-        "--model.adam.betas",
-        "0.9",
-        "0.999",
-        "--model.lr_scheduler",
-        "cosine_with_min_lr",
-        "--model.lr_warmup_ratio",
-        "0.03",
-        "--ds.zero_stage",
-        "0",
-        "--ds.param_dtype",
-        "fp32",
-        "--ckpt.output_dir",
-        str(work / "sft"),
-    ]
-    rl = [
-        "rlhf",
-        "train",
-        "ppo",
-        "--actor.model_name_or_path",
-        str(work / "sft"),
-        "--reward.remote_url",
-        str(files["reward"]),
-        "--data.prompt_dataset",
-        str(files["prompts"]),
-        "--data.input_key",
-        "input",
-        "--data.label_key",
-        "label",
-        "--eval.dataset",
-        str(files["eval"]),
-        "--eval.steps",
-        "10",
-        "--eval.n_samples_per_prompt",
-        "1",
-        "--eval.temperature",
-        "0",
-        "--algo.advantage.estimator",
-        "group_norm",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        "8",
-        "--rollout.batch_size",
-        "16",
-        "--rollout.max_new_tokens",
-        "4",
-        "--rollout.micro_batch_size",
-        "64",
-        "--data.max_len",
-        "16",
-        "--train.batch_size",
-        "128",
-        "--train.micro_batch_size",
-        "64",
-        "--train.max_steps",
-        str(rl_steps),
-        "--actor.adam.lr",
-        "5e-4",
-        "--actor.adam.betas",
-        "0.9",
-        "0.999",
-        "--actor.lr_scheduler",
-        "constant",
-        "--actor.lr_warmup_ratio",
-        "0",
-        "--ds.zero_stage",
-        "0",
-        "--ds.param_dtype",
-        "fp32",
-        "--ckpt.output_dir",
-        str(work / "rl"),
-    ]
+    sft = argv(
+        "rlhf train sft --model.model_name_or_path {base} --data.dataset {sft} --data.input_key input "
+        "--data.output_key output --data.max_len 16 --train.batch_size 32 --train.micro_batch_size 32 "
+        "--train.max_epochs {epochs} --model.adam.lr 3e-3 --model.adam.betas 0.9 0.999 "
+        "--model.lr_scheduler cosine_with_min_lr --model.lr_warmup_ratio 0.03 --ds.zero_stage 0 "
+        "--ds.param_dtype fp32 --ckpt.output_dir {out}",
+        **files,
+        epochs=sft_epochs,
+        out=work / "sft",
+    )
+    rl = argv(
+        "rlhf train ppo --actor.model_name_or_path {actor} --reward.remote_url {reward} "
+        "--data.prompt_dataset {prompts} --data.input_key input --data.label_key label --eval.dataset {eval} "
+        "--eval.steps 10 --eval.n_samples_per_prompt 1 --eval.temperature 0 "
+        "--algo.advantage.estimator group_norm --algo.kl.init_coef 0 --rollout.n_samples_per_prompt 8 "
+        "--rollout.batch_size 16 --rollout.max_new_tokens 4 --rollout.micro_batch_size 64 --data.max_len 16 "
+        "--train.batch_size 128 --train.micro_batch_size 64 --train.max_steps {steps} --actor.adam.lr 5e-4 "
+        "--actor.adam.betas 0.9 0.999 --actor.lr_scheduler constant --actor.lr_warmup_ratio 0 "
+        "--ds.zero_stage 0 --ds.param_dtype fp32 --ckpt.output_dir {out}",
+        **files,
+        actor=work / "sft",
+        steps=rl_steps,
+        out=work / "rl",
+    )
     if engine == "vllm":  # eager: vLLM's CPU build would otherwise spend minutes compiling the model
         rl += ["--rollout.engine", "vllm", "--vllm.enforce_eager"]
     else:  # one rank hosting the engine: the whole run in this process, no Ray to start (--ray.single_process)
@@ -312,65 +249,25 @@ def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) ->
 def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:
     # --quick only checks that every stage runs: 2 steps of 4 prompts
     steps, prompts = (2, 4) if quick else (30, 8)
-    rl = [
-        "rlhf",
-        "train",
-        "ppo",
-        "--actor.model_name_or_path",
-        str(files["base"]),
-        "--reward.remote_url",
-        str(files["reward"]),
-        "--data.prompt_dataset",
-        str(files["prompts"]),
-        "--data.input_key",
-        "input",
-        "--data.label_key",
-        "label",
-        "--data.apply_chat_template",
-        "--data.max_len",
-        "96",
-        "--eval.dataset",
-        str(files["eval"]),
-        "--eval.steps",
-        "-1" if quick else "10",
-        "--eval.n_samples_per_prompt",
-        "1",
-        "--eval.temperature",
-        "0",
-        "--eval.max_samples",
-        "16" if quick else "100",
-        "--algo.advantage.estimator",
-        "group_norm",
-        "--algo.kl.init_coef",
-        "0",
-        "--rollout.n_samples_per_prompt",
-        "8",
-        "--rollout.batch_size",
-        str(prompts),
-        "--rollout.max_new_tokens",
-        str(REAL_NEW_TOKENS),
-        "--rollout.micro_batch_size",
-        "16",
-        "--train.batch_size",
-        str(8 * prompts),
-        "--train.micro_batch_size",
-        "16",
-        "--train.max_steps",
-        str(steps),
-        "--actor.adam.lr",
-        "2e-5",
-        "--actor.lr_scheduler",
-        "cosine_with_min_lr",
-        "--actor.lr_warmup_ratio",
-        "0",
-        "--ds.zero_stage",
-        "0",
-        "--ds.param_dtype",
-        "fp32",
-        "--train.colocate_all",
-        "--ckpt.output_dir",
-        str(work / "rl"),
-    ]
+    rl = argv(
+        "rlhf train ppo --actor.model_name_or_path {base} --reward.remote_url {reward} "
+        "--data.prompt_dataset {prompts} --data.input_key input --data.label_key label "
+        "--data.apply_chat_template --data.max_len 96 --eval.dataset {eval} --eval.steps {eval_steps} "
+        "--eval.n_samples_per_prompt 1 --eval.temperature 0 --eval.max_samples {eval_max} "
+        "--algo.advantage.estimator group_norm --algo.kl.init_coef 0 --rollout.n_samples_per_prompt 8 "
+        "--rollout.batch_size {prompts_n} --rollout.max_new_tokens {new_tokens} --rollout.micro_batch_size 16 "
+        "--train.batch_size {batch} --train.micro_batch_size 16 --train.max_steps {steps} "
+        "--actor.adam.lr 2e-5 --actor.lr_scheduler cosine_with_min_lr --actor.lr_warmup_ratio 0 "
+        "--ds.zero_stage 0 --ds.param_dtype fp32 --train.colocate_all --ckpt.output_dir {out}",
+        **files,
+        eval_steps=-1 if quick else 10,
+        eval_max=16 if quick else 100,
+        prompts_n=prompts,
+        new_tokens=REAL_NEW_TOKENS,
+        batch=8 * prompts,
+        steps=steps,
+        out=work / "rl",
+    )
     return [("RL (GRPO)", rl)]
 
 
@@ -412,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlhf demo: --rollout.engine vllm cannot run here: {reason}", file=sys.stderr)
             return 2
     work = Path(args.workdir or "runs/demo").resolve()
-    timings: dict[str, float] = {}
+    timings = {}
     t0 = time.perf_counter()
     print(
         f"[demo] making the tokenizer, a random tiny Llama and the addition task in {work}"
@@ -431,15 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'stage':<12} {'accuracy':>9}")
     for k, v in acc.items():
         print(f"  {k:<12} {v:>9.1%}")
-    print(
-        "\n[demo] time per stage: "
-        + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-        + f"; total {total:.0f} s"
-    )
+    return finish(work, timings, "", {"accuracy": acc, "seconds": timings, "total_s": total})
+
+
+def finish(work: Path, timings: dict[str, float], cpu: str, summary: dict) -> int:
+    """Print the time per stage and where the report is; write ``summary`` to ``work/summary.json``."""
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+    print(f"\n[demo] time per stage: {stages}; total {summary['total_s']:.0f} s{cpu}")
     print(f"[demo] report: {work / 'rl' / 'report' / 'index.html'}")
-    (work / "summary.json").write_text(
-        json.dumps({"accuracy": acc, "seconds": timings, "total_s": total}, indent=2)
-    )
+    (work / "summary.json").write_text(json.dumps(summary, indent=2))
     return 0
 
 
@@ -490,26 +387,9 @@ def main_real(work: Path, seed: int, quick: bool) -> int:
     print("[demo] replies before -> after RL:")
     for q, before, after in list(zip(questions, examples["before RL"], examples["after RL"]))[:3]:
         print(f"  {q!r}: {before!r} -> {after!r}")
-    print(
-        "\n[demo] time per stage: "
-        + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-        + f"; total {total:.0f} s, {cpu:.0f} CPU-seconds"
-    )
-    print(f"[demo] report: {work / 'rl' / 'report' / 'index.html'}")
-    (work / "summary.json").write_text(
-        json.dumps(
-            {
-                "accuracy": acc,
-                "seconds": timings,
-                "total_s": total,
-                "cpu_s": cpu,
-                "replies": examples,
-                "models": {"before RL": str(files["base"]), "after RL": str(work / "rl" / "model")},
-            },
-            indent=2,
-        )
-    )
-    return 0
+    models = {"before RL": str(files["base"]), "after RL": str(work / "rl" / "model")}
+    summary = {"accuracy": acc, "seconds": timings, "total_s": total, "cpu_s": cpu, "replies": examples}
+    return finish(work, timings, f", {cpu:.0f} CPU-seconds", summary | {"models": models})
 
 
 if __name__ == "__main__":

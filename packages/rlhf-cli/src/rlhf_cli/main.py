@@ -124,9 +124,10 @@ COMMANDS = {"train": cmd_train, "plugins": cmd_plugins}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in MODULE_COMMANDS):
-        print("usage:\n" + USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] not in COMMANDS | MODULE_COMMANDS:
+        asked = argv[:1] in (["-h"], ["--help"])
+        print("usage:\n" + USAGE, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     if argv[0] in MODULE_COMMANDS:
         return importlib.import_module(MODULE_COMMANDS[argv[0]]).main(argv[1:]) or 0
     return COMMANDS[argv[0]](argv[1:])

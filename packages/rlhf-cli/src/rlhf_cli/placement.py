@@ -17,9 +17,7 @@ def plan_pools(roles: dict[str, RoleDemand], shared: list[set[str]], gpus_availa
     A pool has as many bundles as its widest member needs (workers x GPUs per worker on GPU machines,
     workers on CPU-only ones); each bundle holds one GPU (or one logical CPU).
     """
-    pools: list[BundlePool] = []
-    groups: list[WorkerGroupSpec] = []
-    placed: set[str] = set()
+    pools, groups, placed = [], [], set()
     for members in [*shared, *({r} for r in ROLE_ORDER)]:
         names = [r for r in ROLE_ORDER if r in members and r in roles and r not in placed]
         if not names:

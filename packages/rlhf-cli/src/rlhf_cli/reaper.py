@@ -32,7 +32,7 @@ def _stat(pid: int) -> tuple[int, int] | None:
 
 def descendants(root: int) -> set[tuple[int, int]]:
     """(pid, start time) of every process below ``root``."""
-    children: dict[int, list[tuple[int, int]]] = {}
+    children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (stat := _stat(int(entry))) is not None:
             children.setdefault(stat[0], []).append((int(entry), stat[1]))
@@ -60,7 +60,7 @@ def start() -> None:
 
 def main(driver_pid: int) -> None:
     driver = _stat(driver_pid)
-    seen: set[tuple[int, int]] = set()
+    seen = set()
     # the start time, not the parent: a driver whose shell exits is re-parented and still alive
     while driver is not None and (now := _stat(driver_pid)) is not None and now[1] == driver[1]:
         seen |= descendants(driver_pid)

@@ -43,8 +43,7 @@ def make_report(run_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     made = []
     for fname, (title, ylabel, keys) in PLOTS.items():
-        series = {k: [(r["step"], r[k]) for r in rows if k in r and r[k] is not None] for k in keys}
-        series = {k: v for k, v in series.items() if v}
+        series = {k: pts for k in keys if (pts := [(r["step"], r[k]) for r in rows if r.get(k) is not None])}
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)

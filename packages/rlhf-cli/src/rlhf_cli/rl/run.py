@@ -15,11 +15,11 @@ import torch
 
 from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.rl.controller import Groups, RLController
-from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
 from rlhf_core import handles
 from rlhf_core.handles import wait
 from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.runloop import MetricsLogger
 from rlhf_core.vision import ImageProcessing
 
 

@@ -1,15 +1,17 @@
 """What the RL loop (``rlhf_cli.rl``) and the supervised loop (``rlhf_train_deepspeed.trainers``) share: the
-non-finite-step rule, the checkpoint of a step, and the metrics with the progress bar."""
+checkpoint to resume from and the checkpoint of a step, the non-finite-step rule, and the metrics with the
+progress bar."""
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-from rlhf_core.checkpoint import CheckpointManager
+from rlhf_core.checkpoint import CheckpointError, CheckpointManager
 from rlhf_core.config_parser import shown_config
 from rlhf_core.rundir import MetricsWriter
 
@@ -32,6 +34,26 @@ class NonFiniteSteps:
                 f"{self.count} {what} steps in a row had a non-finite loss (skipped on every rank); "
                 "stopping with the last good checkpoint kept (--train.max_nonfinite_steps)"
             )
+
+
+def open_checkpoints(cfg, run_dir: Path) -> tuple[CheckpointManager, Path | None, dict | None]:
+    """The run's checkpoints and, with ``--ckpt.load_enable``, the one to resume from and its client state
+    (damaged ones fail here, before any worker starts); one saved with ``--ckpt.disable_ds`` is refused."""
+    ckpt = cfg.ckpt
+    checkpoints = CheckpointManager(ckpt.path or run_dir / "checkpoints", ckpt.max_num, ckpt.max_mem)
+    latest = checkpoints.latest() if ckpt.load_enable else None
+    state = checkpoints.load_client_state(latest) if latest is not None else None
+    if ckpt.load_enable and latest is None:
+        print(
+            f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
+            file=sys.stderr,
+        )
+    elif latest is not None and not state.get("has_ds_state", True):
+        raise CheckpointError(
+            f"cannot resume from {latest}: it was saved with --ckpt.disable_ds (HF weights only, no optimizer "
+            "state)"
+        )
+    return checkpoints, latest, state
 
 
 def save_checkpoint(checkpoints: CheckpointManager, step: int, ckpt, models: dict, state: dict) -> None:

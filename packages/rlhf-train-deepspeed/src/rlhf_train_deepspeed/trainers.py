@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_core.checkpoint import CheckpointManager, fault_point
+from rlhf_core.checkpoint import fault_point
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
 from rlhf_core.errors import UserError
 from rlhf_core.handles import single_process
-from rlhf_core.runloop import MetricsLogger, NonFiniteSteps, save_checkpoint
+from rlhf_core.runloop import MetricsLogger, NonFiniteSteps, open_checkpoints, save_checkpoint
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
 from rlhf_train_deepspeed.strategy import ConfigError
@@ -121,8 +121,8 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         if mode == "kd"
         else False,
     )
-    # checkpoint checks (damage, a run of other settings) before any worker starts
-    ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
+    # checkpoint checks (damage, --ckpt.disable_ds, a run of other settings) before any worker starts
+    ckpt, latest, state = open_checkpoints(cfg, output_dir)
     start_step, nonfinite = 0, NonFiniteSteps(cfg.train.max_nonfinite_steps, NonFiniteLossError)
     # What must not change between a run and its resume (the data position is a step number).
     fingerprint = {
@@ -132,17 +132,12 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         "global_batch": plan.global_batch,
         "world_size": plan.world_size,
     }
-    latest = ckpt.latest() if cfg.ckpt.load_enable else None
-    if latest is not None:
-        state = ckpt.load_client_state(latest)
-        for key, value in fingerprint.items():
-            if state["fingerprint"].get(key) != value:
-                raise ConfigError(
-                    f"cannot resume from {latest}: it was saved with "
-                    f"{key}={state['fingerprint'].get(key)}, this run has {key}={value}"
-                )
-        if not state.get("has_ds_state", True):
-            raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
+    for key, value in fingerprint.items() if latest is not None else ():
+        if state["fingerprint"].get(key) != value:
+            raise ConfigError(
+                f"cannot resume from {latest}: it was saved with "
+                f"{key}={state['fingerprint'].get(key)}, this run has {key}={value}"
+            )
 
     own_group = group_factory is None
     if own_group:

@@ -25,9 +25,8 @@ def rl_step(ctl: RLController, batch: Batch | None) -> dict[str, float] | None:
     metrics, or None when the data ran out before its batch was full. ``batch`` is the one the async
     pipeline's thread generated for it (``schedule.BatchSchedule``); None: generate it here."""
     cfg = ctl.cfg
-    if (
-        batch is None
-    ):  # the sync pipeline: generate now, the trainers' state off the devices meanwhile (hybrid)
+    # the sync pipeline: generate the batch now, the trainers' state off the devices meanwhile (hybrid)
+    if batch is None:
         hybrid_sleep = cfg.train.colocate_all and cfg.ds.enable_sleep
         t0 = time.perf_counter()
         with trainers_asleep(ctl.schedule.trainers, hybrid_sleep):

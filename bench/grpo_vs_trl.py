@@ -275,7 +275,11 @@ def rlhf_flags(args, root: Path, out: Path, variant: str) -> list[str]:
 
 def child_rlhf(args, root: Path, out: Path) -> dict:
     import rlhf_cli.rl.controller as controller
-    import rlhf_cli.rl.metrics as metrics
+
+    try:
+        import rlhf_core.runloop as metrics
+    except ImportError:  # revisions before the shared run loop
+        import rlhf_cli.rl.metrics as metrics
     import rlhf_cli.rl.run as run
     from rlhf_cli.main import main
 

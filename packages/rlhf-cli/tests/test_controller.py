@@ -446,7 +446,7 @@ def test_a_new_run_in_an_old_run_directory_starts_its_own_metrics(tmp_path):
     report would draw both runs as one line)."""
     import json
 
-    from rlhf_cli.rl.metrics import MetricsLogger
+    from rlhf_core.runloop import MetricsLogger
 
     cfg = config()
     cfg.ckpt.output_dir = str(tmp_path)

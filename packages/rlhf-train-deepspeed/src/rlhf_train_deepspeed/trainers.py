@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_core.checkpoint import CheckpointManager, fault_point
-from rlhf_core.config_parser import shown_config
+from rlhf_core.checkpoint import fault_point
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
 from rlhf_core.errors import UserError
 from rlhf_core.handles import single_process
-from rlhf_core.rundir import MetricsWriter
+from rlhf_core.runloop import MetricsLogger, NonFiniteSteps, open_checkpoints, save_checkpoint
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
 from rlhf_train_deepspeed.strategy import ConfigError
@@ -56,8 +55,6 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     finds Ray started by its caller (``rlhf train`` starts it as for an RL run: ``rlhf_cli.ray_launch``),
     else starts it with ``ray.init()``'s defaults (``$RAY_ADDRESS`` when set). Stops after ``--train.max_nonfinite_steps`` optimizer steps in a
     row whose loss was not finite, as an RL run does (docs/fault-handling.md)."""
-    from tqdm.auto import tqdm
-
     if mode not in MODES:
         raise ConfigError(f"unknown trainer mode {mode!r}; modes are {', '.join(MODES)}")
     if not cfg.model.model_name_or_path:
@@ -124,9 +121,9 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         if mode == "kd"
         else False,
     )
-    # checkpoint checks (damage, a run of other settings) before any worker starts
-    ckpt = CheckpointManager(cfg.ckpt.path or output_dir / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
-    start_step, consecutive_skips = 0, 0  # consecutive_skips: optimizer steps in a row with a non-finite loss
+    # checkpoint checks (damage, --ckpt.disable_ds, a run of other settings) before any worker starts
+    ckpt, latest, state = open_checkpoints(cfg, output_dir)
+    start_step, nonfinite = 0, NonFiniteSteps(cfg.train.max_nonfinite_steps, NonFiniteLossError)
     # What must not change between a run and its resume (the data position is a step number).
     fingerprint = {
         "mode": mode,
@@ -135,17 +132,12 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         "global_batch": plan.global_batch,
         "world_size": plan.world_size,
     }
-    latest = ckpt.latest() if cfg.ckpt.load_enable else None
-    if latest is not None:
-        state = ckpt.load_client_state(latest)
-        for key, value in fingerprint.items():
-            if state["fingerprint"].get(key) != value:
-                raise ConfigError(
-                    f"cannot resume from {latest}: it was saved with "
-                    f"{key}={state['fingerprint'].get(key)}, this run has {key}={value}"
-                )
-        if not state.get("has_ds_state", True):
-            raise ConfigError(f"cannot resume from {latest}: it was saved with --ckpt.disable_ds")
+    for key, value in fingerprint.items() if latest is not None else ():
+        if state["fingerprint"].get(key) != value:
+            raise ConfigError(
+                f"cannot resume from {latest}: it was saved with "
+                f"{key}={state['fingerprint'].get(key)}, this run has {key}={value}"
+            )
 
     own_group = group_factory is None
     if own_group:
@@ -188,35 +180,23 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
 
     if latest is not None:
         group.load_checkpoint(str(latest))
-        start_step, consecutive_skips = state["step"], state.get("consecutive_nonfinite", 0)
+        start_step, nonfinite.count = state["step"], state.get("consecutive_nonfinite", 0)
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         print(f"resumed from {latest} at step {start_step}", flush=True)
 
-    log = MetricsWriter(
-        output_dir, cfg.logger, total_steps, start_step, config=shown_config(cfg, mode), bare_prefix="train/"
-    )
+    log = MetricsLogger(cfg, total_steps, start_step, mode, {"loss": "loss"}, digits=4, bare_prefix="train/")
 
     def save(step: int) -> None:
-        def write(tmp: Path) -> None:
-            if not cfg.ckpt.disable_ds:
-                group.save_checkpoint(str(tmp))
-            if cfg.ckpt.save_hf:
-                group.export_hf(str(tmp / "hf"))
-
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        ckpt.save(
-            step,
-            write,
-            {
-                "step": step,
-                "fingerprint": fingerprint,
-                "rng": rng,
-                "has_ds_state": not cfg.ckpt.disable_ds,
-                "consecutive_nonfinite": consecutive_skips,
-            },
-        )
+        state = {
+            "step": step,
+            "fingerprint": fingerprint,
+            "rng": rng,
+            "consecutive_nonfinite": nonfinite.count,
+        }
+        save_checkpoint(ckpt, step, cfg.ckpt, {"": group}, state)
 
     def evaluate() -> tuple[dict[str, float], list[float]]:
         metrics, rewards = group.eval_supervised(micro_batches(eval_examples), losses)
@@ -224,7 +204,6 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
 
     order_epoch, order = -1, None
     final_eval, rewards, last = {}, [], {}  # the last evaluation, its RM rewards, the last step's metrics
-    bar = tqdm(total=total_steps, initial=start_step, desc=f"{mode}", dynamic_ncols=True, disable=None)
     for step in range(start_step, total_steps):
         epoch, within = divmod(step, steps_per_epoch)
         if epoch != order_epoch:
@@ -241,24 +220,16 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
             {"epoch": epoch, "timing/step": elapsed, "tokens_per_s": batch_tokens(mode, mbs) / elapsed}
         )
         metrics.update(stats.as_metrics())
-        consecutive_skips = consecutive_skips + 1 if metrics["skipped"] else 0
-        if consecutive_skips and consecutive_skips >= cfg.train.max_nonfinite_steps:
-            raise NonFiniteLossError(
-                f"{consecutive_skips} {mode} steps in a row had a non-finite loss (skipped on every rank); "
-                "stopping with the last good checkpoint kept (--train.max_nonfinite_steps)"
-            )
+        nonfinite.count_step(bool(metrics["skipped"]), mode)
         done = step + 1
         if eval_examples and (done == total_steps or (cfg.eval.steps > 0 and done % cfg.eval.steps == 0)):
             final_eval, rewards = evaluate()
             metrics.update(final_eval)
         log.log(done, metrics)
         last = metrics
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         if cfg.ckpt.save_steps > 0 and done % cfg.ckpt.save_steps == 0:
             save(done)
         fault_point("after_step", done)
-    bar.close()
 
     if eval_examples and not final_eval:  # resumed after the last step: evaluate once more
         final_eval, rewards = evaluate()

@@ -46,6 +46,17 @@ def dead_worker_reported(message: str):
         raise RLRunError(f"{message}: {exc}") from exc
 
 
+@contextmanager
+def trainers_asleep(trainers: list, asleep: bool):
+    """``trainers``' state off the devices while the block runs, when ``asleep`` (``--train.colocate_all
+    --ds.enable_sleep``: generation then has the devices)."""
+    for g in trainers if asleep else []:
+        g.sleep()
+    yield
+    for g in trainers if asleep else []:
+        g.wake_up()
+
+
 def wait_for(futures: Future | list[Future], role: str) -> Any:
     """``rlhf_core.handles.wait`` that names the role whose worker died."""
     with dead_worker_reported(f"a {role} worker died"):

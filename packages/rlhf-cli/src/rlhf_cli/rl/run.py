@@ -15,11 +15,11 @@ import torch
 
 from rlhf_cli.assemble import Assembly, RunConfigError, choose_engine
 from rlhf_cli.rl.controller import Groups, RLController
-from rlhf_cli.rl.metrics import MetricsLogger
 from rlhf_cli.rl.prompts import PromptStream, load_prompts
 from rlhf_core import handles
 from rlhf_core.handles import wait
 from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.runloop import MetricsLogger, open_checkpoints
 from rlhf_core.vision import ImageProcessing
 
 
@@ -159,7 +159,6 @@ def run_rl(asm: Assembly) -> None:
     """Run the RL job."""
     cfg = asm.cfg
     out = Path(cfg.ckpt.output_dir)
-    from rlhf_core.checkpoint import CheckpointError, CheckpointManager
     from rlhf_core.data import load_tokenizer
 
     try:
@@ -181,19 +180,7 @@ def run_rl(asm: Assembly) -> None:
         else []
     )
     stream = PromptStream(prompts, cfg.train.seed, cfg.train.num_episodes)
-    checkpoints = CheckpointManager(cfg.ckpt.path or out / "checkpoints", cfg.ckpt.max_num, cfg.ckpt.max_mem)
-    resume = checkpoints.latest() if cfg.ckpt.load_enable else None  # damaged ones fail here, before workers
-    resume_state = checkpoints.load_client_state(resume) if resume is not None else None
-    if cfg.ckpt.load_enable and resume is None:
-        print(
-            f"--ckpt.load_enable: no checkpoint under {checkpoints.root}; starting from scratch",
-            file=sys.stderr,
-        )
-    elif resume is not None and not resume_state.get("has_ds_state", True):
-        raise CheckpointError(
-            f"cannot resume from {resume}: it was saved with --ckpt.disable_ds (HF weights "
-            "only, no optimizer state)"
-        )
+    checkpoints, resume, resume_state = open_checkpoints(cfg, out)
 
     started = time.perf_counter()
     pools = {}

@@ -1,12 +1,13 @@
-"""When each step's batch is generated: in turn with training (sync), or ahead of it in a thread (async)."""
+"""When each step's batch is generated: in turn with training (sync, in ``step.rl_step``), or ahead of it in a
+thread (async)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
+from rlhf_cli.rl.groups import trainers_asleep
 from rlhf_cli.rl.rollout import Batch, Rollout
 
 
@@ -22,36 +23,18 @@ class BatchSchedule:
         self._producing = False
         self.max_queue_size_seen = 0
 
-    def batches(self, step: int, total_steps: int) -> Iterator[Batch]:
+    def batches(self, step: int, total_steps: int) -> Iterator[Batch | None]:
         """The batches of steps ``step + 1`` to ``total_steps`` (fewer when the data runs out), each yielded
-        once the step before it is finished: trained, synced, evaluated and checkpointed."""
+        once the step before it is finished: trained, synced, evaluated and checkpointed. The sync pipeline
+        yields None: ``step.rl_step`` generates the batch then."""
         if self.cfg.train.async_enable:
             return self._async(step, total_steps)
         return self._sync(step, total_steps)
 
-    @contextmanager
-    def _trainers_asleep(self, asleep: bool) -> Iterator[None]:
-        for g in self.trainers if asleep else []:
-            g.sleep()
-        yield
-        for g in self.trainers if asleep else []:
-            g.wake_up()
-
-    def _sync(self, step: int, total_steps: int) -> Iterator[Batch]:
-        hybrid_sleep = self.cfg.train.colocate_all and self.cfg.ds.enable_sleep
-        for done in range(step, total_steps):
-            if self.ready:  # resumed from an async run's checkpoint: its batches first
-                yield self.ready.pop(0)
-                continue
-            t0 = time.perf_counter()
-            with self._trainers_asleep(hybrid_sleep):  # trainers' state off the devices during generation
-                self.rollout.trainers_asleep = hybrid_sleep
-                batch = self.rollout.collect(done + 1)
-                self.rollout.trainers_asleep = False
-            if batch is None:
-                return
-            batch.rollout_metrics["timing/generation"] = time.perf_counter() - t0
-            yield batch
+    def _sync(self, step: int, total_steps: int) -> Iterator[Batch | None]:
+        for _ in range(step, total_steps):
+            # None: the step generates its batch itself; a resumed async run's batches first
+            yield self.ready.pop(0) if self.ready else None
 
     def _async(self, step: int, total_steps: int) -> Iterator[Batch]:
         """Generate in a thread, ``train.async_queue_size`` (Q) batches ahead of training: batch k by policy
@@ -99,7 +82,7 @@ class BatchSchedule:
                     asleep = (
                         hybrid_sleep and not self.ready
                     )  # a waiting batch is trained on at once: no sleep
-                with self._trainers_asleep(asleep), cv:
+                with trainers_asleep(self.trainers, asleep), cv:
                     cv.wait_for(lambda: self.ready or not self._producing)
                     batch = self.ready.pop(0) if self.ready else None
                 if batch is None:

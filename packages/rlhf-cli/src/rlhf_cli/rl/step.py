@@ -1,16 +1,82 @@
-"""The policy and critic updates of one RL step."""
+"""One RL step, top to bottom (:func:`rl_step`), and its policy and critic updates (:class:`PolicyStep`)."""
 
 from __future__ import annotations
 
 import math
+import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhf_cli.rl.experience import Experience, micro_batch_cuts, sequence_batches
-from rlhf_cli.rl.groups import Groups, RLRunError, dead_worker_reported
+from rlhf_cli.rl.groups import Groups, RLRunError, dead_worker_reported, trainers_asleep, wait_for
+from rlhf_cli.rl.rollout import Batch
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
 from rlhf_core.plugins import get_plugin_manager, resolve
+from rlhf_core.runloop import NonFiniteSteps
 from rlhf_core.types import derive_seed
+
+if TYPE_CHECKING:
+    from rlhf_cli.rl.controller import RLController
+
+
+def rl_step(ctl: RLController, batch: Batch | None) -> dict[str, float] | None:
+    """Step ``ctl.step + 1`` of the run: generation, experience, policy and critic updates, weight sync; its
+    metrics, or None when the data ran out before its batch was full. ``batch`` is the one the async
+    pipeline's thread generated for it (``schedule.BatchSchedule``); None: generate it here."""
+    cfg = ctl.cfg
+    # the sync pipeline: generate the batch now, the trainers' state off the devices meanwhile (hybrid)
+    if batch is None:
+        hybrid_sleep = cfg.train.colocate_all and cfg.ds.enable_sleep
+        t0 = time.perf_counter()
+        with trainers_asleep(ctl.schedule.trainers, hybrid_sleep):
+            ctl.rollout.trainers_asleep = hybrid_sleep
+            batch = ctl.rollout.collect(ctl.step + 1)
+            ctl.rollout.trainers_asleep = False
+        if batch is None:
+            return None
+        batch.rollout_metrics["timing/generation"] = time.perf_counter() - t0
+    ctl.step += 1
+    sleep_engines = cfg.train.colocate_all and cfg.vllm.enable_sleep
+    t0 = time.perf_counter()
+    exp = ctl.experience.make(batch.trajectories, ctl.kl_ctl.value)  # log-probs, values, rewards, advantages
+    t1 = time.perf_counter()
+    if sleep_engines:
+        wait_for([a.sleep() for a in ctl.groups.rollout], "rollout")
+    train_metrics = ctl.policy.train(exp, ctl.step, ctl.kl_ctl.value)
+    t2 = time.perf_counter()
+    if sleep_engines:
+        wait_for([a.wake_up() for a in ctl.groups.rollout], "rollout")
+    waited = time.perf_counter()
+    if not cfg.train.partial_rollout_enable:  # async: the batches due from the weights before this step's
+        ctl.schedule.wait_generated(ctl.step + cfg.train.async_queue_size)
+    waited = time.perf_counter() - waited
+    ctl.sync.to_engines()
+    t3 = time.perf_counter()
+    ctl.kl_ctl.update(exp.info["kl/mean"], len(exp.sequences))
+    generation = batch.rollout_metrics.get("timing/generation")
+    total = time.perf_counter() - t0 + (generation or 0.0)
+    rows = [p for t in batch.trajectories for p in (t.segments or [t])]
+    metrics = {
+        **exp.info,
+        **batch.rollout_metrics,
+        **train_metrics,
+        "timing/make_experience": t1 - t0,
+        "timing/ppo_train": t2 - t1,
+        "timing/broadcast": t3 - t2 - waited,
+        "timing/sync_wait": waited,
+        "timing/generation": math.nan if generation is None else generation,
+        "timing/step_total": total,
+        "perf/tokens_per_s_train": sum(len(s) for s in exp.sequences) / max(t2 - t0, 1e-9),
+        # verl-style throughput: prompt + response tokens of the step over its wall time
+        "perf/tokens_per_s": sum(len(p.prompt_ids) + len(p.response_ids) for p in rows) / total,
+        "rollout/prompts_used": batch.prompts_used,
+        "rollout/engine_restarts": float(ctl.rollout.engine_restarts),
+        "async/max_queue_size": float(ctl.schedule.max_queue_size_seen),
+    }
+    if generation:
+        metrics["perf/gen_tokens_per_s"] = sum(sum(p.action_mask) for p in rows) / generation
+    return metrics
 
 
 def _crop(t: torch.Tensor | None, rows, seq: SequenceBatch) -> torch.Tensor | None:
@@ -30,14 +96,14 @@ def _mean_finite(steps: list[dict[str, float]]) -> dict[str, float]:
 
 class PolicyStep:
     """Trains the policy (and the critic) on a step's experience; stops the run after
-    ``--train.max_nonfinite_steps`` optimizer steps in a row whose loss was not finite."""
+    ``--train.max_nonfinite_steps`` optimizer steps in a row whose loss was not finite (:class:`NonFiniteSteps`)."""
 
     def __init__(self, cfg, groups: Groups, pad_token_id: int):
         self.cfg = cfg
         self.groups = groups
         self.pad = pad_token_id
         self.policy_loss = resolve(get_plugin_manager(), "policy_losses", cfg.actor.policy_loss_type)
-        self.consecutive_nonfinite = 0
+        self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps, RLRunError)
 
     def config(self, kl_coef: float) -> PolicyStepConfig:
         actor, cfg = self.cfg.actor, self.cfg
@@ -120,13 +186,5 @@ class PolicyStep:
         """``group.method(mbs, arg)``: one optimizer step, counted when every rank skipped it (non-finite)."""
         with dead_worker_reported(f"a {what} worker died"):
             metrics = getattr(group, method)(mbs, arg)
-        if metrics.get("skipped"):
-            self.consecutive_nonfinite += 1
-            if self.consecutive_nonfinite >= self.cfg.train.max_nonfinite_steps:
-                raise RLRunError(
-                    f"{self.consecutive_nonfinite} {what} steps in a row had a non-finite loss (skipped on every "
-                    f"rank); stopping with the last good checkpoint kept (--train.max_nonfinite_steps)"
-                )
-        else:
-            self.consecutive_nonfinite = 0
+        self.nonfinite.count_step(bool(metrics.get("skipped")), what)
         return metrics

@@ -27,5 +27,6 @@ def test_the_custom_grpo_loop_learns_the_demo_task(tmp_path):
         f"step {i}" for i in range(150)
     ]
     accuracy = json.loads((tmp_path / "accuracy.json").read_text())
-    # measured (seeds 0, 1, 2 of the example): 39.5% -> 50.5%, 12.0% -> 23.5%, ...; RL adds 11 points or more
+    # measured: seed 0 (this test, the same on repeated runs) 39.5% -> 50.5%; seed 1 12.0% -> 23.5%; seed 2,
+    # whose short SFT starts lower, 5.5% -> 8.0%
     assert accuracy["after"] >= accuracy["before"] + 0.05, accuracy

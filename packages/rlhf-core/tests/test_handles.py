@@ -82,6 +82,27 @@ def test_futures_are_awaitable_whatever_backs_them():
     assert asyncio.run(main()) == [1, 2, 3]
 
 
+def test_joined_futures_are_one_future_of_their_values_in_order_computed_once():
+    thread = ThreadPoolExecutor(1)
+    counter, seen = handles.threaded(Counter(), thread), []
+    joined = handles.Joined(
+        [counter.add(1), handles.local(Counter()).add(2), 3], lambda v: seen.append(v) or sum(v)
+    )
+    assert wait(joined) == 6 and wait([joined, done(4)]) == [6, 4] and seen == [[1, 2, 3]]
+    assert wait(counter.add(joined, y=1)) == 7  # passed on as its value
+    assert wait(handles.Joined([counter.add(5)])) == [5]  # by default: the list of values
+
+    async def awaited():
+        return await handles.Joined([counter.add(8)], sum)
+
+    assert asyncio.run(awaited()) == 8
+    failed = handles.Joined([counter.add(1), counter.fail()], sum)
+    for _ in range(2):  # the part's error, to every waiter
+        with pytest.raises(KeyError, match="the worker's own error"):
+            wait(failed)
+    thread.shutdown()
+
+
 def test_values_that_are_not_futures_are_their_own():
     """A backend may return plain values (or, on Ray, ObjectRefs) where the contract says Future."""
     assert wait(7) == 7 and wait([done(1), 2]) == [1, 2]
@@ -119,6 +140,7 @@ def test_ray_actors_share_the_same_future_and_wait():
         local_arg = counter.add(handles.local(Counter()).add(4))  # a local Future goes as its value
         assert wait([first, second, local_arg]) == [3, 13, 4]
         assert handles.as_future(second.ref).result() == 13  # a bare ObjectRef is waited on too
+        assert wait(counter.add(handles.Joined([first, second], sum))) == 16  # joined Ray futures, passed on
         assert wait(handles.first_done([counter.add(5)])) == 5
         with pytest.raises(KeyError, match="the worker's own error"):
             wait(counter.fail())

@@ -1,6 +1,7 @@
 """The rank's learner primitives: ``forward_backward`` with a registered loss, then ``optim_step``, give bitwise
 the losses, metrics, gradient norms, learning rates, weights and EMA of the built-in steps (``train_policy``,
-``train_supervised``), over several steps and a skipped non-finite one; one rank in this process, no Ray."""
+``train_supervised``), over several steps and a skipped non-finite one; one rank in this process, no Ray. The
+driver's side, ``WorkerGroup`` as a ``rlhf_core.primitives.Learner``, is tested at the end."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
+from rlhf_core.handles import wait
+from rlhf_train_deepspeed.group import create_worker_group
 from rlhf_train_deepspeed.losses import LOSSES, SupervisedConfigLite
 from rlhf_train_deepspeed.supervised_data import PairExample, collate, step_counts
 from rlhf_train_deepspeed.worker import ModelSpec, TrainWorker
@@ -143,3 +146,61 @@ def test_the_primitives_refuse_an_unknown_loss_and_a_step_without_gradients(tiny
     finally:
         worker.close()
     assert {"policy", "value", "sft", "rm", "dpo", "kto", "prm", "kd"} <= LOSSES.keys()
+
+
+# --- the driver's side: a WorkerGroup is a rlhf_core.primitives.Learner ---
+
+
+@pytest.mark.xdist_group("ray")
+def test_a_two_rank_group_steps_through_the_primitives_as_train_policy_step(reused_groups, tiny_llama):
+    """Micro-batches shared out over the ranks, global counts taken from them, the ranks' results merged: the
+    metrics and weights of ``train_policy_step``, bitwise, over two steps and a skipped one."""
+    seqs, cfg = sequences(), PolicyStepConfig(loss="ppo", entropy_coef=0.01)
+    runs = {}
+    for primitives in (False, True):
+        group = reused_groups[2]("actor", spec(tiny_llama), DSConfig(zero_stage=2, param_dtype="fp32"), 2, 3)
+        old = wait(group.forward(seqs)) if primitives else group.compute_logprobs(seqs)
+        g = torch.Generator().manual_seed(1)
+        good = [PolicyMicroBatch(s, lp, torch.randn(lp.shape, generator=g)) for s, lp in zip(seqs, old)]
+        bad = good[:3] + [dataclasses.replace(good[3], advantages=good[3].advantages * float("nan"))]
+        results = []
+        for mbs in (good, bad, good):
+            if primitives:
+                wait(group.forward_backward(mbs, "policy", cfg))
+                results.append(wait(group.optim_step()))
+            else:
+                results.append(group.train_policy_step(mbs, cfg))
+        runs[primitives] = old, results, wait(group.weights())
+    assert [r["skipped"] for r in runs[True][1]] == [0.0, 1.0, 0.0] and runs[True][1][-1][
+        "nonfinite_steps"
+    ] == 1
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0], strict=True))
+    assert_same_results(runs[False][1], runs[True][1])
+    assert_bitwise(runs[False][2], runs[True][2])
+
+
+def test_a_group_saves_loads_and_exports_its_state_through_the_primitives(tiny_llama, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    group = create_worker_group(
+        "actor", spec(tiny_llama), DSConfig(zero_stage=0, param_dtype="fp32"), 1, inline_rank=True
+    )
+    try:
+        seqs = sequences()
+        sft = SupervisedConfigLite("sft")
+        wait(group.save_state(str(tmp_path / "state")))
+        saved = wait(group.weights())
+        for _ in range(2):  # the first step's learning rate is 0 (warm-up)
+            metrics = wait(group.forward_backward(seqs, "sft", sft))  # counts taken from the micro-batches
+            assert metrics["loss"] > 0 and "grad_norm" not in metrics
+            wait(group.optim_step())
+        assert not torch.equal(
+            wait(group.weights())["model.embed_tokens.weight"], saved["model.embed_tokens.weight"]
+        )
+        wait(group.load_state(str(tmp_path / "state")))
+        assert_bitwise(saved, wait(group.weights()))
+        wait(group.export(str(tmp_path / "hf")))
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+        assert torch.equal(exported["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+    finally:
+        group.shutdown()

@@ -13,7 +13,7 @@ import torch
 from rlhf_core import handles
 from rlhf_core.errors import UserError
 from rlhf_core.memory import keep_freed_memory
-from rlhf_core.types import SamplingParams, Trajectory
+from rlhf_core.types import GenerationOutput, GenerationRequest, SamplingParams, Trajectory
 
 
 class RolloutActor:
@@ -85,6 +85,10 @@ class RolloutActor:
         return self.worker.rollout(prompts, sampling, step), dict(
             self.worker.last_metrics
         )  # this rollout's metrics
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[GenerationOutput]]:
+        """The engine's samples of ``requests``, on its thread (``rlhf_core.primitives.Sampler.sample``)."""
+        return self._on_engine_thread(self.engine.generate, requests)
 
     def update_weights(self, state_dict: dict) -> int:
         """Load HF-named weights (from the object store, or from the rank hosting this actor)."""

@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from rlhf_cli import api
 
         return getattr(api, name)
+    if name in ("primitives", "Primitives"):
+        from rlhf_cli import build
+
+        return getattr(build, name)
     raise AttributeError(f"module 'rlhf_cli' has no attribute {name!r}")

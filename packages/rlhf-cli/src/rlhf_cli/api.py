@@ -59,6 +59,22 @@ def train(
     third-party output on the terminal too, not only in ``train.log``. A mistake raises a
     :class:`rlhf_core.errors.UserError` naming the field, file or argument, before anything starts.
     """
+    cfg, notes = parse(mode, config, overrides, reward_func)
+    files = _data_files(mode, cfg, dataset, eval_dataset)
+    asm = check(mode, cfg, notes)
+    out = Path(cfg.ckpt.output_dir)
+    if not dry_run:
+        run(asm, files, debug)
+    from rlhf_cli.report import read_metrics
+
+    metrics = read_metrics(out / "metrics.jsonl") if not dry_run and (out / "metrics.jsonl").is_file() else []
+    return RunResult(out, metrics, cfg, asm.describe())
+
+
+def parse(
+    mode: str, config: Any, overrides: dict[str, Any], reward_func: Any = None
+) -> tuple[Any, list[str]]:
+    """The config of :func:`train`'s arguments, and the notes of parsing it."""
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
     cfg, notes = parse_config(
@@ -70,15 +86,7 @@ def train(
         if mode not in RL_MODES:
             raise ConfigError(f"reward_func= is the reward of 'rlhf train ppo'; rlhf train {mode} takes none")
         cfg.reward.func = reward_func
-    files = _data_files(mode, cfg, dataset, eval_dataset)
-    asm = check(mode, cfg, notes)
-    out = Path(cfg.ckpt.output_dir)
-    if not dry_run:
-        run(asm, files, debug)
-    from rlhf_cli.report import read_metrics
-
-    metrics = read_metrics(out / "metrics.jsonl") if not dry_run and (out / "metrics.jsonl").is_file() else []
-    return RunResult(out, metrics, cfg, asm.describe())
+    return cfg, notes
 
 
 def _config_flags(mode: str, config: Any) -> list[str]:

@@ -46,6 +46,28 @@ class Future:
         return (self.ref if self.ref is not None else asyncio.wrap_future(self.pending)).__await__()
 
 
+class Joined(Future):
+    """Several futures as one: ``fn`` of their values in order (by default the list), computed once, when it is
+    first waited for; a failed part raises its error there (the first, as :func:`wait` picks it)."""
+
+    __slots__ = ("parts", "fn")
+
+    def __init__(self, parts: list, fn: Callable[[list], Any] = list):
+        super().__init__()
+        self.parts, self.fn = parts, fn
+
+    def result(self) -> Any:
+        if self.pending is None:
+            try:
+                self.pending = done(self.fn(wait(self.parts)))
+            except Exception as exc:  # noqa: BLE001 - kept, and raised to every waiter
+                self.pending = done(error=exc)
+        return self.pending.result()
+
+    def __await__(self):
+        return asyncio.to_thread(self.result).__await__()
+
+
 def done(value: Any = None, error: BaseException | None = None) -> Future:
     """A Future already there: ``value``, or ``error`` raised where it is waited for."""
     pending = concurrent.futures.Future()

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from typing import Any
 
 import torch
 
 from rlhf_core import handles
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
-from rlhf_core.handles import Future, Handle, wait
+from rlhf_core.handles import Future, Handle, Joined, wait
 from rlhf_train_deepspeed.strategy import StepResult, add_metrics
+from rlhf_train_deepspeed.supervised_data import step_counts
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWorker
 
 
@@ -29,6 +31,19 @@ def merge_steps(results: list[StepResult]) -> dict[str, float]:
             totals[k] = [t + x for t, x in zip(totals.get(k, (0.0, 0.0)), sw, strict=True)]
     out.update({k: s / w for k, (s, w) in totals.items() if w > 0})
     return out
+
+
+def policy_counts(micro_batches: list[PolicyMicroBatch]) -> dict[str, float]:
+    """A policy step's global counts; sequences without any action token take no part in the normalisation."""
+    masks = [mb.seq.response_mask() for mb in micro_batches]
+    return {
+        "num_tokens": float(sum(m.sum() for m in masks)),
+        "num_sequences": float(sum(m.any(-1).sum() for m in masks)),
+    }
+
+
+def value_counts(micro_batches: list[CriticMicroBatch]) -> dict[str, float]:
+    return {"num_tokens": float(sum(mb.seq.response_mask().sum() for mb in micro_batches))}
 
 
 class WorkerGroup:
@@ -98,13 +113,18 @@ class WorkerGroup:
     # --- training ---
 
     def _step(self, method: str, micro_batches: list, *args, counts: dict[str, float]) -> dict[str, float]:
+        return self._merged(wait(self._even_shares(method, micro_batches, *args, counts)))
+
+    def _even_shares(self, method: str, micro_batches: list, *args) -> list[Future]:
         if len(micro_batches) % self.dp_size:
             raise ValueError(
                 f"{method}: {len(micro_batches)} micro-batches cannot be split evenly over "
                 f"{self.dp_size} data-parallel ranks"
             )
-        futures, _ = self.call_sharded_async(method, micro_batches, *args, counts)  # even shares: no padding
-        metrics = merge_steps(wait(futures)[:: self.ring_size])  # one rank per ring group
+        return self.call_sharded_async(method, micro_batches, *args)[0]  # even shares: no padding
+
+    def _merged(self, results: list[StepResult]) -> dict[str, float]:
+        metrics = merge_steps(results[:: self.ring_size])  # one rank per ring group
         if metrics["skipped"]:
             self.nonfinite_steps += 1
         metrics["nonfinite_steps"] = float(self.nonfinite_steps)
@@ -113,18 +133,12 @@ class WorkerGroup:
     def train_policy_step(
         self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig
     ) -> dict[str, float]:
-        masks = [mb.seq.response_mask() for mb in micro_batches]
-        counts = {  # sequences without any action token take no part in the normalisation
-            "num_tokens": float(sum(m.sum() for m in masks)),
-            "num_sequences": float(sum(m.any(-1).sum() for m in masks)),
-        }
-        return self._step("train_policy", micro_batches, cfg, counts=counts)
+        return self._step("train_policy", micro_batches, cfg, counts=policy_counts(micro_batches))
 
     def train_critic_step(
         self, micro_batches: list[CriticMicroBatch], value_clip: float | None = 0.5
     ) -> dict[str, float]:
-        counts = {"num_tokens": float(sum(mb.seq.response_mask().sum() for mb in micro_batches))}
-        return self._step("train_critic", micro_batches, value_clip, counts=counts)
+        return self._step("train_critic", micro_batches, value_clip, counts=value_counts(micro_batches))
 
     def train_supervised_step(
         self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]
@@ -142,6 +156,42 @@ class WorkerGroup:
             add_metrics(totals, metrics, weight)
         rewards = [r for *_, batch_rewards in per_batch for r in batch_rewards]
         return {k: s / w for k, (s, w) in totals.items() if w > 0}, rewards
+
+    # --- the learner primitives (rlhf_core.primitives.Learner): one Future each ---
+
+    def forward(self, batches: list[SequenceBatch], temperature: float = 1.0) -> Future:
+        method, args = (
+            ("compute_values", ()) if self.spec.kind == "value" else ("compute_logprobs", (temperature,))
+        )
+        futures, real = self.call_sharded_async(method, batches, *args)
+        return Joined(futures, lambda res: [x for r, n in zip(res, real, strict=True) for x in r[:n]])
+
+    def forward_backward(
+        self, micro_batches: list, loss: str, loss_cfg: Any, counts: dict[str, float] | None = None
+    ) -> Future:
+        """The ranks' parts of the step merged (:func:`merge_steps`; no gradient norm before the step)."""
+        if counts is None:
+            counts = {"policy": policy_counts, "value": value_counts}.get(loss, partial(step_counts, loss))(
+                micro_batches
+            )
+        futures = self._even_shares("forward_backward", micro_batches, loss, loss_cfg, counts)
+        return Joined(futures, lambda res: merge_steps(res[:: self.ring_size]))
+
+    def optim_step(self) -> Future:
+        """The step's metrics as :meth:`train_policy_step` gives them (``nonfinite_steps`` included)."""
+        return Joined(self.call_async("optim_step"), self._merged)
+
+    def save_state(self, path: str) -> Future:
+        return Joined(self.call_async("save_checkpoint", path), lambda _: None)
+
+    def load_state(self, path: str) -> Future:
+        return Joined(self.call_async("load_checkpoint", path), lambda _: None)
+
+    def weights(self) -> Future:
+        return Joined(self.call_async("get_state_dict_for_engines"), lambda res: res[0])
+
+    def export(self, path: str) -> Future:
+        return Joined(self.call_async("export_hf", path, None, self.spec.path, None), lambda _: None)
 
     # --- checkpoints, export, weight sync ---
 

@@ -381,6 +381,8 @@ def test_a_reference_model_hosted_in_the_policy_ranks_stays_frozen(groups, tiny_
 def test_experts_implementation_reaches_the_trained_and_reference_moe_models(groups, tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from rlhf_core.handles import wait
+
     torch.manual_seed(0)
     moe = Qwen3MoeForCausalLM(
         Qwen3MoeConfig(
@@ -404,12 +406,19 @@ def test_experts_implementation_reaches_the_trained_and_reference_moe_models(gro
             spec(str(tmp_path / "moe"), 4, ref_path=str(tmp_path / "moe")),
             DSConfig(zero_stage=0, param_dtype="fp32", experts_implementation=experts),
         )
-        (chosen[experts],) = group.call(
-            "__ray_call__",
-            lambda w: (
-                w.hf_config._experts_implementation,
-                w.ref_engine.module.config._experts_implementation,
-            ),
+        # Ray's __ray_call__ runs the function on the rank's object; a Handle's methods are the object's
+        # public ones, so the private call is made through the handle's own caller
+        (chosen[experts],) = wait(
+            [
+                a._call(
+                    "__ray_call__",
+                    lambda w: (
+                        w.hf_config._experts_implementation,
+                        w.ref_engine.module.config._experts_implementation,
+                    ),
+                )
+                for a in group.actors
+            ]
         )
     assert chosen == {None: ("grouped_mm", "grouped_mm"), "batched_mm": ("batched_mm", "batched_mm")}
 

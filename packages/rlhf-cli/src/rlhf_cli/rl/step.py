@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,12 +15,9 @@ from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.runloop import NonFiniteSteps
 from rlhf_core.types import derive_seed
 
-if TYPE_CHECKING:
-    from rlhf_cli.rl.controller import RLController
 
-
-def rl_step(ctl: RLController, batch: Batch | None) -> dict[str, float] | None:
-    """Step ``ctl.step + 1`` of the run: generation, experience, policy and critic updates, weight sync; its
+def rl_step(ctl, batch: Batch | None) -> dict[str, float] | None:
+    """Step ``ctl.step + 1`` of the run (``ctl``: its :class:`~rlhf_cli.rl.controller.RLController`): generation, experience, policy and critic updates, weight sync; its
     metrics, or None when the data ran out before its batch was full. ``batch`` is the one the async
     pipeline's thread generated for it (``schedule.BatchSchedule``); None: generate it here."""
     cfg = ctl.cfg

@@ -152,35 +152,12 @@ class DeepSeekV3:
         )
 
 
-class Qwen3Coder:
-    """Qwen3-Coder's XML: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...
-    </function>\\n</tool_call>``; a value is JSON when it reads as JSON, else a string."""
+class _KeyValueCalls:
+    """The XML-ish formats: ``BLOCK`` matches one call (group 1 the name, group 2 its arguments) and ``ARG``
+    each key and value in it; a value is JSON when it reads as JSON, else a string."""
 
-    markers = ("<tool_call>", "<function=", "<parameter=")
-    BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
-    PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-
-    @classmethod
-    def read(cls, match: re.Match) -> Calls:
-        args = {key.strip(): _value(value) for key, value in cls.PARAM.findall(match.group(2))}
-        return [(match.group(1).strip(), json.dumps(args))]
-
-    @classmethod
-    def parse(cls, text: str) -> tuple[str, Calls]:
-        return _blocks(text, cls.BLOCK, cls.read)
-
-    @staticmethod
-    def opening(name: str | None) -> str:
-        return "<tool_call>\n<function=" + ("" if name is None else f"{name}>\n")
-
-
-class Glm45:
-    """GLM-4.5 / 4.6: ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>...</tool_call>``;
-    a value is JSON when it reads as JSON, else a string."""
-
-    markers = ("<tool_call>", "<arg_key>")
-    BLOCK = re.compile(r"<tool_call>([^<\n]+)(.*?)</tool_call>", re.DOTALL)
-    ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    BLOCK: re.Pattern
+    ARG: re.Pattern
 
     @classmethod
     def read(cls, match: re.Match) -> Calls:
@@ -190,6 +167,28 @@ class Glm45:
     @classmethod
     def parse(cls, text: str) -> tuple[str, Calls]:
         return _blocks(text, cls.BLOCK, cls.read)
+
+
+class Qwen3Coder(_KeyValueCalls):
+    """Qwen3-Coder's XML: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...
+    </function>\\n</tool_call>``; a value is JSON when it reads as JSON, else a string."""
+
+    markers = ("<tool_call>", "<function=", "<parameter=")
+    BLOCK = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+    ARG = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    @staticmethod
+    def opening(name: str | None) -> str:
+        return "<tool_call>\n<function=" + ("" if name is None else f"{name}>\n")
+
+
+class Glm45(_KeyValueCalls):
+    """GLM-4.5 / 4.6: ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>...</tool_call>``;
+    a value is JSON when it reads as JSON, else a string."""
+
+    markers = ("<tool_call>", "<arg_key>")
+    BLOCK = re.compile(r"<tool_call>([^<\n]+)(.*?)</tool_call>", re.DOTALL)
+    ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
     @staticmethod
     def opening(name: str | None) -> str:

@@ -231,6 +231,38 @@ def test_weight_sync_export_and_exact_resume_of_a_moe_policy(tiny_moe, tmp_path,
         resumed.close()
 
 
+def test_lora_on_the_experts_trains_them_alone_and_its_exported_adapter_merges_back(tiny_moe, tmp_path):
+    """The checkpoint's per-expert names as targets: PEFT puts the adapter on transformers' fused expert
+    parameters. The weight sync sends adapters of linear layers only, so an RL policy refuses it there."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_train_deepspeed import weights
+
+    ds = DSConfig(zero_stage=0, param_dtype="fp32")
+    experts = ["w1", "w2", "w3"] if "mixtral" in tiny_moe else ["gate_proj", "up_proj", "down_proj"]
+    ds.lora.rank, ds.lora.target_modules = 4, experts
+    worker = rank(tiny_moe, ModelConfig(), ds=ds)
+    try:
+        train(worker, 2)
+        trained = dict(weights.named_weights(worker._module()))  # merged, HF names
+        worker.export_hf(str(tmp_path / "adapter"))
+        with pytest.raises(ValueError, match=r"mlp.experts: the weight sync sends LoRA adapters of linear"):
+            list(weights.engine_weights(worker._module()))
+    finally:
+        worker.close()
+    base = params(AutoModelForCausalLM.from_pretrained(tiny_moe))
+    changed = {n for n, t in trained.items() if not torch.equal(t, base[n])}
+    assert changed == {
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")
+    }
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_moe), str(tmp_path / "adapter")
+    )
+    reloaded = params(merged.merge_and_unload())
+    assert all(torch.equal(reloaded[n], t) for n, t in trained.items())
+
+
 def engine_samples(path: str, dtype: str = "fp32", worker: TrainWorker | None = None):
     """Samples of an HF engine that records routing (with ``worker``'s weights synced in first): a batch of
     2 prompts x 2 samples carrying the recorded experts, and the engine's ``[B, T]`` log-probs."""

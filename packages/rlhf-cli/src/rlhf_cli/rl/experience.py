@@ -272,7 +272,10 @@ class ExperienceMaker:
             exp, actor, cfg.rollout.micro_batch_size, budget if cfg.train.dynamic_batch_enable else None, cfg
         )
         mbs = sequence_batches(exp, cuts, self.pad)
-        plain = [dataclasses.replace(m, routed_experts=None) for m in mbs]  # router replay: the policy's own
+        # router replay: the recorded experts are the policy's own, not the reference's or the critic's
+        plain = (
+            mbs if exp.routed_experts is None else [dataclasses.replace(m, routed_experts=None) for m in mbs]
+        )
         width = exp.action_mask.shape[1]
 
         def stack(parts: list[torch.Tensor], order=cuts) -> torch.Tensor:

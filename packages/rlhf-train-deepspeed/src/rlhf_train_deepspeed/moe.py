@@ -131,7 +131,8 @@ class Routing:
 
     def take(self) -> tuple[torch.Tensor | None, dict[str, float]]:
         """The family's load-balancing loss of the last training forward (a scalar with gradient) and the routing
-        metrics, then forgets them; ``(None, {})`` when no forward with gradients ran since the last call."""
+        metrics, then forgets them; no loss and only ``moe_experts_differ`` (router replay) when no forward with
+        gradients ran since the last call."""
         logits, mask = self.logits, self.mask
         self.logits, self.mask = [None] * len(self.routers), None
         (differ, total), self.disagreement = self.disagreement, [torch.zeros(()), torch.zeros(())]

@@ -203,10 +203,10 @@ class RankModel:
             release_free_heap()
         engine.eval()
         out = []
-        for b in batches:
+        for b in map(self.dev, batches):
             with moe.replaying(None if frozen else self.routing, b, self.packing):
                 lp, ent, _ = response_logprobs(
-                    engine, self.dev(b), temperature, self.packing, with_entropy, ring=self.ring
+                    engine, b, temperature, self.packing, with_entropy, ring=self.ring
                 )
             out.append((lp.cpu(), ent.cpu()) if with_entropy else lp.cpu())
         if frozen:  # idle until the next step: its weights to the page cache

@@ -70,7 +70,7 @@ class Routing:
 
     @classmethod
     def attach(
-        cls, model: nn.Module, aux_loss_coef: float, freeze_router: bool, replay: bool = False
+        cls, model: nn.Module, aux_loss_coef: float, freeze_router: bool, replay: bool
     ) -> Routing | None:
         recorder = router_recorder(model)
         family = sys.modules[recorder.target_class.__module__] if recorder is not None else None

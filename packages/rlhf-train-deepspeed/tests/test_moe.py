@@ -336,6 +336,47 @@ def test_router_replay_gives_the_engines_log_probs_with_the_engines_experts(tiny
     torch.testing.assert_close(own_lp, lp, rtol=0, atol=1e-6)  # fp32: the trainer chose the same
 
 
+def test_router_replay_of_a_multi_turn_episode_is_aligned_with_its_tokens(tiny_moe):
+    """An episode keeps its last call's routing, whose input was the episode so far (prompt, first reply,
+    feedback): replayed, no expert differs from the trainer's own and every action token's log-prob is the
+    engine's (misaligned, the experts would differ: see the shifted ones above)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor
+    from rlhf_core.rollout.async_engine import AsyncEngine
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_core.types import SamplingParams
+
+    class TwoTurns(AgentInstanceBase):
+        turns = 0
+
+        async def step(self, states):
+            self.turns += 1
+            return {"rewards": 0.0, "environment_feedback": "w3 w4 w5", "done": self.turns == 2}
+
+    engine = AsyncEngine(HFEngine(tiny_moe, record_routing=True))
+    params = SamplingParams(max_new_tokens=4, seed=0, ignore_eos=True)
+    episode = MultiTurnAgentExecutor(TwoTurns).execute(
+        "w1 w2", None, params, 64, AutoTokenizer.from_pretrained(tiny_moe), engine
+    )
+    t = asyncio.run(episode)
+    assert t.action_mask == [1] * 4 + [0] * 3 + [1] * 4 + [0] * 3
+    assert len(t.routed_experts) == len(t.prompt_ids) + 11  # the feedback after the last call: none
+    batch = make_sequence_batch(
+        [t.prompt_ids], [t.response_ids], 0, [t.action_mask], None, [t.routed_experts]
+    )
+    worker = rank(tiny_moe, ActorConfig(router_replay=True))
+    try:
+        (lp,) = worker.compute_logprobs([batch])
+        assert worker.model.routing.take()[1]["moe_experts_differ"] == 0
+    finally:
+        worker.close()
+    actions = torch.tensor(t.action_mask, dtype=torch.bool)
+    torch.testing.assert_close(lp[0][actions], torch.tensor(t.rollout_logprobs)[actions], rtol=0, atol=2e-5)
+
+
 def test_replayed_packed_forwards_and_checkpointed_gradients_equal_the_padded_plain_ones(tiny_moe):
     batch, _ = engine_samples(tiny_moe)
     forced = shifted(batch)

@@ -195,3 +195,32 @@ def test_grpo_on_a_tiny_mixtral_with_the_router_loss_and_a_frozen_router(tmp_pat
     experts = [k for k in before if ".experts." in k]
     assert len(routers) == 2 and all(torch.equal(before[k], after[k]) for k in routers)
     assert experts and not any(torch.equal(before[k], after[k]) for k in experts)
+
+
+def test_the_experience_carries_each_rows_routing_into_its_micro_batch():
+    """build_experience keeps each trajectory's routed experts; sequence_batches lays a cut's rows out like its
+    input_ids (-1 past each row's recorded tokens); a scored sample without routing stops the step."""
+    from rlhf_cli.rl.experience import build_experience, sequence_batches
+    from rlhf_core.config import RLConfig
+    from rlhf_core.types import Trajectory
+
+    cfg = RLConfig()
+    cfg.actor.router_replay = True
+
+    def traj(prompt: int, response: int, reward: float | None, routed: bool) -> Trajectory:
+        n = prompt + response
+        experts = torch.arange(n * 4, dtype=torch.int16).view(n, 2, 2)[:-1] if routed else None  # last: none
+        ids = list(range(1, n + 1))
+        t = Trajectory(ids[:prompt], ids[prompt:], [1] * response, [0.0] * response, reward=reward)
+        t.routed_experts = experts
+        return t
+
+    # an overlong prompt never reached the engine: unscorable, no routing, its row all -1
+    trajs = [traj(2, 3, 1.0, True), traj(4, 1, None, False), traj(3, 4, 0.0, True)]
+    exp = build_experience(trajs, cfg)
+    (batch,) = sequence_batches(exp, [[2, 1]], pad_token_id=0)
+    assert batch.routed_experts.shape == (2, 7, 2, 2) and batch.routed_experts.dtype == torch.int16
+    assert torch.equal(batch.routed_experts[0, :6], trajs[2].routed_experts)
+    assert (batch.routed_experts[0, 6:] == -1).all() and (batch.routed_experts[1] == -1).all()
+    with pytest.raises(ValueError, match="--actor.router_replay: a scored sample came without the engine's"):
+        build_experience([traj(2, 3, 1.0, False)], cfg)

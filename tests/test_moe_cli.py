@@ -1,6 +1,6 @@
 """Mixture-of-experts runs from the command line: OpenRLHF's Mixtral LoRA SFT script plans with --dry-run and
 trains a tiny random Mixtral with its flags (the router loss added and logged); a dense model with the MoE flags
-is refused by the driver, naming the flag and the model type."""
+is refused by the driver, naming the flag and the model type; GRPO with router replay, and its refusals."""
 
 import json
 import os
@@ -119,6 +119,29 @@ def test_a_moe_policy_with_full_weight_syncs_into_vllm_is_refused_before_anythin
     assert "--rollout.engine vllm with a mixture-of-experts policy (mixtral): the weight sync sends" in err
     assert main([*ppo, "--rollout.engine", "vllm", "--ds.lora.rank", "4"]) == 0  # adapters only
     assert main([*ppo, "--rollout.engine", "hf", "--actor.aux_loss_coef", "0.01"]) == 0
+    capsys.readouterr()
+
+
+def test_router_replay_is_refused_where_the_routing_cannot_reach_the_trainer(tmp_path, tiny_model, capsys):
+    from rlhf_cli.main import main
+    from rlhf_core.testing.moe import make_tiny_moe
+
+    moe = make_tiny_moe(tmp_path / "mixtral", "mixtral")
+    (tmp_path / "reward.py").write_text(
+        "def reward_func(queries, prompts, labels, **kw):\n    return [0.0]\n"
+    )
+    ppo = ["train", "ppo", "--remote_rm_url", str(tmp_path / "reward.py"), "--actor.router_replay", "true"]
+    ppo += ["--ckpt.output_dir", str(tmp_path / "run"), "--dry-run"]
+    assert main([*ppo, "--pretrain", moe, "--rollout.engine", "hf"]) == 0
+    assert main([*ppo, "--pretrain", tiny_model, "--rollout.engine", "hf"]) == 2
+    assert "--actor.router_replay True: " in capsys.readouterr().err  # a llama model has no router
+    refused = ["--rollout.engine", "vllm", "--ds.lora.rank", "4", "--ds.packing_samples"]
+    refused += ["--ds.ring_attn_size", "2", "--train.agent_command", "true"]
+    assert main([*ppo, "--pretrain", moe, *refused]) == 2
+    err = capsys.readouterr().err
+    assert "--actor.router_replay with --rollout.engine vllm: only the hf engine records the experts" in err
+    assert "--actor.router_replay with --ds.ring_attn_size > 1" in err
+    assert "--actor.router_replay with OpenAI-endpoint agents" in err
 
 
 @pytest.mark.slow
@@ -150,6 +173,7 @@ def test_grpo_on_a_tiny_mixtral_with_the_router_loss_and_a_frozen_router(tmp_pat
         *("--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--train_batch_size", "8"),
         *("--micro_train_batch_size", "4", "--max_new_tokens", "8", "--num_episodes", "1"),
         *("--aux_loss_coef", "0.01", "--actor.freeze_moe_router", "true", "--ckpt.output_dir", "run"),
+        *("--actor.router_replay", "true"),
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -159,6 +183,9 @@ def test_grpo_on_a_tiny_mixtral_with_the_router_loss_and_a_frozen_router(tmp_pat
     for s in steps:
         assert s["policy/aux_loss"] > 0 and s["policy/moe_router_entropy"] > 0
         assert 1.0 <= s["policy/moe_load_max_over_mean"] <= 2.0
+        # replayed (fp32: the trainer would have chosen the engine's experts anyway, and its log-probs are
+        # the engine's)
+        assert s["policy/moe_experts_differ"] == 0 and s["policy/rollout_train_logprob_gap"] < 1e-5
     before, after = (
         load_file(f"{model}/model.safetensors"),
         load_file(tmp_path / "run" / "model" / "model.safetensors"),
@@ -168,3 +195,32 @@ def test_grpo_on_a_tiny_mixtral_with_the_router_loss_and_a_frozen_router(tmp_pat
     experts = [k for k in before if ".experts." in k]
     assert len(routers) == 2 and all(torch.equal(before[k], after[k]) for k in routers)
     assert experts and not any(torch.equal(before[k], after[k]) for k in experts)
+
+
+def test_the_experience_carries_each_rows_routing_into_its_micro_batch():
+    """build_experience keeps each trajectory's routed experts; sequence_batches lays a cut's rows out like its
+    input_ids (-1 past each row's recorded tokens); a scored sample without routing stops the step."""
+    from rlhf_cli.rl.experience import build_experience, sequence_batches
+    from rlhf_core.config import RLConfig
+    from rlhf_core.types import Trajectory
+
+    cfg = RLConfig()
+    cfg.actor.router_replay = True
+
+    def traj(prompt: int, response: int, reward: float | None, routed: bool) -> Trajectory:
+        n = prompt + response
+        experts = torch.arange(n * 4, dtype=torch.int16).view(n, 2, 2)[:-1] if routed else None  # last: none
+        ids = list(range(1, n + 1))
+        t = Trajectory(ids[:prompt], ids[prompt:], [1] * response, [0.0] * response, reward=reward)
+        t.routed_experts = experts
+        return t
+
+    # an overlong prompt never reached the engine: unscorable, no routing, its row all -1
+    trajs = [traj(2, 3, 1.0, True), traj(4, 1, None, False), traj(3, 4, 0.0, True)]
+    exp = build_experience(trajs, cfg)
+    (batch,) = sequence_batches(exp, [[2, 1]], pad_token_id=0)
+    assert batch.routed_experts.shape == (2, 7, 2, 2) and batch.routed_experts.dtype == torch.int16
+    assert torch.equal(batch.routed_experts[0, :6], trajs[2].routed_experts)
+    assert (batch.routed_experts[0, 6:] == -1).all() and (batch.routed_experts[1] == -1).all()
+    with pytest.raises(ValueError, match="--actor.router_replay: a scored sample came without the engine's"):
+        build_experience([traj(2, 3, 1.0, False)], cfg)

@@ -5,6 +5,7 @@ a dense model refuses the flags."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -167,6 +168,7 @@ def test_a_dense_model_refuses_the_moe_flags(tiny_llama):
     for optim, flag in (
         (ModelConfig(aux_loss_coef=0.01), "aux_loss_coef 0.01"),
         (ActorConfig(freeze_moe_router=True), "freeze_moe_router True"),
+        (ActorConfig(router_replay=True), "router_replay True"),
     ):
         with pytest.raises(ValueError, match=rf"{flag}: the model \(llama\) is not a mixture-of-experts"):
             rank(tiny_llama, optim).close()
@@ -229,81 +231,173 @@ def test_weight_sync_export_and_exact_resume_of_a_moe_policy(tiny_moe, tmp_path,
         resumed.close()
 
 
-def replay_measurement(path: str, dtype: str, updates: int) -> dict[str, float]:
-    """After ``updates`` SFT steps synced into an HF engine that records routing: the mean |engine - trainer|
-    log-prob of the sampled tokens and the fraction of (token, layer) whose experts differ, without and with
-    router replay in the trainer's log-prob forward."""
-    from rlhf_core.moe import replay_rows
+def test_lora_on_the_experts_trains_them_alone_and_its_exported_adapter_merges_back(tiny_moe, tmp_path):
+    """The checkpoint's per-expert names as targets: PEFT puts the adapter on transformers' fused expert
+    parameters. The weight sync sends adapters of linear layers only, so an RL policy refuses it there."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_train_deepspeed import weights
+
+    ds = DSConfig(zero_stage=0, param_dtype="fp32")
+    experts = ["w1", "w2", "w3"] if "mixtral" in tiny_moe else ["gate_proj", "up_proj", "down_proj"]
+    ds.lora.rank, ds.lora.target_modules = 4, experts
+    worker = rank(tiny_moe, ModelConfig(), ds=ds)
+    try:
+        train(worker, 2)
+        trained = dict(weights.named_weights(worker._module()))  # merged, HF names
+        worker.export_hf(str(tmp_path / "adapter"))
+        with pytest.raises(ValueError, match=r"mlp.experts: the weight sync sends LoRA adapters of linear"):
+            list(weights.engine_weights(worker._module()))
+    finally:
+        worker.close()
+    base = params(AutoModelForCausalLM.from_pretrained(tiny_moe))
+    changed = {n for n, t in trained.items() if not torch.equal(t, base[n])}
+    assert changed == {
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")
+    }
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_moe), str(tmp_path / "adapter")
+    )
+    reloaded = params(merged.merge_and_unload())
+    assert all(torch.equal(reloaded[n], t) for n, t in trained.items())
+
+
+def engine_samples(path: str, dtype: str = "fp32", worker: TrainWorker | None = None):
+    """Samples of an HF engine that records routing (with ``worker``'s weights synced in first): a batch of
+    2 prompts x 2 samples carrying the recorded experts, and the engine's ``[B, T]`` log-probs."""
     from rlhf_core.rollout.hf_engine import HFEngine
     from rlhf_core.types import GenerationRequest, SamplingParams
     from rlhf_train_deepspeed import weights
 
-    # the shared-prompt forward runs each prompt once: its rows are not the batch's, which replay indexes
-    worker = rank(path, ModelConfig(), ds=DSConfig(zero_stage=0, param_dtype=dtype, shared_prefix=False))
-    try:
-        train(worker, updates)
-        engine = HFEngine(path, dtype=dtype)
+    engine = HFEngine(path, dtype=dtype, record_routing=True)
+    if worker is not None:
         engine.update_weights(weights.engine_weights(worker._module()))
-        engine.record_routing()
-        g = torch.Generator().manual_seed(5)
-        prompts = [torch.randint(7, 60, (4 + i % 5,), generator=g).tolist() for i in range(8)]
-        params = SamplingParams(n=2, max_new_tokens=16, seed=1, ignore_eos=True)
-        outs = [o for req in engine.generate([GenerationRequest(p, params) for p in prompts]) for o in req]
-        rows = [p for p in prompts for _ in range(2)]
-        batch = make_sequence_batch(rows, [o.token_ids for o in outs], 0)
-        engine_lp = torch.zeros(len(outs), batch.num_response_positions)
-        for i, o in enumerate(outs):
-            engine_lp[i, : len(o.logprobs)] = torch.tensor(o.logprobs)
-        mask = batch.response_mask().float()
-        experts = replay_rows(
-            [o.routed_experts for o in outs], batch.attention_mask.sum(-1).tolist(), batch.input_ids.shape[1]
-        )
-        model = worker.model
-        (own,) = model.compute_logprobs([batch], 1.0, False, False, 0)
-        model.routing.disagreement = [0.0, 0.0]
-        with model.routing.replaying(experts):
-            (replayed,) = model.compute_logprobs([batch], 1.0, False, False, 0)
-        differ, total = model.routing.disagreement
-
-        def gap(lp: torch.Tensor) -> float:
-            return float(((lp.float() - engine_lp).abs() * mask).sum() / mask.sum())
-
-        return {"gap": gap(own), "gap_replayed": gap(replayed), "experts_differ": differ / total}
-    finally:
-        worker.close()
-
-
-def test_router_replay_uses_the_engines_experts_in_the_trainers_forward(tiny_moe):
-    from rlhf_core.moe import replay_rows
-    from rlhf_core.rollout.hf_engine import HFEngine
-    from rlhf_core.types import GenerationRequest, SamplingParams
-
-    # replaying the engine's own routing changes nothing in fp32 (the two agree on every expert), so the rows
-    # are laid out right; the measurement itself (bf16, after updates) is in docs/moe.md
-    fp32 = replay_measurement(tiny_moe, "fp32", updates=2)
-    assert fp32["experts_differ"] == 0 and fp32["gap"] < 1e-5 and fp32["gap_replayed"] == fp32["gap"]
-    # forced experts are used: each token's experts shifted by one disagree everywhere and move the log-probs
-    engine = HFEngine(tiny_moe)
-    engine.record_routing()
-    (outs,) = engine.generate([GenerationRequest([7, 8, 9], SamplingParams(n=2, max_new_tokens=5, seed=0))])
-    first = outs[0].routed_experts
-    assert (
-        first.shape == (3 + len(outs[0].token_ids), 2, 2)
-        and (first[:-1] >= 0).all()
-        and (first[-1] == -1).all()
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
+    params = SamplingParams(n=2, max_new_tokens=6, seed=1, ignore_eos=True)
+    outs = [o for req in engine.generate([GenerationRequest(p, params) for p in prompts]) for o in req]
+    rows = [p for p in prompts for _ in range(2)]
+    batch = make_sequence_batch(
+        rows, [o.token_ids for o in outs], 0, routed_experts=[o.routed_experts for o in outs]
     )
-    worker = rank(tiny_moe, ds=DSConfig(zero_stage=0, param_dtype="fp32", shared_prefix=False))
+    engine_lp = torch.tensor([o.logprobs for o in outs])
+    return batch, engine_lp
+
+
+def used_experts(worker: TrainWorker) -> list[list[torch.Tensor]]:
+    """A hook after the replaying one on each router: the experts each forward's routers used."""
+    used: list[list[torch.Tensor]] = []
+
+    def hook(i):
+        def keep(module, args, output):
+            if i == 0:
+                used.append([])
+            used[-1].append(output[-1].detach().clone())
+
+        return keep
+
+    for i, router in enumerate(worker.model.routing.routers):
+        router.register_forward_hook(hook(i))
+    return used
+
+
+def shifted(batch):
+    """``batch`` with each recorded expert moved to the next one: routing the model would not choose."""
+    e = batch.routed_experts
+    return dataclasses.replace(batch, routed_experts=torch.where(e >= 0, (e + 1) % 4, e))
+
+
+def test_router_replay_gives_the_engines_log_probs_with_the_engines_experts(tiny_moe):
+    batch, engine_lp = engine_samples(tiny_moe)
+    recorded = batch.routed_experts.flatten(0, 1).transpose(0, 1).long()  # [layers, B * L, k]
+    has = recorded[0, :, 0] >= 0  # the real tokens but each row's last (no forward ran on it)
+    assert int(has.sum()) == int(batch.attention_mask.sum()) - len(batch)
+    # the default config would run the shared-prompt layout: replay runs the padded batch instead
+    worker = rank(tiny_moe, ActorConfig(router_replay=True))
     try:
-        batch = make_sequence_batch([[7, 8, 9]] * 2, [o.token_ids for o in outs], 0)
-        lengths = batch.attention_mask.sum(-1).tolist()
-        experts = replay_rows([o.routed_experts for o in outs], lengths, batch.input_ids.shape[1])
-        shifted = torch.where(experts >= 0, (experts + 1) % 4, experts)
-        (own,) = worker.model.compute_logprobs([batch], 1.0, False, False, 0)
-        worker.model.routing.disagreement = [0.0, 0.0]
-        with worker.model.routing.replaying(shifted):
-            (forced,) = worker.model.compute_logprobs([batch], 1.0, False, False, 0)
-        differ, total = worker.model.routing.disagreement
-        assert total == 2 * sum(n - 1 for n in lengths) and differ == total
-        assert (forced - own).abs().max() > 1e-3
+        used = used_experts(worker)
+        (lp,) = worker.compute_logprobs([batch])
+        differ = [worker.model.routing.take()[1]["moe_experts_differ"]]
+        (forced_lp,) = worker.compute_logprobs([shifted(batch)])
+        differ.append(worker.model.routing.take()[1]["moe_experts_differ"])
+        (own_lp,) = worker.compute_logprobs([dataclasses.replace(batch, routed_experts=None)])
     finally:
         worker.close()
+    mask = batch.response_mask()
+    # fp32, the same weights: the engine's numbers up to the summation order of two implementations
+    torch.testing.assert_close(lp * mask, engine_lp * mask, rtol=0, atol=2e-5)
+    forced = shifted(batch).routed_experts.flatten(0, 1).transpose(0, 1).long()
+    for forward, experts in ((0, recorded), (1, forced)):
+        for layer, got in enumerate(used[forward]):
+            assert torch.equal(got[has].sort(-1).values, experts[layer][has].sort(-1).values)
+    # the metric: none differ; shifted, all of layer 0 (half the pairs) and those of layer 1 its change moved
+    assert differ[0] == 0 and 0.5 <= differ[1] <= 1
+    assert (forced_lp - lp).abs().max() > 1e-3  # and the shifted experts change the log-probs
+    torch.testing.assert_close(own_lp, lp, rtol=0, atol=1e-6)  # fp32: the trainer chose the same
+
+
+def test_router_replay_of_a_multi_turn_episode_is_aligned_with_its_tokens(tiny_moe):
+    """An episode keeps its last call's routing, whose input was the episode so far (prompt, first reply,
+    feedback): replayed, no expert differs from the trainer's own and every action token's log-prob is the
+    engine's (misaligned, the experts would differ: see the shifted ones above)."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from rlhf_agents import AgentInstanceBase, MultiTurnAgentExecutor
+    from rlhf_core.rollout.async_engine import AsyncEngine
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_core.types import SamplingParams
+
+    class TwoTurns(AgentInstanceBase):
+        turns = 0
+
+        async def step(self, states):
+            self.turns += 1
+            return {"rewards": 0.0, "environment_feedback": "w3 w4 w5", "done": self.turns == 2}
+
+    engine = AsyncEngine(HFEngine(tiny_moe, record_routing=True))
+    params = SamplingParams(max_new_tokens=4, seed=0, ignore_eos=True)
+    episode = MultiTurnAgentExecutor(TwoTurns).execute(
+        "w1 w2", None, params, 64, AutoTokenizer.from_pretrained(tiny_moe), engine
+    )
+    t = asyncio.run(episode)
+    assert t.action_mask == [1] * 4 + [0] * 3 + [1] * 4 + [0] * 3
+    assert len(t.routed_experts) == len(t.prompt_ids) + 11  # the feedback after the last call: none
+    batch = make_sequence_batch(
+        [t.prompt_ids], [t.response_ids], 0, [t.action_mask], None, [t.routed_experts]
+    )
+    worker = rank(tiny_moe, ActorConfig(router_replay=True))
+    try:
+        (lp,) = worker.compute_logprobs([batch])
+        assert worker.model.routing.take()[1]["moe_experts_differ"] == 0
+    finally:
+        worker.close()
+    actions = torch.tensor(t.action_mask, dtype=torch.bool)
+    torch.testing.assert_close(lp[0][actions], torch.tensor(t.rollout_logprobs)[actions], rtol=0, atol=2e-5)
+
+
+def test_replayed_packed_forwards_and_checkpointed_gradients_equal_the_padded_plain_ones(tiny_moe):
+    batch, _ = engine_samples(tiny_moe)
+    forced = shifted(batch)
+    counts = {"num_tokens": float(batch.response_mask().sum()), "num_sequences": float(len(batch))}
+    mb = PolicyMicroBatch(forced, None, torch.linspace(-1, 1, 4)[:, None] * forced.response_mask().float())
+    results = {}
+    for name, ckpt, packing in (("plain", False, False), ("ckpt", True, False), ("packed", False, True)):
+        ds = DSConfig(zero_stage=0, param_dtype="fp32", packing_samples=packing)
+        worker = rank(tiny_moe, ActorConfig(router_replay=True), ds=ds, grad_ckpt=ckpt)
+        try:
+            (lp,) = worker.compute_logprobs([forced])
+            worker.forward_backward([mb], "policy", PolicyStepConfig(loss="ppo"), counts)
+            grads = {n: p.grad.clone() for n, p in worker._module().named_parameters() if p.grad is not None}
+            results[name] = lp, grads
+        finally:
+            worker.close()
+    lp, grads = results["plain"]
+    routers = [n for n in grads if n.endswith("gate.weight")]
+    assert len(routers) == 2 and all(grads[n].abs().max() > 0 for n in routers)  # the router still learns
+    for name in ("ckpt", "packed"):
+        torch.testing.assert_close(results[name][0], lp, rtol=0, atol=1e-5)
+        assert results[name][1].keys() == grads.keys()
+        for n, g in grads.items():  # the recompute replayed the same experts: the same gradient
+            torch.testing.assert_close(results[name][1][n], g, rtol=1e-4, atol=1e-6, msg=n)

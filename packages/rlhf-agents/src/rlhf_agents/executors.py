@@ -70,6 +70,8 @@ class TokenTrace:
     response_ids: list[int] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routed_experts: Any = None
+    """The last action's ``GenerationOutput.routed_experts``: its input was the whole trace (router replay)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -85,6 +87,7 @@ class TokenTrace:
         self.response_ids += list(out.token_ids)
         self.action_mask += [1] * len(out.token_ids)
         self.logprobs += [float(x) for x in out.logprobs]
+        self.routed_experts = out.routed_experts
 
     def add_feedback(self, ids: list[int]) -> None:
         self.response_ids += list(ids)
@@ -97,6 +100,7 @@ class TokenTrace:
             response_ids=list(self.response_ids),
             action_mask=list(self.action_mask),
             rollout_logprobs=list(self.logprobs),
+            routed_experts=self.routed_experts,
             **kwargs,
         )
 

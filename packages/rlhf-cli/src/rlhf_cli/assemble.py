@@ -427,6 +427,7 @@ def _check_moe(section, name: str, vllm_sync: bool = False) -> list[str]:
     flags = [
         (f"--{name}.aux_loss_coef", section.aux_loss_coef),
         (f"--{name}.freeze_moe_router", section.freeze_moe_router),
+        (f"--{name}.router_replay", getattr(section, "router_replay", False)),
     ]
     if not (vllm_sync or any(on for _, on in flags)) or not (path and (Path(path) / "config.json").is_file()):
         return []
@@ -440,6 +441,25 @@ def _check_moe(section, name: str, vllm_sync: bool = False) -> list[str]:
         for flag, value in flags
         if value
     ]
+
+
+def router_replay_problems(cfg, engine: str) -> list[str]:
+    """What ``--actor.router_replay`` cannot run with: an engine that does not record routing, and the options
+    whose rows are not the rollout's tokens (docs/moe.md, "Router replay")."""
+    cannot = [
+        (
+            engine != "hf",
+            f"--rollout.engine {engine}: only the hf engine records the experts (the vLLM 0.32 here can return "
+            "them, enable_return_routed_experts, but rlhf's vllm engine does not ask for them yet)",
+        ),
+        (cfg.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1: each rank routes a slice of a packed row"),
+        (
+            bool(cfg.train.agent_command) or cfg.train.per_call_samples == "always",
+            "OpenAI-endpoint agents (--train.agent_command, --train.per_call_samples always): their samples "
+            "do not carry the engine's routing",
+        ),
+    ]
+    return [f"--actor.router_replay with {why}" for bad, why in cannot if bad]
 
 
 VLLM_MOE_SYNC = (
@@ -634,6 +654,8 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     problems += _check_moe(
         section=cfg.actor, name="actor", vllm_sync=engine == "vllm" and not cfg.ds.lora.rank
     )
+    if cfg.actor.router_replay:
+        problems += router_replay_problems(cfg, engine)
     from rlhf_agents.plugin import executor_class
     from rlhf_agents.rewards import check_reward_config
 

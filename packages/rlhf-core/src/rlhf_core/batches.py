@@ -33,6 +33,9 @@ class SequenceBatch:
     images: list[list[ImageInput]] | None = None
     """Vision-language models: each row's images, in the order of their tokens; rows that sample the same
     prompt hold the same objects (the vision tower encodes each once). None: a text batch."""
+    routed_experts: torch.Tensor | None = None
+    """Router replay (``--actor.router_replay``): ``[B, L, layers, k]`` the experts the rollout engine routed
+    each token to, -1 where it recorded none (padding, each sequence's last token). None: no replay."""
 
     @property
     def response_lens(self) -> torch.Tensor:
@@ -59,9 +62,12 @@ def make_sequence_batch(
     pad_token_id: int,
     action_masks: list[list[int]] | None = None,
     images: list[list[ImageInput]] | None = None,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> SequenceBatch:
     """Build a :class:`SequenceBatch` from token-id lists (e.g. ``Trajectory.prompt_ids`` / ``response_ids``
-    / ``action_mask``) and, for a vision-language model, each row's images (``Trajectory.images``)."""
+    / ``action_mask``) and, for a vision-language model, each row's images (``Trajectory.images``); for router
+    replay each row's recorded experts ``[<= len(prompt + response), layers, k]`` (``Trajectory.routed_experts``;
+    None: none recorded)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     for i, p in enumerate(prompts):
@@ -84,7 +90,14 @@ def make_sequence_batch(
             amask[i, : len(m)] = torch.tensor(m, dtype=torch.long)
     if images is not None and len(images) != len(prompts):
         raise ValueError(f"{len(images)} image lists for {len(prompts)} sequences")
-    return SequenceBatch(ids, mask, torch.tensor([len(p) for p in prompts], dtype=torch.long), amask, images)
+    routed, known = None, [e for e in routed_experts or [] if e is not None]
+    if known:  # int16: expert ids of any model, a quarter of the bytes through Ray
+        routed = torch.full((*ids.shape, *known[0].shape[1:]), -1, dtype=torch.int16)
+        for i, e in enumerate(routed_experts):
+            if e is not None:
+                routed[i, : len(e)] = e
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    return SequenceBatch(ids, mask, prompt_lens, amask, images, routed)
 
 
 def concat_batches(batches: list[SequenceBatch], pad_token_id: int) -> SequenceBatch:

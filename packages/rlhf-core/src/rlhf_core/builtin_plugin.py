@@ -29,6 +29,7 @@ class HFEngineFactory:
             "model_name_or_path": cfg.actor.model_name_or_path,
             "dtype": resolve_param_dtype(cfg.ds.param_dtype),
             "attn_implementation": cfg.ds.attn_implementation,
+            "record_routing": cfg.actor.router_replay,
         }
 
     def create(self, cfg: Any, index: int = 0, **overrides: Any) -> Any:

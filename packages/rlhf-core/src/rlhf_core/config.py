@@ -149,6 +149,9 @@ class ActorConfig(OptimizerFields):
     (transformers' ``load_balancing_loss_func``); logged as ``aux_loss``. A dense model refuses it."""
     freeze_moe_router: bool = False
     """Mixture-of-experts models: keep the router (gate) weights frozen; the experts still train."""
+    router_replay: bool = False
+    """Mixture-of-experts models: the HF rollout engine records each token's experts and the policy's
+    log-prob and training forwards use them instead of their own top-k (R3); see docs/moe.md."""
     entropy_coef: float = 0.0
     """Entropy bonus weight; 0 only logs the entropy."""
     freeze_visual_encoder: bool = False

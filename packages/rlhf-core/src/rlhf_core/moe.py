@@ -50,20 +50,15 @@ class ExpertRecorder:
 
     def take(self) -> torch.Tensor:
         picked, self.picked = self.picked, [None] * len(self.picked)
-        return torch.stack(picked)
+        return torch.stack(picked).to(torch.int16)  # any model's expert ids, a quarter of the bytes
 
 
-def replay_rows(experts: list[torch.Tensor], lengths: list[int], width: int | None) -> torch.Tensor:
-    """Per-sequence routed experts ``[T_i, layers, k]`` (-1: none recorded) laid out as a forward's router rows,
-    ``[layers, N, k]``: padded rows of ``width`` columns (``N = B * width``, -1 on padding), or packed
-    (``width`` None: ``N = sum(lengths)``)."""
-    layers, k = experts[0].shape[1:]
-    if width is None:
-        return torch.cat([e[:n].long() for e, n in zip(experts, lengths, strict=True)]).transpose(0, 1)
-    out = torch.full((len(experts), width, layers, k), -1, dtype=torch.long)
-    for i, (e, n) in enumerate(zip(experts, lengths, strict=True)):
-        out[i, :n] = e[:n].long()
-    return out.reshape(-1, layers, k).transpose(0, 1)
+def replay_rows(experts: torch.Tensor, attention_mask: torch.Tensor, packed: bool) -> torch.Tensor:
+    """A batch's recorded experts ``[B, L, layers, k]`` (:attr:`rlhf_core.batches.SequenceBatch.routed_experts`,
+    -1: none recorded) laid out as its forward's router rows, ``[layers, N, k]``: padded (``N = B * L``) or
+    packed (``N`` = the real tokens, row after row, as the packed forward runs them)."""
+    rows = experts[attention_mask.bool()] if packed else experts.flatten(0, 1)
+    return rows.transpose(0, 1).long()
 
 
 def replayed_output(router: nn.Module, output: tuple, replay: torch.Tensor) -> tuple:

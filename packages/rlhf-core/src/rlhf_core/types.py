@@ -192,6 +192,9 @@ class Trajectory:
     response (or a run of calls whose inputs extend one another, with the feedback between them masked
     out). The episode's own ids are then its last segment's, the final conversation that a reward
     function scores. Set by agents whose calls do not extend one another (``--train.per_call_samples``)."""
+    routed_experts: torch.Tensor | None = None
+    """Router replay (``--actor.router_replay``): the last model call's ``GenerationOutput.routed_experts``,
+    which covers ``prompt_ids + response_ids`` up to that call's end (feedback after it: none recorded)."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

@@ -29,6 +29,7 @@ from rlhf_train_deepspeed.models import (
     sequence_rewards,
     step_logits,
 )
+from rlhf_train_deepspeed.moe import replaying
 
 
 @dataclass
@@ -77,15 +78,16 @@ def policy(model, mb: PolicyMicroBatch, cfg: PolicyStepConfig, counts: dict[str,
         max_len=cfg.max_len,
         dp_size=model.dp_size,
     )
-    lp, ent, mask = response_logprobs(
-        model.engine,
-        mb.seq,
-        cfg.temperature,
-        model.packing,
-        with_entropy=True,
-        entropy_grad=bool(cfg.entropy_coef),
-        ring=model.ring,
-    )
+    with replaying(model.routing, mb.seq, model.packing):
+        lp, ent, mask = response_logprobs(
+            model.engine,
+            mb.seq,
+            cfg.temperature,
+            model.packing,
+            with_entropy=True,
+            entropy_grad=bool(cfg.entropy_coef),
+            ring=model.ring,
+        )
     on_policy = mb.old_logprobs is None
     out = loss_fn(
         PolicyLossInput(

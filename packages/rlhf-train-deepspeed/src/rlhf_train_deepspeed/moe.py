@@ -12,7 +12,8 @@ import sys
 import torch
 from torch import nn
 
-from rlhf_core.moe import replayed_output, router_recorder, routers
+from rlhf_core.batches import SequenceBatch
+from rlhf_core.moe import replay_rows, replayed_output, router_recorder, routers
 
 
 def routing_stats(logits: list[torch.Tensor], mask: torch.Tensor | None, top_k: int) -> dict[str, float]:
@@ -45,8 +46,14 @@ class Routing:
         self.family_loss = sys.modules[recorder.target_class.__module__].load_balancing_loss_func
         self.routers = routers(model, recorder)
         self.replay: torch.Tensor | None = None
-        self.disagreement = [0.0, 0.0]
-        """Replayed (token, layer) pairs whose own experts differ from the replayed ones, and all of them."""
+        """The experts the routers of the current forward use (``[layers, N, k]``), None: their own. Set at
+        each forward's start from ``pending`` and kept for its backward: a gradient-checkpointing recompute
+        runs the routers again then, and replays the same experts."""
+        self.pending: torch.Tensor | None = None
+        """What the next forward replays (set inside :meth:`replaying`)."""
+        self.disagreement = [torch.zeros(()), torch.zeros(())]
+        """Replayed (token, layer) pairs whose own experts differ from the replayed ones, and all of them,
+        since the last :meth:`take` (tensors on the model's device: no sync per layer)."""
         config, first = model.config, self.routers[0]
         self.num_experts = getattr(first, "num_experts", None) or getattr(config, "num_local_experts", None)
         self.num_experts = self.num_experts or config.num_experts
@@ -62,11 +69,18 @@ class Routing:
             base.register_forward_pre_hook(self._keep_mask, with_kwargs=True)
 
     @classmethod
-    def attach(cls, model: nn.Module, aux_loss_coef: float, freeze_router: bool) -> Routing | None:
+    def attach(
+        cls, model: nn.Module, aux_loss_coef: float, freeze_router: bool, replay: bool
+    ) -> Routing | None:
         recorder = router_recorder(model)
         family = sys.modules[recorder.target_class.__module__] if recorder is not None else None
         if not hasattr(family, "load_balancing_loss_func"):
-            for flag, value in (("aux_loss_coef", aux_loss_coef), ("freeze_moe_router", freeze_router)):
+            flags = (
+                ("aux_loss_coef", aux_loss_coef),
+                ("freeze_moe_router", freeze_router),
+                ("router_replay", replay),
+            )
+            for flag, value in flags:
                 if value:
                     raise ValueError(
                         f"--*.{flag} {value}: the model ({model.config.model_type}) is not a mixture-of-experts "
@@ -83,43 +97,59 @@ class Routing:
         def hook(module, args, output):
             if torch.is_grad_enabled():
                 self.logits[i] = output[index] if isinstance(output, tuple) else output
-            if self.replay is not None:
-                replay = self.replay[i]
-                own, valid = output[-1], replay[:, 0] >= 0
-                differ = (own.sort(-1).values != replay.sort(-1).values.to(own.device)).any(-1)
-                self.disagreement[0] += float((differ & valid.to(own.device)).sum())
-                self.disagreement[1] += float(valid.sum())
-                return replayed_output(module, output, replay)
-            return None
+            if self.replay is None:
+                return None
+            own, replay = output[-1], self.replay[i].to(output[-1].device)
+            if len(replay) != len(own):
+                raise ValueError(
+                    f"router replay: the forward routed {len(own)} tokens but the batch recorded {len(replay)}: "
+                    "its layout is not the padded or packed batch the engine's routing was laid out for"
+                )
+            valid = replay[:, 0] >= 0
+            differ = (own.sort(-1).values != replay.sort(-1).values).any(-1) & valid
+            self.disagreement = [self.disagreement[0] + differ.sum(), self.disagreement[1] + valid.sum()]
+            return replayed_output(module, output, replay)
 
         return hook
 
     @contextlib.contextmanager
     def replaying(self, experts: torch.Tensor):
-        """Forwards inside use ``experts`` ``[layers, N, k]`` (:func:`rlhf_core.moe.replay_rows`; rows of -1
-        keep the router's own choice) and count in ``disagreement`` where the router would have chosen
-        otherwise. A gradient-checkpointing recompute runs in the backward, outside: train without it."""
-        self.replay = experts
+        """Forwards inside (and their backward's recompute) use ``experts`` ``[layers, N, k]``
+        (:func:`rlhf_core.moe.replay_rows`; rows of -1 keep the router's own choice) and count in
+        ``disagreement`` where the router would have chosen otherwise."""
+        self.pending = experts
         try:
             yield
         finally:
-            self.replay = None
+            self.pending = None
 
     def _keep_mask(self, module, args, kwargs):
         # a new forward: forget what a gradient-checkpointing recompute left from the last backward
+        self.replay = self.pending
         self.logits = [None] * len(self.routers)
         self.mask = kwargs.get("attention_mask") if torch.is_grad_enabled() else None
 
     def take(self) -> tuple[torch.Tensor | None, dict[str, float]]:
         """The family's load-balancing loss of the last training forward (a scalar with gradient) and the routing
-        metrics, then forgets them; ``(None, {})`` when no forward with gradients ran since the last call."""
+        metrics, then forgets them; no loss and only ``moe_experts_differ`` (router replay) when no forward with
+        gradients ran since the last call."""
         logits, mask = self.logits, self.mask
         self.logits, self.mask = [None] * len(self.routers), None
+        (differ, total), self.disagreement = self.disagreement, [torch.zeros(()), torch.zeros(())]
+        replayed = {"moe_experts_differ": float(differ / total)} if total else {}
         if any(x is None for x in logits):
-            return None, {}
+            return None, replayed
         rows = logits[0].shape[0]
         if mask is not None and (mask.dim() != 2 or mask.numel() != rows):
             mask = None  # a packed row or a custom mask: every routed token is real
         aux = self.family_loss(tuple(logits), self.num_experts, self.top_k, mask)
         metrics = routing_stats(logits, None if mask is None else mask.reshape(-1), self.top_k)
-        return aux, {"aux_loss": float(aux.detach()), **metrics}
+        return aux, {"aux_loss": float(aux.detach()), **metrics, **replayed}
+
+
+def replaying(routing: Routing | None, seq: SequenceBatch, packed: bool):
+    """The context of a policy forward of ``seq``: the rollout's routing replayed where the batch carries it
+    (``--actor.router_replay``), else nothing (dense models cost a ``None`` check)."""
+    if routing is None or seq.routed_experts is None:
+        return contextlib.nullcontext()
+    return routing.replaying(replay_rows(seq.routed_experts, seq.attention_mask, packed))

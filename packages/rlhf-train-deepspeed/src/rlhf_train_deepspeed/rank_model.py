@@ -16,7 +16,7 @@ import torch
 from rlhf_core.batches import SequenceBatch, to_device
 from rlhf_core.checkpoint import CheckpointError
 from rlhf_core.memory import release_file_pages, release_free_heap
-from rlhf_train_deepspeed import ring_attn, shared_prefix, weights
+from rlhf_train_deepspeed import moe, ring_attn, shared_prefix, weights
 from rlhf_train_deepspeed.ema import EMA
 from rlhf_train_deepspeed.models import (
     accumulate_tied_gradient_in_place,
@@ -129,11 +129,13 @@ class RankModel:
         zero3 = self.strategy.zero3_init_context(spec.trainable)  # noqa: F841 - must stay alive while loading
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
         aux_coef = getattr(spec.optim, "aux_loss_coef", 0.0) if spec.trainable else 0.0  # critics: none
+        replay = getattr(spec.optim, "router_replay", False) and spec.trainable
         if spec.kind == "value":
             model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
         elif spec.kind == "causal":
-            # the aux loss needs each routed token's row in the padded batch: not the shared-prompt layout
-            trained_attn = attn if aux_coef else causal_attn(spec.path, ds, attn)
+            # the aux loss and router replay need each routed token's row in the padded batch: not the
+            # shared-prompt layout
+            trained_attn = attn if aux_coef or replay else causal_attn(spec.path, ds, attn)
             model = load_causal_lm(spec.path, dtype, trained_attn, **quant, **experts)
         else:
             raise ValueError(f"unknown model kind {spec.kind!r}")
@@ -147,7 +149,8 @@ class RankModel:
         self.routing = None
         """A trained MoE model's router hooks: its aux loss and routing metrics (see :mod:`.moe`)."""
         if spec.trainable:
-            self.routing = Routing.attach(model, aux_coef, getattr(spec.optim, "freeze_moe_router", False))
+            freeze = getattr(spec.optim, "freeze_moe_router", False)
+            self.routing = Routing.attach(model, aux_coef, freeze, replay)
             if spec.kind == "causal":
                 model = apply_lora(model, ds.lora, "CAUSAL_LM")
             else:
@@ -200,10 +203,11 @@ class RankModel:
             release_free_heap()
         engine.eval()
         out = []
-        for b in batches:
-            lp, ent, _ = response_logprobs(
-                engine, self.dev(b), temperature, self.packing, with_entropy, ring=self.ring
-            )
+        for b in map(self.dev, batches):
+            with moe.replaying(None if frozen else self.routing, b, self.packing):
+                lp, ent, _ = response_logprobs(
+                    engine, b, temperature, self.packing, with_entropy, ring=self.ring
+                )
             out.append((lp.cpu(), ent.cpu()) if with_entropy else lp.cpu())
         if frozen:  # idle until the next step: its weights to the page cache
             release_file_pages(engine.parameters())

@@ -51,6 +51,8 @@ class Experience:
     episode_of: torch.Tensor | None = None
     """``[B]`` long: the trajectory each row comes from, when some episode has per-call samples; None when
     every row is a trajectory of its own."""
+    routed_experts: list[torch.Tensor] | None = None
+    """Router replay (``--actor.router_replay``): each row's ``Trajectory.routed_experts``; None: no replay."""
 
     def rows(self, index: list[int] | slice) -> Experience:
         """A sub-batch (micro-batches, data-parallel shards), without ``info``."""
@@ -105,6 +107,14 @@ def build_experience(trajs: list[Trajectory], cfg) -> Experience:
             shaping.overlong_buffer_len,
             shaping.overlong_penalty_factor,
         )
+    routed = None
+    if cfg.actor.router_replay:
+        routed = [t.routed_experts for _, t in rows]  # None: no engine call (an overlong prompt)
+        if any(r is None and valid[e] for r, (e, _) in zip(routed, rows)):
+            raise ValueError(
+                "--actor.router_replay: a scored sample came without the engine's routing (an agent whose "
+                "samples are not the engine's outputs, e.g. per-call samples)"
+            )
     if shaping.stop_properly_penalty_coef is not None:
         truncated = torch.tensor([t.finish_reason == "length" or t.truncated for t in trajs])
         rewards = stop_properly_penalty(rewards, truncated, shaping.stop_properly_penalty_coef)
@@ -118,6 +128,7 @@ def build_experience(trajs: list[Trajectory], cfg) -> Experience:
         scores=scores[episode_of],
         images=[trajs[e].images for e, _ in rows] if any(t.images for t in trajs) else None,
         episode_of=episode_of if len(rows) > len(trajs) else None,  # per-call samples
+        routed_experts=routed,
     )
 
 
@@ -227,6 +238,7 @@ def sequence_batches(exp: Experience, cuts: list, pad_token_id: int) -> list[Seq
                 pad_token_id,
                 [m[: len(seq) - pl].tolist() for seq, pl, m in rows],
                 part.images,
+                part.routed_experts,
             )
         )
     return out
@@ -260,6 +272,10 @@ class ExperienceMaker:
             exp, actor, cfg.rollout.micro_batch_size, budget if cfg.train.dynamic_batch_enable else None, cfg
         )
         mbs = sequence_batches(exp, cuts, self.pad)
+        # router replay: the recorded experts are the policy's own, not the reference's or the critic's
+        plain = (
+            mbs if exp.routed_experts is None else [dataclasses.replace(m, routed_experts=None) for m in mbs]
+        )
         width = exp.action_mask.shape[1]
 
         def stack(parts: list[torch.Tensor], order=cuts) -> torch.Tensor:
@@ -296,9 +312,9 @@ class ExperienceMaker:
                 order += [rows[c] for c in part_cuts]
             calls["ref_logprobs"] = ref, "teacher", refs, order
         elif ref is not None:
-            calls["ref_logprobs"] = ref, "reference", [logprobs(ref, mbs)], cuts
+            calls["ref_logprobs"] = ref, "reference", [logprobs(ref, plain)], cuts
         if critic is not None:
-            calls["values"] = critic, "critic", [critic.call_sharded_async("compute_values", mbs)], cuts
+            calls["values"] = critic, "critic", [critic.call_sharded_async("compute_values", plain)], cuts
         mask = exp.action_mask & exp.valid[:, None]
         for field_name, (group, role, refs, order) in calls.items():
             with dead_worker_reported(f"a {role} worker died"):

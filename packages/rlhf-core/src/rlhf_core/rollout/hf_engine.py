@@ -101,6 +101,7 @@ class HFEngine(EngineWeights, RolloutEngine):
             attending over the whole fixed cache is slower than the growing one.
         cuda_graph: on CUDA with ``static_cache``, replay the decode step as a captured graph (False: the
             same static step run eagerly, to tell a graph problem from a cache one).
+        record_routing: an MoE model records each token's experts into every output (:meth:`record_routing`).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class HFEngine(EngineWeights, RolloutEngine):
         pack_weights: bool | None = None,
         static_cache: bool | None = None,
         cuda_graph: bool = True,
+        record_routing: bool = False,
     ):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -128,6 +130,8 @@ class HFEngine(EngineWeights, RolloutEngine):
             self.static_cache if static_cache is None else static_cache and self.plan is not None
         )
         self.cuda_graph = cuda_graph
+        if record_routing:
+            self.record_routing()
 
     @classmethod
     def from_model(

@@ -322,27 +322,29 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
     values.update(_parse_tokens(mode, rewrite_aliases(mode, cli, notes), ""))
     cfg = build_config(mode, values, base)
     refused = []
+    accepted = leaves(mode)
     for path, leaf in all_leaves(COMMANDS[mode]).items():
         value = _get(cfg, path)
-        if path not in leaves(mode):
-            if (
-                value != leaf.default
-            ):  # only a config object (``base``) can hold it: flags of other modes are refused
-                others = "|".join(m for m in MODES if path in leaves(m))
-                refused.append(
-                    f"--{path} is an option of 'rlhf train {others}' only: the code of "
-                    f"'{command_name(mode)}' does not use it"
-                )
-        elif leaf.secret and value == REDACTED:
+        if path in accepted and leaf.secret and value == REDACTED:
             refused.append(
                 f"--{path} is {REDACTED!r}, the placeholder of a saved config that hides it: give the "
                 "real value on the command line"
             )
-        elif value != leaf.default and leaf.refused:
+        elif value == leaf.default:
+            continue
+        elif (
+            path not in accepted
+        ):  # only a config object (``base``) can hold it: flags of other modes are refused
+            others = "|".join(m for m in MODES if path in leaves(m))
+            refused.append(
+                f"--{path} is an option of 'rlhf train {others}' only: the code of "
+                f"'{command_name(mode)}' does not use it"
+            )
+        elif leaf.refused:
             refused.append(f"--{path}: {leaf.refused}")
-        elif value != leaf.default and leaf.noted:
+        elif leaf.noted:
             notes.append(f"--{path} changes nothing: {leaf.noted}")
-        elif value != leaf.default and leaf.requires and not _importable(leaf.requires):
+        elif leaf.requires and not _importable(leaf.requires):
             refused.append(
                 f"--{path} needs the {leaf.requires} package, which is not installed: "
                 f"pip install {leaf.requires}"

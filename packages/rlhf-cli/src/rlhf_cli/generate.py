@@ -148,17 +148,17 @@ def select_rows(cfg: GenerateConfig) -> list[data.Row]:
 
 def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) -> list[dict]:
     d, rm_task = cfg.data, cfg.generate.task == "rm"
+    if d.apply_chat_template and tokenizer is None:
+        raise GenerateError(
+            "--data.apply_chat_template needs a tokenizer: give --model.model_name_or_path "
+            "or --reward.model_name_or_path"
+        )
     prompts = []
     for row in select_rows(cfg):
         try:
             raw = data.get_field(row, d.input_key, (str, list), "--data.input_key")
             if isinstance(raw, list):
                 data.check_messages(raw, row, d.input_key)
-            if (d.apply_chat_template or isinstance(raw, list)) and tokenizer is None:
-                raise GenerateError(
-                    "--data.apply_chat_template needs a tokenizer: give --model.model_name_or_path "
-                    "or --reward.model_name_or_path"
-                )
             text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
             output = data.get_field(row, d.output_key, str, "--data.output_key") if rm_task else None
             label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None

@@ -174,7 +174,7 @@ def _split_flag(token: str) -> tuple[str, str | None]:
 
 def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]:
     """Rewrite flat OpenRLHF flags in ``tokens`` to dotted ones; notes collect what was dropped."""
-    renames = aliases.table(mode)
+    renames, constants, ignored = aliases.table(mode), aliases.constants(mode), aliases.ignored(mode)
     out: list[str] = []
     clip: dict[int, str] = {}
     i = 0
@@ -194,11 +194,11 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
             targets = renames[name]
             for target in (targets,) if isinstance(targets, str) else targets:
                 out += [f"--{target}", *values]
-        elif name in aliases.constants(mode):
-            for target, value in aliases.constants(mode)[name]:
+        elif name in constants:
+            for target, value in constants[name]:
                 out += [f"--{target}", value]
-        elif name in aliases.ignored(mode):
-            notes.append(f"--{name} is ignored: {aliases.ignored(mode)[name]}")
+        elif name in ignored:
+            notes.append(f"--{name} is ignored: {ignored[name]}")
         elif name in aliases.DROPPED:
             notes.append(f"--{name} is ignored: OpenRLHF dropped it and rlhf has no equivalent")
         elif name in aliases.CLIP_PARTS and mode == "ppo":
@@ -332,9 +332,8 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
             )
         elif value == leaf.default:
             continue
-        elif (
-            path not in accepted
-        ):  # only a config object (``base``) can hold it: flags of other modes are refused
+        elif path not in accepted:
+            # only a config object (``base``) can hold it: flags of other modes are refused
             others = "|".join(m for m in MODES if path in leaves(m))
             refused.append(
                 f"--{path} is an option of 'rlhf train {others}' only: the code of "

@@ -389,7 +389,7 @@ class GenerationWorker:
 
     def run(self, prompts: list[dict]) -> list[dict]:
         """Every sample of ``prompts`` (micro-batch), scored: one record per sample, prompt by prompt."""
-        c = self.cfg
+        c, tok = self.cfg, self.tokenizer
         if self.engine is None:
             samples = [(p, 0, p["output_ids"], p["output"], "stop") for p in prompts]
         else:
@@ -414,16 +414,15 @@ class GenerationWorker:
                     p,
                     j,
                     o.token_ids,
-                    self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+                    tok.decode(o.token_ids, skip_special_tokens=True),
                     o.finish_reason,
                 )
                 for p, group in zip(prompts, outs)
                 for j, o in enumerate(group)
             ]
         ps, js, ids, texts, finishes = zip(*samples)
-        rewards, errors = [None] * len(samples), [None] * len(samples)
+        rewards = errors = [None] * len(samples)  # replaced, never changed in place
         if self.reward is not None:
-            tok = self.tokenizer
             request = RewardRequest(
                 queries=[
                     tok.decode(p["ids"] + list(i), skip_special_tokens=False)
@@ -439,8 +438,7 @@ class GenerationWorker:
                 responses=list(texts),
             )
             result = self.loop.run_until_complete(self.reward.score(request))
-            rewards = list(result.rewards)
-            errors = list(result.errors) or errors
+            rewards, errors = list(result.rewards), list(result.errors) or errors
         return [
             {
                 "prompt_index": p["index"],
@@ -479,13 +477,12 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     size = cfg.rollout.micro_batch_size
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
     # a progress line per answered micro-batch, at most every 5 s (and always the last one)
-    total = len(plan.prompts)
-    prompts_done = total - len(todo)
-    samples = scored = 0
-    reward_sum = last = 0.0
-    t0 = time.perf_counter()
+    total, done_before = len(plan.prompts), len(plan.prompts) - len(todo)
+    done_now = samples = written = 0
+    rewards = []
+    t0, last = time.perf_counter(), 0.0
     pending = {}  # call -> (worker, its micro-batch)
-    idle, written = list(workers), 0
+    idle = list(workers)
     try:
         while chunks or pending:
             while idle and chunks:
@@ -503,19 +500,16 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
                 )
             written += 1
             append_records(plan.samples_path, records, written)
-            prompts_done += len(chunk)
+            done_now += len(chunk)
             samples += len(records)
-            rewards = [rec["reward"] for rec in records if rec["reward"] is not None]
-            reward_sum += sum(rewards)
-            scored += len(rewards)
-            now = time.perf_counter()
+            rewards += [rec["reward"] for rec in records if rec["reward"] is not None]
+            now, prompts_done = time.perf_counter(), done_before + done_now
             if now - last >= 5.0 or prompts_done == total:
                 last = now
-                rate = (prompts_done - total + len(todo)) / max(now - t0, 1e-9)
-                reward = f", mean reward {reward_sum / scored:.4f}" if scored else ""
+                reward = f", mean reward {sum(rewards) / len(rewards):.4f}" if rewards else ""
                 print(
                     f"generate: {prompts_done}/{total} prompts ({prompts_done / total:.0%}), {samples} "
-                    f"samples this run, {rate:.2f} prompts/s{reward}",
+                    f"samples this run, {done_now / max(now - t0, 1e-9):.2f} prompts/s{reward}",
                     flush=True,
                 )
     finally:

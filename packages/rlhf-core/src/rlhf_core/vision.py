@@ -193,7 +193,7 @@ class ImageProcessing:
     def expand(self, ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
         """``ids`` with the k-th image placeholder repeated ``images[k].num_tokens`` times; ValueError when the
         number of placeholders is not the number of images."""
-        found = sum(1 for t in ids if t == self.image_token_id)
+        found = list(ids).count(self.image_token_id)
         if found != len(images):
             raise ValueError(f"the text has {found} image placeholders for {len(images)} images")
         sizes = iter([im.num_tokens for im in images])
@@ -208,7 +208,7 @@ def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
 
 def count_image_tokens(ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int) -> str | None:
     """Why ``ids`` and ``images`` do not fit together (None when the image tokens are the images')."""
-    found = sum(1 for t in ids if t == image_token_id)
+    found = list(ids).count(image_token_id)
     want = sum(im.num_tokens for im in images)
     return f"{found} image tokens for {len(images)} images of {want} tokens" if found != want else None
 

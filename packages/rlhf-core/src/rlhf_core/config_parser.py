@@ -213,7 +213,7 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
 
 def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
     lines = []
-    known = [f"--{p}" for p in leaves(mode)] + [f"--{a}" for a in aliases.table(mode)]
+    known = [f"--{name}" for name in [*leaves(mode), *aliases.table(mode)]]
     after_flag = False
     for tok in unknown:
         if not tok.startswith("--"):
@@ -272,13 +272,13 @@ def dict_tokens(data: dict, none_is_default: bool = True) -> list[str]:
     of a value given below it: no flag says None)."""
     tokens: list[str] = []
     for key, value in _flatten_yaml(data).items():
-        if value is None and not none_is_default:
+        if value is None:
+            if none_is_default:
+                continue
             raise ConfigError(
                 f"--{key} None: an override cannot set a field to None; leave it out for the value "
                 "below it, or set it on the config object"
             )
-        if value is None:
-            continue
         if isinstance(value, bool):
             value = ["true" if value else "false"]
         elif not isinstance(value, (list, tuple)):

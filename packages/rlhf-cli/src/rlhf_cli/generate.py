@@ -218,12 +218,12 @@ def check_reward(cfg: GenerateConfig, pm) -> str | None:
     return description
 
 
-def plan(cfg: GenerateConfig, pm=None) -> Plan:
+def plan(cfg: GenerateConfig) -> Plan:
     """Check everything and read the prompts; raises GenerateError (or DataError) naming what is wrong."""
     from rlhf_cli.assemble import choose_engine, gpus_available
     from rlhf_core.config import resolve_param_dtype
 
-    pm = pm or plugins.get_plugin_manager()
+    pm = plugins.get_plugin_manager()
     g, r = cfg.generate, cfg.rollout
     cfg.ds.param_dtype = resolve_param_dtype(cfg.ds.param_dtype, gpus_available())  # as rlhf train does
     problems = [
@@ -521,15 +521,16 @@ def read_samples(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def finish(plan: Plan, pm=None) -> dict:
+def finish(plan: Plan) -> dict:
     """Post-process the complete samples file into the output (written whole); returns a summary."""
     cfg = plan.cfg
     records = sorted(read_samples(plan.samples_path), key=lambda r: (r["prompt_index"], r["sample_index"]))
     scored = [r for r in records if r["reward"] is not None]
     unscorable = len(records) - len(scored) if plan.reward is not None else 0
     if cfg.generate.post_processor:
-        pm = pm or plugins.get_plugin_manager()
-        processor = plugins.resolve(pm, "post_processors", cfg.generate.post_processor)
+        processor = plugins.resolve(
+            plugins.get_plugin_manager(), "post_processors", cfg.generate.post_processor
+        )
         groups = [
             [
                 ScoredSample(

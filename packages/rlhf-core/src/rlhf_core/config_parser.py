@@ -144,11 +144,11 @@ def command_name(mode: str) -> str:
     return f"rlhf train {mode}" if mode in MODES else f"rlhf {mode}"
 
 
-def build_argparser(mode: str, prog: str | None = None) -> argparse.ArgumentParser:
+def build_argparser(mode: str) -> argparse.ArgumentParser:
     """An argparse parser with one dotted flag per config field, grouped by section (for ``--help``)."""
     root = COMMANDS[mode]
     parser = _Parser(
-        prog=prog or command_name(mode), allow_abbrev=False, add_help=False, description=inspect.getdoc(root)
+        prog=command_name(mode), allow_abbrev=False, add_help=False, description=inspect.getdoc(root)
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for leaf in leaves(mode).values():
@@ -361,7 +361,7 @@ def _get(cfg: Any, path: str) -> Any:
     return functools.reduce(getattr, path.split("."), cfg)
 
 
-def build_config(mode: str, values: dict[str, Any], base: Any = None) -> Any:
+def build_config(mode: str, values: dict[str, Any], base: Any) -> Any:
     """A config of ``mode`` with defaults (or a copy of ``base``), updated by ``{dotted path: value}``."""
     cfg = COMMANDS[mode]() if base is None else copy.deepcopy(base)
     table = leaves(mode)

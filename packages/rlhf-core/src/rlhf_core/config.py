@@ -1026,7 +1026,6 @@ class ServeRMConfig:
         {
             "model_name_or_path": "Local HF reward model (AutoModelForSequenceClassification with value head "
             "``--ds.value_head_prefix``); required.",
-            "normalize_enable": "Return (r - mean) / std with the mean/std stored in the model's config.",
         },
     )
     ds: DSConfig = view(
@@ -1035,7 +1034,6 @@ class ServeRMConfig:
         {
             "param_dtype": "Model precision: ``bf16``, ``fp16``, ``fp32``, or ``auto`` (``bf16`` on a GPU, "
             "``fp32`` on CPU).",
-            "value_head_prefix": "Name of the value head module.",
             "packing_samples": "Accepted for OpenRLHF scripts; no effect (batches are padded).",
             "load_in_4bit": "Not supported: refused with a message.",
         },

@@ -61,7 +61,7 @@ def field_docs(cls: type) -> dict[str, str]:
         if not dataclasses.is_dataclass(klass):
             continue
         body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        for stmt, nxt in zip(body, body[1:] + [None]):
+        for stmt, nxt in zip(body, body[1:]):
             if (
                 isinstance(stmt, ast.AnnAssign)
                 and isinstance(stmt.target, ast.Name)

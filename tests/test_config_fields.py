@@ -46,6 +46,7 @@ MODE_ENTRIES = {
     # the plugins get an RLConfig made of generate's own section objects: their reads count here too
     "generate": ("rlhf_cli.generate", *PLUGINS),
     "chat": ("rlhf_cli.chat",),
+    "serve-rm": ("rlhf_agents.serve_rm",),
 }
 
 

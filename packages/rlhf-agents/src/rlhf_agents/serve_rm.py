@@ -2,7 +2,6 @@
 ``POST /get_reward`` protocol. The package README ("rlhf serve-rm") describes the flags (OpenRLHF's too), the
 safe defaults, limits and errors; query text is never logged."""
 
-import argparse
 import hmac
 import ipaddress
 import json
@@ -19,119 +18,7 @@ from typing import Any
 logger = logging.getLogger("rlhf_agents.serve_rm")
 
 API_KEY_ENV = "RLHF_RM_API_KEY"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlhf serve-rm", description="Serve a reward model over HTTP.")
-    p.add_argument(
-        "--reward.model_name_or_path",
-        "--reward_pretrain",
-        dest="model_name_or_path",
-        required=True,
-        help="Local HF reward model (AutoModelForSequenceClassification with value head 'score').",
-    )
-    p.add_argument(
-        "--reward.normalize_enable",
-        "--normalize_reward",
-        dest="normalize",
-        action="store_true",
-        help="Return (r - mean) / std with the mean/std stored in the model's config.",
-    )
-    p.add_argument(
-        "--ds.value_head_prefix",
-        "--value_head_prefix",
-        dest="value_head_prefix",
-        default="score",
-        help="Name of the value head module.",
-    )
-    p.add_argument(
-        "--data.max_len",
-        "--max_len",
-        dest="max_len",
-        type=int,
-        default=2048,
-        help="Most tokens per query; longer queries keep their last max_len tokens.",
-    )
-    p.add_argument("--port", type=int, default=5000, help="Port (0: any free port; the address is printed).")
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="Interface to listen on. Anything but loopback needs --api_key or --insecure.",
-    )
-    p.add_argument("--batch_size", type=int, default=16, help="Queries per forward pass.")
-    p.add_argument(
-        "--ds.param_dtype",
-        "--param_dtype",
-        dest="param_dtype",
-        default="auto",
-        choices=["auto", "bf16", "fp16", "fp32"],
-        help="Model precision (auto: bf16 on a GPU, fp32 on CPU).",
-    )
-    p.add_argument(
-        "--bf16",
-        dest="param_dtype",
-        action="store_const",
-        const="bf16",
-        help="Same as --ds.param_dtype bf16.",
-    )
-    p.add_argument(
-        "--ds.attn_implementation",
-        "--attn_implementation",
-        dest="attn_implementation",
-        default="sdpa",
-        help="HF attention implementation: eager, sdpa, flash_attention_2.",
-    )
-    p.add_argument(
-        "--flash_attn",
-        dest="attn_implementation",
-        action="store_const",
-        const="flash_attention_2",
-        help="Same as --ds.attn_implementation flash_attention_2.",
-    )
-    p.add_argument(
-        "--ds.experts_implementation",
-        dest="experts_implementation",
-        default=None,
-        help="MoE experts implementation passed to transformers.",
-    )
-    p.add_argument(
-        "--data.disable_fast_tokenizer",
-        "--disable_fast_tokenizer",
-        dest="disable_fast_tokenizer",
-        action="store_true",
-        help="Load the slow tokenizer.",
-    )
-    p.add_argument(
-        "--ds.packing_samples",
-        "--packing_samples",
-        dest="packing_samples",
-        action="store_true",
-        help="Accepted for OpenRLHF scripts; no effect (batches are padded).",
-    )
-    p.add_argument(
-        "--ds.load_in_4bit",
-        "--load_in_4bit",
-        dest="load_in_4bit",
-        action="store_true",
-        help="Not supported: refused with a message.",
-    )
-    p.add_argument(
-        "--use_ms", action="store_true", help="Not supported (ModelScope): refused with a message."
-    )
-    p.add_argument(
-        "--api_key",
-        "--api-key",
-        dest="api_key",
-        default=None,
-        help=f"Require 'Authorization: Bearer KEY' on /get_reward (default: ${API_KEY_ENV}).",
-    )
-    p.add_argument("--insecure", action="store_true", help="Allow a non-loopback --host without an API key.")
-    p.add_argument(
-        "--max_body_bytes", type=int, default=8 * 1024 * 1024, help="Larger request bodies get 413."
-    )
-    p.add_argument("--max_batch", type=int, default=1024, help="Requests with more queries get 422.")
-    p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def is_loopback(host: str) -> bool:
@@ -262,54 +149,90 @@ def create_app(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    problem = check_bind(args.host, api_key, args.insecure)
-    if args.load_in_4bit:
-        problem = "--ds.load_in_4bit is not supported by rlhf serve-rm; serve the model in bf16 or fp32"
-    if args.use_ms:
-        problem = "--use_ms (ModelScope) is not supported; pass a local model directory"
-    if problem:
-        print(f"rlhf serve-rm: {problem}", file=sys.stderr)
+    from rlhf_core import config_aliases
+    from rlhf_core.config_parser import build_argparser, parse_config
+    from rlhf_core.errors import UserError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        build_argparser("serve-rm").print_help()
+        flat = [*config_aliases.table("serve-rm"), *config_aliases.constants("serve-rm")]
+        print("\nOpenRLHF's flat spellings work too: " + ", ".join(f"--{name}" for name in flat))
+        return 0
+    try:
+        cfg, notes = parse_config("serve-rm", argv)
+    except UserError as exc:
+        print(f"rlhf serve-rm: {exc}", file=sys.stderr)
         return 2
+    serve, ds = cfg.serve, cfg.ds
+    api_key = serve.api_key or os.environ.get(API_KEY_ENV) or None
+    problems = [
+        message
+        for failed, message in [
+            (
+                not cfg.reward.model_name_or_path,
+                "--reward.model_name_or_path (--reward_pretrain) is required",
+            ),
+            (
+                ds.param_dtype not in ("auto", "bf16", "fp16", "fp32"),
+                f"--ds.param_dtype {ds.param_dtype}: choose auto, bf16, fp16 or fp32",
+            ),
+            (
+                serve.log_level not in LOG_LEVELS,
+                f"--serve.log_level {serve.log_level}: choose {', '.join(LOG_LEVELS)}",
+            ),
+            (
+                ds.load_in_4bit,
+                "--ds.load_in_4bit is not supported by rlhf serve-rm; serve the model in bf16 or fp32",
+            ),
+        ]
+        if failed
+    ]
+    if refusal := check_bind(serve.host, api_key, serve.insecure):
+        problems.append(refusal)
+    if problems:
+        print("\n".join(f"rlhf serve-rm: {problem}" for problem in problems), file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=serve.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.packing_samples:
+    if ds.packing_samples:
         logger.info("--ds.packing_samples has no effect here: batches are padded")
-    if not is_loopback(args.host) and not api_key:
-        logger.warning("listening on %s without an API key (--insecure)", args.host)
+    if not is_loopback(serve.host) and not api_key:
+        logger.warning("listening on %s without an API key (--insecure)", serve.host)
 
     import uvicorn
 
     from rlhf_agents.reward_model import RewardModelScorer
     from rlhf_core.config import resolve_param_dtype
 
-    experts = args.experts_implementation
     scorer = RewardModelScorer(
-        args.model_name_or_path,
-        value_head_prefix=args.value_head_prefix,
-        normalize=args.normalize,
-        max_len=args.max_len,
-        batch_size=args.batch_size,
-        dtype=resolve_param_dtype(args.param_dtype),
-        attn_implementation=args.attn_implementation,
-        use_fast_tokenizer=not args.disable_fast_tokenizer,
-        model_kwargs={"experts_implementation": experts} if experts else None,
+        cfg.reward.model_name_or_path,
+        value_head_prefix=ds.value_head_prefix,
+        normalize=cfg.reward.normalize_enable,
+        max_len=cfg.data.max_len,
+        batch_size=serve.batch_size,
+        dtype=resolve_param_dtype(ds.param_dtype),
+        attn_implementation=ds.attn_implementation,
+        model_kwargs={"experts_implementation": ds.experts_implementation}
+        if ds.experts_implementation
+        else None,
     )
     app = create_app(
-        scorer.score_texts, api_key=api_key, max_body_bytes=args.max_body_bytes, max_batch=args.max_batch
+        scorer.score_texts, api_key=api_key, max_body_bytes=serve.max_body_bytes, max_batch=serve.max_batch
     )
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    family = socket.AF_INET6 if ":" in serve.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
+    sock.bind((serve.host, serve.port))
     sock.listen(128)  # clients may connect from here on; uvicorn accepts them once it runs
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    host = f"[{serve.host}]" if family == socket.AF_INET6 else serve.host
     print(
         f"rlhf serve-rm: listening on http://{host}:{sock.getsockname()[1]} (API docs at /docs)", flush=True
     )
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(app, log_level=serve.log_level)).run(sockets=[sock])
     return 0
 
 

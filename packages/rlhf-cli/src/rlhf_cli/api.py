@@ -71,9 +71,7 @@ def train(
     return RunResult(out, metrics, cfg, asm.describe())
 
 
-def parse(
-    mode: str, config: Any, overrides: dict[str, Any], reward_func: Any = None
-) -> tuple[Any, list[str]]:
+def parse(mode: str, config: Any, overrides: dict[str, Any], reward_func: Any) -> tuple[Any, list[str]]:
     """The config of :func:`train`'s arguments, and the notes of parsing it."""
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r}; modes are: {', '.join(MODES)}")
@@ -139,7 +137,7 @@ def _json_line(row: Any, arg: str, i: int) -> str:
         raise ConfigError(f"{arg}= row {i} cannot be written as JSON: {exc}") from None
 
 
-def check(mode: str, cfg: Any, notes: Iterable[str] = ()) -> Assembly:
+def check(mode: str, cfg: Any, notes: Iterable[str]) -> Assembly:
     """Resolve the plugins, check everything the driver can and plan the placement (what ``--dry-run`` shows);
     print the notes of the config and of the plan. Starts nothing and writes nothing."""
     asm = assemble(mode, cfg)
@@ -167,9 +165,8 @@ def run(asm: Assembly, files: dict[Path, str] | None = None, debug: bool = False
                     plugins.get_plugin_manager(), "train_backends", asm.cfg.train.backend
                 ).run_trainer(asm.mode, asm.cfg)
         except Exception as exc:
-            user_error = find_user_error(
-                exc
-            )  # a bug, not a user mistake: the whole traceback is what a report needs
+            # the whole traceback goes to the log, also for a user mistake: a bug report needs it
+            user_error = find_user_error(exc)
             title = f"stopped: {user_error}" if user_error is not None else "crashed"
             with log.open("a") as f:  # the log file only (logging would reach the terminal too)
                 f.write(f"rlhf train {asm.mode} {title}\n{''.join(traceback.format_exception(exc))}")
@@ -178,7 +175,7 @@ def run(asm: Assembly, files: dict[Path, str] | None = None, debug: bool = False
 
 
 @contextlib.contextmanager
-def run_log(out: Path, debug: bool = False) -> Iterator[Path]:
+def run_log(out: Path, debug: bool) -> Iterator[Path]:
     """``out/train.log`` receives this process's log records (INFO and up) while the run lasts; the terminal
     keeps warnings and errors, and third-party output only with ``debug`` (:mod:`rlhf_core.console`)."""
     root = logging.getLogger()

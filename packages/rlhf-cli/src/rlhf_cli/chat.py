@@ -81,14 +81,13 @@ def check(cfg: ChatConfig) -> None:
 
 def load(cfg: ChatConfig) -> tuple[Any, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from rlhf_core.config import resolve_param_dtype
+    from rlhf_core.data import load_tokenizer
     from rlhf_core.rollout.hf_engine import parse_dtype
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
-    if cfg.data.tokenizer_chat_template:
-        tokenizer.chat_template = cfg.data.tokenizer_chat_template
+    tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data)
     if cfg.data.apply_chat_template and not tokenizer.chat_template:
         raise ChatError(
             f"--data.apply_chat_template: the tokenizer of {cfg.model.model_name_or_path} has no chat "

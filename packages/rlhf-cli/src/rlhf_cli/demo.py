@@ -146,12 +146,24 @@ def greedy_replies(
     return rows, [tok.decode(out.token_ids, skip_special_tokens=True) for (out,) in outs]
 
 
+def held_out_accuracy(
+    model_dir: Path, eval_file: Path, real: bool = False, limit: int | None = None
+) -> tuple[float, list[str]]:
+    """Greedy accuracy on the held-out prompts, and the replies. A reply of the toy model is right when its
+    digits spell the sum; one of the real model (chat template, 16 tokens) when the last number it writes is."""
+    rows, replies = greedy_replies(
+        model_dir, eval_file, REAL_NEW_TOKENS if real else 4, chat=real, limit=limit
+    )
+    answers = [
+        re.findall(r"-?[0-9]+", reply)[-1:] if real else ["".join(t for t in reply.split() if t.isdigit())]
+        for reply in replies
+    ]
+    return sum(answer == [row["label"]] for answer, row in zip(answers, rows)) / len(rows), replies
+
+
 def accuracy(model_dir: Path, eval_file: Path) -> float:
-    """Greedy accuracy on the held-out prompts: the reply's digits spell the sum."""
-    rows, replies = greedy_replies(model_dir, eval_file, 4, chat=False)
-    return sum(
-        "".join(t for t in reply.split() if t.isdigit()) == row["label"] for row, reply in zip(rows, replies)
-    ) / len(rows)
+    """The toy model's greedy accuracy on the held-out prompts (:func:`held_out_accuracy`)."""
+    return held_out_accuracy(model_dir, eval_file)[0]
 
 
 def argv(line: str, **values) -> list[str]:
@@ -238,14 +250,6 @@ def make_real_assets(work: Path, seed: int = 0) -> dict[str, Path]:
     }
 
 
-def real_accuracy(model_dir: Path, eval_file: Path, limit: int | None = None) -> tuple[float, list[str]]:
-    """Greedy accuracy on the held-out questions (right when the last number a reply writes is the sum), and
-    the replies."""
-    rows, replies = greedy_replies(model_dir, eval_file, REAL_NEW_TOKENS, chat=True, limit=limit)
-    right = [re.findall(r"-?[0-9]+", reply)[-1:] == [row["label"]] for reply, row in zip(replies, rows)]
-    return sum(right) / len(rows), replies
-
-
 def real_commands(files: dict[str, Path], work: Path, quick: bool) -> list[tuple[str, list[str]]]:
     # --quick only checks that every stage runs: 2 steps of 4 prompts
     steps, prompts = (2, 4) if quick else (30, 8)
@@ -293,14 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         "attention heads of 32 dims instead of 4 of 16, the smallest head vLLM's CPU kernel takes",
     )
     args = ap.parse_args(argv)
-    if args.real:
-        if args.engine != "hf":
-            print(
-                "rlhf demo: --real runs on the HF engine only (--rollout.engine vllm is for the toy demo)",
-                file=sys.stderr,
-            )
-            return 2
-        return main_real(Path(args.workdir or "runs/real-demo").resolve(), args.seed, args.quick)
+    if args.real and args.engine != "hf":
+        print(
+            "rlhf demo: --real runs on the HF engine only (--rollout.engine vllm is for the toy demo)",
+            file=sys.stderr,
+        )
+        return 2
     if args.engine == "vllm":
         from rlhf_core.plugins import get_plugin_manager, resolve
 
@@ -308,35 +310,53 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"rlhf demo: --rollout.engine vllm cannot run here: {reason}", file=sys.stderr)
             return 2
-    work = Path(args.workdir or "runs/demo").resolve()
-    timings = {}
-    t0 = time.perf_counter()
-    print(
-        f"[demo] making the tokenizer, a random tiny Llama and the addition task in {work}"
-        f"{' (GRPO on vLLM)' if args.engine == 'vllm' else ''}"
-    )
-    files = make_assets(work, args.seed, num_heads=2 if args.engine == "vllm" else 4)
-    acc = {"before SFT": accuracy(files["base"], files["eval"])}
-    timings["setup"] = time.perf_counter() - t0
-    for stage, cmd in commands(files, work, args.quick, args.engine):
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
+    if args.real:
+        work = Path(args.workdir or "runs/real-demo").resolve()
+        print(f"[demo] SmolLM2-135M-Instruct (built once into rlhf's cache) and the task in {work}")
+        files = make_real_assets(work, args.seed)
+        stages = real_commands(files, work, args.quick)
+    else:
+        work = Path(args.workdir or "runs/demo").resolve()
+        print(
+            f"[demo] making the tokenizer, a random tiny Llama and the addition task in {work}"
+            f"{' (GRPO on vLLM)' if args.engine == 'vllm' else ''}"
+        )
+        files = make_assets(work, args.seed, num_heads=2 if args.engine == "vllm" else 4)
+        stages = commands(files, work, args.quick, args.engine)
+    limit = 16 if args.real and args.quick else None  # --real --quick evaluates on 16 held-out questions
+    acc, replies, timings, models = {}, {}, {}, {}
+
+    def evaluate(name: str, model: Path) -> None:
+        models[name] = model
+        acc[name], replies[name] = held_out_accuracy(model, files["eval"], args.real, limit)
+        print(f"[demo] held-out accuracy {name}: {acc[name]:.1%}", flush=True)
+
+    evaluate(f"before {stages[0][0].split()[0]}", files["base"])
+    timings["setup and evaluation"] = time.perf_counter() - t0
+    for stage, cmd in stages:
         if code := run_stage(stage, cmd, timings):
             return code
-        model = work / "sft" if stage == "SFT" else work / "rl" / "model"
-        acc[f"after {stage.split()[0]}"] = accuracy(model, files["eval"])
-    total = time.perf_counter() - t0
-    print("\n[demo] held-out accuracy (200 unseen sums, greedy):")
+        t, after = time.perf_counter(), f"after {stage.split()[0]}"
+        evaluate(after, work / "sft" if stage == "SFT" else work / "rl" / "model")
+        timings[f"evaluation {after}"] = time.perf_counter() - t
+    total, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    rule = "; right when the reply's last number is the sum" if args.real else ""
+    print(f"\n[demo] held-out accuracy ({len(replies[after])} unseen sums, greedy{rule}):")
     print(f"  {'stage':<12} {'accuracy':>9}")
     for k, v in acc.items():
         print(f"  {k:<12} {v:>9.1%}")
-    return finish(work, timings, "", {"accuracy": acc, "seconds": timings, "total_s": total})
-
-
-def finish(work: Path, timings: dict[str, float], cpu: str, summary: dict) -> int:
-    """Print the time per stage and where the report is; write ``summary`` to ``work/summary.json``."""
-    stages = ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
-    print(f"\n[demo] time per stage: {stages}; total {summary['total_s']:.0f} s{cpu}")
+    questions = [json.loads(line)["input"] for line in files["eval"].read_text().splitlines()]
+    print(f"[demo] replies {' -> '.join(acc)}:")
+    for q, *answers in list(zip(questions, *replies.values()))[:3]:
+        print(f"  {q!r}: {' -> '.join(map(repr, answers))}")
+    stages_s = ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+    print(f"\n[demo] time per stage: {stages_s}; total {total:.0f} s, {cpu:.0f} CPU-seconds")
     print(f"[demo] report: {work / 'rl' / 'report' / 'index.html'}")
-    (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary = {"accuracy": acc, "seconds": timings, "total_s": total, "cpu_s": cpu, "replies": replies}
+    (work / "summary.json").write_text(
+        json.dumps(summary | {"models": {k: str(v) for k, v in models.items()}}, indent=2)
+    )
     return 0
 
 
@@ -359,37 +379,6 @@ def cpu_seconds() -> float:
         r.ru_utime + r.ru_stime
         for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
     )
-
-
-def main_real(work: Path, seed: int, quick: bool) -> int:
-    """``rlhf demo --real``: held-out accuracy of SmolLM2-135M-Instruct, GRPO, held-out accuracy again."""
-    t0, cpu0 = time.perf_counter(), cpu_seconds()
-    print(f"[demo] SmolLM2-135M-Instruct (built once into rlhf's cache) and the task in {work}")
-    files = make_real_assets(work, seed)
-    limit = 16 if quick else None  # --quick checks that every stage runs, on 16 held-out questions
-    acc, examples, timings = {}, {}, {}
-    acc["before RL"], examples["before RL"] = real_accuracy(files["base"], files["eval"], limit)
-    print(f"[demo] held-out accuracy before RL: {acc['before RL']:.1%}", flush=True)
-    timings["setup and evaluation"] = time.perf_counter() - t0
-    for stage, cmd in real_commands(files, work, quick):
-        if code := run_stage(stage, cmd, timings):
-            return code
-    t = time.perf_counter()
-    acc["after RL"], examples["after RL"] = real_accuracy(work / "rl" / "model", files["eval"], limit)
-    timings["evaluation"] = time.perf_counter() - t
-    total, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
-    questions = [json.loads(line)["input"] for line in files["eval"].read_text().splitlines()]
-    print(
-        f"\n[demo] held-out accuracy ({len(examples['after RL'])} unseen sums, greedy; right when the reply's last number is the sum):"
-    )
-    for k, v in acc.items():
-        print(f"  {k:<10} {v:>7.1%}")
-    print("[demo] replies before -> after RL:")
-    for q, before, after in list(zip(questions, examples["before RL"], examples["after RL"]))[:3]:
-        print(f"  {q!r}: {before!r} -> {after!r}")
-    models = {"before RL": str(files["base"]), "after RL": str(work / "rl" / "model")}
-    summary = {"accuracy": acc, "seconds": timings, "total_s": total, "cpu_s": cpu, "replies": examples}
-    return finish(work, timings, f", {cpu:.0f} CPU-seconds", summary | {"models": models})
 
 
 if __name__ == "__main__":

@@ -148,17 +148,17 @@ def select_rows(cfg: GenerateConfig) -> list[data.Row]:
 
 def build_prompts(cfg: GenerateConfig, tokenizer: Any, stats: data.DataStats) -> list[dict]:
     d, rm_task = cfg.data, cfg.generate.task == "rm"
+    if d.apply_chat_template and tokenizer is None:
+        raise GenerateError(
+            "--data.apply_chat_template needs a tokenizer: give --model.model_name_or_path "
+            "or --reward.model_name_or_path"
+        )
     prompts = []
     for row in select_rows(cfg):
         try:
             raw = data.get_field(row, d.input_key, (str, list), "--data.input_key")
             if isinstance(raw, list):
                 data.check_messages(raw, row, d.input_key)
-            if (d.apply_chat_template or isinstance(raw, list)) and tokenizer is None:
-                raise GenerateError(
-                    "--data.apply_chat_template needs a tokenizer: give --model.model_name_or_path "
-                    "or --reward.model_name_or_path"
-                )
             text = data.render_prompt(tokenizer, raw, d.input_template, d.apply_chat_template)
             output = data.get_field(row, d.output_key, str, "--data.output_key") if rm_task else None
             label = data.get_field(row, d.label_key, object, "--data.label_key") if d.label_key else None
@@ -218,12 +218,12 @@ def check_reward(cfg: GenerateConfig, pm) -> str | None:
     return description
 
 
-def plan(cfg: GenerateConfig, pm=None) -> Plan:
+def plan(cfg: GenerateConfig) -> Plan:
     """Check everything and read the prompts; raises GenerateError (or DataError) naming what is wrong."""
     from rlhf_cli.assemble import choose_engine, gpus_available
     from rlhf_core.config import resolve_param_dtype
 
-    pm = pm or plugins.get_plugin_manager()
+    pm = plugins.get_plugin_manager()
     g, r = cfg.generate, cfg.rollout
     cfg.ds.param_dtype = resolve_param_dtype(cfg.ds.param_dtype, gpus_available())  # as rlhf train does
     problems = [
@@ -389,7 +389,7 @@ class GenerationWorker:
 
     def run(self, prompts: list[dict]) -> list[dict]:
         """Every sample of ``prompts`` (micro-batch), scored: one record per sample, prompt by prompt."""
-        c = self.cfg
+        c, tok = self.cfg, self.tokenizer
         if self.engine is None:
             samples = [(p, 0, p["output_ids"], p["output"], "stop") for p in prompts]
         else:
@@ -414,16 +414,15 @@ class GenerationWorker:
                     p,
                     j,
                     o.token_ids,
-                    self.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+                    tok.decode(o.token_ids, skip_special_tokens=True),
                     o.finish_reason,
                 )
                 for p, group in zip(prompts, outs)
                 for j, o in enumerate(group)
             ]
         ps, js, ids, texts, finishes = zip(*samples)
-        rewards, errors = [None] * len(samples), [None] * len(samples)
+        rewards = errors = [None] * len(samples)  # replaced, never changed in place
         if self.reward is not None:
-            tok = self.tokenizer
             request = RewardRequest(
                 queries=[
                     tok.decode(p["ids"] + list(i), skip_special_tokens=False)
@@ -439,8 +438,7 @@ class GenerationWorker:
                 responses=list(texts),
             )
             result = self.loop.run_until_complete(self.reward.score(request))
-            rewards = list(result.rewards)
-            errors = list(result.errors) or errors
+            rewards, errors = list(result.rewards), list(result.errors) or errors
         return [
             {
                 "prompt_index": p["index"],
@@ -479,13 +477,12 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
     size = cfg.rollout.micro_batch_size
     chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
     # a progress line per answered micro-batch, at most every 5 s (and always the last one)
-    total = len(plan.prompts)
-    prompts_done = total - len(todo)
-    samples = scored = 0
-    reward_sum = last = 0.0
-    t0 = time.perf_counter()
+    total, done_before = len(plan.prompts), len(plan.prompts) - len(todo)
+    done_now = samples = written = 0
+    rewards = []
+    t0, last = time.perf_counter(), 0.0
     pending = {}  # call -> (worker, its micro-batch)
-    idle, written = list(workers), 0
+    idle = list(workers)
     try:
         while chunks or pending:
             while idle and chunks:
@@ -503,19 +500,16 @@ def generate_samples(plan: Plan, todo: list[dict]) -> None:
                 )
             written += 1
             append_records(plan.samples_path, records, written)
-            prompts_done += len(chunk)
+            done_now += len(chunk)
             samples += len(records)
-            rewards = [rec["reward"] for rec in records if rec["reward"] is not None]
-            reward_sum += sum(rewards)
-            scored += len(rewards)
-            now = time.perf_counter()
+            rewards += [rec["reward"] for rec in records if rec["reward"] is not None]
+            now, prompts_done = time.perf_counter(), done_before + done_now
             if now - last >= 5.0 or prompts_done == total:
                 last = now
-                rate = (prompts_done - total + len(todo)) / max(now - t0, 1e-9)
-                reward = f", mean reward {reward_sum / scored:.4f}" if scored else ""
+                reward = f", mean reward {sum(rewards) / len(rewards):.4f}" if rewards else ""
                 print(
                     f"generate: {prompts_done}/{total} prompts ({prompts_done / total:.0%}), {samples} "
-                    f"samples this run, {rate:.2f} prompts/s{reward}",
+                    f"samples this run, {done_now / max(now - t0, 1e-9):.2f} prompts/s{reward}",
                     flush=True,
                 )
     finally:
@@ -527,15 +521,16 @@ def read_samples(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def finish(plan: Plan, pm=None) -> dict:
+def finish(plan: Plan) -> dict:
     """Post-process the complete samples file into the output (written whole); returns a summary."""
     cfg = plan.cfg
     records = sorted(read_samples(plan.samples_path), key=lambda r: (r["prompt_index"], r["sample_index"]))
     scored = [r for r in records if r["reward"] is not None]
     unscorable = len(records) - len(scored) if plan.reward is not None else 0
     if cfg.generate.post_processor:
-        pm = pm or plugins.get_plugin_manager()
-        processor = plugins.resolve(pm, "post_processors", cfg.generate.post_processor)
+        processor = plugins.resolve(
+            plugins.get_plugin_manager(), "post_processors", cfg.generate.post_processor
+        )
         groups = [
             [
                 ScoredSample(

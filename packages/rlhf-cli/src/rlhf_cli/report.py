@@ -6,9 +6,10 @@ python -m rlhf_cli.report RUN_DIR        # writes RUN_DIR/report/{*.png,index.ht
 from __future__ import annotations
 
 import html
-import json
 import sys
 from pathlib import Path
+
+from rlhf_core.rundir import read_metrics
 
 # plot file -> (title, y label, metric keys drawn on it; the first present ones are used)
 PLOTS: dict[str, tuple[str, str, list[str]]] = {
@@ -17,17 +18,6 @@ PLOTS: dict[str, tuple[str, str, list[str]]] = {
     "response_length.png": ("Response length", "tokens", ["response_length/mean"]),
     "throughput.png": ("Throughput", "tokens / s", ["perf/tokens_per_s", "perf/gen_tokens_per_s"]),
 }
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl file; a torn last line (a crash mid-write) is skipped."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def make_report(run_dir: str | Path) -> Path:

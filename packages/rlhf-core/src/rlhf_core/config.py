@@ -997,5 +997,63 @@ class ChatConfig:
     ds: DSConfig = view(DSConfig, "param_dtype attn_implementation", {"param_dtype": INFERENCE_DTYPE})
 
 
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    """Interface to listen on. Anything but loopback needs ``--api_key`` or ``--insecure``."""
+    port: int = 5000
+    """Port (0: any free port; the address is printed)."""
+    batch_size: int = 16
+    """Queries per forward pass."""
+    api_key: str | None = option(None, secret=True)
+    """Require ``Authorization: Bearer KEY`` on /get_reward (default: ``$RLHF_RM_API_KEY``)."""
+    insecure: bool = False
+    """Allow a non-loopback ``--host`` without an API key."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Larger request bodies get 413."""
+    max_batch: int = 1024
+    """Requests with more queries get 422."""
+    log_level: str = "info"
+    """``debug``, ``info``, ``warning`` or ``error``."""
+    use_ms: bool = option(False, refused="ModelScope is not supported; pass a local model directory")
+    """Load the model from ModelScope (OpenRLHF's; refused here)."""
+
+
+@dataclass
+class ServeRMConfig:
+    """``rlhf serve-rm``: serve a reward model over HTTP (OpenRLHF's ``POST /get_reward``)."""
+
+    reward: RewardConfig = view(
+        RewardConfig,
+        "model_name_or_path normalize_enable",
+        {
+            "model_name_or_path": "Local HF reward model (AutoModelForSequenceClassification with value head "
+            "``--ds.value_head_prefix``); required.",
+        },
+    )
+    ds: DSConfig = view(
+        DSConfig,
+        "param_dtype attn_implementation experts_implementation value_head_prefix packing_samples load_in_4bit",
+        {
+            "param_dtype": "Model precision: ``bf16``, ``fp16``, ``fp32``, or ``auto`` (``bf16`` on a GPU, "
+            "``fp32`` on CPU).",
+            "packing_samples": "Accepted for OpenRLHF scripts; no effect (batches are padded).",
+            "load_in_4bit": "Not supported: refused with a message.",
+        },
+    )
+    data: DataConfig = view(
+        DataConfig,
+        "max_len disable_fast_tokenizer",
+        {"max_len": "Most tokens per query; longer queries keep their last max_len tokens."},
+        max_len=2048,
+    )
+    serve: ServeOptions = field(default_factory=ServeOptions)
+
+
 # Every command whose flags the config parser reads: the training modes, then the inference commands.
-COMMANDS: dict[str, type] = {**MODES, "generate": GenerateConfig, "chat": ChatConfig}
+COMMANDS: dict[str, type] = {
+    **MODES,
+    "generate": GenerateConfig,
+    "chat": ChatConfig,
+    "serve-rm": ServeRMConfig,
+}

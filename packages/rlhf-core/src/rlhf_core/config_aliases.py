@@ -204,11 +204,22 @@ CHAT: dict[str, str | tuple[str, ...]] = {
     **_same("ds", "param_dtype attn_implementation"),
 }
 
+# ``rlhf serve-rm``: OpenRLHF's serve_rm flags, and the server's own flat ones.
+SERVE_RM: dict[str, str | tuple[str, ...]] = {
+    "reward_pretrain": "reward.model_name_or_path",
+    "normalize_reward": "reward.normalize_enable",
+    **_same("ds", "value_head_prefix param_dtype attn_implementation packing_samples load_in_4bit"),
+    **_same("data", "max_len disable_fast_tokenizer"),
+    **_same("serve", "host port batch_size api_key insecure max_body_bytes max_batch log_level use_ms"),
+    "api-key": "serve.api_key",
+}
+
 # Flag-only spellings of the inference commands: flag -> (dotted, value) pairs it sets.
 _DS_CONSTANTS = {flag: CONSTANTS[flag] for flag in ("bf16", "flash_attn")}
 INFERENCE_CONSTANTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
     "generate": {"greedy_sampling": (("rollout.temperature", "0"),), **_DS_CONSTANTS},
     "chat": {"greedy_sampling": (("chat.temperature", "0"),), **_DS_CONSTANTS},
+    "serve-rm": _DS_CONSTANTS,
 }
 
 # OpenRLHF flags of the inference commands that have nothing to act on here: flag -> why (printed as a note).
@@ -222,7 +233,7 @@ INFERENCE_IGNORED: dict[str, dict[str, str]] = {
 
 
 def table(mode: str) -> dict[str, str | tuple[str, ...]]:
-    return {"ppo": RL, "generate": GENERATE, "chat": CHAT}.get(mode, SUPERVISED)
+    return {"ppo": RL, "generate": GENERATE, "chat": CHAT, "serve-rm": SERVE_RM}.get(mode, SUPERVISED)
 
 
 def constants(mode: str) -> dict[str, tuple[tuple[str, str], ...]]:

@@ -61,7 +61,7 @@ def field_docs(cls: type) -> dict[str, str]:
         if not dataclasses.is_dataclass(klass):
             continue
         body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        for stmt, nxt in zip(body, body[1:] + [None]):
+        for stmt, nxt in zip(body, body[1:]):
             if (
                 isinstance(stmt, ast.AnnAssign)
                 and isinstance(stmt.target, ast.Name)
@@ -144,11 +144,11 @@ def command_name(mode: str) -> str:
     return f"rlhf train {mode}" if mode in MODES else f"rlhf {mode}"
 
 
-def build_argparser(mode: str, prog: str | None = None) -> argparse.ArgumentParser:
+def build_argparser(mode: str) -> argparse.ArgumentParser:
     """An argparse parser with one dotted flag per config field, grouped by section (for ``--help``)."""
     root = COMMANDS[mode]
     parser = _Parser(
-        prog=prog or command_name(mode), allow_abbrev=False, add_help=False, description=inspect.getdoc(root)
+        prog=command_name(mode), allow_abbrev=False, add_help=False, description=inspect.getdoc(root)
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for leaf in leaves(mode).values():
@@ -174,7 +174,7 @@ def _split_flag(token: str) -> tuple[str, str | None]:
 
 def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]:
     """Rewrite flat OpenRLHF flags in ``tokens`` to dotted ones; notes collect what was dropped."""
-    renames = aliases.table(mode)
+    renames, constants, ignored = aliases.table(mode), aliases.constants(mode), aliases.ignored(mode)
     out: list[str] = []
     clip: dict[int, str] = {}
     i = 0
@@ -194,11 +194,11 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
             targets = renames[name]
             for target in (targets,) if isinstance(targets, str) else targets:
                 out += [f"--{target}", *values]
-        elif name in aliases.constants(mode):
-            for target, value in aliases.constants(mode)[name]:
+        elif name in constants:
+            for target, value in constants[name]:
                 out += [f"--{target}", value]
-        elif name in aliases.ignored(mode):
-            notes.append(f"--{name} is ignored: {aliases.ignored(mode)[name]}")
+        elif name in ignored:
+            notes.append(f"--{name} is ignored: {ignored[name]}")
         elif name in aliases.DROPPED:
             notes.append(f"--{name} is ignored: OpenRLHF dropped it and rlhf has no equivalent")
         elif name in aliases.CLIP_PARTS and mode == "ppo":
@@ -213,7 +213,7 @@ def rewrite_aliases(mode: str, tokens: list[str], notes: list[str]) -> list[str]
 
 def _unknown_error(mode: str, unknown: list[str], where: str) -> ConfigError:
     lines = []
-    known = [f"--{p}" for p in leaves(mode)] + [f"--{a}" for a in aliases.table(mode)]
+    known = [f"--{name}" for name in [*leaves(mode), *aliases.table(mode)]]
     after_flag = False
     for tok in unknown:
         if not tok.startswith("--"):
@@ -272,13 +272,13 @@ def dict_tokens(data: dict, none_is_default: bool = True) -> list[str]:
     of a value given below it: no flag says None)."""
     tokens: list[str] = []
     for key, value in _flatten_yaml(data).items():
-        if value is None and not none_is_default:
+        if value is None:
+            if none_is_default:
+                continue
             raise ConfigError(
                 f"--{key} None: an override cannot set a field to None; leave it out for the value "
                 "below it, or set it on the config object"
             )
-        if value is None:
-            continue
         if isinstance(value, bool):
             value = ["true" if value else "false"]
         elif not isinstance(value, (list, tuple)):
@@ -322,27 +322,28 @@ def parse_config(mode: str, argv: list[str], base: Any = None) -> tuple[Any, lis
     values.update(_parse_tokens(mode, rewrite_aliases(mode, cli, notes), ""))
     cfg = build_config(mode, values, base)
     refused = []
+    accepted = leaves(mode)
     for path, leaf in all_leaves(COMMANDS[mode]).items():
         value = _get(cfg, path)
-        if path not in leaves(mode):
-            if (
-                value != leaf.default
-            ):  # only a config object (``base``) can hold it: flags of other modes are refused
-                others = "|".join(m for m in MODES if path in leaves(m))
-                refused.append(
-                    f"--{path} is an option of 'rlhf train {others}' only: the code of "
-                    f"'{command_name(mode)}' does not use it"
-                )
-        elif leaf.secret and value == REDACTED:
+        if path in accepted and leaf.secret and value == REDACTED:
             refused.append(
                 f"--{path} is {REDACTED!r}, the placeholder of a saved config that hides it: give the "
                 "real value on the command line"
             )
-        elif value != leaf.default and leaf.refused:
+        elif value == leaf.default:
+            continue
+        elif path not in accepted:
+            # only a config object (``base``) can hold it: flags of other modes are refused
+            others = "|".join(m for m in MODES if path in leaves(m))
+            refused.append(
+                f"--{path} is an option of 'rlhf train {others}' only: the code of "
+                f"'{command_name(mode)}' does not use it"
+            )
+        elif leaf.refused:
             refused.append(f"--{path}: {leaf.refused}")
-        elif value != leaf.default and leaf.noted:
+        elif leaf.noted:
             notes.append(f"--{path} changes nothing: {leaf.noted}")
-        elif value != leaf.default and leaf.requires and not _importable(leaf.requires):
+        elif leaf.requires and not _importable(leaf.requires):
             refused.append(
                 f"--{path} needs the {leaf.requires} package, which is not installed: "
                 f"pip install {leaf.requires}"
@@ -360,7 +361,7 @@ def _get(cfg: Any, path: str) -> Any:
     return functools.reduce(getattr, path.split("."), cfg)
 
 
-def build_config(mode: str, values: dict[str, Any], base: Any = None) -> Any:
+def build_config(mode: str, values: dict[str, Any], base: Any) -> Any:
     """A config of ``mode`` with defaults (or a copy of ``base``), updated by ``{dotted path: value}``."""
     cfg = COMMANDS[mode]() if base is None else copy.deepcopy(base)
     table = leaves(mode)

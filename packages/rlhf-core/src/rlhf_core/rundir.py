@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -14,6 +13,17 @@ from rlhf_core.checkpoint import write_atomic
 log = logging.getLogger(__name__)
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl file; a torn last line (a crash mid-write) is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def prepare_metrics_file(path: Path, resume_step: int) -> Path | None:
     """Make ``metrics.jsonl`` at ``path`` ready for a run that continues after step ``resume_step``: a resumed
     run keeps the rows up to it (those after are steps it redoes), a fresh one (0) moves an earlier run's
@@ -22,12 +32,8 @@ def prepare_metrics_file(path: Path, resume_step: int) -> Path | None:
     if not path.exists() or path.stat().st_size == 0:
         return None
     if resume_step > 0:
-        kept = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # a torn last line
-                if json.loads(line).get("step", 0) <= resume_step:
-                    kept.append(line + "\n")
-        write_atomic(path, "".join(kept))
+        kept = [row for row in read_metrics(path) if row.get("step", 0) <= resume_step]
+        write_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
         return None
     n = 1
     while (aside := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():

@@ -28,25 +28,27 @@ def is_vision_language(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def check_supported(config: Any, path: str) -> None:
-    """ValueError unless the VLM at ``path`` is of a family whose image inputs this module builds."""
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+def vlm_config(path: str) -> Any:
+    """The HF config of the VLM at ``path``, or None for a text model; ValueError unless the VLM is of a family
+    whose image inputs this module builds."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if is_vision_language(config) and config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{path} is a vision-language model of type {config.model_type!r}; rlhf trains "
             f"images with {', '.join(SUPPORTED_MODEL_TYPES)} models only"
         )
+    return config if is_vision_language(config) else None
 
 
 def load_model(path: str, **kwargs: Any) -> torch.nn.Module:
     """``from_pretrained`` with the class that holds the whole model: ``AutoModelForImageTextToText`` for a
     VLM (vision tower and language model), ``AutoModelForCausalLM`` otherwise."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path)
-    if not is_vision_language(config):
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    check_supported(config, path)
-    return AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    model_class = AutoModelForCausalLM if vlm_config(path) is None else AutoModelForImageTextToText
+    return model_class.from_pretrained(path, **kwargs)
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -153,12 +155,10 @@ class ImageProcessing:
     @classmethod
     def for_model(cls, path: str) -> ImageProcessing | None:
         """The image processing of the model at ``path``, or None for a text model."""
-        from transformers import AutoConfig, AutoImageProcessor
+        from transformers import AutoImageProcessor
 
-        config = AutoConfig.from_pretrained(path)
-        if not is_vision_language(config):
+        if (config := vlm_config(path)) is None:
             return None
-        check_supported(config, path)
         try:
             image_processor = AutoImageProcessor.from_pretrained(path)
         except (OSError, ValueError) as exc:
@@ -193,7 +193,7 @@ class ImageProcessing:
     def expand(self, ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
         """``ids`` with the k-th image placeholder repeated ``images[k].num_tokens`` times; ValueError when the
         number of placeholders is not the number of images."""
-        found = sum(1 for t in ids if t == self.image_token_id)
+        found = list(ids).count(self.image_token_id)
         if found != len(images):
             raise ValueError(f"the text has {found} image placeholders for {len(images)} images")
         sizes = iter([im.num_tokens for im in images])
@@ -208,7 +208,7 @@ def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
 
 def count_image_tokens(ids: Sequence[int], images: Sequence[ImageInput], image_token_id: int) -> str | None:
     """Why ``ids`` and ``images`` do not fit together (None when the image tokens are the images')."""
-    found = sum(1 for t in ids if t == image_token_id)
+    found = list(ids).count(image_token_id)
     want = sum(im.num_tokens for im in images)
     return f"{found} image tokens for {len(images)} images of {want} tokens" if found != want else None
 

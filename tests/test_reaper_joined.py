@@ -58,6 +58,16 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
 def _wait(what: str, until, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not until():
@@ -74,9 +84,7 @@ def test_a_killed_driver_on_a_joined_cluster_leaves_its_processes_only_behind(tm
     (tmp_path / "other.py").write_text(OTHER_JOB)
     pids = tmp_path / "pids"
     pids.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, client_port, agent_port = free_ports(3)  # not Ray's defaults, which another cluster here may hold
     env = {**os.environ, "RLHF_NO_PROGRESS": "1", "DS_ACCELERATOR": "cpu", "RAY_USAGE_STATS_ENABLED": "0"}
     env["RAY_ADDRESS"], env["PIDS"] = f"127.0.0.1:{port}", str(pids)
     started = []
@@ -89,6 +97,7 @@ def test_a_killed_driver_on_a_joined_cluster_leaves_its_processes_only_behind(tm
     # `ray stop`, which ends every Ray cluster of the user on this machine
     cluster = start(
         [Path(sys.executable).parent / "ray", "start", "--head", "--block", "--port", str(port)]
+        + ["--ray-client-server-port", str(client_port), "--dashboard-agent-listen-port", str(agent_port)]
         + ["--num-cpus", "4", "--include-dashboard", "false", "--disable-usage-stats"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -159,12 +159,13 @@ def test_conflicting_options_are_refused_with_reasons(tiny_model, monkeypatch):
             "--remote_rm_url",
             "http://127.0.0.1:9/x",
             "--train.async_enable",
+            "--train.partial_rollout_enable",
             "--rollout.max_engine_restarts",
             "2",
         ],
     )
     with pytest.raises(
-        RunConfigError, match="max_engine_restarts 2 with --train.async_enable: a replacement engine"
+        RunConfigError, match="max_engine_restarts 2 with --train.partial_rollout_enable: weights land"
     ):
         assemble("ppo", cfg, gpus=False)
 

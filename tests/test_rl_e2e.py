@@ -618,6 +618,51 @@ def test_a_killed_engine_is_replaced_and_the_run_draws_the_same_samples(assets, 
     ]
 
 
+def test_a_killed_engine_of_an_async_run_gets_the_weights_the_others_hold(
+    assets, ray_session, tmp_path, capfd
+):
+    """The async pipeline (one batch ahead) with --rollout.max_engine_restarts: run B's engine is SIGKILLed
+    while it generates step 3's batch, which is due from the policy of step 1 while the trainer trains step 2.
+    The replacement gets that policy (kept at its sync), not the trainer's newer one, so B's samples, staleness
+    and weights are uninterrupted run A's."""
+    import threading
+
+    import psutil
+
+    mark = tmp_path / "killed_engine_pid"
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD + f"\nMARK = {str(mark)!r}\n" + KILL_HOOK.replace("_calls == 2", "_calls == 3"))
+    common = one_rank_on_ray(without(base_args(assets, "X", steps=4), "--reward.remote_url")) + [
+        *("--reward.remote_url", str(reward), "--algo.advantage.estimator", "group_norm"),
+        *("--train.async_enable", "--train.max_staleness", "1", "--rollout.max_engine_restarts", "1"),
+    ]
+    a, b = tmp_path / "a", tmp_path / "b"
+    mark.write_text("")  # run A: no engine stops
+    assert train(with_output(common, a)) == 0
+    mark.unlink()
+
+    capfd.readouterr()
+    result = {}
+    run_b = threading.Thread(target=lambda: result.update(rc=train(with_output(common, b))), daemon=True)
+    run_b.start()
+    deadline = time.time() + 300
+    while time.time() < deadline and run_b.is_alive() and not mark.exists():
+        time.sleep(0.05)
+    assert mark.exists(), "the run ended before an engine reached step 3"
+    engine = psutil.Process(int(mark.read_text()))
+    assert "RolloutActor" in " ".join(engine.cmdline())
+    os.kill(engine.pid, signal.SIGKILL)
+    run_b.join(timeout=300)
+    err = capfd.readouterr().err
+    assert result.get("rc") == 0, err[-3000:]
+    assert "starting a new one (restart 1 of --rollout.max_engine_restarts 1)" in err, err[-3000:]
+    assert metrics(b)[-1]["rollout/engine_restarts"] == 1.0
+    keys = ("rollout/prompt_digest", "policy_version_lag", "reward/mean")
+    assert [[r[k] for k in keys] for r in metrics(b)] == [[r[k] for k in keys] for r in metrics(a)]
+    wa, wb = _export_weights(a), _export_weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_kill_a_training_worker_of_an_async_run_then_resume_exactly(assets, ray_session, tmp_path, capfd):
     """Uninterrupted async run A; run B gets one policy rank killed with SIGKILL mid-run, must stop with a clear
     error within a minute, and resuming from its last checkpoint must end on A's weights and prompts. The

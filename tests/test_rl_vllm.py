@@ -163,3 +163,47 @@ def test_multi_turn_agent_file_on_two_vllm_engines(assets, ray_session, tmp_path
     rows = metrics(out)
     assert len(rows) == 2 and rows[-1]["reward/unscorable"] == 0
     assert_synced(rows)
+
+
+def test_opd_on_vllm_moves_the_student_towards_the_teacher(ray_session, tmp_path):
+    """On-policy distillation with the student's samples from vLLM: the teacher (the reference model) scores
+    every token, and the run's per-token KL to the teacher falls; the engine holds the trainer's weights
+    after every sync."""
+    from test_opd import make_teacher, opd_args, prompts
+
+    from rlhf_core.testing.tiny import make_tiny_llama
+
+    student = make_tiny_llama(
+        tmp_path / "student", seed=0, num_words=20, hidden_size=128, intermediate_size=128
+    )  # head dim 32, as vLLM's CPU attention needs
+    task = {
+        "student": student,
+        "teacher": make_teacher(tmp_path / "teacher"),
+        "data": str(tmp_path / "p.jsonl"),
+    }
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"input": p}) + "\n" for p in prompts(1, 64)))
+    out = tmp_path / "opd"
+    args = opd_args(task, out, 4)[2:] + ["--rollout.engine", "vllm", "--vllm.enforce_eager"]
+    assert train(args + ["--ray.single_process", "false"]) == 0
+    rows = metrics(out)
+    kl = [r["kl/mean"] for r in rows]
+    assert len(kl) == 4 and all(r["reward/mean"] == 0 for r in rows)
+    assert kl[-1] < 0.75 * kl[0], kl
+    assert_synced(rows)
+    assert json.loads((out / "run.json").read_text())["plugins"]["rollout_engines"]["name"] == "vllm"
+
+
+def test_a_lora_policy_on_vllm_trains_and_serves_its_adapter(assets, ray_session, tmp_path):
+    """A LoRA policy (rank 4) whose syncs send the adapter to vLLM, which serves it as a new LoRA request:
+    the engine's log-probs are the trainer's after every sync, and the run exports the adapter."""
+    out = tmp_path / "lora"
+    args = one_rank_on_ray(vllm_args(assets, out, steps=3)) + [
+        *("--algo.advantage.estimator", "group_norm", "--actor.adam.lr", "2e-2"),
+        *("--ds.lora.rank", "4", "--ds.lora.alpha", "8"),
+    ]
+    assert train(args) == 0
+    rows = metrics(out)
+    assert len(rows) == 3 and all(r["policy/grad_norm"] > 0 for r in rows)
+    assert_synced(rows)  # with the adapter trained, as the next line checks: vLLM served it
+    adapter = load_file(str(out / "model" / "adapter_model.safetensors"))
+    assert any("lora_B" in k and v.abs().max() > 1e-3 for k, v in adapter.items())  # B starts at zero

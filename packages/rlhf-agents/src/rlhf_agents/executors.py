@@ -6,9 +6,14 @@ README ("Token in, token out", "Writing an agent", "Vision-language models") has
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import logging
+import os
+import threading
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +47,47 @@ def describe_class(cls: type) -> str:
 async def call_user(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a sync or async user function without blocking the event loop (sync ones run in a thread)."""
     sync = not inspect.iscoroutinefunction(fn)
-    result = await (asyncio.to_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs))
+    result = await (in_daemon_thread(fn, *args, **kwargs) if sync else fn(*args, **kwargs))
     return await result if inspect.isawaitable(result) else result
+
+
+# user threads at once per event loop, as asyncio's default pool allowed: the rest wait (within their timeout)
+USER_THREADS = min(32, (os.cpu_count() or 1) + 4)
+_user_slots: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def in_daemon_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a daemon thread of its own: user code that never returns (given up on after
+    its timeout) cannot keep the process from exiting, as a thread of asyncio's default pool would, since
+    Python joins those at exit (docs/fault-handling.md, "Code that hangs"). A thread holds one of the loop's
+    USER_THREADS slots until it returns."""
+    loop = asyncio.get_running_loop()
+    slots = _user_slots.setdefault(loop, asyncio.Semaphore(USER_THREADS))
+    await slots.acquire()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        slots.release()
+        if not future.done():  # not given up on (a timeout cancels the future)
+            future.set_result(value) if exc is None else future.set_exception(exc)
+
+    def target() -> None:
+        try:
+            value, exc = context.run(fn, *args, **kwargs), None
+        except BaseException as error:
+            value, exc = None, error
+        with contextlib.suppress(RuntimeError):  # the loop closed while it ran: nobody waits any more
+            loop.call_soon_threadsafe(settle, value, exc)
+
+    try:
+        threading.Thread(
+            target=target, name=f"rlhf-user-{getattr(fn, '__name__', 'call')}", daemon=True
+        ).start()
+    except BaseException:
+        slots.release()
+        raise
+    return await future
 
 
 async def new_instance(cls: type) -> Any:
@@ -53,7 +97,7 @@ async def new_instance(cls: type) -> Any:
         obj = cls.__new__(cls)
         await obj.__init__()
         return obj
-    return await asyncio.to_thread(cls)
+    return await in_daemon_thread(cls)
 
 
 def turn_params(params: SamplingParams, turn: int, max_new_tokens: int) -> SamplingParams:

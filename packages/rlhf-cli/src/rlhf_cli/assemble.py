@@ -273,10 +273,10 @@ def _check_rl_options(cfg, estimator, problems: list[str]) -> None:
             f"--rollout.max_engine_restarts {restarts}: a number of engine restarts must be 0 or more",
         ),
         (
-            restarts and t.async_enable,
-            f"--rollout.max_engine_restarts {restarts} with --train.async_enable: a replacement engine needs "
-            "the current weights before it serves, which the async pipeline's generation thread cannot fetch "
-            "while the trainers train; engine restarts are for the sync pipeline",
+            restarts and t.partial_rollout_enable,
+            f"--rollout.max_engine_restarts {restarts} with --train.partial_rollout_enable: weights land in "
+            "the engines while they generate, so there is no one version of them to give a replacement "
+            "engine; engine restarts are for the sync pipeline and the async one without partial rollout",
         ),
         (
             t.episode_timeout < 0,

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
+import os
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -122,8 +126,46 @@ MODULE_COMMANDS = {
 COMMANDS = {"train": cmd_train, "plugins": cmd_plugins}
 
 
+EXIT_GRACE_S = 10.0  # how long the process may take to exit once the command has returned
+
+
+def end_process_after(code: int, grace_s: float) -> None:
+    """End this process with ``code`` at most ``grace_s`` seconds from now, also when threads that never end
+    remain (user or plugin code that hangs: Python joins every non-daemon thread at exit, forever). Called
+    once the command has returned: runs commit checkpoints atomically and have closed their metrics, so
+    cutting the exit short loses nothing; a process that exits on its own in time never gets here."""
+
+    def watchdog() -> None:
+        time.sleep(grace_s)
+        stuck = [t.name for t in threading.enumerate() if t not in (threading.main_thread(), watcher)]
+        print(
+            f"rlhf: thread(s) {', '.join(stuck) or '(none)'} still running {grace_s:g} s after the command "
+            "ended (code that does not return); exiting without them",
+            file=sys.stderr,
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    watcher = threading.Thread(target=watchdog, name="rlhf-exit", daemon=True)
+    watcher.start()
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """``rlhf ARGV``'s exit code. As the command itself (``argv`` None), the process then ends within
+    EXIT_GRACE_S even if threads of code that hangs remain (docs/fault-handling.md, "Code that hangs")."""
+    if argv is not None:
+        return run_command(argv)
+    code = 1  # a crash or Ctrl-C: Python prints its traceback as it exits
+    try:
+        code = run_command(sys.argv[1:])
+        return code
+    finally:
+        end_process_after(code, EXIT_GRACE_S)
+
+
+def run_command(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS | MODULE_COMMANDS:
         asked = argv[:1] in (["-h"], ["--help"])
         print("usage:\n" + USAGE, file=sys.stdout if asked else sys.stderr)

@@ -27,7 +27,8 @@ WORKER_ENV = {
 
 def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
     """Join ``--ray.address`` / ``$RAY_ADDRESS`` when given, else start a local cluster for the plan's bundles
-    (settings: the README's "Placement"); a :mod:`rlhf_cli.reaper` ends it if the driver dies."""
+    (settings: the README's "Placement"); a :mod:`rlhf_cli.reaper` ends it, or on a joined cluster this run's
+    workers, if the driver dies."""
     if ray.is_initialized():
         return
     import torch
@@ -39,9 +40,11 @@ def init_ray(cfg, plan: PlacementPlan | None = None, min_cpus: int = 0) -> None:
         names = (console.RUN_LOG_ENV, console.DEBUG_ENV, "VLLM_CONFIGURE_LOGGING")
         env.update({v: os.environ[v] for v in names if v in os.environ})
         runtime_env["worker_process_setup_hook"] = "rlhf_core.console.setup_ray_worker"
+    env[reaper.TOKEN_ENV] = reaper.TOKEN  # marks the workers as this driver's, for its reaper
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        reaper.start()  # the cluster is not this driver's: only its workers go when it goes
         return
     needed = 0.0 if plan is None else sum(b.get("CPU", 0.0) for pool in plan.pools for b in pool.bundles)
     # "local": without it ray.init joins whatever cluster another program started on this machine

@@ -280,8 +280,9 @@ class RolloutConfig:
     the dead one's placement gets the current policy weights and generates the dead engine's prompts again
     with the same seeds (metric ``rollout/engine_restarts``). One more death stops the run naming the engine
     and the cause; 0 stops at the first. Default: 3 with the sync pipeline; 0 with ``--train.async_enable``,
-    which refuses more (its generation thread cannot fetch weights while the trainers train). Engines hosted
-    in the policy's ranks die with their rank, which stops the run."""
+    where more keeps a copy of the weights the engines hold in Ray's object store at every sync (the
+    trainers have moved on when an engine dies), and ``--train.partial_rollout_enable`` refuses more.
+    Engines hosted in the policy's ranks die with their rank, which stops the run."""
 
 
 @dataclass

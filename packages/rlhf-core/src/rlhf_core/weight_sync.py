@@ -60,39 +60,55 @@ def lora_pairs(
 
 
 def lora_adapter_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A peft LoRA model's active adapters in the wire format: per adapted layer ``<HF layer name>.lora_A``
-    then ``<HF layer name>.lora_B`` times the layer's scaling (names without peft's ``base_model.model.``).
-    Raises ValueError for an adapter on anything but a linear layer (an embedding), which no engine merges."""
+    """A peft LoRA model's active adapters in the wire format: per adapted weight ``<name>.lora_A`` then
+    ``<name>.lora_B`` times the adapter's scaling (names without peft's prefixes), the weight becoming
+    ``W0 + B @ A``. ``<name>`` is a linear layer, whose weight is ``<name>.weight`` (``A [r, in]``,
+    ``B [out, r]``), or a parameter peft adapts directly (``target_parameters``): a router's
+    ``mlp.gate.weight`` (2-D, as a linear layer's) or a fused expert stack ``mlp.experts.gate_up_proj``
+    (``W [E, p, q]``: ``A [E, r, q]``, ``B [E, p, r]``, peft's own factors of each expert's update).
+    Raises ValueError for an adapter on anything else (an embedding), which no engine merges."""
     for name, layer in model.named_modules():
         if not (hasattr(layer, "lora_A") and hasattr(layer, "scaling") and hasattr(layer, "get_base_layer")):
             continue
         (adapter,) = layer.active_adapters
-        base = layer.get_base_layer()
-        if not isinstance(base, torch.nn.Linear) or adapter not in layer.lora_A:
+        param = getattr(layer, "parameter_name", None)  # set by peft's ParamWrapper
+        if param is None and not isinstance(layer.get_base_layer(), torch.nn.Linear):
             raise ValueError(
-                f"{name}: the weight sync sends LoRA adapters of linear layers only, this is a "
-                f"{type(base).__name__} (--ds.lora.target_modules)"
+                f"{name}: the weight sync sends LoRA adapters of linear layers, routers and fused experts "
+                f"only, this is a {type(layer.get_base_layer()).__name__} (--ds.lora.target_modules)"
             )
-        name = name.removeprefix("base_model.model.")
-        yield name + LORA_A, layer.lora_A[adapter].weight.detach().clone()
-        yield name + LORA_B, layer.lora_B[adapter].weight.detach() * layer.scaling[adapter]
+        if getattr(layer, "num_experts", 1) > 1:
+            lora_b, lora_a, scaling = layer.get_delta_factors(adapter)
+        else:
+            lora_a, lora_b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            scaling = layer.scaling[adapter]
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")  # nested ParamWrappers
+        name = name if param is None else f"{name}.{param}"
+        yield name + LORA_A, lora_a.detach().clone()
+        yield name + LORA_B, lora_b.detach() * scaling
 
 
 def merge_lora_pair(
     base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """Write the adapted layer's weight ``W = W0 + B @ A`` into ``out`` and return it: ``base`` ``[out, in]``,
-    ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (scaling folded in). Computed in float32: in place by
-    one ``addmm`` (no temporaries) where ``out`` is float32, else cast into it."""
-    if lora_a.shape[0] != lora_b.shape[1] or (lora_b.shape[0], lora_a.shape[1]) != tuple(base.shape):
+    """Write the adapted weight ``W = W0 + B @ A`` into ``out`` and return it: ``base`` ``[out, in]``,
+    ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (scaling folded in), or a stack of them with a leading
+    experts dimension ``E`` (``[E, out, in]``, ``[E, r, in]``, ``[E, out, r]``). Computed in float32: in place
+    by one ``addmm``/``baddbmm`` (no temporaries) where ``out`` is float32, else cast into it."""
+    if (
+        lora_a.shape[:-2] != lora_b.shape[:-2]
+        or lora_a.shape[-2] != lora_b.shape[-1]
+        or (*lora_b.shape[:-1], lora_a.shape[-1]) != tuple(base.shape)
+    ):
         raise WeightSyncError(
             f"weight sync: LoRA pair A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} does not fit "
             f"a weight of shape {tuple(base.shape)}"
         )
     a, b = lora_a.to(out.device, torch.float32), lora_b.to(out.device, torch.float32)
+    add_product = torch.addmm if base.dim() == 2 else torch.baddbmm
     if out.dtype == torch.float32:
-        return torch.addmm(base, b, a, out=out)
-    return out.copy_(torch.addmm(base.float(), b, a))
+        return add_product(base, b, a, out=out)
+    return out.copy_(add_product(base.float(), b, a))
 
 
 class WeightSyncError(RuntimeError):

@@ -87,7 +87,7 @@ class VLLMEngineFactory:
         starts; None when nothing is wrong. On any device: vLLM's Qwen-VL model code imports transformers'
         torchvision image processor, so a vision-language run needs a torchvision that imports; a LoRA policy's
         rank must be one vLLM serves (512 at most). On CPU only: no sleep mode, attention heads of at least 32
-        dimensions. A hub id (no local config) is judged by flags."""
+        dimensions, no LoRA on a mixture-of-experts model. A hub id (no local config) is judged by flags."""
         if cfg.ds.lora.rank > VLLM_LORA_RANKS[-1]:
             return (
                 f"--ds.lora.rank {cfg.ds.lora.rank}: vLLM serves LoRA adapters of rank {VLLM_LORA_RANKS[-1]} at "
@@ -120,6 +120,13 @@ class VLLMEngineFactory:
                 f"the model's attention heads have {head} dimensions ({config_file}: hidden_size "
                 f"{model.hidden_size} / num_attention_heads {model.num_attention_heads}); vLLM's CPU attention "
                 "kernel needs at least 32 (use --rollout.engine hf)"
+            )
+        if cfg.ds.lora.rank and getattr(model, "num_experts_per_tok", None):
+            return (
+                f"a mixture-of-experts policy ({model.model_type}) with LoRA (--ds.lora.rank "
+                f"{cfg.ds.lora.rank}): with LoRA enabled vLLM runs the experts through its Triton MoE kernel, "
+                "which its CPU build lacks (the first generate fails: module 'triton.language' has no attribute "
+                "'float32'); use --rollout.engine hf"
             )
         return None
 

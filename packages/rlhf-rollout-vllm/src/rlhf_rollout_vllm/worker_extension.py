@@ -25,6 +25,11 @@ def save_peft_adapter(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str) -
 
     tensors, targets, rank = {}, set(), 0
     for layer, lora_a, lora_b in lora_pairs(pairs):
+        if lora_a.dim() != 2 or layer.endswith(".weight"):  # a fused expert stack, a router's weight
+            raise ValueError(
+                f"{layer}: the vllm engine serves LoRA adapters of linear layers only, this adapts a parameter "
+                "(experts or a router: use the hf engine, which merges them)"
+            )
         tensors[f"base_model.model.{layer}.lora_A.weight"] = lora_a.contiguous()
         tensors[f"base_model.model.{layer}.lora_B.weight"] = lora_b.contiguous()
         targets.add(layer.rsplit(".", 1)[-1])

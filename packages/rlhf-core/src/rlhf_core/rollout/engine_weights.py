@@ -44,9 +44,10 @@ class EngineWeights:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
     ) -> None:
         """Copy tensors into the parameters or buffers of the same HF names (cast to the engine's dtype). A LoRA
-        policy's adapters (``<layer>.lora_A``/``.lora_B`` pairs, :mod:`rlhf_core.weight_sync`) are merged instead:
-        the layer's weight becomes ``W0 + B @ A``, ``W0`` the base weight the engine held before its first
-        adapter (kept as a copy of each adapted weight)."""
+        policy's adapters (``<layer>.lora_A``/``.lora_B`` pairs, :func:`rlhf_core.weight_sync.lora_adapter_tensors`)
+        are merged instead: the layer's weight (or the parameter ``<layer>`` itself, fused experts) becomes
+        ``W0 + B @ A``, ``W0`` the base weight the engine held before its first adapter (kept as a copy of each
+        adapted weight)."""
         self._weights = None  # packed copies are snapshots
         named_tensors = iter(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         if (first := next(named_tensors, None)) is None:
@@ -55,7 +56,7 @@ class EngineWeights:
         some = ", ".join(itertools.islice(self._params, 3))  # what names look like, for the errors
         if is_adapter(first[0]):  # merged rather than run as extra matmuls: decode keeps its fast path
             for layer, lora_a, lora_b in lora_pairs(named_tensors):
-                name = layer + ".weight"
+                name = layer if layer in self._params else layer + ".weight"  # a fused expert stack, a layer
                 if (target := self._params.get(name)) is None:
                     raise KeyError(
                         f"update_weights: the LoRA layer {layer!r} has no weight {name!r} in this "

@@ -41,7 +41,7 @@ class WeightSync:
                 else wait_for([a.weight_sync_ranks() for a in engines], "rollout")
             )
         if not all(self._ranks):
-            weights = share(self.groups.actor.get_state_dict_for_engines())
+            weights = share(wait(self.groups.actor.weights()))
             wait_for([a.update_weights(weights) for a in engines], "rollout")
         else:
             backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
@@ -73,7 +73,7 @@ class WeightSync:
         next sync builds a new broadcast group, since the old one has a dead rank."""
         if trainers_asleep:  # their ZeRO-3 state is off the GPU: gather the weights from it awake
             self.groups.actor.wake_up()
-        weights = share(self.groups.actor.get_state_dict_for_engines())
+        weights = share(wait(self.groups.actor.weights()))
         if trainers_asleep:
             self.groups.actor.sleep()
         wait_for(engine.update_weights(weights), "new rollout")

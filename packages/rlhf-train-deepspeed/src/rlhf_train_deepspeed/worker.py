@@ -162,10 +162,6 @@ class TrainWorker:
         """``(HF name, full tensor)`` pairs (:func:`rlhf_train_deepspeed.weights.named_weights`)."""
         return weights.named_weights(self._module(), bucket_bytes, trainable_only)
 
-    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A LoRA policy's adapters (:func:`rlhf_train_deepspeed.weights.adapter_weights`)."""
-        return weights.adapter_weights(self._module())
-
     def weights(self) -> dict[str, torch.Tensor] | None:
         """What the engines get (``weights.engine_weights``) as CPU tensors on rank 0 (None on the others), for
         the object-store sync path."""

@@ -99,8 +99,8 @@ def run(path: str, dtype: str, replay: bool, updates: int, prompts: int, new_tok
             engine_lp = torch.tensor([o.logprobs for o in outs])
             mask = batch.response_mask().float()
             chosen.clear()
-            (own,) = worker.compute_logprobs([plain])
-            (replayed,) = worker.compute_logprobs([batch])
+            (own,) = worker.forward([plain])
+            (replayed,) = worker.forward([batch])
             differ = worker.model.routing.take()[1]["moe_experts_differ"]
             flipped = flipped_tokens(torch.stack(chosen[: len(worker.model.routing.routers)]), batch) * mask
             gaps = [gap(lp, engine_lp, m) for lp in (own, replayed) for m in (mask, flipped)]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rlhf_core import hookimpl, weight_sync
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, SequenceBatch
 from rlhf_core.errors import UserError
+from rlhf_core.handles import Joined
 
 # Ray pickles the rank class by value: the workers cannot import this test module
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -64,17 +65,21 @@ class PlainRank:
         self.model_dir = model_dir
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.step = {"loss": 0.0, "gap": 0.0, "tokens": 0.0}  # the forward_backward calls since optim_step
 
     @torch.no_grad()
-    def compute_logprobs(self, batches: list[SequenceBatch], temperature: float, with_entropy: bool) -> list:
-        if with_entropy:
-            raise NotImplementedError("the plain torch backend computes no entropies")
+    def forward(self, batches: list[SequenceBatch], temperature: float) -> list:
         return [response_logprobs(self.model, b, temperature)[0] for b in batches]
 
-    def train_policy(self, mbs: list[PolicyMicroBatch], cfg: PolicyStepConfig, counts: dict) -> dict:
+    def forward_backward(
+        self, mbs: list[PolicyMicroBatch], loss: str, cfg: PolicyStepConfig, counts: dict
+    ) -> dict:
+        """Gradients of the policy loss accumulate until :meth:`optim_step`; returns this call's part."""
         from rlhf_core.plugins import get_plugin_manager, resolve
         from rlhf_core.types import LossAggregation, PolicyLossInput
 
+        if loss != "policy":
+            raise NotImplementedError(f"the plain torch backend trains the policy loss only, not {loss!r}")
         if cfg.kl_coef or cfg.entropy_coef:
             raise NotImplementedError("the plain torch backend has no KL or entropy loss terms")
         policy_loss = resolve(get_plugin_manager(), "policy_losses", cfg.loss, "--actor.policy_loss_type")
@@ -85,8 +90,7 @@ class PlainRank:
             max_len=cfg.max_len,
             dp_size=self.world_size,
         )
-        self.optimizer.zero_grad()
-        total, gap, tokens = 0.0, 0.0, 0.0
+        part = {"loss": 0.0, "gap": 0.0, "tokens": 0.0}
         for mb in mbs:
             lp, mask = response_logprobs(self.model, mb.seq, cfg.temperature)
             old = lp.detach() if mb.old_logprobs is None else mb.old_logprobs
@@ -106,12 +110,16 @@ class PlainRank:
                 )
             )
             out.loss.backward()
-            total += (
+            part["loss"] += (
                 float(out.loss.detach()) / self.world_size
-            )  # the aggregation multiplied by the rank count
+            )  # the aggregation multiplied by the ranks
             if mb.old_logprobs is None and mb.rollout_logprobs is not None:
-                gap += float(((lp.detach() - mb.rollout_logprobs).abs() * mask).sum())
-                tokens += float(mask.sum())
+                part["gap"] += float(((lp.detach() - mb.rollout_logprobs).abs() * mask).sum())
+                part["tokens"] += float(mask.sum())
+        self.step = {k: v + part[k] for k, v in self.step.items()}
+        return part
+
+    def optim_step(self) -> dict:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)  # sum over ranks, then the mean, as data-parallel training does
@@ -123,7 +131,9 @@ class PlainRank:
                 p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
             self.optimizer.step()
-        return {"loss": total, "skipped": float(not finite), "gap": gap, "tokens": tokens}
+        self.optimizer.zero_grad()
+        step, self.step = self.step, {"loss": 0.0, "gap": 0.0, "tokens": 0.0}
+        return {**step, "skipped": float(not finite)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -161,6 +171,17 @@ class PlainRank:
             AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(out_dir)
 
 
+def merged(results: list[dict]) -> dict:
+    """The ranks' parts of a step as one: the global loss, the skip flag, the rollout/train log-prob gap."""
+    out = {"loss": sum(r["loss"] for r in results)}
+    if "skipped" in results[0]:
+        out["skipped"] = results[0]["skipped"]
+    tokens = sum(r["tokens"] for r in results)
+    if tokens:
+        out["rollout_train_logprob_gap"] = sum(r["gap"] for r in results) / tokens
+    return out
+
+
 class PlainGroup:
     """The ``TrainGroup`` handle of the plain backend."""
 
@@ -173,44 +194,45 @@ class PlainGroup:
     def wait_ready(self) -> None:
         pass  # create_group waits for the ranks
 
-    def call_sharded_async(self, method: str, items: list, *args) -> tuple[list, list[int]]:
-        per = math.ceil(len(items) / self.dp_size)
-        shares = [items[r * per : (r + 1) * per] for r in range(self.dp_size)]
-        refs = [getattr(a, method).remote(s, *args) for a, s in zip(self.actors, shares, strict=True) if s]
-        return refs, [len(s) for s in shares if s]
+    def forward(self, batches: list, temperature: float = 1.0, head=None, teacher: int = 0, loss_cfg=None):
+        if head not in (None, "logprobs") or teacher:
+            raise NotImplementedError(f"the plain torch backend computes policy log-probs only, not {head!r}")
+        per = math.ceil(len(batches) / self.dp_size)
+        shares = [batches[r * per : (r + 1) * per] for r in range(self.dp_size)]
+        refs = [a.forward.remote(s, temperature) for a, s in zip(self.actors, shares, strict=True) if s]
+        return Joined(refs, lambda res: [x for r in res for x in r])
 
-    def gather_sharded(self, refs: list, real: list[int]) -> list:
-        return [x for res in ray.get(refs) for x in res]
-
-    def train_policy_step(self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig) -> dict:
+    def forward_backward(self, micro_batches: list, loss: str, loss_cfg, counts: dict | None = None):
         if len(micro_batches) % self.dp_size:
             raise ValueError(f"{len(micro_batches)} micro-batches do not split over {self.dp_size} ranks")
         masks = [mb.seq.response_mask() for mb in micro_batches]
-        counts = {
+        counts = counts or {
             "num_tokens": float(sum(m.sum() for m in masks)),
             "num_sequences": float(sum(m.any(-1).sum() for m in masks)),
         }
         per = len(micro_batches) // self.dp_size
-        results = ray.get(
-            [
-                a.train_policy.remote(micro_batches[r * per : (r + 1) * per], cfg, counts)
-                for r, a in enumerate(self.actors)
-            ]
-        )
-        out = {"loss": sum(r["loss"] for r in results), "skipped": results[0]["skipped"]}
-        tokens = sum(r["tokens"] for r in results)
-        if tokens:
-            out["rollout_train_logprob_gap"] = sum(r["gap"] for r in results) / tokens
-        return out
+        refs = [
+            a.forward_backward.remote(micro_batches[r * per : (r + 1) * per], loss, loss_cfg, counts)
+            for r, a in enumerate(self.actors)
+        ]
+        return Joined(refs, merged)
 
-    def train_critic_step(self, micro_batches, value_clip):
-        raise NotImplementedError("the plain torch backend trains no critic")
+    def optim_step(self):
+        return Joined([a.optim_step.remote() for a in self.actors], merged)
 
-    def compute_rewards(self, batches):
-        raise NotImplementedError("the plain torch backend hosts no reward model")
+    def save_state(self, path: str):
+        return Joined([a.save.remote(path) for a in self.actors])
 
-    def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
-        return ray.get(self.actors[0].state_dict.remote())
+    def load_state(self, path: str):
+        return Joined([a.load.remote(path) for a in self.actors])
+
+    def weights(self):
+        return Joined([self.actors[0].state_dict.remote()], lambda res: res[0])
+
+    def export(self, path: str, config_updates=None, ema=None):
+        if config_updates or ema:
+            raise NotImplementedError("the plain torch backend exports the weights as they are")
+        return Joined([a.export.remote(path) for a in self.actors])
 
     def weight_sync_address(self) -> tuple[str, int]:
         return ray.get(self.actors[0].master_address.remote())
@@ -222,15 +244,6 @@ class PlainGroup:
             a.broadcast_weights.remote(master_addr, master_port, world_size, backend, timeout_s)
             for a in self.actors
         ]
-
-    def save_checkpoint(self, path: str) -> None:
-        ray.get([a.save.remote(path) for a in self.actors])
-
-    def load_checkpoint(self, path: str) -> None:
-        ray.get([a.load.remote(path) for a in self.actors])
-
-    def export_hf(self, out_dir: str, *args, **kwargs) -> None:
-        ray.get([a.export.remote(out_dir) for a in self.actors])
 
     def sleep(self) -> None:
         pass

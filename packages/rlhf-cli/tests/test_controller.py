@@ -83,19 +83,22 @@ def test_repeated_nonfinite_steps_stop_the_run():
     cfg.train.max_nonfinite_steps = 2
     ctl = controller(cfg, 4)
 
-    class Group:
+    class Learner:
         def __init__(self, skipped):
             self.skipped = skipped
 
-        def train_policy_step(self, mbs, arg):
+        def forward_backward(self, mbs, loss, loss_cfg):
+            return {}
+
+        def optim_step(self):
             return {"skipped": float(self.skipped.pop(0))}
 
-    group = Group([1, 0, 1, 1])
-    ctl.policy.call(group, "train_policy_step", [], None, "policy")  # one skipped step is counted, not fatal
-    ctl.policy.call(group, "train_policy_step", [], None, "policy")  # a good step resets the count
-    ctl.policy.call(group, "train_policy_step", [], None, "policy")
+    learner = Learner([1, 0, 1, 1])
+    ctl.policy.train_step(learner, [], "policy", None, "policy")  # one skipped step is counted, not fatal
+    ctl.policy.train_step(learner, [], "policy", None, "policy")  # a good step resets the count
+    ctl.policy.train_step(learner, [], "policy", None, "policy")
     with pytest.raises(RLRunError, match="2 policy steps in a row had a non-finite loss"):
-        ctl.policy.call(group, "train_policy_step", [], None, "policy")
+        ctl.policy.train_step(learner, [], "policy", None, "policy")
 
 
 def test_client_state_round_trip():
@@ -140,26 +143,26 @@ class FakeRank:
         self.passes: list[list[int]] = []  # first prompt token of each row, per forward pass
         self.trained: list = []
 
-    def compute_logprobs(self, batches, temperature, with_entropy):
+    def forward(self, batches, temperature, head, teacher, loss_cfg):
+        if head == "values":
+            return [torch.zeros(len(b), b.num_response_positions) for b in batches]
         self.passes += [b.input_ids[:, 0].tolist() for b in batches]
         return [token_logprobs(b) for b in batches]
 
-    def compute_values(self, batches):
-        return [torch.zeros(len(b), b.num_response_positions) for b in batches]
+    def forward_backward(self, micro_batches, loss, loss_cfg, counts):
+        self.trained.append(micro_batches)
+        return self.optim_step()
 
-    def train_policy(self, micro_batches, cfg, counts):
+    def optim_step(self):
         from rlhf_train_deepspeed.strategy import StepResult
 
-        self.trained.append(micro_batches)
         return StepResult(0.0, False, 1.0, 0.0, {})
-
-    train_critic = train_policy
 
 
 def rank_group(ranks: list[FakeRank]):
     from rlhf_train_deepspeed.group import WorkerGroup
 
-    return WorkerGroup([handles.local(r) for r in ranks], "actor", None)
+    return WorkerGroup([handles.local(r) for r in ranks], "actor", SimpleNamespace(kind="causal"))
 
 
 def token_logprobs(b) -> torch.Tensor:
@@ -347,7 +350,7 @@ def test_weight_sync_gives_each_engine_its_ranks(monkeypatch, ranks, with_ray):
     actor = SimpleNamespace(
         weight_sync_address=lambda: ("10.0.0.1", 29500),
         broadcast_weights_to_engines_async=lambda *a: sends.append(a),
-        get_state_dict_for_engines=lambda: {"w": torch.ones(1)},
+        weights=lambda: {"w": torch.ones(1)},
     )
     cfg = config()
     cfg.vllm.sync_with_ray = with_ray
@@ -406,7 +409,7 @@ def test_a_dead_engine_is_replaced_with_the_current_weights_and_its_prompts_reru
         return made[-1]
 
     engines = [FakeRolloutActor(False, calls), FakeRolloutActor(True, calls)]
-    actor = SimpleNamespace(get_state_dict_for_engines=lambda: {"w": 7})
+    actor = SimpleNamespace(weights=lambda: {"w": 7})
     cfg = config(max_engine_restarts=budget)
     rollout = [handles.local(e) for e in engines]
     ctl = controller(cfg, 4, Groups(actor=actor, rollout=list(rollout), new_engine=new_engine))
@@ -571,10 +574,10 @@ class FakeTrainer:
     def push_weights_to_hosted(self, name):
         self.engine_weights = len(self.trained)
 
-    def save_checkpoint(self, path):
+    def save_state(self, path):
         torch.save(self.trained, path)
 
-    def load_checkpoint(self, path):
+    def load_state(self, path):
         self.trained = torch.load(path)
 
 
@@ -630,7 +633,7 @@ def async_run(tmp_path, ahead, max_steps, resume=None, stop_after=None):
     ctl.experience.make = lambda trajs, kl_coef: _Exp(trajs)
     if resume is not None:
         path = checkpoints.latest()
-        trainer.load_checkpoint(path / "actor")
+        trainer.load_state(path / "actor")
         ctl.sync.to_engines()
         ctl.load_client_state(checkpoints.load_client_state(path))
 

@@ -15,6 +15,8 @@ from rlhf_core.batches import (
     token_budget_micro_batches,
 )
 from rlhf_core.config import DSConfig, ModelConfig
+from rlhf_core.handles import wait
+from rlhf_train_deepspeed.testing import train_step
 from rlhf_train_deepspeed.worker import ModelSpec
 
 
@@ -188,12 +190,12 @@ def test_token_budget_step_equals_fixed_micro_batches(group, tiny_llama, stage, 
 
     ds = DSConfig(zero_stage=stage, param_dtype="fp32", packing_samples=packed)
     group.init_model(spec(tiny_llama), ds)
-    before = group.get_state_dict_for_engines()
+    before = wait(group.weights())
     # per-row [8, 9] old log-probs (the model's, moved so that ratios leave the clip range) and advantages
     lp = torch.cat(
         [
             torch.nn.functional.pad(x, (0, 9 - x.shape[1]))
-            for x in group.compute_logprobs([batch(c) for c in fixed])
+            for x in wait(group.forward([batch(c) for c in fixed]))
         ]
     )
     g = torch.Generator().manual_seed(1)
@@ -209,11 +211,11 @@ def test_token_budget_step_equals_fixed_micro_batches(group, tiny_llama, stage, 
         return out
 
     pcfg = PolicyStepConfig(loss="ppo", agg_mode=agg)
-    want = group.train_policy_step(micro_batches(fixed), pcfg)
-    want_weights = group.get_state_dict_for_engines()
+    want = train_step(group, micro_batches(fixed), "policy", pcfg)
+    want_weights = wait(group.weights())
     group.init_model(spec(tiny_llama), ds)
-    got = group.train_policy_step(micro_batches(budget), pcfg)
-    got_weights = group.get_state_dict_for_engines()
+    got = train_step(group, micro_batches(budget), "policy", pcfg)
+    got_weights = wait(group.weights())
 
     assert want["skipped"] == got["skipped"] == 0.0
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)

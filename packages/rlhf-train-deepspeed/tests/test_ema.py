@@ -11,8 +11,10 @@ from safetensors.torch import load_file
 
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig, RLConfig
+from rlhf_core.handles import wait
 from rlhf_train_deepspeed.backend import spec_for_role
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
+from rlhf_train_deepspeed.testing import train_step
 from rlhf_train_deepspeed.worker import ModelSpec, ema_update_
 
 BETA = 0.5  # large enough that every step visibly moves the average
@@ -99,23 +101,23 @@ def zero3_run(groups, model_path, micro_batches, tmp_path_factory) -> dict:
     not disturb the training that follows: the ZeRO-0 run it is compared with has neither."""
     group, tmp = groups[2], tmp_path_factory.mktemp("ema-run")
     group.init_model(spec(model_path, 2), zero(3))
-    raw = [group.get_state_dict_for_engines()]
+    raw = [wait(group.weights())]
     for step in (1, 2, 3):
-        assert group.train_policy_step(micro_batches, PPO)["skipped"] == 0.0
-        raw.append(group.get_state_dict_for_engines())
+        assert train_step(group, micro_batches, "policy", PPO)["skipped"] == 0.0
+        raw.append(wait(group.weights()))
         if step == 1:
-            group.export_hf(str(tmp / "mid-run"))
+            wait(group.export(str(tmp / "mid-run")))
         if step == 2:
-            group.save_checkpoint(str(tmp / "ckpt"))
+            wait(group.save_state(str(tmp / "ckpt")))
             group.sleep()  # the EMA goes to CPU memory and back (a no-op move on CPU ranks)
             group.wake_up()
-    group.export_hf(str(tmp / "ema"))  # the default with an EMA: the average
-    group.export_hf(str(tmp / "raw"), ema=False)
+    wait(group.export(str(tmp / "ema")))  # the default with an EMA: the average
+    wait(group.export(str(tmp / "raw"), ema=False))
     return {
         "raw": raw,
         "ema": exported(tmp / "ema"),
         "raw_export": exported(tmp / "raw"),
-        "engines_after": group.get_state_dict_for_engines(),
+        "engines_after": wait(group.weights()),
         "ckpt": tmp / "ckpt",
         "tmp": tmp,
     }
@@ -166,8 +168,8 @@ def test_zero3_on_two_ranks_matches_zero0_on_one(groups, model_path, micro_batch
     group = groups[1]
     group.init_model(spec(model_path, 4), zero(0))
     for _ in range(3):
-        group.train_policy_step(micro_batches, PPO)
-    group.export_hf(str(tmp_path / "ema"))
+        train_step(group, micro_batches, "policy", PPO)
+    wait(group.export(str(tmp_path / "ema")))
     assert_weights_close(exported(tmp_path / "ema"), zero3_run["ema"], atol=1e-5)
 
 
@@ -175,9 +177,9 @@ def test_zero3_on_two_ranks_matches_zero0_on_one(groups, model_path, micro_batch
 def test_a_resumed_run_continues_the_ema_exactly(groups, model_path, micro_batches, zero3_run, tmp_path):
     group = groups[2]
     group.init_model(spec(model_path, 2), zero(3))
-    group.load_checkpoint(str(zero3_run["ckpt"]))
-    group.train_policy_step(micro_batches, PPO)
-    group.export_hf(str(tmp_path / "resumed"))
+    wait(group.load_state(str(zero3_run["ckpt"])))
+    train_step(group, micro_batches, "policy", PPO)
+    wait(group.export(str(tmp_path / "resumed")))
     assert_weights_close(exported(tmp_path / "resumed"), zero3_run["ema"], atol=1e-6)
 
 
@@ -187,8 +189,8 @@ def test_a_checkpoint_without_ema_starts_it_from_the_loaded_weights(groups, mode
     shutil.copytree(zero3_run["ckpt"], ckpt, ignore=shutil.ignore_patterns("ema_rank*.pt"))
     group = groups[2]
     group.init_model(spec(model_path, 2), zero(3))
-    group.load_checkpoint(str(ckpt))
-    group.export_hf(str(tmp_path / "ema"))
+    wait(group.load_state(str(ckpt)))
+    wait(group.export(str(tmp_path / "ema")))
     ema, loaded = exported(tmp_path / "ema"), zero3_run["raw"][2]
     assert all(torch.equal(ema[n], loaded[n]) for n in loaded)
 
@@ -198,12 +200,12 @@ def test_a_checkpoint_without_ema_starts_it_from_the_loaded_weights(groups, mode
 def test_a_skipped_step_leaves_the_ema_unchanged(groups, model_path, micro_batches, stage, tmp_path):
     group = groups[2]
     group.init_model(spec(model_path, 2), zero(stage))
-    group.train_policy_step(micro_batches, PPO)  # the EMA now differs from the weights
-    group.export_hf(str(tmp_path / "before"))
+    train_step(group, micro_batches, "policy", PPO)  # the EMA now differs from the weights
+    wait(group.export(str(tmp_path / "before")))
     bad = list(micro_batches)
     nan = torch.full_like(bad[3].advantages, float("nan"))  # the last micro-batch of rank 1 only
     bad[3] = PolicyMicroBatch(bad[3].seq, bad[3].old_logprobs, nan)
-    assert group.train_policy_step(bad, PPO)["skipped"] == 1.0
-    group.export_hf(str(tmp_path / "after"))
+    assert train_step(group, bad, "policy", PPO)["skipped"] == 1.0
+    wait(group.export(str(tmp_path / "after")))
     before, after = exported(tmp_path / "before"), exported(tmp_path / "after")
     assert all(torch.equal(after[n], before[n]) for n in before), "a skipped step moved the EMA"

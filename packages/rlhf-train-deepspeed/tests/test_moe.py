@@ -130,7 +130,7 @@ def test_evaluation_after_a_checkpointed_step_adds_no_aux_loss(tiny_moe):
     worker = rank(tiny_moe, ModelConfig(aux_loss_coef=0.5), grad_ckpt=True)
     try:
         train(worker, 1)  # its backward recomputes the routers' forward
-        ((metrics, _, _),) = worker.eval_supervised(sequences(1), SFT)
+        ((metrics, _),) = worker.forward(sequences(1), head="sft", loss_cfg=SFT)
     finally:
         worker.close()
     assert "aux_loss" not in metrics and metrics["loss"] == pytest.approx(metrics["nll"])
@@ -155,7 +155,7 @@ def test_the_aux_loss_in_dpo_rm_and_the_policy_loss_with_lora(tiny_moe):
     seqs = sequences(2)
     worker = rank(tiny_moe, ActorConfig(aux_loss_coef=0.01), ds=ds)
     try:
-        old = worker.compute_logprobs(seqs)
+        old = worker.forward(seqs)
         mbs = [PolicyMicroBatch(s, lp, torch.ones_like(lp)) for s, lp in zip(seqs, old, strict=True)]
         counts = {"num_tokens": float(sum(b.response_mask().sum() for b in seqs)), "num_sequences": 4.0}
         worker.forward_backward(mbs, "policy", PolicyStepConfig(loss="ppo"), counts)
@@ -202,12 +202,12 @@ def test_weight_sync_export_and_exact_resume_of_a_moe_policy(tiny_moe, tmp_path,
     worker = rank(tiny_moe, optim, ds=ds)
     try:
         train(worker, 1)
-        worker.save_checkpoint(str(tmp_path / "ckpt"))
+        worker.save_state(str(tmp_path / "ckpt"))
         after_resume_point = train(worker, 2)
         trained = dict(weights.named_weights(worker._module()))  # LoRA merged, HF names
         engine = HFEngine(tiny_moe)
         engine.update_weights(weights.engine_weights(worker._module()))
-        worker.export_hf(str(tmp_path / "export"))
+        worker.export(str(tmp_path / "export"))
     finally:
         worker.close()
     # the engine's weights are the trainer's, experts included, under the same HF names
@@ -224,7 +224,7 @@ def test_weight_sync_export_and_exact_resume_of_a_moe_policy(tiny_moe, tmp_path,
         assert all(torch.equal(reloaded[n], t) for n, t in trained.items())
     resumed = rank(tiny_moe, ActorConfig(aux_loss_coef=0.01), ds=ds)
     try:
-        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        resumed.load_state(str(tmp_path / "ckpt"))
         assert train(resumed, 2) == after_resume_point
         assert all(torch.equal(t, trained[n]) for n, t in weights.named_weights(resumed._module()))
     finally:
@@ -246,7 +246,7 @@ def test_lora_on_the_experts_trains_them_alone_and_its_exported_adapter_merges_b
     try:
         train(worker, 2)
         trained = dict(weights.named_weights(worker._module()))  # merged, HF names
-        worker.export_hf(str(tmp_path / "adapter"))
+        worker.export(str(tmp_path / "adapter"))
     finally:
         worker.close()
     base = params(AutoModelForCausalLM.from_pretrained(tiny_moe))
@@ -310,7 +310,7 @@ def test_grpo_with_lora_on_the_experts_syncs_them_into_the_engine_and_exports_th
             advantages = (
                 (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
             ).view(-1)
-            (old,) = worker.compute_logprobs([batch])
+            (old,) = worker.forward([batch])
             mask = batch.response_mask().float()
             counts = {"num_tokens": float(mask.sum()), "num_sequences": float(len(batch))}
             mb = PolicyMicroBatch(batch, old, advantages[:, None] * mask)
@@ -333,7 +333,7 @@ def test_grpo_with_lora_on_the_experts_syncs_them_into_the_engine_and_exports_th
                 assert not torch.equal(got[name], base[name]), name  # the update arrived
             for name in got.keys() - set(weight_of.values()):
                 assert torch.equal(got[name], base[name]) and torch.equal(trained[name], base[name]), name
-        worker.export_hf(str(tmp_path / "adapter"))
+        worker.export(str(tmp_path / "adapter"))
     finally:
         worker.close()
     experts = {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")}
@@ -404,11 +404,11 @@ def test_router_replay_gives_the_engines_log_probs_with_the_engines_experts(tiny
     worker = rank(tiny_moe, ActorConfig(router_replay=True))
     try:
         used = used_experts(worker)
-        (lp,) = worker.compute_logprobs([batch])
+        (lp,) = worker.forward([batch])
         differ = [worker.model.routing.take()[1]["moe_experts_differ"]]
-        (forced_lp,) = worker.compute_logprobs([shifted(batch)])
+        (forced_lp,) = worker.forward([shifted(batch)])
         differ.append(worker.model.routing.take()[1]["moe_experts_differ"])
-        (own_lp,) = worker.compute_logprobs([dataclasses.replace(batch, routed_experts=None)])
+        (own_lp,) = worker.forward([dataclasses.replace(batch, routed_experts=None)])
     finally:
         worker.close()
     mask = batch.response_mask()
@@ -457,7 +457,7 @@ def test_router_replay_of_a_multi_turn_episode_is_aligned_with_its_tokens(tiny_m
     )
     worker = rank(tiny_moe, ActorConfig(router_replay=True))
     try:
-        (lp,) = worker.compute_logprobs([batch])
+        (lp,) = worker.forward([batch])
         assert worker.model.routing.take()[1]["moe_experts_differ"] == 0
     finally:
         worker.close()
@@ -475,7 +475,7 @@ def test_replayed_packed_forwards_and_checkpointed_gradients_equal_the_padded_pl
         ds = DSConfig(zero_stage=0, param_dtype="fp32", packing_samples=packing)
         worker = rank(tiny_moe, ActorConfig(router_replay=True), ds=ds, grad_ckpt=ckpt)
         try:
-            (lp,) = worker.compute_logprobs([forced])
+            (lp,) = worker.forward([forced])
             worker.forward_backward([mb], "policy", PolicyStepConfig(loss="ppo"), counts)
             grads = {n: p.grad.clone() for n, p in worker._module().named_parameters() if p.grad is not None}
             results[name] = lp, grads

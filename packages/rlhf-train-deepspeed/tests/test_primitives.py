@@ -1,7 +1,7 @@
-"""The rank's learner primitives: ``forward_backward`` with a registered loss, then ``optim_step``, give bitwise
-the losses, metrics, gradient norms, learning rates, weights and EMA of the built-in steps (``train_policy``,
-``train_supervised``), over several steps and a skipped non-finite one; one rank in this process, no Ray. The
-driver's side, ``WorkerGroup`` as a ``rlhf_core.primitives.Learner``, is tested at the end."""
+"""The rank's learner primitives: ``forward_backward`` with a registered loss, then ``optim_step`` (the one way
+the built-in loops train), over several steps and a skipped non-finite one, and ``forward`` evaluating a loss;
+one rank in this process, no Ray. The driver's side, ``WorkerGroup`` as a ``rlhf_core.primitives.Learner``, is
+tested at the end against the same calls made by hand on its ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
 from rlhf_core.handles import wait
-from rlhf_train_deepspeed.group import create_worker_group
+from rlhf_train_deepspeed.group import create_worker_group, merge_steps, policy_counts
 from rlhf_train_deepspeed.losses import LOSSES, SupervisedConfigLite
 from rlhf_train_deepspeed.supervised_data import PairExample, collate, step_counts
 from rlhf_train_deepspeed.worker import ModelSpec, TrainWorker
@@ -54,9 +54,9 @@ def result(r) -> dict:
 
 
 def state(worker: TrainWorker) -> dict[str, torch.Tensor]:
-    out = {n: p.detach().clone() for n, p in worker._module().named_parameters()}
+    """The weights (gathered under ZeRO-3) and the EMA shards."""
     ema = worker.model.ema
-    return out | {f"ema.{i}": e.clone() for i, e in enumerate(ema.shards if ema else [])}
+    return worker.weights() | {f"ema.{i}": e.clone() for i, e in enumerate(ema.shards if ema else [])}
 
 
 def assert_bitwise(a: dict, b: dict) -> None:
@@ -73,41 +73,33 @@ def assert_same_results(a: list, b: list) -> None:
 
 
 @pytest.mark.parametrize("stage,dtype", SETTINGS, ids=[f"zero{s}-{d}" for s, d in SETTINGS])
-def test_policy_steps_through_the_primitives_equal_train_policy(tiny_llama, stage, dtype):
+def test_policy_steps_through_the_primitives(tiny_llama, stage, dtype):
     seqs = sequences()
     counts = {"num_tokens": float(sum(b.response_mask().sum() for b in seqs)), "num_sequences": 8.0}
     cfg = PolicyStepConfig(loss="ppo", entropy_coef=0.01, kl_coef=0.05)
-    runs = {}
-    for primitives in (False, True):
-        worker = rank(tiny_llama, stage, dtype, ema_beta=0.9, ref_path=tiny_llama)
-        try:
-            old, ref = worker.compute_logprobs(seqs), worker.compute_logprobs(seqs, ref=True)
-            g = torch.Generator().manual_seed(1)
-            adv = [torch.randn(lp.shape, generator=g) for lp in old]
-            good = [
-                PolicyMicroBatch(s, *x, ref_logprobs=r) for s, *x, r in zip(seqs, old, adv, ref, strict=True)
-            ]
-            bad = good[:2] + [dataclasses.replace(good[2], advantages=torch.full_like(adv[2], float("nan")))]
-            results, parts = [], []
-            for mbs in (good, good, bad + good[3:], good):  # the third step is skipped
-                if primitives:
-                    parts.append(result(worker.forward_backward(mbs, "policy", cfg, counts)))
-                    results.append(result(worker.optim_step()))
-                else:
-                    results.append(result(worker.train_policy(mbs, cfg, counts)))
-            runs[primitives] = results, state(worker), parts
-        finally:
-            worker.close()
-    (want, want_state, _), (got, got_state, parts) = runs[False], runs[True]
-    assert [r["skipped"] for r in got] == [False, False, True, False]
-    assert_same_results(want, got)
-    assert_bitwise(want_state, got_state)
+    worker = rank(tiny_llama, stage, dtype, ema_beta=0.9, ref_path=tiny_llama)
+    try:
+        old, ref = worker.forward(seqs), worker.forward(seqs, head="ref")
+        g = torch.Generator().manual_seed(1)
+        adv = [torch.randn(lp.shape, generator=g) for lp in old]
+        good = [PolicyMicroBatch(s, *x, ref_logprobs=r) for s, *x, r in zip(seqs, old, adv, ref, strict=True)]
+        bad = good[:2] + [dataclasses.replace(good[2], advantages=torch.full_like(adv[2], float("nan")))]
+        steps, parts, states = [], [], [state(worker)]
+        for mbs in (good, good, bad + good[3:], good):  # the third step is skipped
+            parts.append(result(worker.forward_backward(mbs, "policy", cfg, counts)))
+            steps.append(result(worker.optim_step()))
+            states.append(state(worker))
+    finally:
+        worker.close()
+    assert [r["skipped"] for r in steps] == [False, False, True, False]
     # forward_backward's part is the step's, but for the gradient norm that only the optimizer step knows
-    assert_same_results(parts, [r | {"grad_norm": None} for r in got])
+    assert_same_results(parts, [r | {"grad_norm": None} for r in steps])
+    assert_bitwise(states[2], states[3])  # the skipped step leaves weights and EMA as they were
+    assert not torch.equal(states[3]["model.embed_tokens.weight"], states[4]["model.embed_tokens.weight"])
 
 
 @pytest.mark.parametrize("stage,dtype", SETTINGS[::2], ids=[f"zero{s}-{d}" for s, d in SETTINGS[::2]])
-def test_dpo_steps_through_the_primitives_equal_train_supervised(tiny_llama, stage, dtype):
+def test_dpo_steps_and_evaluation_through_the_primitives(tiny_llama, stage, dtype):
     g = torch.Generator().manual_seed(2)
     batches = [
         [
@@ -117,23 +109,18 @@ def test_dpo_steps_through_the_primitives_equal_train_supervised(tiny_llama, sta
         for _ in range(3)
     ]
     cfg = SupervisedConfigLite("dpo", nll_loss_coef=0.2)
-    runs = {}
-    for primitives in (False, True):
-        worker = rank(tiny_llama, stage, dtype, ref_path=tiny_llama)
-        try:
-            results = []
-            for mbs in batches:
-                if primitives:
-                    worker.forward_backward(mbs, "dpo", cfg, step_counts("dpo", mbs))
-                    results.append(result(worker.optim_step()))
-                else:
-                    results.append(result(worker.train_supervised(mbs, cfg, step_counts("dpo", mbs))))
-            results.append(worker.eval_supervised(batches[0], cfg))
-            runs[primitives] = results, state(worker)
-        finally:
-            worker.close()
-    assert_same_results(runs[False][0], runs[True][0])
-    assert_bitwise(runs[False][1], runs[True][1])
+    worker = rank(tiny_llama, stage, dtype, ref_path=tiny_llama)
+    try:
+        first = worker.forward(batches[0], head="dpo", loss_cfg=cfg)
+        for mbs in batches:
+            part = result(worker.forward_backward(mbs, "dpo", cfg, step_counts("dpo", mbs)))
+            assert_same_results([part], [result(worker.optim_step()) | {"grad_norm": None}])
+        after = worker.forward(batches[0], head="dpo", loss_cfg=cfg)
+    finally:
+        worker.close()
+    # evaluation: each micro-batch's mean loss and metrics, weighted by its pairs; training lowered the loss
+    assert [w for _, w in first] == [2.0] * 4 and {"loss", "nll"} <= first[0][0].keys()
+    assert sum(m["loss"] for m, _ in after) < sum(m["loss"] for m, _ in first)
 
 
 def test_the_primitives_refuse_an_unknown_loss_and_a_step_without_gradients(tiny_llama):
@@ -152,14 +139,14 @@ def test_the_primitives_refuse_an_unknown_loss_and_a_step_without_gradients(tiny
 
 
 @pytest.mark.xdist_group("ray")
-def test_a_two_rank_group_steps_through_the_primitives_as_train_policy_step(reused_groups, tiny_llama):
+def test_a_two_rank_group_steps_through_the_primitives_as_its_ranks_do(reused_groups, tiny_llama):
     """Micro-batches shared out over the ranks, global counts taken from them, the ranks' results merged: the
-    metrics and weights of ``train_policy_step``, bitwise, over two steps and a skipped one."""
+    metrics and weights of the same steps made by hand on each rank, bitwise, over two steps and a skipped one."""
     seqs, cfg = sequences(), PolicyStepConfig(loss="ppo", entropy_coef=0.01)
     runs = {}
     for primitives in (False, True):
         group = reused_groups[2]("actor", spec(tiny_llama), DSConfig(zero_stage=2, param_dtype="fp32"), 2, 3)
-        old = wait(group.forward(seqs)) if primitives else group.compute_logprobs(seqs)
+        old = wait(group.forward(seqs)) if primitives else wait([a.forward(seqs) for a in group.actors])[0]
         g = torch.Generator().manual_seed(1)
         good = [PolicyMicroBatch(s, lp, torch.randn(lp.shape, generator=g)) for s, lp in zip(seqs, old)]
         bad = good[:3] + [dataclasses.replace(good[3], advantages=good[3].advantages * float("nan"))]
@@ -169,13 +156,19 @@ def test_a_two_rank_group_steps_through_the_primitives_as_train_policy_step(reus
                 wait(group.forward_backward(mbs, "policy", cfg))
                 results.append(wait(group.optim_step()))
             else:
-                results.append(group.train_policy_step(mbs, cfg))
+                counts = policy_counts(mbs)
+                wait(
+                    [
+                        a.forward_backward(mbs[2 * r : 2 * r + 2], "policy", cfg, counts)
+                        for r, a in enumerate(group.actors)
+                    ]
+                )
+                results.append(merge_steps(wait([a.optim_step() for a in group.actors])))
         runs[primitives] = old, results, wait(group.weights())
-    assert [r["skipped"] for r in runs[True][1]] == [0.0, 1.0, 0.0] and runs[True][1][-1][
-        "nonfinite_steps"
-    ] == 1
+    got = runs[True][1]
+    assert [r["skipped"] for r in got] == [0.0, 1.0, 0.0] and got[-1]["nonfinite_steps"] == 1
     assert all(torch.equal(a, b) for a, b in zip(runs[False][0], runs[True][0], strict=True))
-    assert_same_results(runs[False][1], runs[True][1])
+    assert_same_results(runs[False][1], [{k: v for k, v in r.items() if k != "nonfinite_steps"} for r in got])
     assert_bitwise(runs[False][2], runs[True][2])
 
 

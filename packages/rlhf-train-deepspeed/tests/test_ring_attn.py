@@ -13,6 +13,7 @@ import torch
 from rlhf_algos.sft import sft_loss
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
+from rlhf_core.handles import wait
 from rlhf_core.types import LossAggregation
 from rlhf_train_deepspeed import ring_attn
 from rlhf_train_deepspeed.models import (
@@ -25,6 +26,7 @@ from rlhf_train_deepspeed.models import (
     sequence_rewards,
 )
 from rlhf_train_deepspeed.strategy import ConfigError, check_features
+from rlhf_train_deepspeed.testing import train_step
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 
 # Sequence lengths 7 + 5 + 5 = 17 tokens: not a multiple of 2 (nor of 4), so the ring pads.
@@ -216,7 +218,7 @@ def assert_same_weights(a, b, grad_norm: float):
     at most GRAD_ERROR_UNITS roundings of the largest entry (at most the clipped norm), times lr / eps, plus
     a few roundings of the weights (at most about 1 in size)."""
     atol = LR / ADAM_EPS * GRAD_ERROR_UNITS * FP32_UNIT * min(grad_norm, MAX_NORM) + 8 * FP32_UNIT
-    wa, wb = a.get_state_dict_for_engines(), b.get_state_dict_for_engines()
+    wa, wb = wait(a.weights()), wait(b.weights())
     assert set(wa) == set(wb)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
@@ -228,8 +230,8 @@ def test_two_ring_ranks_match_one_plain_rank_for_logprobs_and_a_policy_step(grou
     ring, plain = groups
     assert ring.dp_size == 1
     seqs = [packed_batch(), packed_batch(shift=20)]
-    got = ring.compute_logprobs(seqs, temperature=0.8, with_entropy=True)
-    want = plain.compute_logprobs(seqs, temperature=0.8, with_entropy=True)
+    got = wait(ring.forward(seqs, temperature=0.8, head="entropy"))
+    want = wait(plain.forward(seqs, temperature=0.8, head="entropy"))
     assert len(got) == 2
     for (lp, ent), (lp0, ent0) in zip(got, want, strict=True):
         torch.testing.assert_close(lp, lp0, atol=1e-5, rtol=0)
@@ -243,7 +245,7 @@ def test_two_ring_ranks_match_one_plain_rank_for_logprobs_and_a_policy_step(grou
         for s, (lp, _) in zip(seqs, want, strict=True)
     ]
     cfg = PolicyStepConfig(loss="ppo", temperature=0.8, entropy_coef=0.01)
-    m_ring, m_plain = ring.train_policy_step(mbs, cfg), plain.train_policy_step(mbs, cfg)
+    m_ring, m_plain = train_step(ring, mbs, "policy", cfg), train_step(plain, mbs, "policy", cfg)
     assert_same_step(m_ring, m_plain)
     assert m_ring["entropy"] == pytest.approx(m_plain["entropy"], abs=1e-5)
     assert_same_weights(ring, plain, m_plain["grad_norm"])
@@ -258,18 +260,18 @@ def test_two_ring_ranks_match_one_plain_rank_for_an_sft_step_and_a_critic_step(g
     plain.init_model(spec(tiny_llama), PLAIN)
     mbs = [packed_batch(), packed_batch(shift=20)]
     counts = {"num_tokens": float(sum(b.response_mask().sum() for b in mbs)), "num_sequences": 6.0}
-    m_ring = ring.train_supervised_step(mbs, SupervisedConfigLite("sft"), counts)
-    m_plain = plain.train_supervised_step(mbs, SupervisedConfigLite("sft"), counts)
+    m_ring = train_step(ring, mbs, "sft", SupervisedConfigLite("sft"), counts)
+    m_plain = train_step(plain, mbs, "sft", SupervisedConfigLite("sft"), counts)
     assert_same_step(m_ring, m_plain)
     assert_same_weights(ring, plain, m_plain["grad_norm"])
     # a critic: values gathered over the ring, then one value-loss step
     for group, ds in ((ring, RING), (plain, PLAIN)):
         group.init_model(spec(tiny_llama, "value"), ds)
-    values = ring.compute_values(mbs)
-    for v, v0 in zip(values, plain.compute_values(mbs), strict=True):
+    values = wait(ring.forward(mbs, head="values"))
+    for v, v0 in zip(values, wait(plain.forward(mbs, head="values")), strict=True):
         torch.testing.assert_close(v, v0, atol=1e-5, rtol=0)
     cmbs = [CriticMicroBatch(b, v, v + 0.3 * b.response_mask()) for b, v in zip(mbs, values, strict=True)]
-    m_ring, m_plain = ring.train_critic_step(cmbs), plain.train_critic_step(cmbs)
+    m_ring, m_plain = train_step(ring, cmbs, "value", 0.5), train_step(plain, cmbs, "value", 0.5)
     assert_same_step(m_ring, m_plain)
     assert_same_weights(ring, plain, m_plain["grad_norm"])
 
@@ -293,13 +295,13 @@ def test_ring_flash_attn_matches_unsliced_flash_attn_on_two_gpus(ray_cluster, ti
         "ref", s, DSConfig(param_dtype="bf16", packing_samples=True, ring_attn_size=2), 2
     )
     try:
-        got = ring.compute_logprobs([packed_batch()])[0]
+        got = wait(ring.forward([packed_batch()]))[0]
     finally:
         ring.shutdown()
     flash = DSConfig(param_dtype="bf16", packing_samples=True, attn_implementation="flash_attention_2")
     plain = create_worker_group("ref", s, flash, 1)
     try:
-        want = plain.compute_logprobs([packed_batch()])[0]
+        want = wait(plain.forward([packed_batch()]))[0]
     finally:
         plain.shutdown()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=0)

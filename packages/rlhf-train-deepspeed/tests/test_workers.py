@@ -12,7 +12,9 @@ import torch
 
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, make_sequence_batch
 from rlhf_core.config import DSConfig, ModelConfig
+from rlhf_core.handles import wait
 from rlhf_train_deepspeed.models import load_causal_lm, response_logprobs
+from rlhf_train_deepspeed.testing import train_step
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWorker
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
@@ -192,10 +194,10 @@ def test_one_step_matches_plain_torch(groups, tiny_llama, ranks, stage, grad_ckp
     group = groups[ranks]
     ds = DSConfig(zero_stage=stage, param_dtype="fp32", adam_offload=offload)  # offload: DeepSpeedCPUAdam
     group.init_model(spec(tiny_llama, 4 // ranks, grad_ckpt=grad_ckpt), ds)
-    metrics = group.train_supervised_step(mbs, SFT, counts(mbs))
+    metrics = train_step(group, mbs, "sft", SFT, counts(mbs))
     assert metrics["loss"] == pytest.approx(ref.loss, abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(ref.grad_norm, rel=1e-5)
-    weights = group.get_state_dict_for_engines()
+    weights = wait(group.weights())
     assert set(weights) == set(ref.after)
     for name, w in weights.items():
         assert w.shape == ref.after[name].shape, name
@@ -214,21 +216,21 @@ def test_a_non_finite_loss_skips_the_step_on_every_rank(groups, tiny_llama, stag
     group = groups[2]
     group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=stage, param_dtype="fp32"))
     seqs = global_batch()
-    old = group.compute_logprobs(seqs)
+    old = wait(group.forward(seqs))
     mbs = [PolicyMicroBatch(s, lp, torch.ones_like(lp)) for s, lp in zip(seqs, old, strict=True)]
-    before = group.get_state_dict_for_engines()
+    before = wait(group.weights())
     # the second micro-batch of rank 1 only: earlier micro-batches already accumulated gradients
     mbs[3] = PolicyMicroBatch(seqs[3], old[3], torch.full_like(old[3], float("nan")))
-    metrics = group.train_policy_step(mbs, PolicyStepConfig(loss="ppo"))
+    metrics = train_step(group, mbs, "policy", PolicyStepConfig(loss="ppo"))
     assert metrics["skipped"] == 1.0 and metrics["nonfinite_steps"] == 1.0
-    after = group.get_state_dict_for_engines()
+    after = wait(group.weights())
     assert all(torch.equal(after[k], before[k]) for k in before), "a skipped step changed parameters"
     # a good step afterwards trains normally
     mbs[3] = PolicyMicroBatch(seqs[3], old[3], torch.ones_like(old[3]))
-    metrics = group.train_policy_step(mbs, PolicyStepConfig(loss="ppo"))
+    metrics = train_step(group, mbs, "policy", PolicyStepConfig(loss="ppo"))
     assert metrics["skipped"] == 0.0 and metrics["nonfinite_steps"] == 1.0
     assert metrics["loss"] == pytest.approx(-1.0, abs=1e-5)  # ratio 1, advantage 1: -mean(1)
-    changed = group.get_state_dict_for_engines()
+    changed = wait(group.weights())
     assert any(not torch.equal(changed[k], before[k]) for k in before)
 
 
@@ -236,7 +238,7 @@ def test_forward_calls_match_in_process_models(groups, tiny_llama, tmp_path):
     group = groups[2]
     group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="fp32", packing_samples=True))
     seqs = global_batch()[:3]  # 3 micro-batches over 2 ranks: one rank gets a padding copy
-    got = group.compute_logprobs(seqs, temperature=0.8, with_entropy=True)
+    got = wait(group.forward(seqs, temperature=0.8, head="entropy"))
     model = load_causal_lm(tiny_llama, torch.float32).eval()
     assert len(got) == 3
     for b, (lp, ent) in zip(seqs, got, strict=True):
@@ -245,7 +247,7 @@ def test_forward_calls_match_in_process_models(groups, tiny_llama, tmp_path):
         torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
         torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
     # HF export of the ZeRO-3 model loads with AutoModelForCausalLM and gives the same log-probs
-    group.export_hf(str(tmp_path / "hf"))
+    wait(group.export(str(tmp_path / "hf")))
     exported = load_causal_lm(str(tmp_path / "hf"), torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(
@@ -257,11 +259,11 @@ def test_bf16_on_cpu_trains_close_to_fp32(groups, tiny_llama):
     mbs = global_batch()
     group = groups[2]
     group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="bf16"))
-    bf16 = group.train_supervised_step(mbs, SFT, counts(mbs))
+    bf16 = train_step(group, mbs, "sft", SFT, counts(mbs))
     ref_loss = reference_step(tiny_llama, mbs).loss
     assert bf16["skipped"] == 0.0
     assert bf16["loss"] == pytest.approx(ref_loss, rel=2e-2)
-    weights = group.get_state_dict_for_engines()
+    weights = wait(group.weights())
     assert next(iter(weights.values())).dtype == torch.bfloat16
 
 
@@ -276,15 +278,15 @@ def test_critic_and_reward_groups(reused_groups, tiny_llama):
     # the directory's 1-rank group with a value model loaded (init_model seeds with 42 first, as a new group
     # would): the role name only labels a group's errors, so this saves starting a rank
     critic = reused_groups[1]("critic", critic_spec, DSConfig(zero_stage=2, param_dtype="fp32"), 1, 42)
-    values = critic.compute_values(seqs)
+    values = wait(critic.forward(seqs, head="values"))
     torch.manual_seed(42)  # the worker seeds before loading: the fresh head is initialised alike
     model = load_value_model(tiny_llama, torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(values[0], response_values(model, seqs[0])[0], atol=1e-5, rtol=0)
     mbs = [CriticMicroBatch(b, v, v + 1.0) for b, v in zip(seqs, values, strict=True)]
-    metrics = critic.train_critic_step(mbs, value_clip=0.5)
+    metrics = train_step(critic, mbs, "value", 0.5)
     assert metrics["loss"] == pytest.approx(0.5, abs=1e-5)  # 0.5 * (V - (V + 1))^2 before the update
-    rewards = critic.compute_rewards(seqs)
+    rewards = wait(critic.forward(seqs, head="rewards"))
     assert rewards[0].shape == (2,)
     with torch.no_grad():
         assert not torch.allclose(rewards[0], sequence_rewards(model, seqs[0]))  # it trained
@@ -295,14 +297,13 @@ def test_weights_reach_an_engine_through_the_sync_group(groups, tiny_llama):
 
     group = groups[2]
     group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="fp32"))
-    want = group.get_state_dict_for_engines()
+    want = wait(group.weights())
     addr, port = group.weight_sync_address()
     refs = group.broadcast_weights_to_engines_async(addr, port, world_size=2, timeout_s=60)
     engine_side = init_sync_group(
         addr, port, rank=1, world_size=2, timeout_s=60
     )  # this test plays the engine
     got = dict(engine_side.receive())
-    from rlhf_core.handles import wait
 
     assert wait(refs)[0] == len(want)
     assert set(got) == set(want)
@@ -322,11 +323,11 @@ def test_a_frozen_vision_tower_is_not_sent_to_the_engines_and_a_trained_one_is(g
     assert visual and visual != names
     group, ds = groups[1], DSConfig(zero_stage=3, param_dtype="fp32")
     group.init_model(spec(vlm, 4, freeze_vision=True), ds)
-    frozen = group.get_state_dict_for_engines()
+    frozen = wait(group.weights())
     assert set(frozen) == names - visual
     assert all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
     group.init_model(spec(vlm, 4), ds)
-    assert set(group.get_state_dict_for_engines()) == names
+    assert set(wait(group.weights())) == names
 
 
 def test_an_engine_hosted_in_each_rank_gets_its_weights_in_process(groups, tiny_llama):
@@ -340,16 +341,15 @@ def test_an_engine_hosted_in_each_rank_gets_its_weights_in_process(groups, tiny_
     group.init_model(spec(tiny_llama, 2), DSConfig(zero_stage=3, param_dtype="fp32"))
     engines = group.host("engine", HFEngine, [(tiny_llama,), (tiny_llama,)])
     mbs = global_batch()
-    group.train_supervised_step(mbs, SFT, counts(mbs))
+    train_step(group, mbs, "sft", SFT, counts(mbs))
     prompt = [5, 9, 13, 7]
     request = GenerationRequest(prompt, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
 
     def gaps() -> list[float]:
-        from rlhf_core.handles import wait
 
         outs = [o for out in wait([e.generate([request]) for e in engines]) for o in out[0]]
         batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
-        (trainer,) = group.compute_logprobs([batch])
+        (trainer,) = wait(group.forward([batch]))
         return [
             float((trainer[i, : len(o.logprobs)] - torch.tensor(o.logprobs)).abs().max())
             for i, o in enumerate(outs)
@@ -367,9 +367,9 @@ def test_a_reference_model_hosted_in_the_policy_ranks_stays_frozen(groups, tiny_
     group = groups[2]
     group.init_model(spec(tiny_llama, 2, ref_path=tiny_llama), DSConfig(zero_stage=3, param_dtype="fp32"))
     mbs = global_batch()
-    group.train_supervised_step(mbs, SFT, counts(mbs))
+    train_step(group, mbs, "sft", SFT, counts(mbs))
     seqs = mbs[:3]  # 3 micro-batches over 2 ranks: one rank gets a padding copy
-    ref, policy = group.hosted_ref().compute_logprobs(seqs, 0.8), group.compute_logprobs(seqs, 0.8)
+    ref, policy = wait(group.hosted_ref().forward(seqs, 0.8)), wait(group.forward(seqs, 0.8))
     model = load_causal_lm(tiny_llama, torch.float32).eval()
     for b, got, moved in zip(seqs, ref, policy, strict=True):
         with torch.no_grad():
@@ -380,8 +380,6 @@ def test_a_reference_model_hosted_in_the_policy_ranks_stays_frozen(groups, tiny_
 
 def test_experts_implementation_reaches_the_trained_and_reference_moe_models(groups, tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from rlhf_core.handles import wait
 
     torch.manual_seed(0)
     moe = Qwen3MoeForCausalLM(
@@ -499,7 +497,7 @@ def test_a_closed_rank_leaves_no_process_group_and_warns_of_nothing(tiny_llama, 
     try:
         assert dist.is_initialized()
         mbs = global_batch()
-        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+        assert not train_step(worker, mbs, "sft", SFT, counts(mbs)).skipped
     finally:
         worker.close()
     assert not dist.is_initialized()
@@ -532,7 +530,7 @@ def test_a_hosted_engine_decodes_from_the_trainers_tensors_with_the_numbers_of_i
 
         before = samples(hosted)
         mbs = global_batch()
-        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+        assert not train_step(worker, mbs, "sft", SFT, counts(mbs)).skipped
         assert worker.push_weights_to_hosted("engine") == 0  # nothing copied
         owned.update_weights(dict(worker.named_weights()))
         after = samples(hosted)
@@ -544,7 +542,7 @@ def test_a_hosted_engine_decodes_from_the_trainers_tensors_with_the_numbers_of_i
     worker = inline_rank(tiny_llama)  # the same step through DeepSpeed's all-reduce
     try:
         worker.engine.enable_backward_allreduce = True
-        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+        assert not train_step(worker, mbs, "sft", SFT, counts(mbs)).skipped
         for n, p in worker._module().named_parameters():
             assert torch.equal(p, stepped[n]), n
     finally:
@@ -571,7 +569,7 @@ def test_a_tied_policy_adds_its_embeddings_gradient_into_grad_with_the_same_step
                 del embedding.forward, embedding.accumulates_into_grad
             before = {n: p.detach().clone() for n, p in worker._module().named_parameters()}
             mbs = global_batch()
-            assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+            assert not train_step(worker, mbs, "sft", SFT, counts(mbs)).skipped
             stepped[direct] = {n: p.detach().clone() for n, p in worker._module().named_parameters()}
         finally:
             worker.close()
@@ -620,15 +618,15 @@ def test_the_reference_models_file_pages_leave_the_rank_after_its_forward(tiny_l
         )
         weight = worker.ref_engine.module.get_input_embeddings().weight
         seqs = global_batch()[:2]
-        first = worker.compute_logprobs(seqs, ref=True)
+        first = worker.forward(seqs, head="ref")
         assert resident_kib(weight.data_ptr()) == 0
-        for a, b in zip(first, worker.compute_logprobs(seqs, ref=True), strict=True):
+        for a, b in zip(first, worker.forward(seqs, head="ref"), strict=True):
             assert torch.equal(a, b)
         assert len(heap_releases) == 2
         policy = worker._module().get_input_embeddings().weight
-        worker.compute_logprobs(seqs)  # the policy's own weights stay where they are
+        worker.forward(seqs)  # the policy's own weights stay where they are
         assert resident_kib(policy.data_ptr()) > 0 and len(heap_releases) == 2
-        worker.export_hf(str(tmp_path / "export"))
+        worker.export(str(tmp_path / "export"))
         assert len(heap_releases) == 3
     finally:
         worker.close()
@@ -648,10 +646,10 @@ def test_a_cpu_training_forward_hands_back_the_heaps_free_pages_before_the_head(
     try:
         worker._module().model.layers[-1].register_forward_hook(lambda *a: events.append("layers"))
         mbs = global_batch()
-        worker.compute_logprobs(mbs)
+        worker.forward(mbs)
         assert events == ["layers", "head"] * len(mbs)
         events.clear()
-        assert not worker.train_supervised(mbs, SFT, counts(mbs)).skipped
+        assert not train_step(worker, mbs, "sft", SFT, counts(mbs)).skipped
         assert events == ["layers", "release", "head"] * len(mbs)
     finally:
         worker.close()
@@ -669,7 +667,6 @@ def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained
 
     from rlhf_cli.lora_merge import merge_lora
     from rlhf_core.config import LoraConfig
-    from rlhf_core.handles import wait
     from rlhf_core.rollout.hf_engine import HFEngine
     from rlhf_core.testing.engines import forward_logprobs
     from rlhf_core.types import GenerationRequest, SamplingParams
@@ -689,15 +686,15 @@ def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained
     request = GenerationRequest(prompt, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
     mbs = global_batch()
     for _ in range(2):
-        group.train_supervised_step(mbs, SFT, counts(mbs))
+        train_step(group, mbs, "sft", SFT, counts(mbs))
         group.push_weights_to_hosted("engine")
-        sent = group.get_state_dict_for_engines()
+        sent = wait(group.weights())
         assert all(n.endswith((".lora_A", ".lora_B")) for n in sent) and len(sent) == 2 * 3 * 2
         assert sum(t.numel() * t.element_size() for t in sent.values()) == adapter_bytes < base_bytes / 10
         engine.update_weights(sent)
         outs = engine.generate([request])[0] + [o for e in hosted for o in wait(e.generate([request]))[0]]
         batch = make_sequence_batch([prompt] * len(outs), [o.token_ids for o in outs], pad_token_id=0)
-        (trainer,) = group.compute_logprobs([batch])
+        (trainer,) = wait(group.forward([batch]))
         for i, o in enumerate(outs):
             torch.testing.assert_close(
                 trainer[i, : len(o.logprobs)], torch.tensor(o.logprobs), atol=1e-5, rtol=0
@@ -707,7 +704,7 @@ def test_a_lora_policy_syncs_only_its_adapters_and_the_engines_serve_the_trained
         max(abs(a - b) for a, b in zip(out.logprobs, forward_logprobs(base, prompt, out.token_ids, 1.0)))
         > 1e-3
     )
-    group.export_hf(str(tmp_path / "adapter"))
+    wait(group.export(str(tmp_path / "adapter")))
     merged = AutoModelForCausalLM.from_pretrained(
         merge_lora(tiny_llama, str(tmp_path / "adapter"), str(tmp_path / "merged")), dtype=torch.float32
     ).eval()

@@ -162,4 +162,6 @@ class RewardModelWorkers:
         # the reward is read at the last token, so where the prompt ends does not matter
         chunks = [sequences[i : i + self.micro] for i in range(0, len(sequences), self.micro)]
         batches = [make_sequence_batch([s[:1] for s in c], [s[1:] for s in c], self.pad) for c in chunks]
-        return [float(r) for rewards in self.group.compute_rewards(batches) for r in rewards]
+        return [
+            float(r) for rewards in handles.wait(self.group.forward(batches, head="rewards")) for r in rewards
+        ]

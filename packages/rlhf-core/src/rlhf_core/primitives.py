@@ -6,20 +6,34 @@ the objects live (this process, training ranks, Ray actors) was decided when the
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlhf_core.handles import Future
-from rlhf_core.types import GenerationRequest
+
+if TYPE_CHECKING:  # rlhf_core.types builds its TrainGroup on Learner
+    import torch
+
+    from rlhf_core.types import GenerationRequest
 
 
 class Learner(Protocol):
     """One trained model (its data-parallel ranks): the policy, or a critic."""
 
-    def forward(self, batches: list, temperature: float = 1.0) -> Future:
-        """``list[Tensor]``: per ``rlhf_core.batches.SequenceBatch``, the ``[B, T]`` response log-probs under
-        ``softmax(logits / temperature)`` (a critic: the values of the state before each response token)."""
+    def forward(
+        self,
+        batches: list,
+        temperature: float = 1.0,
+        head: str | None = None,
+        teacher: int = 0,
+        loss_cfg: Any = None,
+    ) -> Future:
+        """A list, one entry per micro-batch, computed without gradients. ``head``: ``logprobs`` (a policy's
+        default) the ``[B, T]`` response log-probs of each ``rlhf_core.batches.SequenceBatch`` under
+        ``softmax(logits / temperature)``, zero past each row's end (``teacher`` i > 0: multi-teacher OPD's
+        teacher i); ``values`` (a critic's default) the ``[B, T]`` values of the state before each response
+        token; ``rewards`` a reward model's ``[B]`` rewards, read at each row's last token; or the name of a
+        registered loss, evaluated with ``loss_cfg``: ``(metrics, weight)``, the metrics with the micro-batch's
+        mean ``loss``. A backend may offer more heads (the ``deepspeed`` one: ``entropy``, ``ref``)."""
 
     def forward_backward(
         self, micro_batches: list, loss: str, loss_cfg: Any, counts: dict[str, float] | None = None
@@ -42,8 +56,9 @@ class Learner(Protocol):
     def weights(self) -> Future:
         """``dict[str, Tensor]``: the weights as the engines take them (HF names), on CPU."""
 
-    def export(self, path: str) -> Future:
-        """An HF model (safetensors and tokenizer) in ``path``, loadable by ``AutoModelForCausalLM``."""
+    def export(self, path: str, config_updates: dict | None = None, ema: bool | None = None) -> Future:
+        """An HF model (safetensors and tokenizer) in ``path``, loadable by ``AutoModelForCausalLM``, with
+        ``config_updates`` merged into its config; a model that keeps an EMA writes it unless ``ema=False``."""
 
 
 class Sampler(Protocol):

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from rlhf_core.checkpoint import CheckpointError, CheckpointManager
 from rlhf_core.config_parser import shown_config
+from rlhf_core.handles import wait
 from rlhf_core.rundir import MetricsWriter
 
 
@@ -57,16 +58,16 @@ def open_checkpoints(cfg, run_dir: Path) -> tuple[CheckpointManager, Path | None
 
 
 def save_checkpoint(checkpoints: CheckpointManager, step: int, ckpt, models: dict, state: dict) -> None:
-    """Checkpoint ``step``: each of ``models`` (subdirectory name: train group; ``""`` for the top) with its
-    DeepSpeed state unless ``--ckpt.disable_ds``, the first one's HF export under ``hf/`` with
+    """Checkpoint ``step``: each of ``models`` (subdirectory name: a learner; ``""`` for the top) with its
+    state (``save_state``) unless ``--ckpt.disable_ds``, the first one's HF export under ``hf/`` with
     ``--ckpt.save_hf``, and the loop's client ``state`` with ``has_ds_state``."""
 
     def write(path: Path) -> None:
         if not ckpt.disable_ds:
             for name, group in models.items():
-                group.save_checkpoint(str(path / name))
+                wait(group.save_state(str(path / name)))
         if ckpt.save_hf:
-            next(iter(models.values())).export_hf(str(path / "hf"))
+            wait(next(iter(models.values())).export(str(path / "hf")))
 
     checkpoints.save(step, write, {**state, "has_ds_state": not ckpt.disable_ds})
 

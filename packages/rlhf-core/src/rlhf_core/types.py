@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from rlhf_core.handles import Future
+from rlhf_core.primitives import Learner
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -526,13 +527,17 @@ class TrainBackend(Protocol):
 
 
 @runtime_checkable
-class TrainGroup(Protocol):
-    """The handle of one role's training ranks: what the RL controller calls (``rlhf_cli.rl.controller``).
+class TrainGroup(Learner, Protocol):
+    """The handle of one role's training ranks: a :class:`rlhf_core.primitives.Learner` (the RL loop calls
+    ``forward`` with the ``logprobs``, ``values`` and ``rewards`` heads, ``forward_backward`` with the
+    ``policy`` and ``value`` losses, ``optim_step``, ``save_state``, ``load_state``, ``weights``, ``export``),
+    and what placing and syncing it needs.
 
     Arguments and results are the plain data of :mod:`rlhf_core.batches` (CPU tensors). Micro-batches are
-    split over the data-parallel ranks in contiguous shares; results come back in the order given. Calls that
-    run on while the driver goes on return ``rlhf_core.handles.Future`` s, which ``rlhf_core.handles.wait``
-    waits for. A rank that dies surfaces as ``rlhf_core.handles.worker_died()`` from the call.
+    split over the data-parallel ranks in contiguous shares; results come back in the order given. A rank that
+    dies surfaces as ``rlhf_core.handles.worker_died()`` from the wait. ``forward_backward`` takes a multiple
+    of ``dp_size`` micro-batches; ``optim_step``'s metrics hold at least ``loss`` (the step's global loss) and
+    ``skipped`` (1.0 when a non-finite loss skipped the step).
     """
 
     actors: list
@@ -542,36 +547,14 @@ class TrainGroup(Protocol):
     ring_size: int
     """Ranks that share each micro-batch (sequence parallelism); 1 without it."""
 
-    def call_sharded_async(self, method: str, items: list, *args: Any) -> tuple[list[Future], list[int]]:
-        """Start ``method`` over ``items`` split across the ranks; ``gather_sharded(*result)`` waits for the
-        per-item results. Methods: ``compute_logprobs(batches, temperature, with_entropy)`` -> ``[B, T]``
-        response log-probs of each ``SequenceBatch`` (zero past each row's end); ``compute_values(batches)``
-        -> ``[B, T]`` values (critic)."""
-
-    def gather_sharded(self, futures: list[Future], real: list[int]) -> list: ...
-
     def wait_ready(self) -> None:
         """Return once every rank is up (raising its set-up error): a no-op unless made with ``wait=False``."""
 
     # Only with ``hosts_roles = True`` on the backend; the driver then places the reference model and HF
     # engines that share the actor's pool inside its ranks' processes (``rlhf_cli.placement.roles_in_actor``):
     # ``host(name, cls, args)`` builds ``cls(*args[r])`` in rank ``r`` and returns their handles
-    # (``rlhf_core.handles.hosted``), ``hosted_ref()`` is the reference group the ranks hold (``with_ref``),
+    # (``rlhf_core.handles.hosted``), ``hosted_ref()`` is the reference learner the ranks hold (``with_ref``),
     # and ``push_weights_to_hosted(name)`` copies each rank's weights into what it hosts.
-
-    def compute_rewards(self, batches: list) -> list[torch.Tensor]:
-        """Reward model: ``[B]`` rewards of each ``SequenceBatch``, read at each row's last token."""
-
-    def train_policy_step(self, micro_batches: list, cfg: Any) -> dict[str, float]:
-        """One optimizer step over ``PolicyMicroBatch``es (a multiple of ``dp_size``) with the registered
-        policy loss ``cfg.loss`` (a ``PolicyStepConfig``), aggregated over the whole step. Returns at least
-        ``loss`` (the step's global loss) and ``skipped`` (1.0 when a non-finite loss skipped the step)."""
-
-    def train_critic_step(self, micro_batches: list, value_clip: float | None) -> dict[str, float]:
-        """One optimizer step of the value loss over ``CriticMicroBatch``es; returns ``loss`` and ``skipped``."""
-
-    def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
-        """Every weight as a full CPU tensor under its Hugging Face name (what an engine loads)."""
 
     def weight_sync_address(self) -> tuple[str, int]:
         """Rank 0's host and a port for the weight-broadcast group. Rank 0 holds the port from now on (as the
@@ -590,14 +573,6 @@ class TrainGroup(Protocol):
         the engines; returns futures to wait on. The first call joins the group; the engines stay in it, so
         later calls with the same address send through the same group, and a call with another address (after
         an engine was replaced) closes it and joins a new one."""
-
-    def save_checkpoint(self, path: str) -> None:
-        """Write everything needed to continue training (weights, optimizer, scheduler) under ``path``."""
-
-    def load_checkpoint(self, path: str) -> None: ...
-
-    def export_hf(self, out_dir: str) -> None:
-        """A Hugging Face model directory (weights, config, tokenizer) at ``out_dir``."""
 
     def sleep(self) -> None:
         """Free device memory for colocated engines (``--ds.enable_sleep``); may do nothing."""

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from rlhf_core import handles
-from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
+from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch
 from rlhf_core.handles import Future, Handle, Joined, wait
-from rlhf_train_deepspeed.strategy import StepResult, add_metrics
+from rlhf_train_deepspeed.strategy import StepResult
 from rlhf_train_deepspeed.supervised_data import step_counts
-from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite, TrainWorker
+from rlhf_train_deepspeed.worker import ModelSpec, TrainWorker
 
 
 def merge_steps(results: list[StepResult]) -> dict[str, float]:
@@ -77,7 +77,8 @@ class WorkerGroup:
         """Give ring group ``d`` (rank ``r`` without ring attention) the ``d``-th contiguous share of ``items``
         (as its first argument). Ranks with a shorter share get copies of their last item so that every rank
         runs the same number of forward passes (ZeRO-3 gathers are collective); those extra results, and
-        those of all but the first rank of each ring group, are dropped by :meth:`gather_sharded`."""
+        those of all but the first rank of each ring group, are dropped by :meth:`forward`; ``real`` says
+        how many results of each rank to keep."""
         if not items:
             raise ValueError(f"{method}: no micro-batches given")
         per = math.ceil(len(items) / self.dp_size)
@@ -90,38 +91,41 @@ class WorkerGroup:
             futures.append(getattr(actor, method)(share, *args, **kwargs))
         return futures, real
 
-    def gather_sharded(self, futures: list[Future], real: list[int]) -> list:
-        return [x for res, n in zip(wait(futures), real, strict=True) for x in res[:n]]
+    # --- the learner primitives (rlhf_core.primitives.Learner): one Future each ---
 
-    # --- forward-only ---
+    def forward(
+        self,
+        batches: list,
+        temperature: float = 1.0,
+        head: str | None = None,
+        teacher: int = 0,
+        loss_cfg: Any = None,
+    ) -> Future:
+        """Per micro-batch, ``head`` (default: ``values`` for a value model, else ``logprobs``) of the ranks'
+        model, without gradients (:meth:`TrainWorker.forward`, which lists the heads)."""
+        head = head or ("values" if self.spec.kind == "value" else "logprobs")
+        futures, real = self.call_sharded_async("forward", batches, temperature, head, teacher, loss_cfg)
+        return Joined(futures, lambda res: [x for r, n in zip(res, real, strict=True) for x in r[:n]])
 
-    def compute_logprobs(
-        self, batches: list[SequenceBatch], temperature: float = 1.0, with_entropy: bool = False
-    ) -> list:
-        """``[B, T]`` response log-probs per micro-batch (with entropies: ``(logprobs, entropy)`` pairs)."""
-        return self.gather_sharded(
-            *self.call_sharded_async("compute_logprobs", batches, temperature, with_entropy)
-        )
-
-    def compute_values(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
-        return self.gather_sharded(*self.call_sharded_async("compute_values", batches))
-
-    def compute_rewards(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
-        """``[B]`` rewards per micro-batch (normalised with ``--reward.normalize_enable``)."""
-        return self.gather_sharded(*self.call_sharded_async("compute_rewards", batches))
-
-    # --- training ---
-
-    def _step(self, method: str, micro_batches: list, *args, counts: dict[str, float]) -> dict[str, float]:
-        return self._merged(wait(self._even_shares(method, micro_batches, *args, counts)))
-
-    def _even_shares(self, method: str, micro_batches: list, *args) -> list[Future]:
+    def forward_backward(
+        self, micro_batches: list, loss: str, loss_cfg: Any, counts: dict[str, float] | None = None
+    ) -> Future:
+        """The ranks' parts of the step merged (:func:`merge_steps`; no gradient norm before the step)."""
         if len(micro_batches) % self.dp_size:
             raise ValueError(
-                f"{method}: {len(micro_batches)} micro-batches cannot be split evenly over "
+                f"{loss}: {len(micro_batches)} micro-batches cannot be split evenly over "
                 f"{self.dp_size} data-parallel ranks"
             )
-        return self.call_sharded_async(method, micro_batches, *args)[0]  # even shares: no padding
+        if counts is None:
+            counts = {"policy": policy_counts, "value": value_counts}.get(loss, partial(step_counts, loss))(
+                micro_batches
+            )
+        futures = self.call_sharded_async("forward_backward", micro_batches, loss, loss_cfg, counts)[0]
+        return Joined(futures, lambda res: merge_steps(res[:: self.ring_size]))
+
+    def optim_step(self) -> Future:
+        """The whole step's metrics (:func:`merge_steps`), with ``nonfinite_steps``: the skipped steps so far."""
+        return Joined(self.call_async("optim_step"), self._merged)
 
     def _merged(self, results: list[StepResult]) -> dict[str, float]:
         metrics = merge_steps(results[:: self.ring_size])  # one rank per ring group
@@ -130,85 +134,23 @@ class WorkerGroup:
         metrics["nonfinite_steps"] = float(self.nonfinite_steps)
         return metrics
 
-    def train_policy_step(
-        self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig
-    ) -> dict[str, float]:
-        return self._step("train_policy", micro_batches, cfg, counts=policy_counts(micro_batches))
-
-    def train_critic_step(
-        self, micro_batches: list[CriticMicroBatch], value_clip: float | None = 0.5
-    ) -> dict[str, float]:
-        return self._step("train_critic", micro_batches, value_clip, counts=value_counts(micro_batches))
-
-    def train_supervised_step(
-        self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]
-    ) -> dict[str, float]:
-        """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss (used by the trainers in this package)."""
-        return self._step("train_supervised", micro_batches, cfg, counts=counts)
-
-    def eval_supervised(
-        self, micro_batches: list, cfg: SupervisedConfigLite
-    ) -> tuple[dict[str, float], list[float]]:
-        """Weighted-mean metrics over evaluation micro-batches, and (RM) the rewards seen."""
-        per_batch = self.gather_sharded(*self.call_sharded_async("eval_supervised", micro_batches, cfg))
-        totals: dict[str, list[float]] = {}
-        for metrics, weight, _ in per_batch:
-            add_metrics(totals, metrics, weight)
-        rewards = [r for *_, batch_rewards in per_batch for r in batch_rewards]
-        return {k: s / w for k, (s, w) in totals.items() if w > 0}, rewards
-
-    # --- the learner primitives (rlhf_core.primitives.Learner): one Future each ---
-
-    def forward(self, batches: list[SequenceBatch], temperature: float = 1.0) -> Future:
-        method, args = (
-            ("compute_values", ()) if self.spec.kind == "value" else ("compute_logprobs", (temperature,))
-        )
-        futures, real = self.call_sharded_async(method, batches, *args)
-        return Joined(futures, lambda res: [x for r, n in zip(res, real, strict=True) for x in r[:n]])
-
-    def forward_backward(
-        self, micro_batches: list, loss: str, loss_cfg: Any, counts: dict[str, float] | None = None
-    ) -> Future:
-        """The ranks' parts of the step merged (:func:`merge_steps`; no gradient norm before the step)."""
-        if counts is None:
-            counts = {"policy": policy_counts, "value": value_counts}.get(loss, partial(step_counts, loss))(
-                micro_batches
-            )
-        futures = self._even_shares("forward_backward", micro_batches, loss, loss_cfg, counts)
-        return Joined(futures, lambda res: merge_steps(res[:: self.ring_size]))
-
-    def optim_step(self) -> Future:
-        """The step's metrics as :meth:`train_policy_step` gives them (``nonfinite_steps`` included)."""
-        return Joined(self.call_async("optim_step"), self._merged)
-
     def save_state(self, path: str) -> Future:
-        return Joined(self.call_async("save_checkpoint", path), lambda _: None)
+        """Every rank writes its DeepSpeed shard and RNG state under ``path`` (a shared directory)."""
+        return Joined(self.call_async("save_state", path), lambda _: None)
 
     def load_state(self, path: str) -> Future:
-        return Joined(self.call_async("load_checkpoint", path), lambda _: None)
+        return Joined(self.call_async("load_state", path), lambda _: None)
 
     def weights(self) -> Future:
-        return Joined(self.call_async("get_state_dict_for_engines"), lambda res: res[0])
+        return Joined(self.call_async("weights"), lambda res: res[0])
 
-    def export(self, path: str) -> Future:
-        return Joined(self.call_async("export_hf", path, None, self.spec.path, None), lambda _: None)
+    def export(self, path: str, config_updates: dict | None = None, ema: bool | None = None) -> Future:
+        """HF safetensors export to ``path`` (written by rank 0), ``config_updates`` merged into its config: the
+        EMA weights when the model keeps one (``ModelSpec.ema_beta``) unless ``ema=False``, else the trained
+        weights."""
+        return Joined(self.call_async("export", path, config_updates, self.spec.path, ema), lambda _: None)
 
-    # --- checkpoints, export, weight sync ---
-
-    def save_checkpoint(self, path: str) -> None:
-        """Every rank writes its DeepSpeed shard and RNG state under ``path`` (a shared directory)."""
-        self.call("save_checkpoint", path)
-
-    def load_checkpoint(self, path: str) -> None:
-        self.call("load_checkpoint", path)
-
-    def export_hf(self, out_dir: str, config_updates: dict | None = None, ema: bool | None = None) -> None:
-        """HF safetensors export to ``out_dir`` (written by rank 0): the EMA weights when the model keeps
-        one (``ModelSpec.ema_beta``) unless ``ema=False``, else the trained weights."""
-        self.call("export_hf", out_dir, config_updates, self.spec.path, ema)
-
-    def get_state_dict_for_engines(self) -> dict[str, torch.Tensor]:
-        return self.call("get_state_dict_for_engines")[0]
+    # --- weight sync to engines, set-up, hosting ---
 
     def weight_sync_address(self) -> tuple[str, int]:
         return wait(self.actors[0].master_address())
@@ -286,13 +228,12 @@ class HostedRef:
     def actors(self) -> list:
         return self.policy.actors
 
-    def call_sharded_async(self, method: str, items: list, *args, **kwargs) -> tuple[list[Future], list[int]]:
-        if method != "compute_logprobs":
-            raise ValueError(f"a hosted reference model only computes log-probs, not {method!r}")
-        return self.policy.call_sharded_async(method, items, *args, ref=True, **kwargs)
-
-    gather_sharded = WorkerGroup.gather_sharded
-    compute_logprobs = WorkerGroup.compute_logprobs
+    def forward(
+        self, batches: list, temperature: float = 1.0, head: str | None = None, teacher: int = 0
+    ) -> Future:
+        if head not in (None, "logprobs"):
+            raise ValueError(f"a hosted reference model only computes log-probs, not {head!r}")
+        return self.policy.forward(batches, temperature, "ref", teacher)
 
     def sleep(self) -> None:
         """Sleeping, waking up and shutting down are the policy group's."""

@@ -46,3 +46,12 @@ class ReusedGroup:
         if self.group is not None:
             self.group.shutdown()
             self.group = None
+
+
+def train_step(learner, micro_batches: list, loss: str, loss_cfg, counts: dict | None = None):
+    """One optimizer step of ``loss``: ``forward_backward`` then ``optim_step``, on a group (its merged metrics)
+    or on a rank in this process (a ``TrainWorker``, whose ``counts`` are required: its ``StepResult``)."""
+    from rlhf_core.handles import wait
+
+    wait(learner.forward_backward(micro_batches, loss, loss_cfg, counts))
+    return wait(learner.optim_step())

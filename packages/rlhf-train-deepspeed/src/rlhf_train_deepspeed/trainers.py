@@ -15,12 +15,12 @@ import torch
 from rlhf_core.checkpoint import fault_point
 from rlhf_core.data import DataError, DataStats, load_rows, load_tokenizer
 from rlhf_core.errors import UserError
-from rlhf_core.handles import single_process
+from rlhf_core.handles import single_process, wait
 from rlhf_core.runloop import MetricsLogger, NonFiniteSteps, open_checkpoints, save_checkpoint
 from rlhf_core.supervised import PLACEHOLDER_KEY, REWARD_TOKENS_KEY, SetupError, preflight
 from rlhf_core.types import derive_seed
-from rlhf_train_deepspeed.strategy import ConfigError
-from rlhf_train_deepspeed.supervised_data import batch_tokens, build_examples, collate, step_counts
+from rlhf_train_deepspeed.strategy import ConfigError, add_metrics
+from rlhf_train_deepspeed.supervised_data import batch_tokens, build_examples, collate
 from rlhf_train_deepspeed.worker import ModelSpec, SupervisedConfigLite
 
 MODES = ("sft", "rm", "dpo", "kto", "prm", "kd")
@@ -179,7 +179,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
     )
 
     if latest is not None:
-        group.load_checkpoint(str(latest))
+        wait(group.load_state(str(latest)))
         start_step, nonfinite.count = state["step"], state.get("consecutive_nonfinite", 0)
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
@@ -198,9 +198,13 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         }
         save_checkpoint(ckpt, step, cfg.ckpt, {"": group}, state)
 
-    def evaluate() -> tuple[dict[str, float], list[float]]:
-        metrics, rewards = group.eval_supervised(micro_batches(eval_examples), losses)
-        return {f"eval/{k}": v for k, v in metrics.items()}, rewards
+    def evaluate(items: list) -> tuple[dict[str, float], list[float]]:
+        """Weighted means of the loss's metrics over ``items`` (``eval/`` names), and (RM) the rewards seen."""
+        totals, rewards = {}, []
+        for metrics, weight in wait(group.forward(micro_batches(items), head=mode, loss_cfg=losses)):
+            rewards += metrics.pop("_rewards", [])
+            add_metrics(totals, metrics, weight)
+        return {f"eval/{k}": s / w for k, (s, w) in totals.items() if w > 0}, rewards
 
     order_epoch, order = -1, None
     final_eval, rewards, last = {}, [], {}  # the last evaluation, its RM rewards, the last step's metrics
@@ -214,7 +218,8 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         idx = order[within * plan.global_batch : (within + 1) * plan.global_batch]
         mbs = micro_batches([examples[i] for i in idx])
         t0 = time.perf_counter()
-        metrics = group.train_supervised_step(mbs, losses, step_counts(mode, mbs))
+        wait(group.forward_backward(mbs, mode, losses))
+        metrics = wait(group.optim_step())
         elapsed = time.perf_counter() - t0
         metrics.update(
             {"epoch": epoch, "timing/step": elapsed, "tokens_per_s": batch_tokens(mode, mbs) / elapsed}
@@ -223,7 +228,7 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         nonfinite.count_step(bool(metrics["skipped"]), mode)
         done = step + 1
         if eval_examples and (done == total_steps or (cfg.eval.steps > 0 and done % cfg.eval.steps == 0)):
-            final_eval, rewards = evaluate()
+            final_eval, rewards = evaluate(eval_examples)
             metrics.update(final_eval)
         log.log(done, metrics)
         last = metrics
@@ -232,16 +237,16 @@ def run_supervised(mode: str, cfg, group_factory=None) -> dict:
         fault_point("after_step", done)
 
     if eval_examples and not final_eval:  # resumed after the last step: evaluate once more
-        final_eval, rewards = evaluate()
+        final_eval, rewards = evaluate(eval_examples)
     config_updates = None
     if mode == "rm":
         if not rewards:  # no eval set: take the statistics over (up to) 512 training examples
-            rewards = group.eval_supervised(micro_batches(examples[:512]), losses)[1]
+            rewards = evaluate(examples[:512])[1]
         r = torch.tensor(rewards, dtype=torch.float64)
         config_updates = {"mean": float(r.mean()), "std": max(float(r.std()) if len(r) > 1 else 1.0, 1e-8)}
     if mode == "prm":  # what the PRM reward source needs to score steps with this model
         config_updates = {PLACEHOLDER_KEY: prm.placeholder, REWARD_TOKENS_KEY: prm.reward_tokens}
-    group.export_hf(str(output_dir), config_updates)
+    wait(group.export(str(output_dir), config_updates))
     log.close()
     if own_group:
         group.shutdown()

@@ -17,13 +17,12 @@ from typing import Any
 import torch
 
 from rlhf_core import weight_sync
-from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
 from rlhf_core.memory import keep_freed_memory
 from rlhf_train_deepspeed import weights
 from rlhf_train_deepspeed.ema import ema_update_  # noqa: F401 - re-exported: its home before the split
 from rlhf_train_deepspeed.host import InRankHost
 from rlhf_train_deepspeed.learner import Learner
-from rlhf_train_deepspeed.losses import SupervisedConfigLite
+from rlhf_train_deepspeed.losses import LOSSES, SupervisedConfigLite  # noqa: F401 - re-exported
 from rlhf_train_deepspeed.rank_model import ModelSpec, RankModel, causal_attn  # noqa: F401 - re-exported
 from rlhf_train_deepspeed.strategy import StepResult, Strategy, add_metrics
 
@@ -91,28 +90,37 @@ class TrainWorker:
     def _module(self) -> torch.nn.Module:
         return self.model.module
 
-    # --- forward-only calls ---
+    # --- the learner primitives, this rank's part (rlhf_train_deepspeed.group.WorkerGroup fans them out) ---
 
-    def compute_logprobs(
+    def forward(
         self,
-        batches: list[SequenceBatch],
+        batches: list,
         temperature: float = 1.0,
-        with_entropy: bool = False,
-        ref: bool = False,
+        head: str = "logprobs",
         teacher: int = 0,
-    ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per micro-batch ``[B, T]`` response log-probs (:meth:`RankModel.compute_logprobs`)."""
-        return self.model.compute_logprobs(batches, temperature, with_entropy, ref, teacher)
-
-    def compute_values(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
-        """Per micro-batch ``[B, T]`` critic values of the state before each response token."""
-        return self.model.compute_values(batches)
-
-    def compute_rewards(self, batches: list[SequenceBatch]) -> list[torch.Tensor]:
-        """Per micro-batch ``[B]`` rewards: value head at the last token, normalised when configured."""
-        return self.model.compute_rewards(batches)
-
-    # --- training: the two primitives, and the steps built on them ---
+        loss_cfg: Any = None,
+    ) -> list:
+        """Per micro-batch, without gradients: ``logprobs`` ``[B, T]`` response log-probs at ``temperature``
+        (:meth:`RankModel.compute_logprobs`; ``teacher`` i > 0: multi-teacher OPD's teacher i), ``entropy``
+        ``(logprobs, entropy)`` pairs, ``ref`` the log-probs of the frozen model hosted beside this one,
+        ``values`` ``[B, T]`` critic values of the state before each response token, ``rewards`` ``[B]`` the
+        value head at the last token (normalised when configured); or a registered loss (``LOSSES``) evaluated
+        with ``loss_cfg``: ``(metrics, weight)``, the metrics with the micro-batch's mean ``loss`` (RM: and
+        ``_rewards``, its sequences' rewards, for the normalisation statistics)."""
+        model = self.model
+        if head in LOSSES:
+            return [
+                ({"loss": float(v), **m}, w) for v, m, w in self.learner.evaluate(batches, head, loss_cfg)
+            ]
+        if head == "values":
+            return model.compute_values(batches)
+        if head == "rewards":
+            return model.compute_rewards(batches)
+        if head not in ("logprobs", "entropy", "ref"):
+            raise ValueError(
+                f"unknown forward head {head!r}; heads: logprobs, entropy, ref, values, rewards, a loss"
+            )
+        return model.compute_logprobs(batches, temperature, head == "entropy", head == "ref", teacher)
 
     def forward_backward(
         self, micro_batches: list, loss: str, loss_cfg: Any, counts: dict[str, float]
@@ -122,55 +130,21 @@ class TrainWorker:
         return self.learner.forward_backward(micro_batches, loss, loss_cfg, counts)
 
     def optim_step(self) -> StepResult:
-        """Apply the optimizer step of the gradients accumulated since the last; see :meth:`Learner.optim_step`."""
-        return self.learner.optim_step()
-
-    def train_policy(
-        self, micro_batches: list[PolicyMicroBatch], cfg: PolicyStepConfig, counts: dict[str, float]
-    ) -> StepResult:
-        """One optimizer step of the policy loss ``cfg.loss`` (+ entropy bonus, + KL loss) over the
-        micro-batches; ``counts`` holds the step's global ``num_tokens`` / ``num_sequences``."""
-        self.forward_backward(micro_batches, "policy", cfg, counts)
-        result = self.optim_step()
+        """Apply the optimizer step of the gradients accumulated since the last (:meth:`Learner.optim_step`);
+        on a GPU with the step's peak memory in its metrics."""
+        result = self.learner.optim_step()
         if torch.cuda.is_available():  # the process's (a hosted engine's memory included)
             peak = torch.cuda.max_memory_allocated() / 2**30
             add_metrics(result.metrics, {"gpu_peak_gib": peak, **self.model.gpu_memory}, 1.0)
         return result
 
-    def train_critic(
-        self, micro_batches: list[CriticMicroBatch], value_clip: float | None, counts: dict[str, float]
-    ) -> StepResult:
-        """One optimizer step of the clipped value loss (``rlhf_algos.value_loss``)."""
-        self.forward_backward(micro_batches, "value", value_clip, counts)
-        return self.optim_step()
-
-    def train_supervised(
-        self, micro_batches: list, cfg: SupervisedConfigLite, counts: dict[str, float]
-    ) -> StepResult:
-        """One optimizer step of an SFT/RM/DPO/KTO/PRM/KD loss over the micro-batches."""
-        self.forward_backward(micro_batches, cfg.mode, cfg, counts)
-        return self.optim_step()
-
-    def eval_supervised(
-        self, micro_batches: list, cfg: SupervisedConfigLite
-    ) -> list[tuple[dict, float, list]]:
-        """Per evaluation micro-batch: its metrics (mean ``loss`` included), its weight (tokens or pairs),
-        and for RM the rewards of its sequences (for the normalisation statistics)."""
-        out = []
-        for loss, m, w in self.learner.evaluate(micro_batches, cfg.mode, cfg):
-            rewards = m.pop("_rewards", [])
-            out.append(({"loss": float(loss), **m}, w, rewards))
-        return out
-
-    # --- checkpoints and export ---
-
-    def save_checkpoint(self, path: str) -> None:
+    def save_state(self, path: str) -> None:
         self.model.save_checkpoint(path)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_state(self, path: str) -> None:
         self.model.load_checkpoint(path)
 
-    def export_hf(
+    def export(
         self,
         out_dir: str,
         config_updates: dict | None = None,
@@ -188,11 +162,7 @@ class TrainWorker:
         """``(HF name, full tensor)`` pairs (:func:`rlhf_train_deepspeed.weights.named_weights`)."""
         return weights.named_weights(self._module(), bucket_bytes, trainable_only)
 
-    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A LoRA policy's adapters (:func:`rlhf_train_deepspeed.weights.adapter_weights`)."""
-        return weights.adapter_weights(self._module())
-
-    def get_state_dict_for_engines(self) -> dict[str, torch.Tensor] | None:
+    def weights(self) -> dict[str, torch.Tensor] | None:
         """What the engines get (``weights.engine_weights``) as CPU tensors on rank 0 (None on the others), for
         the object-store sync path."""
         sent = weights.engine_weights(self._module())

@@ -6,6 +6,7 @@ import torch
 
 from rlhf_cli.rl.prompts import Prompt
 from rlhf_cli.rl.rollout import Rollout, score
+from rlhf_core.handles import wait
 
 
 class Evaluation:
@@ -34,5 +35,5 @@ class Evaluation:
         if value is not None and (self.best_metric is None or value > self.best_metric):
             self.best_metric = value
             metrics["eval/best"] = value
-            self.actor.export_hf(f"{self.cfg.ckpt.output_dir}/best_model")
+            wait(self.actor.export(f"{self.cfg.ckpt.output_dir}/best_model"))
         return metrics

@@ -19,6 +19,7 @@ from rlhf_algos.shaping import overlong_penalty, stop_properly_penalty
 from rlhf_cli.rl.groups import Groups, dead_worker_reported
 from rlhf_core.batches import SequenceBatch, make_sequence_batch, token_budget_micro_batches
 from rlhf_core.config import opd_teachers
+from rlhf_core.handles import wait
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.types import AdvantageInput, AdvantageOutput, ImageInput, Trajectory
 
@@ -291,34 +292,33 @@ class ExperienceMaker:
         on_policy = (
             cfg.train.max_epochs == 1 and b <= cfg.train.batch_size and (ref is None or cfg.algo.kl.use_loss)
         )
-        calls = {}  # Experience field: (group, its role's name, call refs, order of the rows)
-
-        def logprobs(g, parts: list[SequenceBatch], **teacher):
-            return g.call_sharded_async("compute_logprobs", parts, cfg.rollout.temperature, False, **teacher)
-
+        calls = {}  # Experience field: (its role's name, the forward passes' futures, order of the rows)
+        temperature = cfg.rollout.temperature
         if not on_policy:
-            calls["old_logprobs"] = actor, "policy", [logprobs(actor, mbs)], cuts
+            calls["old_logprobs"] = "policy", [actor.forward(mbs, temperature)], cuts
         if ref is not None and self.teacher_of:
             # multi-teacher OPD: each teacher scores the rows of its prompts, cut on their own
             teacher = torch.tensor([self.teacher_of[t.prompt_uid] for t in trajs])
             if exp.episode_of is not None:  # per-call samples: rows of one episode share its prompt's teacher
                 teacher = teacher[exp.episode_of]
-            refs, order = [], []
+            futures, order = [], []
             for k in teacher.unique().tolist():
                 rows = (teacher == k).nonzero().flatten().tolist()
                 part = exp.rows(rows)
                 part_cuts = micro_batch_cuts(part, ref, cfg.rollout.micro_batch_size, None, cfg)
-                refs.append(logprobs(ref, sequence_batches(part, part_cuts, self.pad), teacher=k))
+                futures.append(
+                    ref.forward(sequence_batches(part, part_cuts, self.pad), temperature, teacher=k)
+                )
                 order += [rows[c] for c in part_cuts]
-            calls["ref_logprobs"] = ref, "teacher", refs, order
+            calls["ref_logprobs"] = "teacher", futures, order
         elif ref is not None:
-            calls["ref_logprobs"] = ref, "reference", [logprobs(ref, plain)], cuts
+            calls["ref_logprobs"] = "reference", [ref.forward(plain, temperature)], cuts
         if critic is not None:
-            calls["values"] = critic, "critic", [critic.call_sharded_async("compute_values", plain)], cuts
+            calls["values"] = "critic", [critic.forward(plain, head="values")], cuts
         mask = exp.action_mask & exp.valid[:, None]
-        for field_name, (group, role, refs, order) in calls.items():
+        for field_name, (role, futures, order) in calls.items():
             with dead_worker_reported(f"a {role} worker died"):
-                results = [x for r, real in refs for x in group.gather_sharded(r, real)]
+                results = [x for part in wait(futures) for x in part]
             setattr(exp, field_name, stack(results, order) * mask)
         kl = None
         if exp.ref_logprobs is not None:

@@ -206,9 +206,9 @@ def run_rl(asm: Assembly) -> None:
             image_processing=images,
         )
         if resume is not None:
-            groups.actor.load_checkpoint(str(resume / "actor"))
+            wait(groups.actor.load_state(str(resume / "actor")))
             if groups.critic is not None:
-                groups.critic.load_checkpoint(str(resume / "critic"))
+                wait(groups.critic.load_state(str(resume / "critic")))
             controller.sync.to_engines()  # the checkpoint's weights, which its policy version (loaded next) names
             controller.load_client_state(resume_state)
             print(f"resumed from {resume} at step {controller.step}", file=sys.stderr)
@@ -225,9 +225,9 @@ def run_rl(asm: Assembly) -> None:
         logger = MetricsLogger(cfg, controller.total_steps(), controller.step)  # its bar after the line above
         controller.logger = logger
         controller.fit()
-        groups.actor.export_hf(str(out / "model"))
+        wait(groups.actor.export(str(out / "model")))
         if groups.critic is not None and cfg.critic.save_value_network:
-            groups.critic.export_hf(str(out / "critic"))
+            wait(groups.critic.export(str(out / "critic")))
     finally:
         if logger is not None:
             logger.close()

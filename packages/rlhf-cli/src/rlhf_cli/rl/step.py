@@ -11,6 +11,7 @@ from rlhf_cli.rl.experience import Experience, micro_batch_cuts, sequence_batche
 from rlhf_cli.rl.groups import Groups, RLRunError, dead_worker_reported, trainers_asleep, wait_for
 from rlhf_cli.rl.rollout import Batch
 from rlhf_core.batches import CriticMicroBatch, PolicyMicroBatch, PolicyStepConfig, SequenceBatch
+from rlhf_core.handles import wait
 from rlhf_core.plugins import get_plugin_manager, resolve
 from rlhf_core.runloop import NonFiniteSteps
 from rlhf_core.types import derive_seed
@@ -160,7 +161,7 @@ class PolicyStep:
                         )
                         for sq, c in zip(seqs, cuts)
                     ]
-                    m = self.call(actor, "train_policy_step", mbs, policy_cfg, what="policy")
+                    m = self.train_step(actor, mbs, "policy", policy_cfg, "policy")
                     steps.append({f"policy/{k}": v for k, v in m.items()})
                 if critic is not None:
                     critic_cuts = micro_batch_cuts(part, critic, micro, max_tokens, cfg)
@@ -172,15 +173,17 @@ class PolicyStep:
                         CriticMicroBatch(sq, _crop(part.values, c, sq), _crop(part.returns, c, sq))
                         for sq, c in zip(critic_seqs, critic_cuts)
                     ]
-                    m = self.call(critic, "train_critic_step", mbs, cfg.critic.value_clip, what="critic")
+                    m = self.train_step(critic, mbs, "value", cfg.critic.value_clip, "critic")
                     steps.append({f"critic/{k}": v for k, v in m.items()})
         out = _mean_finite(steps)
         out["train/skipped_rows"] = float(b % per_step)
         return out
 
-    def call(self, group, method: str, mbs: list, arg, what: str) -> dict[str, float]:
-        """``group.method(mbs, arg)``: one optimizer step, counted when every rank skipped it (non-finite)."""
+    def train_step(self, learner, mbs: list, loss: str, loss_cfg, what: str) -> dict[str, float]:
+        """One optimizer step of ``loss`` over ``mbs`` on ``learner`` (``forward_backward``, ``optim_step``),
+        counted when every rank skipped it (non-finite)."""
         with dead_worker_reported(f"a {what} worker died"):
-            metrics = getattr(group, method)(mbs, arg)
+            wait(learner.forward_backward(mbs, loss, loss_cfg))
+            metrics = wait(learner.optim_step())
         self.nonfinite.count_step(bool(metrics.get("skipped")), what)
         return metrics

@@ -46,7 +46,7 @@ class WeightSync:
             )
         weights = None
         if not all(self._ranks):
-            weights = share(self.groups.actor.get_state_dict_for_engines())
+            weights = share(wait(self.groups.actor.weights()))
             wait_for([a.update_weights(weights) for a in engines], "rollout")
         else:
             backend = self.cfg.vllm.sync_backend if torch.cuda.is_available() else "gloo"
@@ -72,9 +72,7 @@ class WeightSync:
             with dead_worker_reported("a policy worker died during the weight sync"):
                 wait(sends)
         if self.keep_held:
-            self.held = (
-                weights if weights is not None else share(self.groups.actor.get_state_dict_for_engines())
-            )
+            self.held = weights if weights is not None else share(wait(self.groups.actor.weights()))
         self.policy_version += 1
 
     def to_new_engine(self, engine, trainers_asleep: bool) -> None:
@@ -89,7 +87,7 @@ class WeightSync:
             return
         if trainers_asleep:  # their ZeRO-3 state is off the GPU: gather the weights from it awake
             self.groups.actor.wake_up()
-        weights = share(self.groups.actor.get_state_dict_for_engines())
+        weights = share(wait(self.groups.actor.weights()))
         if trainers_asleep:
             self.groups.actor.sleep()
         wait_for(engine.update_weights(weights), "new rollout")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlhf_core.batches import PolicyMicroBatch, PolicyStepConfig, SequenceBatch, make_sequence_batch
+from rlhf_core.handles import wait
 from rlhf_core.testing.engines import forward_logprobs
 from rlhf_core.testing.tiny import make_tiny_llama
 
@@ -102,13 +103,17 @@ class TrainBackendConformance:
         group.shutdown()
 
     def logprobs(self, group, batches: list[SequenceBatch]) -> list[torch.Tensor]:
-        return group.gather_sharded(*group.call_sharded_async("compute_logprobs", batches, 1.0, False))
+        return wait(group.forward(batches, 1.0))
+
+    def policy_step(self, group) -> dict[str, float]:
+        wait(group.forward_backward(policy_micro_batches(), "policy", PolicyStepConfig(loss="ppo")))
+        return wait(group.optim_step())
 
     def test_the_group_is_two_data_parallel_ranks(self, group):
         assert (group.dp_size, group.ring_size) == (2, 1)
 
     def test_logprobs_match_a_forward_pass_of_the_reported_weights(self, group, model_dir):
-        want = reference_logprobs(group.get_state_dict_for_engines(), model_dir)
+        want = reference_logprobs(wait(group.weights()), model_dir)
         got = self.logprobs(group, micro_batches())
         assert [tuple(t.shape) for t in got] == [(2, 3), (2, 2)]
         rows = [row for t in got for row in t]
@@ -120,7 +125,7 @@ class TrainBackendConformance:
 
     def test_a_grpo_step_lowers_the_loss_and_keeps_the_ranks_equal(self, group, model_dir):
         before = torch.cat([lp.sum(-1) for lp in self.logprobs(group, micro_batches())])
-        metrics = group.train_policy_step(policy_micro_batches(), PolicyStepConfig(loss="ppo"))
+        metrics = self.policy_step(group)
         assert metrics["skipped"] == 0.0
         assert metrics["loss"] == pytest.approx(-0.25, abs=LOSS_ATOL)
         after = torch.cat([lp.sum(-1) for lp in self.logprobs(group, micro_batches())])
@@ -135,7 +140,6 @@ class TrainBackendConformance:
 
     def test_the_weight_broadcast_delivers_the_reported_weights_each_step(self, group):
         """The engines join the broadcast group once; every later sync reuses it, as the controller does."""
-        from rlhf_core.handles import wait
         from rlhf_core.weight_sync import init_sync_group
 
         addr, port = group.weight_sync_address()
@@ -149,8 +153,8 @@ class TrainBackendConformance:
         try:
             for sync_round in range(2):
                 if sync_round:  # new weights to send
-                    group.train_policy_step(policy_micro_batches(), PolicyStepConfig(loss="ppo"))
-                want = group.get_state_dict_for_engines()
+                    self.policy_step(group)
+                want = wait(group.weights())
                 sends = group.broadcast_weights_to_engines_async(addr, port, 2, "gloo", 60.0)
                 thread = threading.Thread(target=receive)
                 thread.start()
@@ -169,14 +173,14 @@ class TrainBackendConformance:
     def test_a_checkpoint_restores_the_weights_and_export_writes_a_model(self, group, model_dir, tmp_path):
         from transformers import AutoModelForCausalLM
 
-        group.save_checkpoint(str(tmp_path / "ckpt"))
-        saved = group.get_state_dict_for_engines()
-        group.train_policy_step(policy_micro_batches(), PolicyStepConfig(loss="ppo"))
-        assert any(not torch.equal(v, saved[k]) for k, v in group.get_state_dict_for_engines().items())
-        group.load_checkpoint(str(tmp_path / "ckpt"))
-        restored = group.get_state_dict_for_engines()
+        wait(group.save_state(str(tmp_path / "ckpt")))
+        saved = wait(group.weights())
+        self.policy_step(group)
+        assert any(not torch.equal(v, saved[k]) for k, v in wait(group.weights()).items())
+        wait(group.load_state(str(tmp_path / "ckpt")))
+        restored = wait(group.weights())
         assert all(torch.equal(restored[k], saved[k]) for k in saved)
-        group.export_hf(str(export := tmp_path / "export"))
+        wait(group.export(str(export := tmp_path / "export")))
         exported = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
         assert all(torch.equal(exported[k], saved[k]) for k in saved)
         assert (export / "config.json").exists()

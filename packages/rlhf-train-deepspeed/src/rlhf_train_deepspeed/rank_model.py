@@ -130,7 +130,9 @@ class RankModel:
         quant = quantization_kwargs(ds, dtype) if spec.trainable else {}
         aux_coef = getattr(spec.optim, "aux_loss_coef", 0.0) if spec.trainable else 0.0  # critics: none
         if spec.kind == "value":
-            model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
+            model = load_value_model(
+                spec.path, dtype, causal_attn(spec.path, ds, attn), ds.value_head_prefix, **quant, **experts
+            )
         elif spec.kind == "causal":
             # the aux loss needs each routed token's row in the padded batch: not the shared-prompt layout
             trained_attn = attn if aux_coef else causal_attn(spec.path, ds, attn)

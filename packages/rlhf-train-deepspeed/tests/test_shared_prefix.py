@@ -129,3 +129,56 @@ def test_one_and_two_token_responses(lengths):
     lp_b, _, _ = response_logprobs(shared, batch, 1.0)
     assert int(mask.sum()) == sum(lengths)
     torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=0)
+
+
+def long_tail_batch(shared: bool):
+    """A long tail: most responses short, one at the limit; 2 prompts x 4 samples, or 8 prompts of their own."""
+    g = torch.Generator().manual_seed(3)
+
+    def ids(n):
+        return torch.randint(3, 60, (n,), generator=g).tolist()
+
+    lengths = [3, 40, 1, 5, 2, 7, 4, 2]
+    prompts = [ids(6)] * 4 + [ids(11)] * 4 if shared else [ids(6 + i % 5) for i in range(8)]
+    return make_sequence_batch(prompts, [ids(n) for n in lengths], 0)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_long_tail_costs_its_tokens_and_gives_the_padded_batch_gradients(shared):
+    """Ragged rows with and without shared prompts: the packed row holds the real tokens only (the padded
+    batch holds 8 x the longest row), and the weighted log-prob and entropy loss and every gradient equal
+    the padded batch's."""
+    plain = tiny_decoder("mistral").train()
+    packed = copy.deepcopy(plain)
+    packed.set_attn_implementation(shared_prefix.attn_implementation(packed.config, ds()))
+    batch = long_tail_batch(shared)
+    layout = shared_prefix.plan(batch.input_ids, batch.attention_mask, batch.prompt_lens)
+    prompts = 6 + 11 if shared else int(batch.prompt_lens.sum())
+    assert layout.input_ids.shape[1] == prompts + sum(n - 1 for n in [3, 40, 1, 5, 2, 7, 4, 2])
+    losses = []
+    w = torch.randn(8, 40, generator=torch.Generator().manual_seed(1))
+    for model in (plain, packed):
+        lp, ent, mask = response_logprobs(model, batch, 1.0, with_entropy=True)
+        losses.append(((lp * w).sum() + 0.1 * (ent * mask).sum()) / mask.sum())
+        losses[-1].backward()
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
+    for (name, a), b in zip(plain.named_parameters(), packed.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_critic_runs_the_layout_with_the_padded_batch_values_and_gradients(tiny_llama):
+    from rlhf_train_deepspeed.models import load_value_model, response_values
+
+    plain = load_value_model(tiny_llama, torch.float32, "sdpa").train()
+    packed = load_value_model(tiny_llama, torch.float32, causal_attn(tiny_llama, ds(), "sdpa")).train()
+    packed.load_state_dict(plain.state_dict())
+    assert shared_prefix.enabled(packed)
+    batch = long_tail_batch(True)
+    outs = [response_values(m, batch) for m in (plain, packed)]
+    (va, mask_a), (vb, mask_b) = outs
+    assert torch.equal(mask_a, mask_b)
+    torch.testing.assert_close(vb, va, atol=1e-5, rtol=0)
+    for v in (va, vb):
+        (v * v).sum().backward()
+    for (name, a), b in zip(plain.named_parameters(), packed.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -84,6 +84,8 @@ def test_without_a_layout_the_model_computes_plain_sdpa(tiny_llama):
     shared = load_causal_lm(tiny_llama, torch.float32, causal_attn(tiny_llama, ds(), "sdpa"))
     assert shared.config._attn_implementation == shared_prefix.ATTN
     batch = make_sequence_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]], 0)
+    # nothing shared: the batch runs padded, as it always has
+    assert shared_prefix.plan(batch.input_ids, batch.attention_mask, batch.prompt_lens) is None
     kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
     assert torch.equal(shared(**kwargs).logits, plain(**kwargs).logits)
 
@@ -132,28 +134,31 @@ def test_one_and_two_token_responses(lengths):
 
 
 def long_tail_batch(shared: bool):
-    """A long tail: most responses short, one at the limit; 2 prompts x 4 samples, or 8 prompts of their own."""
+    """A long tail: most responses short, one at the limit; 2 prompts x 4 samples, or 7 prompts of which only
+    the last has two samples (the others are packed all the same)."""
     g = torch.Generator().manual_seed(3)
 
     def ids(n):
         return torch.randint(3, 60, (n,), generator=g).tolist()
 
     lengths = [3, 40, 1, 5, 2, 7, 4, 2]
-    prompts = [ids(6)] * 4 + [ids(11)] * 4 if shared else [ids(6 + i % 5) for i in range(8)]
+    prompts = [ids(6)] * 4 + [ids(11)] * 4 if shared else [ids(6 + i % 5) for i in range(7)]
+    if not shared:
+        prompts.append(prompts[-1])
     return make_sequence_batch(prompts, [ids(n) for n in lengths], 0)
 
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_long_tail_costs_its_tokens_and_gives_the_padded_batch_gradients(shared):
-    """Ragged rows with and without shared prompts: the packed row holds the real tokens only (the padded
-    batch holds 8 x the longest row), and the weighted log-prob and entropy loss and every gradient equal
-    the padded batch's."""
+    """Ragged rows, with prompts shared or (but for one pair) not: the packed row holds the real tokens
+    only (the padded batch holds 8 x the longest row), and the weighted log-prob and entropy loss and every
+    gradient equal the padded batch's."""
     plain = tiny_decoder("mistral").train()
     packed = copy.deepcopy(plain)
     packed.set_attn_implementation(shared_prefix.attn_implementation(packed.config, ds()))
     batch = long_tail_batch(shared)
     layout = shared_prefix.plan(batch.input_ids, batch.attention_mask, batch.prompt_lens)
-    prompts = 6 + 11 if shared else int(batch.prompt_lens.sum())
+    prompts = 6 + 11 if shared else int(batch.prompt_lens[:7].sum())
     assert layout.input_ids.shape[1] == prompts + sum(n - 1 for n in [3, 40, 1, 5, 2, 7, 4, 2])
     losses = []
     w = torch.randn(8, 40, generator=torch.Generator().manual_seed(1))

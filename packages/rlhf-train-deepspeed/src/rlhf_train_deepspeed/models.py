@@ -70,11 +70,14 @@ def response_logprobs(
         lp, ent = _ring_logprobs(model, kwargs, batch, pos, mask, temperature, with_entropy, ring)
     else:
         targets = kwargs["input_ids"].reshape(-1)[pos + 1][mask]
+        layout = None
         if not packing and shared_prefix.enabled(model):
-            # one packed row: a prompt once for its samples, no padding (see shared_prefix)
             layout = shared_prefix.plan(
                 batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu()
             )
+        if (
+            layout is not None
+        ):  # one packed row: a prompt once for its samples, no padding (see shared_prefix)
             layout = to_device(layout, targets.device)
             hidden = head_inputs(model, shared_prefix.forward_inputs(layout), layout.columns)  # [1, K, H]
             rows = layout.logit_rows[mask]
@@ -298,10 +301,12 @@ def response_values(
     model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic values of the state before each response token, ``[B, T]`` (zero where masked), and the mask."""
+    layout = None
     if ring is None and not packing and shared_prefix.enabled(model):  # as response_logprobs
         layout = shared_prefix.plan(
             batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu()
         )
+    if layout is not None:
         layout = to_device(layout, batch.input_ids.device)
         values = model(**shared_prefix.forward_inputs(layout)).reshape(-1).float()[layout.columns]
         mask = batch.response_mask()

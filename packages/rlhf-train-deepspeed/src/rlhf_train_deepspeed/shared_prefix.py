@@ -90,13 +90,16 @@ class Layout:
     ``i`` (0 past its end)."""
 
 
-def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> Layout:
+def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> Layout | None:
     """The packed shared-prompt layout of a right-padded batch (``[B, L]`` ids and mask, ``[B]`` prompt
-    lengths); rows with the same prompt ids form a group, in order of their first row."""
+    lengths); rows with the same prompt ids form a group, in order of their first row. None when no prompt
+    is shared: such a batch runs padded, as it always has (``--ds.packing_samples`` packs it)."""
     lengths, plens, rows = attention_mask.sum(-1).tolist(), prompt_lens.tolist(), input_ids.tolist()
     groups: dict[tuple, list[int]] = {}
     for i, (row, p) in enumerate(zip(rows, plens, strict=True)):
         groups.setdefault(tuple(row[:p]), []).append(i)
+    if len(groups) == len(rows):
+        return None
     ids: list[int] = []
     pos: list[int] = []
     columns: list[int] = []

@@ -384,7 +384,7 @@ class TrainConfig:
     lengths with ``--ds.packing_samples`` or ``--ds.shared_prefix`` (a shared prompt once for its rows), rows
     x the longest row when padded. A longer sequence gets a micro-batch of its own (never truncated). With
     ``--ds.ring_attn_size R`` a micro-batch holds up to R budgets, since each rank of the ring runs 1/R of it.
-    Default: 16192 on GPUs; 2048 on CPU, where a training token's activations take process memory (~1.5 MB
+    Default: 16192 on GPUs; 1536 on CPU, where a training token's activations take process memory (~1.9 MB
     on SmolLM2-135M in fp32, docs/long-responses.md)."""
     enable_ema: bool = False
     """Keep an exponential moving average of the policy weights (fp32, updated after every applied optimizer

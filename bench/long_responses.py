@@ -45,8 +45,13 @@ def run(new_tokens: int, steps: int, threads: int, workdir: Path) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     bench.make_workload(root, 576, 30, 45, 8 * steps * 2, real=True)
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "RLHF_NO_PROGRESS": "1"}
-    cmd = [str(Path(sys.executable).with_name("rlhf")), "train", "ppo", *flags(root, out, new_tokens, steps)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "RLHF_NO_PROGRESS": "1",
+    }
+    cmd = [sys.executable, __file__, "--child", *flags(root, out, new_tokens, steps)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     mem = bench.TreeMemory(proc.pid)
     mem.start()
@@ -68,6 +73,7 @@ def run(new_tokens: int, steps: int, threads: int, workdir: Path) -> dict:
     return {
         "new_tokens": new_tokens,
         "steps": rows,
+        "phase_cpu_s": json.loads((out / "phase_cpu.json").read_text()),
         "cpu_s_per_step": [b - a for a, b in zip(cpu_at_row, cpu_at_row[1:])],
         "peak_rss_mib": mem.peak_rss / 2**20,
         "command": " ".join(cmd),
@@ -76,36 +82,63 @@ def run(new_tokens: int, steps: int, threads: int, workdir: Path) -> dict:
     }
 
 
+def child(argv: list[str]) -> None:
+    """``rlhf train ppo argv`` in this process, with the CPU seconds of each step's generation and policy
+    update (``time.process_time``: every thread of the process; a single-process run's phases do not
+    overlap) written to ``<output_dir>/phase_cpu.json``."""
+    from rlhf_cli.main import main as rlhf_main
+    from rlhf_cli.rl.rollout import Rollout
+    from rlhf_cli.rl.step import PolicyStep
+
+    cpu: dict[str, list[float]] = {"generation": [], "update": []}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                cpu[name].append(time.process_time() - t)
+
+        return wrapper
+
+    Rollout.collect = timed("generation", Rollout.collect)
+    PolicyStep.train = timed("update", PolicyStep.train)
+    rc = rlhf_main(["train", "ppo", *argv])
+    out = Path(argv[argv.index("--ckpt.output_dir") + 1])
+    (out / "phase_cpu.json").write_text(json.dumps(cpu))
+    sys.exit(rc)
+
+
 def report() -> None:
     lines = [
         BEGIN,
         "## Long responses (issue 51)",
         "",
         "SmolLM2-135M-Instruct GRPO, row R's workload with only `--rollout.max_new_tokens` changed and no",
-        "minimum length (replies end where the model ends them), rlhf with its default flags, one process, fp32,",
-        "2 threads; the first step dropped (warm-up). Rerun on a quiet machine:",
+        "minimum length (replies end where the model ends them), rlhf with its default flags (one process,",
+        "fp32); the first step dropped (warm-up). CPU seconds of each phase (`time.process_time` of the one",
+        "process), medians over the measured steps; per response token = over 64 x the step's mean reply.",
+        "Rerun (on a quiet machine, `--threads 2`):",
         "",
         "    DS_ACCELERATOR=cpu .venv/bin/python bench/long_responses.py --lengths 16,128,512,1024",
         "",
-        "| max new tokens | mean / max response | generation s | update s | step s | step CPU s |"
-        " update ms / response token | generation ms / response token | peak RSS MiB |",
+        "| max new tokens | threads | mean / max response | generation CPU s | update CPU s | step CPU s |"
+        " update CPU ms / token | generation CPU ms / token | peak RSS MiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for path in sorted(
-        HERE.glob("results/long-*.json"), key=lambda p: json.loads(p.read_text())["new_tokens"]
-    ):
-        r = json.loads(path.read_text())
-        steps, cpu = r["steps"][1:], r["cpu_s_per_step"]
-        tokens = [s["response_length/mean"] * 64 for s in steps]
-
-        per_token = [1000 * s["timing/ppo_train"] / t for s, t in zip(steps, tokens)]
-        gen_token = [1000 * s["timing/generation"] / t for s, t in zip(steps, tokens)]
+    results = [json.loads(p.read_text()) for p in HERE.glob("results/long-*.json")]
+    for r in sorted(results, key=lambda r: (r["new_tokens"], r["date"])):
+        steps, cpu = r["steps"][1:], {k: v[1:] for k, v in r["phase_cpu_s"].items()}
+        tokens = [64 * s["response_length/mean"] for s in steps]
+        means = [s["response_length/mean"] for s in steps]
+        update = [1000 * c / t for c, t in zip(cpu["update"], tokens)]
+        generation = [1000 * c / t for c, t in zip(cpu["generation"], tokens)]
         lines.append(
-            f"| {r['new_tokens']} | {min(s['response_length/mean'] for s in steps):.0f}-"
-            f"{max(s['response_length/mean'] for s in steps):.0f} / {max(s['response_length/max'] for s in steps):.0f}"
-            f" | {statistics.median(s['timing/generation'] for s in steps):.1f} | {statistics.median(s['timing/ppo_train'] for s in steps):.1f} | {statistics.median(s['timing/step_total'] for s in steps):.1f}"
-            f" | {statistics.median(cpu):.0f} | {statistics.median(per_token):.2f}"
-            f" | {statistics.median(gen_token):.2f} | {r['peak_rss_mib']:.0f} |"
+            f"| {r['new_tokens']} | {r['threads']} | {min(means):.0f}-{max(means):.0f} / "
+            f"{max(s['response_length/max'] for s in steps):.0f} | {statistics.median(cpu['generation']):.1f} | "
+            f"{statistics.median(cpu['update']):.1f} | {statistics.median(r['cpu_s_per_step']):.1f} | "
+            f"{statistics.median(update):.1f} | {statistics.median(generation):.1f} | {r['peak_rss_mib']:.0f} |"
         )
     lines.append(END)
     text = MD.read_text()
@@ -117,6 +150,8 @@ def report() -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="16,128,512,1024", help="values of --rollout.max_new_tokens")
     p.add_argument("--steps", type=int, default=3, help="RL steps per run, the first dropped")

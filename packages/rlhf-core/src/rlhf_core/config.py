@@ -532,7 +532,8 @@ class DSConfig:
     """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
     shared_prefix: bool = True
     """Run a prompt shared by several sequences of a micro-batch (the samples of one prompt, DPO's chosen and
-    rejected) through the policy and reference once; exact. Applies with ``sdpa``, without packing or ring
+    rejected) through the policy, reference and critic once, and the micro-batch's responses packed without
+    padding (docs/long-responses.md); exact. Applies with ``sdpa``, without packing or ring
     attention, on Llama, Mistral, Qwen2/3 and their MoE variants without sliding windows."""
     experts_implementation: str | None = None
     """MoE experts implementation of the trained and reference models, passed to transformers

@@ -178,7 +178,7 @@ def test_micro_batches_keep_each_row_with_its_own_results(dynamic):
     cfg = config()
     cfg.rollout.micro_batch_size = 2
     cfg.train.batch_size, cfg.train.micro_batch_size = 8, 2
-    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = dynamic, 12
+    cfg.train.dynamic_batch_enable, cfg.train.max_tokens_per_gpu = dynamic, 12 if dynamic else None
     cfg.train.max_epochs = 2  # off-policy after the first epoch: the old log-probs are computed
     # row i: prompt [i + 1, ...], responses of 1 to 9 tokens (ids 10i + t); the 4th token of row 3 is feedback
     shapes = [(2, 2), (3, 9), (2, 1), (4, 6), (1, 2), (2, 9), (3, 1), (1, 2)]

@@ -645,6 +645,8 @@ def assemble(mode: str, cfg, pm=None, gpus: bool | None = None) -> Assembly:
     gpus = gpus_available() if gpus is None else gpus
     asm = Assembly(mode, cfg)
     _resolve_precision(asm, gpus)
+    if cfg.train.max_tokens_per_gpu is None:  # activations follow tokens: a GPU's budget fills a CPU's memory
+        cfg.train.max_tokens_per_gpu = 16192 if gpus else 1536
     backend = _use(asm, pm, "train_backends", cfg.train.backend, "--train.backend")
     if mode != "ppo":
         models = [("--model.model_name_or_path", cfg.model.model_name_or_path)]

@@ -150,9 +150,11 @@ def token_budget_micro_batches(
     1. Units are dealt to the ranks longest first (by their longest row), each to the rank holding the
        fewest tokens among those with room for all of it; a unit no rank has room for is dealt row by row.
        Ranks get equal numbers of rows (the first ``B mod R`` ranks one more).
-    2. Each rank places its rows in that order (a unit's rows together, longest first) in the first of its
-       micro-batches where the cost stays ``<= max_tokens``, else in a new one. A single row longer than
-       ``max_tokens`` gets a micro-batch of its own, over the budget: rows are never dropped or truncated.
+    2. Each rank places its rows in that order (a unit's rows together, longest first): a unit's rows in
+       the first of its micro-batches (or a new one) where the cost of all of them stays ``<= max_tokens``;
+       a unit that fits none is placed row by row, each in the first where the cost stays ``<= max_tokens``,
+       else in a new one. A single row longer than ``max_tokens`` gets a micro-batch of its own, over the
+       budget: rows are never dropped or truncated.
     3. A rank with fewer micro-batches than the most any rank has halves its costliest one (of two rows or
        more) until the counts are equal, because every rank must run the same number of forward/backward
        passes (ZeRO-3 gathers are collective). That needs at least as many rows on the rank as the target
@@ -172,9 +174,12 @@ def token_budget_micro_batches(
     def cost(rows: list[int]) -> int:
         return sum(lengths[i] for i in rows) if packed else len(rows) * max(lengths[i] for i in rows)
 
+    def key(i: int) -> Hashable:
+        return i if prompts is None else prompts[i]
+
     units: dict[Hashable, list[int]] = {}
     for i in range(len(lengths)):
-        units.setdefault(i if prompts is None else prompts[i], []).append(i)
+        units.setdefault(key(i), []).append(i)
     ordered = [sorted(u, key=lambda i: (-lengths[i], i)) for u in units.values()]
     ordered.sort(key=lambda u: (-lengths[u[0]], u[0]))
     room = [len(lengths) // num_ranks + (r < len(lengths) % num_ranks) for r in range(num_ranks)]
@@ -189,25 +194,38 @@ def token_budget_micro_batches(
             whole = [r] if whole else []  # the rest of the unit follows its first row
             shares[r].append(i)
             tokens[r] += lengths[i]
+
+    def fits(mbs: list[list[int]], stats: list[tuple[int, int]], k: int, rows: list[int]) -> bool:
+        """Whether ``rows`` keep micro-batch ``k`` (``len(mbs)``: a new one) within the budget."""
+        tok, wide = stats[k] if k < len(mbs) else (0, 0)
+        size = len(mbs[k]) if k < len(mbs) else 0
+        wide = max(wide, *(lengths[i] for i in rows))
+        return (tok + sum(lengths[i] for i in rows) if packed else (size + len(rows)) * wide) <= max_tokens
+
     per_rank: list[list[list[int]]] = []
     for share in shares:
         mbs: list[list[int]] = []
         stats: list[tuple[int, int]] = []  # tokens and longest row of each micro-batch: a try costs O(1)
+
+        runs: list[list[int]] = []  # a unit's rows on this rank, placed together where they fit
         for i in share:
-            n = lengths[i]
-            k = next(
-                (
+            if runs and key(runs[-1][0]) == key(i):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            k = next((k for k in range(len(mbs) + 1) if fits(mbs, stats, k, run)), None)
+            for i in run:
+                at = (
                     k
-                    for k, (tok, wide) in enumerate(stats)
-                    if (tok + n if packed else (len(mbs[k]) + 1) * max(wide, n)) <= max_tokens
-                ),
-                len(mbs),
-            )
-            if k == len(mbs):
-                mbs.append([])
-                stats.append((0, 0))
-            mbs[k].append(i)
-            stats[k] = (stats[k][0] + n, max(stats[k][1], n))
+                    if k is not None
+                    else next((j for j in range(len(mbs)) if fits(mbs, stats, j, [i])), len(mbs))
+                )
+                if at == len(mbs):
+                    mbs.append([])
+                    stats.append((0, 0))
+                mbs[at].append(i)
+                stats[at] = (stats[at][0] + lengths[i], max(stats[at][1], lengths[i]))
         per_rank.append(mbs)
     target = max(len(mbs) for mbs in per_rank)
     for mbs in per_rank:

@@ -381,12 +381,15 @@ class TrainConfig:
     dynamic_batch_enable: bool = False
     """Form micro-batches by token budget instead of sequence count: the training steps' (see
     ``max_tokens_per_gpu``) and the log-prob / value passes' (``--rollout.max_tokens_per_gpu``); every rank
-    still runs the same number of micro-batches."""
-    max_tokens_per_gpu: int = 16192
-    """Token budget per rank and training micro-batch with dynamic batching: the sum of the sequence lengths
-    with ``--ds.packing_samples``, rows x the longest row when padded. A longer sequence gets a micro-batch of
-    its own (never truncated). With ``--ds.ring_attn_size R`` a micro-batch holds up to R budgets, since each
-    rank of the ring runs 1/R of it."""
+    still runs the same number of micro-batches. Without it, an RL step whose micro-batches of
+    ``micro_batch_size`` rows would pass the budget is cut by the budget all the same."""
+    max_tokens_per_gpu: int | None = None
+    """Token budget per rank and RL micro-batch, counted as the forward runs them: the sum of the sequence
+    lengths with ``--ds.packing_samples`` or ``--ds.shared_prefix`` (a shared prompt once for its rows), rows
+    x the longest row when padded. A longer sequence gets a micro-batch of its own (never truncated). With
+    ``--ds.ring_attn_size R`` a micro-batch holds up to R budgets, since each rank of the ring runs 1/R of it.
+    Default: 16192 on GPUs; 1536 on CPU, where a training token's activations take process memory (~1.9 MB
+    on SmolLM2-135M in fp32, docs/long-responses.md)."""
     enable_ema: bool = False
     """Keep an exponential moving average of the policy weights (fp32, updated after every applied optimizer
     step) and export it as ``<output_dir>/model`` and ``best_model``; the rollout engines keep getting the
@@ -533,7 +536,8 @@ class DSConfig:
     """HF attention implementation: ``eager``, ``sdpa``, ``flash_attention_2``."""
     shared_prefix: bool = True
     """Run a prompt shared by several sequences of a micro-batch (the samples of one prompt, DPO's chosen and
-    rejected) through the policy and reference once; exact. Applies with ``sdpa``, without packing or ring
+    rejected) through the policy, reference and critic once, and the micro-batch's responses packed without
+    padding (docs/long-responses.md); exact. Applies with ``sdpa``, without packing or ring
     attention, on Llama, Mistral, Qwen2/3 and their MoE variants without sliding windows."""
     experts_implementation: str | None = None
     """MoE experts implementation of the trained and reference models, passed to transformers

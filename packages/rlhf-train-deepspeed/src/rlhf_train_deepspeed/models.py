@@ -75,9 +75,11 @@ def response_logprobs(
             layout = shared_prefix.plan(
                 batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu()
             )
-        if layout is not None:  # rows with the same prompt run it once
+        if (
+            layout is not None
+        ):  # one packed row: a prompt once for its samples, no padding (see shared_prefix)
             layout = to_device(layout, targets.device)
-            hidden = head_inputs(model, shared_prefix.forward_inputs(layout), layout.columns)  # [G, K, H]
+            hidden = head_inputs(model, shared_prefix.forward_inputs(layout), layout.columns)  # [1, K, H]
             rows = layout.logit_rows[mask]
         else:
             # Only the columns from the first one that predicts a response token (the shortest prompt's)
@@ -299,6 +301,16 @@ def response_values(
     model: nn.Module, batch: SequenceBatch, packing: bool = False, ring: ring_attn.RingGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic values of the state before each response token, ``[B, T]`` (zero where masked), and the mask."""
+    layout = None
+    if ring is None and not packing and shared_prefix.enabled(model):  # as response_logprobs
+        layout = shared_prefix.plan(
+            batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_lens.cpu()
+        )
+    if layout is not None:
+        layout = to_device(layout, batch.input_ids.device)
+        values = model(**shared_prefix.forward_inputs(layout)).reshape(-1).float()[layout.columns]
+        mask = batch.response_mask()
+        return values[layout.logit_rows] * mask, mask
     values, offsets = token_values(model, batch, packing, ring)
     pos, mask = response_positions(batch, offsets)
     return values[pos] * mask, mask
@@ -337,8 +349,12 @@ def value_model_class(config, head_prefix: str = "score") -> type:
 
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
             base = getattr(self, self.base_model_prefix)
-            hidden = base(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            hidden = base(  # kwargs: the attention's (a shared-prompt layout)
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                **kwargs,
             )
             return getattr(self, head_prefix)(hidden.last_hidden_state).squeeze(-1)
 

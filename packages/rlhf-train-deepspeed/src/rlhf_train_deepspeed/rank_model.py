@@ -131,7 +131,9 @@ class RankModel:
         aux_coef = getattr(spec.optim, "aux_loss_coef", 0.0) if spec.trainable else 0.0  # critics: none
         replay = getattr(spec.optim, "router_replay", False) and spec.trainable
         if spec.kind == "value":
-            model = load_value_model(spec.path, dtype, attn, ds.value_head_prefix, **quant, **experts)
+            model = load_value_model(
+                spec.path, dtype, causal_attn(spec.path, ds, attn), ds.value_head_prefix, **quant, **experts
+            )
         elif spec.kind == "causal":
             # the aux loss and router replay need each routed token's row in the padded batch: not the
             # shared-prompt layout

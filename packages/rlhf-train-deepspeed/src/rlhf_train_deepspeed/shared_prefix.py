@@ -1,22 +1,20 @@
-"""Shared prompts: the sequences of a micro-batch that start with the same prompt (the ``n`` samples of one
-prompt in RL, chosen and rejected in DPO) run that prompt through the model once.
+"""Shared prompts, packed responses: the sequences of a micro-batch that start with the same prompt (the ``n``
+samples of one prompt in RL, chosen and rejected in DPO) run that prompt through the model once, and every
+sequence runs its own tokens only, without padding.
 
-Layout, one row per group of sequences with the same prompt (``G`` rows)::
+Layout, one packed row ``[1, N]``, group after group (sequences with the same prompt)::
 
-    [ P prompt slots, left-padded | slot 0: W response tokens | slot 1: W | ... | slot S-1: W ]
+    [ prompt 0 | response a less its last token | response b ... | prompt 1 | response c ... | ... ]
 
-``P`` is the longest prompt, ``S`` the largest group, ``R`` the longest response and ``W = R - 1``: a
-response's last token predicts nothing and no other token attends to it, so no slot needs it. Positions
-are the prompt's ``0..p-1`` and ``p..p+W-1`` in every slot. The attention function registered here as
-``rlhf_shared_prefix`` gives
-
-- prompt queries: the causal prompt keys of their row (pad keys masked);
-- response token ``t`` of slot ``s``: the row's prompt keys, then keys ``0..t`` of slot ``s`` only,
-
-which is the attention each sequence has on its own, so log-probs and gradients equal the unshared ones up
-to float summation order. The linear layers see ``G*P + G*S*W`` tokens instead of ``B*(P+R)``: with 8
-samples of a 32-token prompt and 64-token responses, 30% fewer. The prompt's keys and values are expanded
-to every slot, so autograd sums the group's gradients into the one prompt.
+A response's last token predicts nothing and no other token attends to it, so it is left out: a group of
+prompt ``p`` and responses ``r_i`` holds ``p + sum(r_i - 1)`` tokens, ``N`` is the sum over groups. Positions
+are the prompt's ``0..p-1`` and ``p..p+r_i-2`` in each response. The attention function registered here as
+``rlhf_shared_prefix`` runs, for each response, causal SDPA over its group's prompt followed by its own
+tokens (one call per sequence, the prompt's keys and values concatenated in front), which is the attention
+that sequence has on its own: log-probs and gradients equal the padded batch's up to float summation order.
+The prompt's queries are answered by the first sequence's call (the others drop theirs). The linear layers
+see ``N`` tokens instead of ``B * L`` padded; attention costs ``sum_i (p + r_i)^2 / 2`` per head, as the
+sequences would alone. Autograd sums the group's gradients into the one prompt.
 
 Without a layout (``shared_prefix`` keyword absent) the function is transformers' SDPA, and its masks are
 SDPA's: a model loaded with it computes everything else exactly as with ``sdpa``."""
@@ -29,8 +27,6 @@ import torch
 import torch.nn.functional as F
 
 ATTN = "rlhf_shared_prefix"
-MAX_MASK_ENTRIES = 1 << 26
-"""Largest response mask (``G*S*W*(P+W)`` booleans, also materialised as floats by SDPA) a layout may use."""
 
 # Attention in these architectures is plain softmax attention over RoPE'd q/k; sliding windows are checked
 # separately. Others (soft-capping, attention sinks, cross-layer KV sharing) keep SDPA.
@@ -78,86 +74,61 @@ def enabled(model) -> bool:
 
 @dataclass
 class Layout:
-    """Where each sequence of a micro-batch sits in the shared-prompt rows (see the module docstring)."""
+    """Where each sequence of a micro-batch sits in the packed row (see the module docstring)."""
 
     input_ids: torch.Tensor
-    """``[G, P + S*W]``"""
+    """``[1, N]``"""
     position_ids: torch.Tensor
-    """``[G, P + S*W]``"""
-    prompt_len: int
-    slots: int
-    slot_len: int
-    """``W``: positions per slot, the longest response less its last token (at least 1)"""
-    prompt_mask: torch.Tensor
-    """``[G, 1, P, P]`` bool: causal over real prompt keys (a pad query sees itself, so no row is empty)."""
-    response_mask: torch.Tensor
-    """``[G*S, 1, W, P+W]`` bool: the group's real prompt keys, then causal over the slot's own keys."""
+    """``[1, N]``"""
+    groups: list[tuple[int, int, list[tuple[int, int]]]]
+    """Per group: its prompt's start and length in the row, and each response's start and length there."""
     columns: torch.Tensor
-    """``[K]`` columns of a row whose outputs predict a response token: the last prompt slot, then every
-    slot's first ``R - 1`` positions (``K = 1 + S*(R-1)``; all ``W`` of them unless ``R`` is 1)."""
+    """``[K]`` columns whose outputs predict a response token: each group's last prompt column, then its
+    responses' columns."""
     logit_rows: torch.Tensor
-    """``[B, T]`` index into the ``[G*K]`` flattened outputs at :attr:`columns` for response token ``t`` of
-    sequence ``i``."""
+    """``[B, T]`` index into :attr:`columns` of the output that predicts response token ``t`` of sequence
+    ``i`` (0 past its end)."""
 
 
 def plan(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> Layout | None:
-    """The shared-prompt layout of a right-padded batch (``[B, L]`` ids and mask, ``[B]`` prompt lengths),
-    or None when it would not run fewer tokens than the padded batch (no prompt shared, or groups so
-    uneven that the empty slots cost more than the prompts saved), or when its attention mask would pass
-    :data:`MAX_MASK_ENTRIES` (long sequences, where the padded path's causal kernels need no mask at all)."""
+    """The packed shared-prompt layout of a right-padded batch (``[B, L]`` ids and mask, ``[B]`` prompt
+    lengths); rows with the same prompt ids form a group, in order of their first row. None when no prompt
+    is shared: such a batch runs padded, as it always has (``--ds.packing_samples`` packs it)."""
     lengths, plens, rows = attention_mask.sum(-1).tolist(), prompt_lens.tolist(), input_ids.tolist()
     groups: dict[tuple, list[int]] = {}
     for i, (row, p) in enumerate(zip(rows, plens, strict=True)):
         groups.setdefault(tuple(row[:p]), []).append(i)
-    members = list(groups.values())
-    b, g = len(rows), len(members)
-    P, S = max(plens), max(len(m) for m in members)
-    R = max(n - p for n, p in zip(lengths, plens, strict=True))
-    W = max(R - 1, 1)
-    if g == b or g * (P + S * W) >= b * input_ids.shape[1] or g * S * W * (P + W) > MAX_MASK_ENTRIES:
+    if len(groups) == len(rows):
         return None
-
-    width = P + S * W
-    ids = torch.zeros((g, width), dtype=torch.long)  # empty slots are masked out, so their ids do not matter
-    pos = torch.zeros((g, width), dtype=torch.long)
-    key_ok = torch.zeros((g, P), dtype=torch.bool)
-    K = 1 + S * (R - 1)
-    logit_rows = torch.zeros((b, R), dtype=torch.long)
-    for gi, group in enumerate(members):
-        p = plens[group[0]]
-        ids[gi, P - p : P] = torch.tensor(rows[group[0]][:p])
-        pos[gi, P - p : P] = torch.arange(p)
-        key_ok[gi, P - p :] = True
-        for s, i in enumerate(group):
-            start = P + s * W
-            r = min(lengths[i] - p, W)
-            ids[gi, start : start + r] = torch.tensor(rows[i][p : p + r])
-            pos[gi, start : start + W] = torch.arange(p, p + W)
-            # token 0 is predicted by the last prompt slot, token t >= 1 by slot position t - 1
-            logit_rows[i, 0] = gi * K
-            logit_rows[i, 1:] = gi * K + 1 + s * (R - 1) + torch.arange(R - 1)
-    q, k = torch.arange(P)[:, None], torch.arange(P)[None, :]
-    prompt_mask = ((k <= q) & key_ok[:, None, :]) | (k == q)
-    causal = torch.ones(W, W, dtype=torch.bool).tril()
-    response_mask = torch.cat([key_ok[:, None, None, :].expand(g, S, W, P), causal.expand(g, S, W, W)], -1)
-    slot_starts = P + torch.arange(S) * W
-    columns = torch.cat([torch.tensor([P - 1]), (slot_starts[:, None] + torch.arange(R - 1)).reshape(-1)])
-    return Layout(
-        ids,
-        pos,
-        P,
-        S,
-        W,
-        prompt_mask[:, None],
-        response_mask.reshape(g * S, 1, W, P + W),
-        columns,
-        logit_rows,
+    ids: list[int] = []
+    pos: list[int] = []
+    columns: list[int] = []
+    spans = []
+    logit_rows = torch.zeros(
+        (len(rows), max(n - p for n, p in zip(lengths, plens, strict=True))), dtype=torch.long
     )
+    for members in groups.values():
+        p, start = plens[members[0]], len(ids)
+        ids += rows[members[0]][:p]
+        pos += range(p)
+        prompt_column = len(columns)
+        columns.append(start + p - 1)
+        responses = []
+        for i in members:
+            r = lengths[i] - p
+            w = max(r - 1, 0)  # the last token predicts nothing
+            responses.append((len(ids), w))
+            logit_rows[i, :r] = torch.tensor([prompt_column, *range(len(columns), len(columns) + w)])
+            columns += range(len(ids), len(ids) + w)
+            ids += rows[i][p : p + w]
+            pos += range(p, p + w)
+        spans.append((start, p, responses))
+    return Layout(torch.tensor([ids]), torch.tensor([pos]), spans, torch.tensor(columns), logit_rows)
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: ``[G, H, N, D]`` queries, ``[G, Hkv, N, D]`` keys/values ->
-    ``[G, N, H, D]``. Plain SDPA unless the forward was given ``shared_prefix=Layout``."""
+    """transformers attention function: ``[1, H, N, D]`` queries, ``[1, Hkv, N, D]`` keys/values ->
+    ``[1, N, H, D]``. Plain SDPA unless the forward was given ``shared_prefix=Layout``."""
     layout: Layout | None = kwargs.pop("shared_prefix", None)
     if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -170,42 +141,23 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             raise NotImplementedError(
                 f"shared-prompt attention does not support {name}; use --ds.shared_prefix false"
             )
-    (g, heads, _, d), kv = query.shape, key.shape[1]
-    P, S, W = layout.prompt_len, layout.slots, layout.slot_len
-
-    def slots(x: torch.Tensor) -> torch.Tensor:  # [G, h, S*W, D] -> [G*S, h, W, D]
-        return x.reshape(g, x.shape[1], S, W, d).transpose(1, 2).reshape(g * S, x.shape[1], W, d)
-
-    def with_prompt(x: torch.Tensor) -> torch.Tensor:  # [G, Hkv, N, D] -> [G*S, Hkv, P+W, D]
-        prompt = x[:, :, :P].unsqueeze(1).expand(g, S, kv, P, d).reshape(g * S, kv, P, d)
-        return torch.cat([prompt, slots(x[:, :, P:])], 2)
-
-    gqa = heads != kv
-    out_prompt = F.scaled_dot_product_attention(
-        query[:, :, :P],
-        key[:, :, :P],
-        value[:, :, :P],
-        attn_mask=layout.prompt_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=gqa,
-    )
-    out_slots = F.scaled_dot_product_attention(  # [G*S, H, W, D]
-        slots(query[:, :, P:]),
-        with_prompt(key),
-        with_prompt(value),
-        attn_mask=layout.response_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=gqa,
-    )
-    out_slots = out_slots.reshape(g, S, heads, W, d).permute(0, 1, 3, 2, 4).reshape(g, S * W, heads, d)
-    return torch.cat([out_prompt.transpose(1, 2), out_slots], 1).contiguous(), None
+    gqa = query.shape[1] != key.shape[1]
+    out = []
+    for start, p, responses in layout.groups:
+        for n, (a, w) in enumerate(responses):
+            q, k, v = (
+                torch.cat([x[:, :, start : start + p], x[:, :, a : a + w]], 2) for x in (query, key, value)
+            )
+            o = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+            )  # [1, H, p + w, D]
+            out.append(o if n == 0 else o[:, :, p:])  # the group's first sequence answers its prompt
+    return torch.cat(out, 2).transpose(1, 2).contiguous(), None
 
 
 def forward_inputs(layout: Layout) -> dict:
     """The causal LM's keyword arguments that run a layout; keep the columns :attr:`Layout.columns`."""
-    # a 4-D mask is passed through untouched; the attention ignores it (the layout holds the real masks)
+    # a 4-D mask is passed through untouched; the attention needs none (the layout says who sees whom)
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=layout.input_ids.device)
     return {
         "input_ids": layout.input_ids,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -207,23 +208,27 @@ def advantage_input(exp: Experience, cfg, kl: torch.Tensor | None, kl_coef: floa
     )
 
 
-def micro_batch_cuts(exp: Experience, group, rows: int, max_tokens: int | None, cfg) -> list:
+def micro_batch_cuts(exp: Experience, group, rows: int | None, max_tokens: int | None, cfg) -> list:
     """The micro-batches of ``exp`` for ``group``'s ranks, each a row slice or a list of row indices: ``rows``
-    rows each, in order; or with ``max_tokens`` (dynamic batching, packages/rlhf-cli/README.md) as many rows
-    as fit ``max_tokens`` per rank times the group's ring-attention size (its ranks each hold a slice of a
-    micro-batch), a prompt's samples together under ``--ds.shared_prefix`` (packing does not share)."""
-    if max_tokens is None:
-        return [slice(s, s + rows) for s in range(0, len(exp.sequences), rows)]
+    rows each, in order, as long as each fits ``max_tokens`` (None: any size); else, or with ``rows`` None
+    (dynamic batching, packages/rlhf-cli/README.md), as many rows as fit ``max_tokens`` per rank times the
+    group's ring-attention size (its ranks each hold a slice of a micro-batch), a prompt's samples together
+    under ``--ds.shared_prefix``. Tokens are counted as the forward runs them: packed (no padding), a shared
+    prompt once for its rows (each row charged an equal share); padded rows x the longest otherwise."""
+    n = len(exp.sequences)
+    packed = cfg.ds.packing_samples or cfg.ds.shared_prefix
+    lengths = [len(q) for q in exp.sequences]
     keys = None
     if cfg.ds.shared_prefix and not cfg.ds.packing_samples:
         keys = [tuple(seq[:pl]) for seq, pl in zip(exp.sequences, exp.prompt_lens)]
-    return token_budget_micro_batches(
-        [len(q) for q in exp.sequences],
-        group.dp_size,
-        max_tokens * group.ring_size,
-        cfg.ds.packing_samples,
-        keys,
-    )
+        share = Counter(keys)
+        lengths = [m - pl + -(-pl // share[k]) for m, pl, k in zip(lengths, exp.prompt_lens, keys)]
+    if rows is not None:
+        cuts = [slice(s, s + rows) for s in range(0, n, rows)]
+        cost = [sum(lengths[c]) if packed else len(lengths[c]) * max(lengths[c]) for c in cuts]
+        if max_tokens is None or max(cost) <= max_tokens * group.ring_size:
+            return cuts
+    return token_budget_micro_batches(lengths, group.dp_size, max_tokens * group.ring_size, packed, keys)
 
 
 def sequence_batches(exp: Experience, cuts: list, pad_token_id: int) -> list[SequenceBatch]:
@@ -269,9 +274,8 @@ class ExperienceMaker:
         exp = build_experience(trajs, cfg)
         b = len(exp.sequences)
         budget = cfg.rollout.max_tokens_per_gpu or cfg.train.max_tokens_per_gpu
-        cuts = micro_batch_cuts(
-            exp, actor, cfg.rollout.micro_batch_size, budget if cfg.train.dynamic_batch_enable else None, cfg
-        )
+        rows = None if cfg.train.dynamic_batch_enable else cfg.rollout.micro_batch_size
+        cuts = micro_batch_cuts(exp, actor, rows, budget, cfg)
         mbs = sequence_batches(exp, cuts, self.pad)
         # router replay: the recorded experts are the policy's own, not the reference's or the critic's
         plain = (
@@ -305,7 +309,7 @@ class ExperienceMaker:
             for k in teacher.unique().tolist():
                 rows = (teacher == k).nonzero().flatten().tolist()
                 part = exp.rows(rows)
-                part_cuts = micro_batch_cuts(part, ref, cfg.rollout.micro_batch_size, None, cfg)
+                part_cuts = micro_batch_cuts(part, ref, cfg.rollout.micro_batch_size, budget, cfg)
                 futures.append(
                     ref.forward(sequence_batches(part, part_cuts, self.pad), temperature, teacher=k)
                 )

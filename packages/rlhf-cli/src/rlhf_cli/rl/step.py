@@ -129,8 +129,9 @@ class PolicyStep:
         actor, critic = self.groups.actor, self.groups.critic
         b = len(exp.sequences)
         micro = cfg.train.micro_batch_size
-        max_tokens = cfg.train.max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None
-        unit = actor.dp_size * (micro if max_tokens is None else 1)
+        max_tokens = cfg.train.max_tokens_per_gpu
+        dynamic = cfg.train.dynamic_batch_enable
+        unit = actor.dp_size * (1 if dynamic else micro)
         # a short final batch (data ran out) trains on the largest whole number of micro-batches per rank
         # (with dynamic batching: of rows per rank)
         per_step = cfg.train.batch_size if b >= cfg.train.batch_size else b // unit * unit
@@ -148,7 +149,7 @@ class PolicyStep:
             order = (groups[:, None] * group + torch.arange(group)).reshape(-1)
             for s in range(0, b - per_step + 1, per_step):
                 part = exp.rows(order[s : s + per_step].tolist())
-                cuts = micro_batch_cuts(part, actor, micro, max_tokens, cfg)
+                cuts = micro_batch_cuts(part, actor, None if dynamic else micro, max_tokens, cfg)
                 seqs = sequence_batches(part, cuts, self.pad)
                 if train_actor:
                     mbs = [
@@ -164,7 +165,7 @@ class PolicyStep:
                     m = self.train_step(actor, mbs, "policy", policy_cfg, "policy")
                     steps.append({f"policy/{k}": v for k, v in m.items()})
                 if critic is not None:
-                    critic_cuts = micro_batch_cuts(part, critic, micro, max_tokens, cfg)
+                    critic_cuts = micro_batch_cuts(part, critic, None if dynamic else micro, max_tokens, cfg)
                     # dynamic batching cuts for each group's number of ranks
                     critic_seqs = (
                         seqs if critic_cuts == cuts else sequence_batches(part, critic_cuts, self.pad)

@@ -86,8 +86,17 @@ class GrowingKVLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+            self.key_buffer, self.value_buffer = (
+                self._select(x, indices) for x in (self.key_buffer, self.value_buffer)
+            )
             self._views()
+
+    def _select(self, buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The rows ``indices`` of a ``[R, H, capacity, D]`` buffer; only their filled positions are copied,
+        so the rest of the capacity stays untouched (no time, and no resident memory until written)."""
+        out = buffer.new_empty(len(indices), *buffer.shape[1:])
+        out[:, :, : self.length] = buffer[indices, :, : self.length]
+        return out
 
 
 # Below this hidden size oneDNN's per-call cost outweighs the packing it saves.

@@ -228,6 +228,14 @@ class HostedRef:
     def actors(self) -> list:
         return self.policy.actors
 
+    @property
+    def dp_size(self) -> int:  # the policy's ranks shard its micro-batches
+        return self.policy.dp_size
+
+    @property
+    def ring_size(self) -> int:
+        return self.policy.ring_size
+
     def forward(
         self, batches: list, temperature: float = 1.0, head: str | None = None, teacher: int = 0
     ) -> Future:

@@ -101,7 +101,10 @@ def child(args) -> dict:
 
     def marked_fit(self):
         mark()
-        return fit(self)
+        out = fit(self)
+        if args.mode == "calls":  # what follows the steps (the report plots every step's metrics) is left out
+            profilers["MainThread"].disable()
+        return out
 
     controller.RLController.fit, metrics.MetricsLogger.log = marked_fit, marked_log
     os.environ["RLHF_NO_PROGRESS"] = "1"

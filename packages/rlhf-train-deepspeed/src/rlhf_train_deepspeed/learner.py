@@ -62,8 +62,9 @@ class Learner:
                 break
             engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
             engine.backward(value, scale_wrt_gas=False)
+            loss_part = float(value.detach()) / model.dp_size
             for result in (step, part):
-                result.loss += float(value.detach()) / model.dp_size
+                result.loss += loss_part
                 add_metrics(result.metrics, metrics, weight)
         if part.skipped:
             part.loss = float("nan")

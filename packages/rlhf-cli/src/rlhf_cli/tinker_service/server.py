@@ -99,57 +99,44 @@ def encode_result(result: dict) -> bytes | dict:
     return result
 
 
-def make_handler(service: TinkerService, api_key: str | None, max_body: int):
-    def routes(self, body: bytes):
-        j = (lambda: json.loads(body or b"{}")) if not self.proto else None
-        s = service
-        return {
-            "/api/v1/healthz": lambda: {"status": "ok"},
-            "/api/v1/client/config": lambda: CLIENT_CONFIG,
-            "/api/v1/client/dynamic_config": lambda: {},
-            "/api/v1/telemetry": lambda: {"status": "accepted"},
-            "/api/v1/get_server_capabilities": lambda: {
-                "supported_models": [
-                    {
-                        "model_name": s.base,
-                        "max_context_length": s.max_len,
-                        "trainable": True,
-                        "sampleable": True,
-                    }
-                ]
-            },
-            "/api/v1/create_session": lambda: {"type": "create_session", "session_id": s.create_session()},
-            "/api/v1/session_heartbeat": lambda: (
-                s.heartbeat(j()["session_id"]) or {"type": "session_heartbeat"}
-            ),
-            "/api/v1/create_model": lambda: create_model(s, j()),
-            "/api/v1/get_info": lambda: get_info(s, j()["model_id"]),
-            "/api/v1/unload_model": lambda: s.unload(j()["model_id"]),
-            "/api/v1/forward_backward": lambda: forward_backward(s, self.proto, body),
-            "/api/v1/optim_step": lambda: optim_step(s, j()),
-            "/api/v1/save_weights": lambda: (
-                lambda r: s.save_state(r["model_id"], r.get("path"), bool(r.get("overwrite")))
-            )(j()),
-            "/api/v1/load_weights": lambda: (
-                lambda r: s.load_state(
-                    r["path"], bool(r["optimizer"]), r.get("model_id"), r.get("session_id")
-                )
-            )(j()),
-            "/api/v1/save_weights_for_sampler": lambda: (
-                lambda r: s.save_for_sampler(r["model_id"], r.get("path"))
-            )(j()),
-            "/api/v1/create_sampling_session": lambda: (
-                lambda r: {
-                    "type": "create_sampling_session",
-                    "sampling_session_id": s.create_sampler(
-                        r["session_id"], r.get("model_path"), r.get("base_model")
-                    ),
-                }
-            )(j()),
-            "/api/v1/asample": lambda: asample(s, j()),
-            "/api/v1/retrieve_future": lambda: retrieve(s, j()["request_id"]),
-        }
+def capabilities(s: TinkerService, r: dict) -> dict:
+    model = {"model_name": s.base, "max_context_length": s.max_len, "trainable": True, "sampleable": True}
+    return {"supported_models": [model]}
 
+
+def create_sampling_session(s: TinkerService, r: dict) -> dict:
+    seq, path = r["sampling_session_seq_id"], r.get("model_path")
+    sampler = s.create_sampler(r["session_id"], seq, path, r.get("base_model"))
+    return {"type": "create_sampling_session", "sampling_session_id": sampler}
+
+
+ROUTES = {  # path -> handler(service, JSON body); forward_backward takes the raw protobuf body
+    "/api/v1/healthz": lambda s, r: {"status": "ok"},
+    "/api/v1/client/config": lambda s, r: CLIENT_CONFIG,
+    "/api/v1/client/dynamic_config": lambda s, r: {},
+    "/api/v1/telemetry": lambda s, r: {"status": "accepted"},
+    "/api/v1/get_server_capabilities": capabilities,
+    "/api/v1/create_session": lambda s, r: {"type": "create_session", "session_id": s.create_session()},
+    "/api/v1/session_heartbeat": lambda s, r: s.heartbeat(r["session_id"]) or {"type": "session_heartbeat"},
+    "/api/v1/create_model": lambda s, r: create_model(s, r),
+    "/api/v1/get_info": lambda s, r: get_info(s, r["model_id"]),
+    "/api/v1/unload_model": lambda s, r: s.unload(r["model_id"]),
+    "/api/v1/forward_backward": lambda s, body: forward_backward(s, body),
+    "/api/v1/optim_step": lambda s, r: s.optim_step(r["model_id"], r.get("adam_params")),
+    "/api/v1/save_weights": lambda s, r: s.save_state(r["model_id"], r.get("path"), bool(r.get("overwrite"))),
+    "/api/v1/load_weights": lambda s, r: s.load_state(
+        r["path"], bool(r["optimizer"]), r.get("model_id"), r.get("session_id"), r.get("model_seq_id", 0)
+    ),
+    "/api/v1/save_weights_for_sampler": lambda s, r: s.save_for_sampler(
+        r["model_id"], r.get("path"), r.get("sampling_session_seq_id")
+    ),
+    "/api/v1/create_sampling_session": create_sampling_session,
+    "/api/v1/asample": lambda s, r: asample(s, r),
+    "/api/v1/retrieve_future": lambda s, r: retrieve(s, r["request_id"]),
+}
+
+
+def make_handler(service: TinkerService, api_key: str | None, max_body: int):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the SDK polls futures over one connection
 
@@ -189,7 +176,6 @@ def make_handler(service: TinkerService, api_key: str | None, max_body: int):
                 given = self.headers.get("X-API-Key", "")
                 check(hmac.compare_digest(given.encode(), api_key.encode()), "missing or wrong API key", 401)
             check(not self.headers.get("Content-Encoding"), "compressed bodies are not accepted", 415)
-            self.proto = "protobuf" in self.headers.get("Content-Type", "")
             path = self.path.split("?")[0]
             if path.startswith("/api/v1/samplers/"):
                 sampler = path.removeprefix("/api/v1/samplers/")
@@ -199,9 +185,13 @@ def make_handler(service: TinkerService, api_key: str | None, max_body: int):
                     "base_model": service.base,
                     "model_path": service.samplers[sampler],
                 }
-            route = routes(self, body).get(path)
-            check(route is not None, f"{path} is not served by rlhf serve-tinker (docs/tinker.md)", 404)
-            return route()
+            check(path in ROUTES, f"{path} is not served by rlhf serve-tinker (docs/tinker.md)", 404)
+            if path == "/api/v1/forward_backward":
+                check(
+                    "protobuf" in self.headers.get("Content-Type", ""), "forward_backward takes protobuf", 415
+                )
+                return ROUTES[path](service, body)
+            return ROUTES[path](service, json.loads(body or b"{}"))
 
     return Handler
 
@@ -210,7 +200,7 @@ def create_model(s: TinkerService, r: dict) -> dict:
     s.check_base(r["base_model"])
     optimizer = (r.get("optimizer_config") or {}).get("type", "adamw")
     check(optimizer == "adamw", f"optimizer {optimizer!r} is not implemented; only adamw")
-    return s.create_model(r["session_id"], r.get("lora_config"))
+    return s.create_model(r["session_id"], r["model_seq_id"], r.get("lora_config"))
 
 
 def get_info(s: TinkerService, model_id: str) -> dict:
@@ -226,14 +216,9 @@ def get_info(s: TinkerService, model_id: str) -> dict:
     }
 
 
-def forward_backward(s: TinkerService, proto: bool, body: bytes) -> dict:
-    check(proto, "forward_backward takes a protobuf body (Content-Type: application/x-protobuf)", 415)
+def forward_backward(s: TinkerService, body: bytes) -> dict:
     model_id, loss_fn, config, forward_only, datums = decode_datums(body)
     return s.forward_backward(model_id, loss_fn, config, datums, forward_only)
-
-
-def optim_step(s: TinkerService, r: dict) -> dict:
-    return s.optim_step(r["model_id"], r.get("adam_params"))
 
 
 def asample(s: TinkerService, r: dict) -> dict:

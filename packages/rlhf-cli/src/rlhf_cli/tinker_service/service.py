@@ -147,12 +147,17 @@ class TinkerService:
         )
         return {"rank": rank, "seed": lora.get("seed"), **flags}
 
-    def create_model(self, session: str, lora: dict) -> str:
-        """Check at once; the model is built on the worker thread (a future)."""
+    def new_model_id(self, session: str, seq: int) -> str:
+        """The SDK derives a model's id from its session and the client's ``model_seq_id``."""
         check(session in self.sessions, f"unknown session {session!r}", 404)
-        lora = self.check_lora(lora or {"rank": 32})
-        model_id = self.next_id(f"{session}:train:")
-        return self.submit(self._build, model_id, session, lora)
+        model_id = f"{session}:train:{int(seq)}"
+        check(model_id not in self.models, f"model {model_id} exists", 409)
+        return model_id
+
+    def create_model(self, session: str, seq: int, lora: dict) -> dict:
+        """Check at once; the model is built on the worker thread (a future)."""
+        model_id = self.new_model_id(session, seq)
+        return self.submit(self._build, model_id, session, self.check_lora(lora or {"rank": 32}))
 
     def _build(self, model_id: str, session: str, lora: dict) -> dict:
         from rlhf_core.config import AdamConfig, DSConfig, LoraConfig, OptimizerFields
@@ -272,6 +277,7 @@ class TinkerService:
             for p, g in zip(params, grads):
                 p.grad = g
             model.worker.learner.step = step
+            model.worker.model.engine.set_gradient_accumulation_boundary(True)  # as a completed call leaves it
             raise
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
@@ -340,14 +346,15 @@ class TinkerService:
         (target / "tinker.json").write_text(json.dumps({"base_model": self.base, "lora": model.lora}))
         return {"path": path}
 
-    def load_state(self, path: str, optimizer: bool, model_id: str | None, session: str | None) -> dict:
+    def load_state(
+        self, path: str, optimizer: bool, model_id: str | None, session: str | None, seq: int
+    ) -> dict:
         source = self.local_dir(path, "weights")
         check((source / "tinker.json").exists(), f"{path}: no such checkpoint", 404)
         meta = json.loads((source / "tinker.json").read_text())
         self.check_base(meta["base_model"])
         if model_id is None:  # create_training_client_from_state: a new model with the checkpoint's LoRA
-            check(session in self.sessions, f"unknown session {session!r}", 404)
-            model_id = self.next_id(f"{session}:train:")
+            model_id = self.new_model_id(session, seq)
             return self.submit(
                 self._create_and_load, model_id, session, meta["lora"], path, source, optimizer
             )
@@ -370,12 +377,16 @@ class TinkerService:
 
     # --- sampling ---
 
-    def save_for_sampler(self, model_id: str, name: str | None) -> dict:
+    def save_for_sampler(self, model_id: str, name: str | None, seq: int | None) -> dict:
         model = self.model(model_id)
         check(name is None or NAME.fullmatch(name) is not None, f"sampler weights name {name!r} is invalid")
-        return self.submit(self._save_for_sampler, model, name)
+        check(
+            name is not None or seq is not None,
+            "save_weights_for_sampler: a path or a sampling_session_seq_id",
+        )
+        return self.submit(self._save_for_sampler, model, name, seq)
 
-    def _save_for_sampler(self, model: TrainingModel, name: str | None) -> dict:
+    def _save_for_sampler(self, model: TrainingModel, name: str | None, seq: int | None) -> dict:
         path = self.path(model.id, "sampler_weights", name or f"ephemeral-{self.next_id('')}")
         self.snapshots[path] = wait(model.learner.weights())  # the adapters, copied
         if name is not None:
@@ -383,15 +394,18 @@ class TinkerService:
         unnamed = [p for p in self.snapshots if "/sampler_weights/ephemeral-" in p]
         for old in unnamed[:-EPHEMERAL_SNAPSHOTS]:
             del self.snapshots[old]
-        return {"sampling_session_id": self.create_sampler(model.session, path)}
+        return {"sampling_session_id": self.create_sampler(model.session, seq, path)}
 
-    def create_sampler(self, session: str, model_path: str | None, base_model: str | None = None) -> str:
+    def create_sampler(
+        self, session: str, seq: int, model_path: str | None, base_model: str | None = None
+    ) -> str:
         check(session in self.sessions, f"unknown session {session!r}", 404)
         if model_path is None:
             self.check_base(base_model)
         else:
             check(model_path in self.snapshots, f"{model_path}: no such sampler weights (or dropped)", 404)
-        sampler = self.next_id(f"{session}:sample:")
+        sampler = f"{session}:sample:{int(seq)}"
+        check(sampler not in self.samplers, f"sampling session {sampler} exists", 409)
         self.samplers[sampler] = model_path
         return sampler
 

@@ -90,6 +90,8 @@ class TinkerService:
         self.merged: tuple[str | None, dict | None] = (None, None)
         """The snapshot path merged into the engine, and its adapter (kept should the snapshot be dropped)."""
         self.futures: dict[str, Future] = {}
+        self.pending: list[tuple] = []
+        """Sample requests not yet taken: (snapshot path, GenerationRequest, prompt_logprobs, Future)."""
         self.counter = 0
         self.lock = threading.Lock()
         self.queue = ThreadPoolExecutor(1, thread_name_prefix="tinker-op")
@@ -277,7 +279,9 @@ class TinkerService:
             for p, g in zip(params, grads):
                 p.grad = g
             model.worker.learner.step = step
-            model.worker.model.engine.set_gradient_accumulation_boundary(True)  # as a completed call leaves it
+            model.worker.model.engine.set_gradient_accumulation_boundary(
+                True
+            )  # as a completed call leaves it
             raise
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
@@ -437,12 +441,36 @@ class TinkerService:
             stop_token_ids=tuple(stop),
             seed=params.get("seed"),
         )
-        future = self.submit(
-            self._sample, self.samplers[sampler], GenerationRequest(prompt, sp), prompt_logprobs
-        )
-        return future | {"sample_sequence_ids": [f"{future['request_id']}:{i}" for i in range(n)]}
+        request_id, future = uuid.uuid4().hex, Future()
+        with self.lock:
+            self.pending.append(
+                (self.samplers[sampler], GenerationRequest(prompt, sp), prompt_logprobs, future)
+            )
+        self.futures[request_id] = future
+        self.queue.submit(self._sample_pending)
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(n)]}
 
-    def _sample(self, path: str | None, request, prompt_logprobs: bool) -> dict:
+    def _sample_pending(self) -> None:
+        """Every sample request queued so far, one engine call per snapshot (the requests an RL step sends
+        at once decode together); a later call finds them taken."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for path in dict.fromkeys(item[0] for item in pending):
+            items = [item for item in pending if item[0] == path]
+            try:
+                outputs = self._sample(path, [item[1] for item in items])
+                for (_, request, prompt_logprobs, future), samples in zip(items, outputs):
+                    extra = (
+                        {"prompt_logprobs": self._prompt_logprobs(request.prompt_ids)}
+                        if prompt_logprobs
+                        else {}
+                    )
+                    future.set_result({"sequences": samples, **extra})
+            except Exception as exc:  # noqa: BLE001 - each request's future carries it
+                for item in items:
+                    item[3].set_exception(exc)
+
+    def _sample(self, path: str | None, requests: list) -> list:
         check(path is None or path in self.snapshots, f"{path}: sampler weights dropped", 404)
         if self.engine is None:
             from rlhf_cli.build import EngineSampler
@@ -453,22 +481,23 @@ class TinkerService:
             self.sampler = EngineSampler([local(self.engine)])
         if self.merged[0] != path:  # unmerge the last adapter (its B zeroed), then merge this one
             if self.merged[1] is not None:
-                zeroed = {
-                    k: torch.zeros_like(v) if k.endswith(".lora_B") else v for k, v in self.merged[1].items()
-                }
-                wait(self.sampler.load_weights(zeroed))
+                last = self.merged[1]
+                wait(
+                    self.sampler.load_weights(
+                        {k: v if k.endswith(".lora_A") else 0 * v for k, v in last.items()}
+                    )
+                )
             if path is not None:
                 wait(self.sampler.load_weights(self.snapshots[path]))
             self.merged = (path, self.snapshots.get(path))
-        (outputs,) = wait(self.sampler.sample([request]))
-        out = {"sequences": outputs}
-        if prompt_logprobs:
-            with torch.no_grad():
-                ids = torch.tensor([request.prompt_ids], device=self.engine.device)
-                logits = self.engine.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-                lp = logits.gather(-1, ids[0, 1:, None])[:, 0].cpu()
-            out["prompt_logprobs"] = torch.cat([torch.tensor([float("nan")]), lp])
-        return out
+        return wait(self.sampler.sample(requests))
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, prompt: list[int]) -> torch.Tensor:
+        """``[N]``: NaN (none) for the first token, then each token's log-prob under the merged engine."""
+        ids = torch.tensor([prompt], device=self.engine.device)
+        logits = self.engine.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+        return torch.cat([torch.tensor([float("nan")]), logits.gather(-1, ids[0, 1:, None])[:, 0].cpu()])
 
 
 def share_frozen(first: torch.nn.Module, module: torch.nn.Module) -> None:

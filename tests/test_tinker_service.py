@@ -144,6 +144,27 @@ def test_forward_serves_every_rl_loss_with_the_clients_config(server):
         assert out.metrics["loss:sum"] == pytest.approx(by_hand, rel=1e-5), name
 
 
+def test_forward_backward_custom_runs_in_the_client_over_forward_and_cross_entropy(server):
+    sc = client(server)
+    data = [sl_datum(s) for s in sequences(3, seed=12)]
+    twins = [
+        sc.create_lora_training_client(base_model=server[0].base, rank=4, seed=5).result() for _ in range(2)
+    ]
+
+    def weighted_nll(data, logprobs_list):  # the cross-entropy, written as a custom loss
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs_list))
+        return loss, {"nll": float(loss)}
+
+    custom = twins[0].forward_backward_custom(data, weighted_nll).result()
+    builtin = twins[1].forward_backward(data, "cross_entropy").result()
+    assert custom.metrics["nll"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+    for tc in twins:  # the same gradients: the same step
+        tc.optim_step(ADAM).result()
+    a, b = (logprobs_of(tc.forward(data, "cross_entropy").result()) for tc in twins)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
 def test_sampling_from_saved_weights_matches_the_trainers_logprobs(server):
     tc = client(server).create_lora_training_client(base_model=server[0].base, rank=4, seed=2).result()
     data = [sl_datum(s) for s in sequences(4, seed=4)]
@@ -284,6 +305,8 @@ def test_bad_requests_get_a_4xx_with_the_reason(server):
         tc.optim_step(types.AdamParams(beta1=1.5)).result()
     with pytest.raises(tinker.BadRequestError, match="is not served here"):
         client(server).create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match="inflight"):
+        tc.save_weights_and_get_sampling_client(kind="inflight").result()
     with pytest.raises(tinker.BadRequestError, match="max_tokens"):
         tc.save_weights_and_get_sampling_client().result().sample(
             ok.model_input, 1, types.SamplingParams()

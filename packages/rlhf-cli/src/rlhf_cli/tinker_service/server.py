@@ -123,13 +123,11 @@ ROUTES = {  # path -> handler(service, JSON body); forward_backward takes the ra
     "/api/v1/unload_model": lambda s, r: s.unload(r["model_id"]),
     "/api/v1/forward_backward": lambda s, body: forward_backward(s, body),
     "/api/v1/optim_step": lambda s, r: s.optim_step(r["model_id"], r.get("adam_params")),
-    "/api/v1/save_weights": lambda s, r: s.save_state(r["model_id"], r.get("path"), bool(r.get("overwrite"))),
+    "/api/v1/save_weights": lambda s, r: save_state(s, r),
     "/api/v1/load_weights": lambda s, r: s.load_state(
         r["path"], bool(r["optimizer"]), r.get("model_id"), r.get("session_id"), r.get("model_seq_id", 0)
     ),
-    "/api/v1/save_weights_for_sampler": lambda s, r: s.save_for_sampler(
-        r["model_id"], r.get("path"), r.get("sampling_session_seq_id")
-    ),
+    "/api/v1/save_weights_for_sampler": lambda s, r: save_for_sampler(s, r),
     "/api/v1/create_sampling_session": create_sampling_session,
     "/api/v1/asample": lambda s, r: asample(s, r),
     "/api/v1/retrieve_future": lambda s, r: retrieve(s, r["request_id"]),
@@ -194,6 +192,24 @@ def make_handler(service: TinkerService, api_key: str | None, max_body: int):
             return ROUTES[path](service, json.loads(body or b"{}"))
 
     return Handler
+
+
+def no_ttl(r: dict) -> None:
+    check(r.get("ttl_seconds") is None, "ttl_seconds: checkpoints here stay until their directory is deleted")
+
+
+def save_state(s: TinkerService, r: dict) -> dict:
+    no_ttl(r)
+    return s.save_state(r["model_id"], r.get("path"), bool(r.get("overwrite")))
+
+
+def save_for_sampler(s: TinkerService, r: dict) -> dict:
+    check(
+        r.get("kind", "snapshot") == "snapshot",
+        "kind='inflight' sampling clients are not served; use snapshot",
+    )
+    no_ttl(r)
+    return s.save_for_sampler(r["model_id"], r.get("path"), r.get("sampling_session_seq_id"))
 
 
 def create_model(s: TinkerService, r: dict) -> dict:

@@ -92,14 +92,19 @@ class TinkerBatch:
     advantages: torch.Tensor | None = None
 
 
+def batch_objective(cfg: TinkerLossConfig, lp: torch.Tensor, mb: TinkerBatch) -> torch.Tensor:
+    """The loss of the micro-batch ``mb`` given its ``[B, T]`` log-probs ``lp``."""
+    mask = mb.seq.response_mask().to(lp.dtype)
+    return tinker_objective(cfg, lp, mask, mb.weights, mb.logprobs, mb.advantages)
+
+
 def tinker(model, mb: TinkerBatch, cfg: TinkerLossConfig, counts: dict[str, float] | None):
     """A ``LOSSES`` entry: the loss summed over the micro-batch, times the data-parallel size so that the
     gradients DeepSpeed averages over ranks are those of the sum."""
     from rlhf_train_deepspeed.models import response_logprobs
 
     lp, _, mask = response_logprobs(model.engine, mb.seq, 1.0, model.packing, ring=model.ring)
-    loss = tinker_objective(cfg, lp, mask.to(lp.dtype), mb.weights, mb.logprobs, mb.advantages)
-    return loss * (model.dp_size if counts is not None else 1), {}, float(mask.sum())
+    return batch_objective(cfg, lp, mb) * (model.dp_size if counts is not None else 1), {}, float(mask.sum())
 
 
 def register() -> None:

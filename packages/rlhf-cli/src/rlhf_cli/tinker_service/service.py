@@ -14,9 +14,7 @@ import copy
 import json
 import re
 import threading
-import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,11 +79,11 @@ class TinkerService:
         self.vocab_size, self.max_len = text.vocab_size, getattr(text, "max_position_embeddings", 1 << 20)
         self.workdir = Path(workdir).resolve()
         self.param_dtype, self.micro_batch_size = param_dtype, micro_batch_size
-        self.sessions: dict[str, float] = {}
+        self.sessions: set[str] = set()
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, str | None] = {}
         """Sampling session -> the snapshot path it samples (None: the base model)."""
-        self.snapshots: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+        self.snapshots: dict[str, dict[str, torch.Tensor]] = {}
         self.engine = self.sampler = None
         self.merged: tuple[str | None, dict | None] = (None, None)
         """The snapshot path merged into the engine, and its adapter (kept should the snapshot be dropped)."""
@@ -108,25 +106,26 @@ class TinkerService:
         """The operation's result; :class:`TimeoutError` while it runs; its exception when it failed."""
         future = self.futures.get(request_id)
         check(future is not None, f"unknown request_id {request_id!r}", 404)
-        result = future.result(timeout=wait_s)  # raises TimeoutError or the operation's error
-        del self.futures[request_id]
-        return result
+        try:
+            return future.result(timeout=wait_s)  # TimeoutError while it runs, its error when it failed
+        finally:
+            if future.done():  # delivered once
+                del self.futures[request_id]
 
-    def next_id(self, prefix: str) -> str:
+    def next_number(self) -> int:
         with self.lock:
             self.counter += 1
-            return f"{prefix}{self.counter}"
+            return self.counter
 
     # --- sessions and models ---
 
     def create_session(self) -> str:
         session = uuid.uuid4().hex  # unguessable: every model and sampler id below starts with it
-        self.sessions[session] = time.time()
+        self.sessions.add(session)
         return session
 
     def heartbeat(self, session: str) -> None:
         check(session in self.sessions, f"unknown session {session!r}", 404)
-        self.sessions[session] = time.time()
 
     def model(self, model_id: str) -> TrainingModel:
         check(model_id in self.models, f"unknown model_id {model_id!r} (created by another session?)", 404)
@@ -191,7 +190,7 @@ class TinkerService:
         return self.submit(self._unload, model_id)
 
     def _unload(self, model_id: str) -> dict:
-        self.models.pop(model_id).worker.model = None  # the base stays with the tensors other models share
+        del self.models[model_id]  # the base stays with the tensors other models share
         return {"model_id": model_id}
 
     # --- training ---
@@ -245,19 +244,7 @@ class TinkerService:
         logprobs = wait(model.learner.forward([mb.seq for mb in mbs]))
         if forward_only:
             with torch.no_grad():
-                loss = sum(
-                    float(
-                        losses.tinker_objective(
-                            cfg,
-                            lp,
-                            mb.seq.response_mask().to(lp.dtype),
-                            mb.weights,
-                            mb.logprobs,
-                            mb.advantages,
-                        )
-                    )
-                    for lp, mb in zip(logprobs, mbs)
-                )
+                loss = sum(float(losses.batch_objective(cfg, lp, mb)) for lp, mb in zip(logprobs, mbs))
         else:
             loss = self._backward(model, mbs, cfg)
         rows = [row for lp in logprobs for row in lp.float()]
@@ -334,7 +321,7 @@ class TinkerService:
 
     def save_state(self, model_id: str, name: str | None, overwrite: bool) -> dict:
         model = self.model(model_id)
-        name = name or f"state-{self.next_id('')}"
+        name = name or f"state-{self.next_number()}"
         check(
             NAME.fullmatch(name) is not None, f"checkpoint name {name!r}: letters, digits, '_', '.', '-' only"
         )
@@ -391,7 +378,7 @@ class TinkerService:
         return self.submit(self._save_for_sampler, model, name, seq)
 
     def _save_for_sampler(self, model: TrainingModel, name: str | None, seq: int | None) -> dict:
-        path = self.path(model.id, "sampler_weights", name or f"ephemeral-{self.next_id('')}")
+        path = self.path(model.id, "sampler_weights", name or f"ephemeral-{self.next_number()}")
         self.snapshots[path] = wait(model.learner.weights())  # the adapters, copied
         if name is not None:
             return {"path": path}

@@ -323,9 +323,10 @@ def test_bad_requests_get_a_4xx_with_the_reason(server):
 
 
 def test_listening_beyond_loopback_needs_a_tml_key(capsys):
+    from rlhf_cli.main import main as rlhf
     from rlhf_cli.tinker_service.server import main
 
-    assert main(["--base_model", "unused", "--host", "0.0.0.0"]) == 2
+    assert rlhf(["serve-tinker", "--base_model", "unused", "--host", "0.0.0.0"]) == 2
     assert "without --api_key" in capsys.readouterr().err
     assert main(["--base_model", "unused", "--api_key", "secret"]) == 2
     assert "'tml-'" in capsys.readouterr().err

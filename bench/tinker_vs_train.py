@@ -23,7 +23,6 @@ import json
 import os
 import random
 import re
-import resource
 import runpy
 import statistics
 import subprocess
@@ -38,6 +37,21 @@ LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 def peak_rss_mib(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1]) / 1024
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def per_step(marks: list[tuple[float, float]], warmup: int) -> dict:
+    """Medians over the measured steps of the wall and CPU seconds between consecutive step ends."""
+    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])][warmup:]
+    return {
+        "step_s": statistics.median(d[0] for d in deltas),
+        "step_cpu_s": statistics.median(d[1] for d in deltas),
+    }
 
 
 def run_service(files: dict, args, work: Path) -> dict:
@@ -59,9 +73,9 @@ def run_service(files: dict, args, work: Path) -> dict:
         tok = tc.get_tokenizer()
         reward_func = runpy.run_path(str(files["reward"]))["reward_func"]
         rows = [json.loads(line) for line in files["prompts"].read_text().splitlines()]
-        rng, times = random.Random(0), []
+        rng = random.Random(0)
+        marks = [(time.perf_counter(), cpu_s(server.pid) + time.process_time())]
         for step in range(args.warmup + args.steps):
-            start = time.perf_counter()
             sampler = tc.save_weights_and_get_sampling_client().result()
             batch = rng.sample(rows, args.prompts)
             prompts = [
@@ -87,9 +101,9 @@ def run_service(files: dict, args, work: Path) -> dict:
                     data.append(types.Datum(model_input=model_input, loss_fn_inputs=inputs))
             tc.forward_backward(data, "importance_sampling").result()
             tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
-            times.append(time.perf_counter() - start)
-            print(f"service step {step}: {times[-1]:.2f} s", flush=True)
-        return {"step_s": statistics.median(times[args.warmup :]), "peak_rss_mib": peak_rss_mib(server.pid)}
+            marks.append((time.perf_counter(), cpu_s(server.pid) + time.process_time()))
+            print(f"service step {step}: {marks[-1][0] - marks[-2][0]:.2f} s", flush=True)
+        return {**per_step(marks, args.warmup), "peak_rss_mib": peak_rss_mib(server.pid)}
     finally:
         server.terminate()
         server.wait()
@@ -111,21 +125,30 @@ def run_train(files: dict, args, work: Path) -> dict:
         *("--ds.zero_stage", "0", "--ds.param_dtype", "fp32", "--train.colocate_all"),
         *("--ckpt.output_dir", str(out), "--eval.steps", "-1"),
     ]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    subprocess.run([str(Path(sys.executable).parent / cmd[0]), *cmd[1:]], check=True)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    metrics = [json.loads(line) for line in next(out.rglob("metrics.jsonl")).read_text().splitlines()]
-    times = [m["timing/step_total"] for m in metrics if "timing/step_total" in m]
-    for i, t in enumerate(times):
-        print(f"train step {i}: {t:.2f} s", flush=True)
-    # ru_maxrss of the children is the largest child's peak: this child's when it exceeds the service's
-    return {"step_s": statistics.median(times[args.warmup :]), "peak_rss_mib": max(peak, before) / 1024}
+    child = subprocess.Popen([str(Path(sys.executable).parent / cmd[0]), *cmd[1:]])
+    marks, seen, peak = [], 0, 0.0
+    while child.poll() is None:  # a step ends when its line reaches metrics.jsonl
+        found = list(out.rglob("metrics.jsonl"))
+        lines = found[0].read_text().count("timing/step_total") if found else 0
+        try:
+            now = (time.perf_counter(), cpu_s(child.pid))
+            peak = peak_rss_mib(child.pid)
+        except (FileNotFoundError, ProcessLookupError):  # it just ended
+            break
+        if lines > seen:  # step `lines - 1` ended: its first end is the start of the next step
+            seen = lines
+            marks.append(now)
+            print(f"train step {lines - 1} ended at {now[0]:.1f}", flush=True)
+        time.sleep(0.2)
+    if child.wait() != 0:
+        raise SystemExit(f"rlhf train ppo failed ({child.returncode})")
+    return {**per_step(marks, args.warmup - 1), "peak_rss_mib": peak}  # marks begin at step 0's end
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1, help="dropped steps (at least 1)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
     args = ap.parse_args()

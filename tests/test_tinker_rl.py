@@ -91,7 +91,7 @@ def test_an_importance_sampling_loop_raises_the_reward_on_the_demo_task(tmp_path
     after = greedy_accuracy(tc.save_weights_and_get_sampling_client().result(), tok, held_out, reward_func)
     http.shutdown()
     print(f"held-out greedy accuracy {before:.1%} -> {after:.1%}; sampled reward by step {rewards}")
-    # measured (seed 0): the sampled reward ~0.23 over the first steps, ~0.35 over the last; held-out
-    # greedy accuracy see the assertion message
+    # measured (seed 0): sampled reward 0.23 over the first 5 steps, 0.34 over the last 10; held-out greedy
+    # accuracy 39.5% -> 49.5% (examples/custom_grpo_loop.py's 150 full-weight steps: 39.5% -> 50.5%)
     assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5 + 0.05, rewards
     assert after >= before + 0.05, (before, after)

@@ -165,6 +165,26 @@ def test_forward_backward_custom_runs_in_the_client_over_forward_and_cross_entro
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
 
 
+def test_optim_step_takes_each_steps_adam_params(server):
+    sc = client(server)
+    data = [sl_datum(s) for s in sequences(3, seed=13)]
+    runs = {}
+    for name, adam in {
+        "a": [types.AdamParams(learning_rate=1e-2)] * 2,
+        "a again": [types.AdamParams(learning_rate=1e-2)] * 2,
+        "lr": [types.AdamParams(learning_rate=1e-2), types.AdamParams(learning_rate=3e-2)],
+        "clipped": [types.AdamParams(learning_rate=1e-2, grad_clip_norm=1e-3)] * 2,
+    }.items():
+        tc = sc.create_lora_training_client(base_model=server[0].base, rank=4, seed=6).result()
+        for params in adam:
+            tc.forward_backward(data, "cross_entropy").result()
+            norm = tc.optim_step(params).result().metrics["grad_norm"]
+        runs[name] = logprobs_of(tc.forward(data, "cross_entropy").result())[0]
+    assert norm > 1e-3  # so the clipped run's two steps were scaled, by different factors
+    assert torch.equal(runs["a"], runs["a again"])
+    assert not torch.equal(runs["a"], runs["lr"]) and not torch.equal(runs["a"], runs["clipped"])
+
+
 def test_sampling_from_saved_weights_matches_the_trainers_logprobs(server):
     tc = client(server).create_lora_training_client(base_model=server[0].base, rank=4, seed=2).result()
     data = [sl_datum(s) for s in sequences(4, seed=4)]

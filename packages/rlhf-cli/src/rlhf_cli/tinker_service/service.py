@@ -291,6 +291,10 @@ class TinkerService:
         )
         check(0 <= p["beta1"] < 1 and 0 <= p["beta2"] < 1, f"adam_params: betas must be in [0, 1): {p}")
         check(p["grad_clip_norm"] >= 0, f"adam_params.grad_clip_norm must be >= 0: {p['grad_clip_norm']}")
+        check(  # DeepSpeed's bf16 optimizer fixes its clipping when it is built
+            p["grad_clip_norm"] == 0 or model.worker.learner.no_overflow_path,
+            "adam_params.grad_clip_norm is honoured on fp32 models only (--param_dtype fp32)",
+        )
         return self.submit(self._optim_step, model, p)
 
     def _optim_step(self, model: TrainingModel, p: dict) -> dict:

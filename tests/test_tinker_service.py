@@ -332,7 +332,7 @@ def test_bad_requests_get_a_4xx_with_the_reason(server):
             ok.model_input, 1, types.SamplingParams()
         ).result()
     headers = {"X-API-Key": KEY}
-    big = httpx.post(f"{url}/api/v1/create_session", content=b"x" * (2 << 20), headers=headers)
+    big = httpx.post(f"{url}/api/v1/create_session", content=b"x" * ((1 << 20) + 1024), headers=headers)
     assert big.status_code == 413 and "limit is 1048576" in big.json()["detail"]
     wrong = httpx.post(f"{url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"})
     assert wrong.status_code == 401

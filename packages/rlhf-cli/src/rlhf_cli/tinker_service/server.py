@@ -110,90 +110,6 @@ def create_sampling_session(s: TinkerService, r: dict) -> dict:
     return {"type": "create_sampling_session", "sampling_session_id": sampler}
 
 
-ROUTES = {  # path -> handler(service, JSON body); forward_backward takes the raw protobuf body
-    "/api/v1/healthz": lambda s, r: {"status": "ok"},
-    "/api/v1/client/config": lambda s, r: CLIENT_CONFIG,
-    "/api/v1/client/dynamic_config": lambda s, r: {},
-    "/api/v1/telemetry": lambda s, r: {"status": "accepted"},
-    "/api/v1/get_server_capabilities": capabilities,
-    "/api/v1/create_session": lambda s, r: {"type": "create_session", "session_id": s.create_session()},
-    "/api/v1/session_heartbeat": lambda s, r: s.heartbeat(r["session_id"]) or {"type": "session_heartbeat"},
-    "/api/v1/create_model": lambda s, r: create_model(s, r),
-    "/api/v1/get_info": lambda s, r: get_info(s, r["model_id"]),
-    "/api/v1/unload_model": lambda s, r: s.unload(r["model_id"]),
-    "/api/v1/forward_backward": lambda s, body: forward_backward(s, body),
-    "/api/v1/optim_step": lambda s, r: s.optim_step(r["model_id"], r.get("adam_params")),
-    "/api/v1/save_weights": lambda s, r: save_state(s, r),
-    "/api/v1/load_weights": lambda s, r: s.load_state(
-        r["path"], bool(r["optimizer"]), r.get("model_id"), r.get("session_id"), r.get("model_seq_id", 0)
-    ),
-    "/api/v1/save_weights_for_sampler": lambda s, r: save_for_sampler(s, r),
-    "/api/v1/create_sampling_session": create_sampling_session,
-    "/api/v1/asample": lambda s, r: asample(s, r),
-    "/api/v1/retrieve_future": lambda s, r: retrieve(s, r["request_id"]),
-}
-
-
-def make_handler(service: TinkerService, api_key: str | None, max_body: int):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: the SDK polls futures over one connection
-
-        def log_message(self, fmt, *args):
-            logger.debug("%s " + fmt, self.address_string(), *args)
-
-        def do_GET(self):
-            self.do_POST()
-
-        def do_POST(self):
-            try:
-                status, payload = 200, self.dispatch()
-            except UserError as exc:
-                status, payload = exc.status, {"detail": str(exc)}
-            except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
-                status, payload = 400, {"detail": f"bad request to {self.path}: {type(exc).__name__}: {exc}"}
-            except Exception as exc:  # noqa: BLE001 - the client gets a message rather than a dropped connection
-                logger.exception("%s failed", self.path)
-                status, payload = 500, {"detail": f"{type(exc).__name__}: {exc}"}
-            proto = isinstance(payload, bytes)
-            data = payload if proto else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/x-protobuf" if proto else "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def dispatch(self):
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > max_body:
-                self.rfile.read(length)  # drained, so that the connection stays usable
-                raise UserError(
-                    f"the body has {length} bytes; the limit is {max_body} (--max_body_bytes)", 413
-                )
-            body = self.rfile.read(length)
-            if api_key is not None and self.path != "/api/v1/healthz":
-                given = self.headers.get("X-API-Key", "")
-                check(hmac.compare_digest(given.encode(), api_key.encode()), "missing or wrong API key", 401)
-            check(not self.headers.get("Content-Encoding"), "compressed bodies are not accepted", 415)
-            path = self.path.split("?")[0]
-            if path.startswith("/api/v1/samplers/"):
-                sampler = path.removeprefix("/api/v1/samplers/")
-                check(sampler in service.samplers, f"unknown sampler {sampler!r}", 404)
-                return {
-                    "sampler_id": sampler,
-                    "base_model": service.base,
-                    "model_path": service.samplers[sampler],
-                }
-            check(path in ROUTES, f"{path} is not served by rlhf serve-tinker (docs/tinker.md)", 404)
-            if path == "/api/v1/forward_backward":
-                check(
-                    "protobuf" in self.headers.get("Content-Type", ""), "forward_backward takes protobuf", 415
-                )
-                return ROUTES[path](service, body)
-            return ROUTES[path](service, json.loads(body or b"{}"))
-
-    return Handler
-
-
 def no_ttl(r: dict) -> None:
     check(r.get("ttl_seconds") is None, "ttl_seconds: checkpoints here stay until their directory is deleted")
 
@@ -269,6 +185,92 @@ def retrieve(s: TinkerService, request_id: str):
     except Exception as exc:  # noqa: BLE001 - the operation's failure is the future's result
         logger.exception("request %s failed", request_id)
         return {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
+
+
+ROUTES = {  # path -> handler(service, JSON body); forward_backward takes the raw protobuf body
+    "/api/v1/healthz": lambda s, r: {"status": "ok"},
+    "/api/v1/client/config": lambda s, r: CLIENT_CONFIG,
+    "/api/v1/client/dynamic_config": lambda s, r: {},
+    "/api/v1/telemetry": lambda s, r: {"status": "accepted"},
+    "/api/v1/get_server_capabilities": capabilities,
+    "/api/v1/create_session": lambda s, r: {"type": "create_session", "session_id": s.create_session()},
+    "/api/v1/session_heartbeat": lambda s, r: s.heartbeat(r["session_id"]) or {"type": "session_heartbeat"},
+    "/api/v1/create_model": create_model,
+    "/api/v1/get_info": lambda s, r: get_info(s, r["model_id"]),
+    "/api/v1/unload_model": lambda s, r: s.unload(r["model_id"]),
+    "/api/v1/forward_backward": forward_backward,
+    "/api/v1/optim_step": lambda s, r: s.optim_step(r["model_id"], r.get("adam_params")),
+    "/api/v1/save_weights": save_state,
+    "/api/v1/load_weights": lambda s, r: s.load_state(
+        r["path"], bool(r["optimizer"]), r.get("model_id"), r.get("session_id"), r.get("model_seq_id", 0)
+    ),
+    "/api/v1/save_weights_for_sampler": save_for_sampler,
+    "/api/v1/create_sampling_session": create_sampling_session,
+    "/api/v1/asample": asample,
+    "/api/v1/retrieve_future": lambda s, r: retrieve(s, r["request_id"]),
+}
+
+
+def make_handler(service: TinkerService, api_key: str | None, max_body: int):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the SDK polls futures over one connection
+
+        def log_message(self, fmt, *args):
+            logger.debug("%s " + fmt, self.address_string(), *args)
+
+        def do_GET(self):
+            self.do_POST()
+
+        def do_POST(self):
+            try:
+                status, payload = 200, self.dispatch()
+            except UserError as exc:
+                status, payload = exc.status, {"detail": str(exc)}
+            except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+                status, payload = 400, {"detail": f"bad request to {self.path}: {type(exc).__name__}: {exc}"}
+            except Exception as exc:  # noqa: BLE001 - the client gets a message rather than a dropped connection
+                logger.exception("%s failed", self.path)
+                status, payload = 500, {"detail": f"{type(exc).__name__}: {exc}"}
+            proto = isinstance(payload, bytes)
+            data = payload if proto else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/x-protobuf" if proto else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def dispatch(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            self.close_connection = True  # until the body is read: a refused one is never read
+            if api_key is not None and self.path != "/api/v1/healthz":
+                given = self.headers.get("X-API-Key", "")
+                check(hmac.compare_digest(given.encode(), api_key.encode()), "missing or wrong API key", 401)
+            check(
+                length <= max_body,
+                f"the body has {length} bytes; the limit is {max_body} (--max_body_bytes)",
+                413,
+            )
+            body = self.rfile.read(length)
+            self.close_connection = False
+            check(not self.headers.get("Content-Encoding"), "compressed bodies are not accepted", 415)
+            path = self.path.split("?")[0]
+            if path.startswith("/api/v1/samplers/"):
+                sampler = path.removeprefix("/api/v1/samplers/")
+                check(sampler in service.samplers, f"unknown sampler {sampler!r}", 404)
+                return {
+                    "sampler_id": sampler,
+                    "base_model": service.base,
+                    "model_path": service.samplers[sampler],
+                }
+            check(path in ROUTES, f"{path} is not served by rlhf serve-tinker (docs/tinker.md)", 404)
+            if path == "/api/v1/forward_backward":
+                check(
+                    "protobuf" in self.headers.get("Content-Type", ""), "forward_backward takes protobuf", 415
+                )
+                return ROUTES[path](service, body)
+            return ROUTES[path](service, json.loads(body or b"{}"))
+
+    return Handler
 
 
 def build_parser() -> argparse.ArgumentParser:

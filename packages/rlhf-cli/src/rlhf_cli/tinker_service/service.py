@@ -14,6 +14,7 @@ import copy
 import json
 import re
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ LORA_TARGETS = {
 LORA_ALPHA = 32
 EPHEMERAL_SNAPSHOTS = 32
 """Unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept; older ones are dropped."""
+BATCH_WINDOW_S = 0.02
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
@@ -444,6 +446,7 @@ class TinkerService:
     def _sample_pending(self) -> None:
         """Every sample request queued so far, one engine call per snapshot (the requests an RL step sends
         at once decode together); a later call finds them taken."""
+        time.sleep(BATCH_WINDOW_S)  # the requests a client sends together arrive within it
         with self.lock:
             pending, self.pending = self.pending, []
         for path in dict.fromkeys(item[0] for item in pending):

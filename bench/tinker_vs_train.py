@@ -35,8 +35,10 @@ LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 
 
 def peak_rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1]) / 1024
+    found = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+    if found is None:  # a zombie: it has ended
+        raise ProcessLookupError(pid)
+    return int(found[1]) / 1024
 
 
 def cpu_s(pid: int) -> float:

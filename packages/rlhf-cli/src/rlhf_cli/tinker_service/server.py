@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import importlib.util
 import json
 import logging
 import os
@@ -306,14 +307,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    problem = None
     if not is_loopback(args.host) and not api_key:
-        print(
-            f"rlhf serve-tinker: refusing to listen on {args.host} without --api_key (or ${API_KEY_ENV})",
-            file=sys.stderr,
-        )
-        return 2
-    if api_key is not None and not api_key.startswith("tml-"):
-        print("rlhf serve-tinker: the tinker SDK only sends keys that start with 'tml-'", file=sys.stderr)
+        problem = f"refusing to listen on {args.host} without --api_key (or ${API_KEY_ENV})"
+    elif api_key is not None and not api_key.startswith("tml-"):
+        problem = "the tinker SDK only sends keys that start with 'tml-'"
+    elif importlib.util.find_spec("tinker") is None:  # its message classes are the wire format
+        problem = "it needs the tinker SDK: pip install tinker==0.38.0"
+    if problem:
+        print(f"rlhf serve-tinker: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -35,6 +35,14 @@ LORA_TARGETS = {
 LORA_ALPHA = 32
 EPHEMERAL_SNAPSHOTS = 32
 """Unnamed sampler snapshots (``save_weights_and_get_sampling_client``) kept; older ones are dropped."""
+ADAM_DEFAULTS = {  # the SDK's AdamParams
+    "learning_rate": 1e-4,
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "eps": 1e-12,
+    "weight_decay": 0.0,
+    "grad_clip_norm": 0.0,
+}
 BATCH_WINDOW_S = 0.02
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -268,25 +276,18 @@ class TinkerService:
             for p, g in zip(params, grads):
                 p.grad = g
             model.worker.learner.step = step
-            model.worker.model.engine.set_gradient_accumulation_boundary(
-                True
-            )  # as a completed call leaves it
+            # and the accumulation boundary as a completed call leaves it (else the next step is not taken)
+            model.worker.model.engine.set_gradient_accumulation_boundary(True)
             raise
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         model = self.model(model_id)
         check(adam is not None, "optim_step: only adam_params are served (Dimuon is not implemented)")
-        known = {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"}
-        check(set(adam) <= known, f"adam_params: unknown fields {sorted(set(adam) - known)}")
-        p = {
-            "learning_rate": 1e-4,
-            "beta1": 0.9,
-            "beta2": 0.95,
-            "eps": 1e-12,
-            "weight_decay": 0.0,
-            "grad_clip_norm": 0.0,
-        }
-        p.update({k: float(v) for k, v in adam.items()})
+        check(
+            set(adam) <= set(ADAM_DEFAULTS),
+            f"adam_params: unknown fields {sorted(set(adam) - set(ADAM_DEFAULTS))}",
+        )
+        p = ADAM_DEFAULTS | {k: float(v) for k, v in adam.items()}
         check(
             p["learning_rate"] >= 0 and p["eps"] > 0 and p["weight_decay"] >= 0,
             f"adam_params out of range: {p}",

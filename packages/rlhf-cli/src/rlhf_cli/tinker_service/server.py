@@ -198,7 +198,6 @@ ROUTES = {  # path -> handler(service, JSON body); forward_backward takes the ra
     "/api/v1/session_heartbeat": lambda s, r: s.heartbeat(r["session_id"]) or {"type": "session_heartbeat"},
     "/api/v1/create_model": create_model,
     "/api/v1/get_info": lambda s, r: get_info(s, r["model_id"]),
-    "/api/v1/unload_model": lambda s, r: s.unload(r["model_id"]),
     "/api/v1/forward_backward": forward_backward,
     "/api/v1/optim_step": lambda s, r: s.optim_step(r["model_id"], r.get("adam_params")),
     "/api/v1/save_weights": save_state,

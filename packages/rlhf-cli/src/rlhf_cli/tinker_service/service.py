@@ -195,14 +195,6 @@ class TinkerService:
         )
         return {"model_id": model_id}
 
-    def unload(self, model_id: str) -> dict:
-        self.model(model_id)
-        return self.submit(self._unload, model_id)
-
-    def _unload(self, model_id: str) -> dict:
-        del self.models[model_id]  # the base stays with the tensors other models share
-        return {"model_id": model_id}
-
     # --- training ---
 
     def check_datums(self, loss_fn: str, datums: list[Datum], config: dict) -> losses.TinkerLossConfig:

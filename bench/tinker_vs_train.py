@@ -81,7 +81,12 @@ def run_service(files: dict, args, work: Path) -> dict:
             sampler = tc.save_weights_and_get_sampling_client().result()
             batch = rng.sample(rows, args.prompts)
             prompts = [
-                tok.apply_chat_template([{"role": "user", "content": r["input"]}], add_generation_prompt=True)
+                tok.apply_chat_template(
+                    [{"role": "user", "content": r["input"]}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
                 for r in batch
             ]
             params = types.SamplingParams(max_tokens=16, seed=step)

@@ -198,6 +198,12 @@ def test_sampling_from_saved_weights_matches_the_trainers_logprobs(server):
     again = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
     assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]  # seeded
     assert len(first.sequences) == 3 and all(len(s.tokens) == 6 for s in first.sequences)
+    eos = server[0].config.eos_token_id  # a stop id ends a sample (kept); stop=[] turns EOS off
+    stopped = sampler.sample(
+        prompt, 8, types.SamplingParams(max_tokens=6, seed=3, stop=[eos, 9, 10])
+    ).result()
+    assert all(s.tokens[-1] in (eos, 9, 10) or len(s.tokens) == 6 for s in stopped.sequences)
+    assert all(t not in (eos, 9, 10) for s in stopped.sequences for t in s.tokens[:-1])
     for seq in first.sequences:  # the sampler's log-probs are the trained model's
         tokens = [5, 6, 7, *seq.tokens]
         (trainer,) = logprobs_of(tc.forward([sl_datum(tokens)], "cross_entropy").result())

@@ -407,12 +407,12 @@ class TinkerService:
         check(len(prompt) >= 1, "the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         check(not bad, f"prompt token id {bad[:1]} outside the vocabulary [0, {self.vocab_size})")
-        max_tokens, stop = params.get("max_tokens"), params.get("stop") or []
+        max_tokens, stop = params.get("max_tokens"), params.get("stop")
         check(
             isinstance(max_tokens, int) and max_tokens >= 1, "sampling_params.max_tokens (>= 1) is required"
         )
         check(len(prompt) + max_tokens <= self.max_len, f"prompt + max_tokens exceed {self.max_len} tokens")
-        stop = [stop] if isinstance(stop, str) else stop
+        stop = [stop] if isinstance(stop, str) else stop or []
         check(
             all(isinstance(s, int) for s in stop),
             "sampling_params.stop: only token ids are served, not strings",
@@ -425,6 +425,7 @@ class TinkerService:
             top_k=0 if top_k in (None, -1) else int(top_k),
             max_new_tokens=max_tokens,
             stop_token_ids=tuple(stop),
+            ignore_eos=params.get("stop") == [],  # Tinker: an empty list turns off EOS too
             seed=params.get("seed"),
         )
         request_id, future = uuid.uuid4().hex, Future()

@@ -90,6 +90,9 @@ class TinkerBatch:
     weights: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    logprobs_out: list | None = None
+    """The loss appends the micro-batch's log-probs here: the learner is in the service's process, and the
+    micro-batch reaches the loss with this same list (``to_device`` moves tensors only)."""
 
 
 def batch_objective(cfg: TinkerLossConfig, lp: torch.Tensor, mb: TinkerBatch) -> torch.Tensor:
@@ -104,6 +107,8 @@ def tinker(model, mb: TinkerBatch, cfg: TinkerLossConfig, counts: dict[str, floa
     from rlhf_train_deepspeed.models import response_logprobs
 
     lp, _, mask = response_logprobs(model.engine, mb.seq, 1.0, model.packing, ring=model.ring)
+    if mb.logprobs_out is not None:
+        mb.logprobs_out.append(lp.detach().cpu())
     return batch_objective(cfg, lp, mb) * (model.dp_size if counts is not None else 1), {}, float(mask.sum())
 
 

@@ -230,7 +230,7 @@ class TinkerService:
 
     def _forward_backward(self, model: TrainingModel, cfg, datums: list[Datum], forward_only: bool) -> dict:
         pad = self.config.pad_token_id or 0
-        mbs = []
+        mbs, logprobs = [], []  # the loss appends each micro-batch's [B, T] log-probs (the client gets them)
         for i in range(0, len(datums), self.micro_batch_size):
             part = datums[i : i + self.micro_batch_size]
             seq = make_sequence_batch([d.tokens[:1] for d in part], [d.tokens[1:] for d in part], pad)
@@ -241,14 +241,14 @@ class TinkerService:
                 )
                 for key in part[0].inputs
             }
-            mbs.append(losses.TinkerBatch(seq, **padded))
-        # the per-token log-probs the client gets back: a forward pass of the Learner primitive
-        logprobs = wait(model.learner.forward([mb.seq for mb in mbs]))
+            mbs.append(losses.TinkerBatch(seq, **padded, logprobs_out=logprobs))
+        if not forward_only:
+            loss = self._backward(model, mbs, cfg)
+        if len(logprobs) < len(mbs):  # forward only, or a step skipped for a non-finite loss
+            logprobs[:] = wait(model.learner.forward([mb.seq for mb in mbs]))
         if forward_only:
             with torch.no_grad():
                 loss = sum(float(losses.batch_objective(cfg, lp, mb)) for lp, mb in zip(logprobs, mbs))
-        else:
-            loss = self._backward(model, mbs, cfg)
         rows = [row for lp in logprobs for row in lp.float()]
         return {
             "outputs": [row[: len(d.tokens) - 1] for row, d in zip(rows, datums)],

@@ -5,6 +5,7 @@ rlhf generate [flags] [--dry-run]
 rlhf chat [flags]
 rlhf plugins [--json]
 rlhf serve-rm [flags]
+rlhf serve-tinker --base_model DIR [flags]
 rlhf lora-merge [flags]
 rlhf doctor
 rlhf demo [--real] [--quick] [--seed N] [--workdir DIR] [--rollout.engine {hf,vllm}]
@@ -119,6 +120,7 @@ MODULE_COMMANDS = {
     "generate": "rlhf_cli.generate",
     "chat": "rlhf_cli.chat",
     "serve-rm": "rlhf_agents.serve_rm",
+    "serve-tinker": "rlhf_cli.tinker_service.server",
     "lora-merge": "rlhf_cli.lora_merge",
     "doctor": "rlhf_cli.doctor",
     "demo": "rlhf_cli.demo",

@@ -1,0 +1,5 @@
+import sys
+
+from rlhf_cli.tinker_service.server import main
+
+sys.exit(main())

@@ -10,10 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rlhf_core.handles import Future
 
-if TYPE_CHECKING:  # rlhf_core.types builds its TrainGroup on Learner
+if TYPE_CHECKING:
     import torch
-
-    from rlhf_core.types import GenerationRequest
 
 
 class Learner(Protocol):
@@ -64,9 +62,11 @@ class Learner(Protocol):
 class Sampler(Protocol):
     """The rollout engines of a run, as one."""
 
-    def sample(self, requests: list[GenerationRequest]) -> Future:
-        """``list[list[GenerationOutput]]``: ``request.params.n`` samples per request, in order, with their
-        tokens' log-probs; a request's ``params.seed`` makes its samples repeatable."""
+    def sample(self, requests: list) -> Future:
+        """``requests``: ``rlhf_core.types.GenerationRequest`` s (not imported: ``rlhf_core.types`` builds
+        its ``TrainGroup`` on :class:`Learner`). Returns ``list[list[GenerationOutput]]``:
+        ``request.params.n`` samples per request, in order, with their tokens' log-probs; a request's
+        ``params.seed`` makes its samples repeatable."""
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> Future:
         """Every engine samples from ``weights`` (HF names) from now on."""

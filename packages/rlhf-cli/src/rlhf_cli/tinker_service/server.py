@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     elif api_key is not None and not api_key.startswith("tml-"):
         problem = "the tinker SDK only sends keys that start with 'tml-'"
     elif importlib.util.find_spec("tinker") is None:  # its message classes are the wire format
-        problem = "it needs the tinker SDK: pip install tinker==0.38.0"
+        problem = "it needs the tinker SDK: pip install 'rlhf-cli[tinker]'"
     if problem:
         print(f"rlhf serve-tinker: {problem}", file=sys.stderr)
         return 2
